@@ -1,0 +1,5 @@
+import sys
+
+from gradwatch.cli import main
+
+sys.exit(main())

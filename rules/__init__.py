@@ -1,0 +1,61 @@
+"""gradwatch.rules: pure, streaming detectors, rule files and the alert lifecycle.
+
+No torch and no sockets: the same code runs live in the collector and offline
+over a recorded trace. Steps go in, transitions come out.
+
+Example::
+
+    from gradwatch.rules import Engine, Step, load_default_rules
+
+    engine = Engine(load_default_rules())
+    for transition in engine.observe(Step(job="run-42", step=1, time=0.0, loss=float("nan"))):
+        print(transition.current, transition.alert.summary)
+"""
+
+from __future__ import annotations
+
+from gradwatch.rules.alert import CATEGORIES, SEVERITIES, Alert, Category, Severity, Transition
+from gradwatch.rules.detector import Detector, Finding
+from gradwatch.rules.engine import Engine
+from gradwatch.rules.growth import GeometricGrowthDetector
+from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule, parse_duration
+from gradwatch.rules.nonfinite import NonFiniteDetector
+from gradwatch.rules.ratio import LayerRatioDetector
+from gradwatch.rules.registry import detector_names, make_detector, register_detector
+from gradwatch.rules.rulefile import (
+    RuleFileError,
+    RuleSpec,
+    default_rules_path,
+    load_default_rules,
+    load_rules,
+    load_rules_text,
+)
+from gradwatch.rules.step import Step
+
+__all__ = [
+    "CATEGORIES",
+    "SEVERITIES",
+    "Alert",
+    "AlertLifecycle",
+    "AlertRule",
+    "Category",
+    "Detector",
+    "Engine",
+    "Finding",
+    "GeometricGrowthDetector",
+    "LayerRatioDetector",
+    "NonFiniteDetector",
+    "RuleFileError",
+    "RuleSpec",
+    "Severity",
+    "Step",
+    "Transition",
+    "default_rules_path",
+    "detector_names",
+    "load_default_rules",
+    "load_rules",
+    "load_rules_text",
+    "make_detector",
+    "parse_duration",
+    "register_detector",
+]

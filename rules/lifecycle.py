@@ -1,0 +1,164 @@
+"""The alert state machine of one rule on one (job, rank), Prometheus-style.
+
+inactive → pending (the condition holds) → firing (it held for ``for``) →
+resolved (it stopped holding); pending → inactive if it clears before ``for``.
+Time is injected (``clock``) and the machine *returns* transitions: sending
+them is the collector's job. One incident yields exactly one firing and one
+resolved transition however many steps it lasts, so receivers see no repeats.
+
+``for`` counts either reported steps (an int) or seconds on the injected clock
+(a duration string such as ``"30s"``, ``"5m"``, ``"1h30m"``). Steps are counted
+as observations rather than by step-number arithmetic, so a rollback that
+sends step numbers backwards cannot stall or skip the machine.
+
+Example::
+
+    rule = AlertRule(name="NonFiniteGradients", category="numerical", severity="critical")
+    machine = AlertLifecycle(rule, job="run-42", rank=0, clock=time.time)
+    transition = machine.update(step=41, finding=finding)  # None, or Transition(...)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Any
+
+from gradwatch.rules.alert import Alert, Category, LifecycleState, Severity, Transition
+from gradwatch.rules.detector import Finding
+
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Prometheus-style duration: ``"30s"``, ``"5m"``, ``"1h30m"``, ``"250ms"``."""
+    spec = text.strip()
+    parts = _DURATION_PART.findall(spec)
+    if not spec or "".join(n + u for n, u in parts) != spec:
+        raise ValueError(f"{text!r} is not a duration; write e.g. '30s', '5m' or '1h30m'")
+    return sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+
+
+@dataclass(frozen=True, slots=True)
+class AlertRule:
+    """What the lifecycle needs to know about a rule to build its alerts.
+
+    ``for_steps``: the condition must hold on this many consecutive reported
+    steps (0 and 1 both fire on the first). ``for_seconds``, when set, replaces
+    it with time on the injected clock. ``keep_firing_for``: reported steps the
+    condition may be absent before the alert resolves (flapping guard).
+    """
+
+    name: str
+    category: Category
+    severity: Severity
+    for_steps: int = 1
+    for_seconds: float | None = None
+    keep_firing_for: int = 0
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    annotations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    diagnosis: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.for_steps < 0 or self.keep_firing_for < 0:
+            raise ValueError("for_steps and keep_firing_for must be zero or more")
+        if self.for_seconds is not None and self.for_seconds < 0:
+            raise ValueError("for_seconds must be zero or more")
+
+
+class AlertLifecycle:
+    """State of one rule for one (job, rank); see the module docstring."""
+
+    def __init__(self, rule: AlertRule, *, job: str, rank: int | None, clock: Callable[[], float]) -> None:
+        self.rule = rule
+        self.job = job
+        self.rank = rank
+        self._clock = clock
+        self._state: LifecycleState = "inactive"
+        self._start_step = 0
+        self._started_at = 0.0
+        self._held = 0  # consecutive reported steps the condition held
+        self._quiet = 0  # consecutive reported steps it did not, while firing
+        self._alert: Alert | None = None
+
+    @property
+    def state(self) -> LifecycleState:
+        """``"inactive"``, ``"pending"``, ``"firing"`` or ``"resolved"``."""
+        return self._state
+
+    @property
+    def alert(self) -> Alert | None:
+        """The alert of the current or latest incident; None before the first one fired."""
+        return self._alert
+
+    def update(self, step: int, finding: Finding) -> Transition | None:
+        """Advance on one reported step; return the transition to announce, if any."""
+        now = self._clock()
+        if finding.active:
+            return self._on_active(step, finding, now)
+        return self._on_inactive(now)
+
+    def _on_active(self, step: int, finding: Finding, now: float) -> Transition | None:
+        self._quiet = 0
+        if self._state == "firing":
+            return None  # deduplicated: one firing transition per incident
+        previous = self._state
+        if previous != "pending":
+            self._state = "pending"
+            self._start_step, self._started_at, self._held = step, now, 0
+        self._held += 1
+        if not self._held_long_enough(now):
+            return None
+        self._state = "firing"
+        self._alert = self._build(finding)
+        return Transition(self._alert, previous, "firing")
+
+    def _on_inactive(self, now: float) -> Transition | None:
+        if self._state == "pending":
+            self._state = "inactive"  # cleared before `for`: nothing was announced
+            return None
+        if self._state != "firing" or self._alert is None:
+            return None
+        self._quiet += 1
+        if self._quiet <= self.rule.keep_firing_for:
+            return None
+        return self._resolve(self._alert, now)
+
+    def close(self) -> Transition | None:
+        """End the current incident now (the job finished): resolve it if it is firing."""
+        if self._state == "pending":
+            self._state = "inactive"
+        if self._state != "firing" or self._alert is None:
+            return None
+        return self._resolve(self._alert, self._clock())
+
+    def _resolve(self, alert: Alert, now: float) -> Transition:
+        self._state = "resolved"
+        self._alert = replace(alert, state="resolved", resolved_at=now)
+        return Transition(self._alert, "firing", "resolved")
+
+    def _held_long_enough(self, now: float) -> bool:
+        if self.rule.for_seconds is not None:
+            return now - self._started_at >= self.rule.for_seconds
+        return self._held >= self.rule.for_steps
+
+    def _build(self, finding: Finding) -> Alert:
+        rule = self.rule
+        return Alert(
+            rule=rule.name,
+            category=rule.category,
+            severity=rule.severity,
+            job=self.job,
+            state="firing",
+            step=self._start_step,
+            summary=finding.summary or rule.annotations.get("summary", rule.name),
+            started_at=self._started_at,
+            evidence=MappingProxyType(dict(finding.evidence)),
+            diagnosis=rule.diagnosis,
+            rank=self.rank,
+            labels=rule.labels,
+            annotations=rule.annotations,
+        )

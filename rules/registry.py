@@ -1,0 +1,93 @@
+"""Detectors by name, as rule files refer to them, and validation of their params.
+
+A detector's keyword arguments *are* its rule-file ``params``: the pydantic
+model that validates them is derived from the constructor's signature, so a
+threshold is declared once, typed once, and defaulted once.
+
+Example::
+
+    make_detector("growth", {"window": 32})
+    register_detector("mine", MyDetector)  # a class or function with keyword-only args
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Strict, create_model
+
+from gradwatch.rules.detector import Detector
+from gradwatch.rules.growth import GeometricGrowthDetector
+from gradwatch.rules.nonfinite import NonFiniteDetector
+from gradwatch.rules.ratio import LayerRatioDetector
+
+DetectorFactory = Callable[..., Detector]
+
+_FACTORIES: dict[str, DetectorFactory] = {}
+_PARAMS: dict[str, type[BaseModel]] = {}
+
+
+def register_detector(name: str, factory: DetectorFactory) -> None:
+    """Make ``factory`` available to rule files as ``detector: name``.
+
+    Every parameter of ``factory`` must be keyword-only, typed and defaulted,
+    so a rule with ``params: {}`` always works and every param can be checked.
+    """
+    if name in _FACTORIES and _FACTORIES[name] is not factory:
+        raise ValueError(f"a different detector is already registered as {name!r}")
+    _PARAMS[name] = _params_model(name, factory)
+    _FACTORIES[name] = factory
+
+
+def detector_names() -> tuple[str, ...]:
+    """Names rule files may use, sorted."""
+    return tuple(sorted(_FACTORIES))
+
+
+def params_model(name: str) -> type[BaseModel]:
+    """The pydantic model of detector ``name``'s params; ``KeyError`` if unknown."""
+    return _PARAMS[name]
+
+
+def make_detector(name: str, params: Mapping[str, Any] | None = None) -> Detector:
+    """A fresh detector ``name`` built from validated ``params``.
+
+    Raises ``KeyError`` for an unknown name and ``pydantic.ValidationError``
+    (a ``ValueError``) for params of the wrong name, type or range.
+    """
+    factory = _FACTORIES[name]
+    checked = _PARAMS[name].model_validate(dict(params or {}))
+    # Only what the rule set explicitly: the factory's own defaults stay authoritative.
+    return factory(**{k: getattr(checked, k) for k in checked.model_fields_set})
+
+
+def _params_model(name: str, factory: DetectorFactory) -> type[BaseModel]:
+    target = factory.__init__ if isinstance(factory, type) else factory
+    hints = typing.get_type_hints(target, include_extras=True)
+    fields: dict[str, Any] = {}
+    for param in inspect.signature(factory).parameters.values():
+        if param.kind is not inspect.Parameter.KEYWORD_ONLY or param.default is inspect.Parameter.empty:
+            raise TypeError(f"detector {name!r}: parameter {param.name!r} must be keyword-only with a default")
+        if param.name not in hints:
+            raise TypeError(f"detector {name!r}: parameter {param.name!r} needs a type annotation")
+        fields[param.name] = (_strict_scalars(hints[param.name]), param.default)
+    config = ConfigDict(extra="forbid", frozen=True)
+    return create_model(f"{factory.__name__}Params", __config__=config, **fields)
+
+
+def _strict_scalars(hint: Any) -> Any:
+    # Lax pydantic turns `window: true` into 1 and "16" into 16; in a rule file
+    # both are mistakes worth an error, so numbers and bools are strict. Other
+    # types stay lax: YAML has no tuples, so a list must become one.
+    base = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if base in (int, float, bool):
+        return Annotated[hint, Strict()]
+    return hint
+
+
+register_detector("nonfinite", NonFiniteDetector)
+register_detector("growth", GeometricGrowthDetector)
+register_detector("ratio", LayerRatioDetector)

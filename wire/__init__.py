@@ -1,0 +1,31 @@
+"""gradwatch wire format v1 (stdlib only). Spec: docs/wire.md."""
+
+from gradwatch.wire.messages import (
+    KIND_BATCH,
+    KIND_EVENT,
+    KIND_HEARTBEAT,
+    MISSING_BITS,
+    VERSION,
+    Batch,
+    Event,
+    Heartbeat,
+    Message,
+    Schema,
+    WireError,
+    WireVersionError,
+    decode,
+    decode_schema,
+    encode,
+    encode_batch,
+    encode_event,
+    encode_heartbeat,
+    encode_schema,
+    row_width,
+)
+
+__all__ = [
+    "KIND_BATCH", "KIND_EVENT", "KIND_HEARTBEAT", "MISSING_BITS", "VERSION",
+    "Batch", "Event", "Heartbeat", "Message", "Schema", "WireError", "WireVersionError",
+    "decode", "decode_schema", "encode", "encode_batch", "encode_event", "encode_heartbeat",
+    "encode_schema", "row_width",
+]

@@ -1,0 +1,341 @@
+"""Wire format v1: the messages an agent sends to a collector over ZeroMQ.
+
+Every message is a ZeroMQ multipart message. Frame 0 is the header: a 4-byte
+preamble (``b"GW"``, the format version, the message kind) followed by a
+compact UTF-8 JSON object. Numbers that scale with the model (per-layer
+values) never travel as JSON: they travel as packed little-endian float32 in
+their own frame, one row per step, so decoding 1,000 values costs a
+``frombuffer`` rather than a JSON parse. See docs/wire.md for the full spec.
+
+Stdlib only: this module sits at the bottom of the import graph.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+MAGIC: Final = b"GW"
+VERSION: Final = 1
+
+KIND_BATCH: Final = 1
+KIND_HEARTBEAT: Final = 2
+KIND_EVENT: Final = 3
+
+# A quiet NaN with a payload: "this cell was not measured this step". Real NaNs
+# produced by arithmetic carry the canonical payload, so the two never mix, and
+# the agent can fill a whole device row with it in one kernel.
+MISSING_BITS: Final = 0x7FC04757
+
+MAX_HEADER_BYTES: Final = 64 * 1024
+MAX_SCHEMA_BYTES: Final = 8 * 1024 * 1024
+MAX_ROWS: Final = 65_536
+MAX_COLUMNS: Final = 1 << 20
+MAX_NAME_CHARS: Final = 1024
+MAX_JOB_CHARS: Final = 128
+MAX_RANK: Final = 1 << 20
+EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note"})
+
+_PREAMBLE = struct.Struct("<2sBB")
+
+
+class WireError(ValueError):
+    """A message that is not valid gradwatch wire v1.
+
+    The collector counts these and drops the message; nothing else is lost.
+    """
+
+
+class WireVersionError(WireError):
+    """A message of a wire version this build does not speak."""
+
+
+@dataclass(frozen=True, slots=True)
+class Schema:
+    """Names of a batch's columns, sent once per schema rather than every step.
+
+    A row of a batch is ``len(columns) + len(layers)`` float32 values: the
+    named columns first (``loss``, ``lr/0``, ``s/<scalar>``...), then one
+    value per layer, in model order. Layer values are gradient L2 norms of
+    the rank's shard: square them to get the rank's sum of squares, and add
+    sums of squares across ranks to combine shards exactly.
+    """
+
+    id: int
+    columns: tuple[str, ...]
+    layers: tuple[str, ...]
+    dtype: str = "float32"
+
+    @property
+    def width(self) -> int:
+        return len(self.columns) + len(self.layers)
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """``len(steps)`` consecutive-in-time rows of one rank's signals.
+
+    ``values`` holds ``len(steps) * schema width`` little-endian float32.
+    ``dropped`` is the agent's cumulative count of steps it could not ship
+    (cumulative so that one lost report does not lose the count).
+    """
+
+    job: str
+    rank: int
+    world: int
+    schema_id: int
+    seq: int
+    incarnation: str
+    dropped: int
+    steps: tuple[int, ...]
+    times: tuple[float, ...]
+    values: bytes
+    schema: Schema | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    """Sent by the agent's shipper thread on a timer, whether steps advance or not."""
+
+    job: str
+    rank: int
+    world: int
+    incarnation: str
+    time: float
+    step: int
+    dropped: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """Something that happens at a step but is not a step: eval, checkpoint..."""
+
+    job: str
+    rank: int
+    incarnation: str
+    time: float
+    kind: str
+    step: int
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+Message = Batch | Heartbeat | Event
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def _header(kind: int, body: Mapping[str, Any]) -> bytes:
+    text = json.dumps(body, separators=(",", ":"), allow_nan=False)
+    return _PREAMBLE.pack(MAGIC, VERSION, kind) + text.encode()
+
+
+def encode_schema(schema: Schema) -> bytes:
+    body = {"id": schema.id, "columns": list(schema.columns), "layers": list(schema.layers),
+            "dtype": schema.dtype}
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def encode_batch(batch: Batch) -> list[bytes]:
+    """Frames of a batch: header, optional schema, values."""
+    body = {
+        "job": batch.job, "rank": batch.rank, "world": batch.world,
+        "schema": batch.schema_id, "seq": batch.seq, "inc": batch.incarnation,
+        "dropped": batch.dropped, "steps": list(batch.steps), "times": list(batch.times),
+    }
+    frames = [_header(KIND_BATCH, body)]
+    if batch.schema is not None:
+        frames.append(encode_schema(batch.schema))
+    frames.append(bytes(batch.values))
+    return frames
+
+
+def encode_heartbeat(hb: Heartbeat) -> list[bytes]:
+    body = {"job": hb.job, "rank": hb.rank, "world": hb.world, "inc": hb.incarnation,
+            "time": hb.time, "step": hb.step, "dropped": hb.dropped}
+    return [_header(KIND_HEARTBEAT, body)]
+
+
+def encode_event(ev: Event) -> list[bytes]:
+    body = {"job": ev.job, "rank": ev.rank, "inc": ev.incarnation, "time": ev.time,
+            "kind": ev.kind, "step": ev.step, "fields": dict(ev.fields)}
+    return [_header(KIND_EVENT, body)]
+
+
+def encode(msg: Message) -> list[bytes]:
+    if isinstance(msg, Batch):
+        return encode_batch(msg)
+    if isinstance(msg, Heartbeat):
+        return encode_heartbeat(msg)
+    return encode_event(msg)
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def decode(frames: Sequence[bytes | memoryview]) -> Message:
+    """Decode one multipart message, or raise ``WireError``.
+
+    Any input at all either yields a valid message or raises ``WireError``
+    (property-tested): the collector may feed it whatever arrives on a socket.
+    """
+    if not 1 <= len(frames) <= 3:
+        raise WireError(f"expected 1 to 3 frames, got {len(frames)}")
+    head = bytes(frames[0])
+    if len(head) < _PREAMBLE.size:
+        raise WireError("header frame shorter than its 4-byte preamble")
+    if len(head) > MAX_HEADER_BYTES:
+        raise WireError(f"header frame of {len(head)} bytes exceeds {MAX_HEADER_BYTES}")
+    magic, version, kind = _PREAMBLE.unpack_from(head)
+    if magic != MAGIC:
+        raise WireError("not a gradwatch message (bad magic); is another program sending here?")
+    if version != VERSION:
+        raise WireVersionError(
+            f"wire version {version} is not supported (this build speaks {VERSION}); "
+            "upgrade the collector or pin the agent to a matching gradwatch release")
+    body = _json_object(head[_PREAMBLE.size:], "header")
+    if kind == KIND_BATCH:
+        return _decode_batch(body, frames[1:])
+    if len(frames) != 1:
+        raise WireError(f"message kind {kind} takes 1 frame, got {len(frames)}")
+    if kind == KIND_HEARTBEAT:
+        return Heartbeat(
+            job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=_world(body),
+            incarnation=_str(body, "inc", 64), time=_float(body, "time"),
+            step=_int(body, "step", -1, 2**62), dropped=_int(body, "dropped", 0, 2**62))
+    if kind == KIND_EVENT:
+        ev_kind = _str(body, "kind", 32)
+        if ev_kind not in EVENT_KINDS:
+            raise WireError(f"unknown event kind {ev_kind!r}; expected one of {sorted(EVENT_KINDS)}")
+        fields = body.get("fields", {})
+        if not isinstance(fields, dict):
+            raise WireError("event 'fields' must be an object")
+        return Event(
+            job=_job(body), rank=_int(body, "rank", 0, MAX_RANK),
+            incarnation=_str(body, "inc", 64), time=_float(body, "time"), kind=ev_kind,
+            step=_int(body, "step", -1, 2**62), fields=fields)
+    raise WireError(f"unknown message kind {kind}")
+
+
+def decode_schema(raw: bytes | memoryview) -> Schema:
+    if len(raw) > MAX_SCHEMA_BYTES:
+        raise WireError(f"schema frame of {len(raw)} bytes exceeds {MAX_SCHEMA_BYTES}")
+    body = _json_object(bytes(raw), "schema")
+    columns = _names(body, "columns")
+    layers = _names(body, "layers")
+    if len(columns) + len(layers) > MAX_COLUMNS:
+        raise WireError(f"schema of {len(columns) + len(layers)} columns exceeds {MAX_COLUMNS}")
+    if len(set(columns)) != len(columns):
+        raise WireError("schema column names must be unique")
+    dtype = body.get("dtype", "float32")
+    if not isinstance(dtype, str) or len(dtype) > 32:
+        raise WireError("schema 'dtype' must be a short string")
+    return Schema(id=_int(body, "id", 0, 2**31), columns=columns, layers=layers, dtype=dtype)
+
+
+def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> Batch:
+    if len(rest) not in (1, 2):
+        raise WireError(f"a batch takes 2 or 3 frames, got {len(rest) + 1}")
+    schema = decode_schema(rest[0]) if len(rest) == 2 else None
+    schema_id = _int(body, "schema", 0, 2**31)
+    if schema is not None and schema.id != schema_id:
+        raise WireError(f"batch names schema {schema_id} but carries schema {schema.id}")
+    steps = _int_list(body, "steps")
+    times = _float_list(body, "times")
+    if not steps or len(steps) > MAX_ROWS:
+        raise WireError(f"a batch holds 1 to {MAX_ROWS} steps, got {len(steps)}")
+    if len(times) != len(steps):
+        raise WireError(f"{len(steps)} steps but {len(times)} times")
+    values = bytes(rest[-1])
+    if len(values) % (4 * len(steps)):
+        raise WireError(f"values frame of {len(values)} bytes is not {len(steps)} rows of float32")
+    if schema is not None and len(values) != 4 * len(steps) * schema.width:
+        raise WireError(
+            f"values frame holds {len(values) // 4} floats; schema {schema.id} needs "
+            f"{len(steps)} x {schema.width}")
+    return Batch(
+        job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=_world(body),
+        schema_id=schema_id, seq=_int(body, "seq", 0, 2**62), incarnation=_str(body, "inc", 64),
+        dropped=_int(body, "dropped", 0, 2**62), steps=steps, times=times, values=values,
+        schema=schema)
+
+
+def row_width(batch: Batch) -> int:
+    """Floats per row of ``batch`` (its values frame is checked to divide evenly)."""
+    return len(batch.values) // (4 * len(batch.steps))
+
+
+# ---------------------------------------------------------------- field checks
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireError(f"{what} is not UTF-8 JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise WireError(f"{what} must be a JSON object")
+    return body
+
+
+def _int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
+    value = body.get(key)
+    if type(value) is not int or not lo <= value <= hi:
+        raise WireError(f"field {key!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
+    return value
+
+
+def _float(body: Mapping[str, Any], key: str) -> float:
+    value = body.get(key)
+    if type(value) not in (int, float) or not math.isfinite(value):
+        raise WireError(f"field {key!r} must be a finite number, got {value!r:.40}")
+    return float(value)
+
+
+def _str(body: Mapping[str, Any], key: str, max_chars: int) -> str:
+    value = body.get(key)
+    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
+        raise WireError(f"field {key!r} must be a string of 1 to {max_chars} characters")
+    return value
+
+
+def _job(body: Mapping[str, Any]) -> str:
+    job = _str(body, "job", MAX_JOB_CHARS)
+    if not job.isprintable():
+        raise WireError("field 'job' must be printable")
+    return job
+
+
+def _world(body: Mapping[str, Any]) -> int:
+    world = _int(body, "world", 1, MAX_RANK + 1)
+    rank = body.get("rank")
+    if type(rank) is int and rank >= world:
+        raise WireError(f"rank {rank} is outside a world of {world}")
+    return world
+
+
+def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...]:
+    value = body.get(key)
+    if not isinstance(value, list) or any(type(v) is not int or not 0 <= v < 2**62 for v in value):
+        raise WireError(f"field {key!r} must be a list of non-negative integers")
+    return tuple(value)
+
+
+def _float_list(body: Mapping[str, Any], key: str) -> tuple[float, ...]:
+    value = body.get(key)
+    if not isinstance(value, list) or any(
+            type(v) not in (int, float) or not math.isfinite(v) for v in value):
+        raise WireError(f"field {key!r} must be a list of finite numbers")
+    return tuple(float(v) for v in value)
+
+
+def _names(body: Mapping[str, Any], key: str) -> tuple[str, ...]:
+    value = body.get(key)
+    if not isinstance(value, list) or any(
+            not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS for v in value):
+        raise WireError(f"schema {key!r} must be a list of names of 1 to {MAX_NAME_CHARS} chars")
+    return tuple(value)
