@@ -1,0 +1,105 @@
+"""Command lines of the collector: parse, configure logging, hand over.
+
+``collector_main(argv)`` is ``gradwatch collector ...`` and ``rules_main(argv)``
+is ``gradwatch rules check FILE``; both return the process exit status. The
+top-level ``gradwatch`` script dispatches to them; ``python -m
+gradwatch.collector`` runs ``collector_main`` directly.
+
+Exit statuses: 0 clean stop / rules valid; 1 runtime failure / rules invalid;
+2 bad configuration, bad rule file or bad usage.
+
+Example::
+
+    from gradwatch.collector.cli import collector_main
+    raise SystemExit(collector_main(["--listen", "tcp://0.0.0.0:5555", "--per-layer-metrics"]))
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradwatch.collector.config import CollectorError, ConfigError, load_config
+from gradwatch.collector.server import Server
+from gradwatch.rules import RuleFileError, load_rules
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Receive gradwatch agents' signals, evaluate rules, "
+        "serve Prometheus metrics and send alerts. Flags beat GRADWATCH_* environment "
+        "variables, which beat the config file.")
+    parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config file")
+    parser.add_argument("--listen", metavar="ENDPOINT",
+                        help="ZeroMQ endpoint to bind (default tcp://127.0.0.1:5555)")
+    parser.add_argument("--metrics-addr", metavar="HOST:PORT",
+                        help="address of /metrics, /healthz, /readyz (default 127.0.0.1:9400)")
+    parser.add_argument("--webhook", dest="webhooks", action="append", metavar="URL",
+                        help="POST alerts as JSON to URL (repeatable)")
+    parser.add_argument("--rules", type=Path, metavar="FILE",
+                        help="rule file (default: the packaged rule pack)")
+    parser.add_argument("--per-layer-metrics", action="store_true", default=None,
+                        help="expose gradwatch_layer_grad_norm per layer")
+    parser.add_argument("--ready-file", type=Path, metavar="FILE",
+                        help="once ready, write the bound endpoint and metrics URL here as JSON")
+    parser.add_argument("--log-level", metavar="LEVEL",
+                        help="DEBUG, INFO (default), WARNING, ERROR")
+    return parser
+
+
+def collector_main(argv: Sequence[str] | None = None) -> int:
+    """``gradwatch collector``: run until SIGTERM/SIGINT; see the module docstring."""
+    args = collector_parser().parse_args(argv)
+    overrides: dict[str, Any] = {
+        "listen": args.listen, "metrics_addr": args.metrics_addr, "webhooks": args.webhooks,
+        "rules": args.rules, "per_layer_metrics": args.per_layer_metrics,
+        "ready_file": args.ready_file, "log_level": args.log_level}
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        return _fail(str(exc), 2)
+    logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
+    try:
+        return Server(config).run_until_signal()
+    except RuleFileError as exc:
+        return _fail(f"{exc}\nFix the rule file (check it with `gradwatch rules check FILE`) "
+                     "or leave out --rules to use the default pack.", 2)
+    except CollectorError as exc:
+        return _fail(str(exc), 1)
+
+
+def rules_parser(prog: str = "gradwatch rules") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Work with rule files.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("check", help="validate rule files; exit 1 if any is invalid")
+    check.add_argument("files", nargs="+", type=Path, metavar="FILE")
+    return parser
+
+
+def rules_main(argv: Sequence[str] | None = None) -> int:
+    """``gradwatch rules check FILE...``: print every problem; 0 if all valid, else 1."""
+    args = rules_parser().parse_args(argv)
+    status = 0
+    for path in args.files:
+        try:
+            specs = load_rules(path)
+        except RuleFileError as exc:
+            print(exc, file=sys.stderr)
+            status = 1
+            continue
+        print(f"{path}: {len(specs)} rule(s) OK")
+    return status
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"gradwatch collector: {message}", file=sys.stderr)
+    return status
+
+
+__all__ = ["collector_main", "collector_parser", "rules_main", "rules_parser"]

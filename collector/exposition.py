@@ -1,0 +1,190 @@
+"""Prometheus metrics, rendered from the collector's state at scrape time.
+
+One custom collector builds every ``gradwatch_*`` family when Prometheus
+scrapes, from ``StateStore.snapshot()``, the ingest counters, the engine's
+firing alerts and the sinks' counters. Nothing is set ahead of time, so a job
+the state has forgotten simply has no series (no stale gauges).
+
+Example::
+
+    from prometheus_client import CollectorRegistry, generate_latest
+    from gradwatch.collector.exposition import GradwatchCollector
+    from gradwatch.collector.ingest import Ingest
+    from gradwatch.collector.state import StateStore
+
+    registry = CollectorRegistry()
+    registry.register(GradwatchCollector(StateStore(), Ingest().stats))
+    print(generate_latest(registry).decode())
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from gradwatch.collector.config import VERSION
+from gradwatch.collector.ingest import IngestStats
+from gradwatch.collector.sinks import Sink
+from gradwatch.collector.state import AlertLike, JobView, StateStore
+
+ALERT_LABELS = ["job", "rule", "category", "severity"]
+
+
+class GradwatchCollector(Collector):
+    """Builds all ``gradwatch_*`` metric families on each ``collect()``."""
+
+    def __init__(self, state: StateStore, ingest_stats: Callable[[], IngestStats],
+                 firing: Callable[[], Iterable[AlertLike]] = tuple,
+                 sinks: Sequence[Sink] = (), *, per_layer_metrics: bool = False,
+                 max_layer_series: int = 256, version: str = VERSION) -> None:
+        self._state = state
+        self._ingest_stats = ingest_stats
+        self._firing = firing
+        self._sinks = tuple(sinks)
+        self._per_layer = per_layer_metrics
+        self._max_layer_series = max_layer_series
+        self._version = version
+
+    def describe(self) -> Iterable[Metric]:
+        # Empty families: enough for the registry to detect clashing names
+        # without building a scrape at registration time.
+        return list(self._families([], IngestStats({}, {}, {}, {}), []))
+
+    def collect(self) -> Iterable[Metric]:
+        return list(self._families(self._state.snapshot(), self._ingest_stats(),
+                                   list(self._firing())))
+
+    def _families(self, jobs: list[JobView], ingest: IngestStats,
+                  firing: list[AlertLike]) -> Iterator[Metric]:
+        build = GaugeMetricFamily("gradwatch_build_info", "gradwatch build; value is always 1.",
+                                  labels=["version"])
+        build.add_metric([self._version], 1)
+        yield build
+        yield from _ingest_families(ingest)
+        yield from _job_families(jobs)
+        yield from _alert_families(jobs, firing)
+        if self._per_layer:
+            yield from self._layer_families(jobs)
+        yield from _sink_families(self._sinks)
+
+    def _layer_families(self, jobs: list[JobView]) -> Iterator[Metric]:
+        norm = GaugeMetricFamily(
+            "gradwatch_layer_grad_norm",
+            "Gradient L2 norm of each layer at the job's latest step (reporting rank); "
+            "top-K by norm when capped.", labels=["job", "layer"])
+        capped = GaugeMetricFamily(
+            "gradwatch_layer_series_capped",
+            "1 when the job has more layers than max_layer_series and only the largest "
+            "norms are exposed.", labels=["job"])
+        for job in jobs:
+            layers, norms = _top_layers(job.layers, job.layer_norms, self._max_layer_series)
+            for name, value in zip(layers, norms, strict=True):
+                norm.add_metric([job.job, name], value)
+            capped.add_metric([job.job], float(len(layers) < len(set(job.layers))))
+        yield norm
+        yield capped
+
+
+def _ingest_families(ingest: IngestStats) -> Iterator[Metric]:
+    messages = CounterMetricFamily(
+        "gradwatch_ingest_messages", "Valid wire messages received, by kind.", labels=["kind"])
+    for kind, count in sorted(ingest.messages.items()):
+        messages.add_metric([kind], count)
+    rejected = CounterMetricFamily(
+        "gradwatch_ingest_rejected", "Messages dropped, by reason.", labels=["reason"])
+    for reason, count in sorted(ingest.rejected.items()):
+        rejected.add_metric([reason], count)
+    lost = CounterMetricFamily(
+        "gradwatch_ingest_lost_batches",
+        "Batches missing from an agent's sequence (lost in transit).", labels=["job"])
+    for job, count in sorted(ingest.lost_batches.items()):
+        lost.add_metric([job], count)
+    dropped = CounterMetricFamily(
+        "gradwatch_agent_dropped_steps",
+        "Steps agents report they could not ship (queue full, no collector).", labels=["job"])
+    for job, count in sorted(ingest.agent_dropped.items()):
+        dropped.add_metric([job], count)
+    yield from (messages, rejected, lost, dropped)
+
+
+def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
+    def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, doc, labels=["job", *extra])
+
+    step = gauge("gradwatch_job_step", "Latest step reported by any rank.")
+    loss = gauge("gradwatch_job_loss", "Latest training loss of the reporting rank.")
+    grad = gauge("gradwatch_job_grad_norm",
+                 "Latest total gradient L2 norm (pre-clip when reported) of the reporting rank.")
+    lr = gauge("gradwatch_job_learning_rate",
+               "Latest learning rate per optimizer param group.", ["group"])
+    nonfinite = gauge("gradwatch_job_nonfinite_layers",
+                      "Layers whose latest gradient norm is NaN or Inf on any rank.")
+    ranks = gauge("gradwatch_job_ranks", "Ranks heard from.")
+    seen = gauge("gradwatch_job_last_seen_timestamp_seconds",
+                 "Unix time the collector last heard from the job.")
+    for job in jobs:
+        if job.step is not None:
+            step.add_metric([job.job], job.step)
+        if job.loss is not None:
+            loss.add_metric([job.job], job.loss)
+        if job.grad_norm is not None:
+            grad.add_metric([job.job], job.grad_norm)
+        for group, value in enumerate(job.lr):
+            lr.add_metric([job.job, str(group)], value)
+        nonfinite.add_metric([job.job], job.nonfinite_layers)
+        ranks.add_metric([job.job], job.ranks)
+        seen.add_metric([job.job], job.last_seen)
+    yield from (step, loss, grad, lr, nonfinite, ranks, seen)
+
+
+def _alert_families(jobs: list[JobView], firing: list[AlertLike]) -> Iterator[Metric]:
+    now = GaugeMetricFamily(
+        "gradwatch_alerts_firing", "Alerts firing now (one per incident, summed by labels).",
+        labels=ALERT_LABELS)
+    # Two ranks may fire the same rule: one series per label set, never duplicates.
+    counts = Counter((a.job, a.rule, a.category, a.severity) for a in firing)
+    for labels, count in sorted(counts.items()):
+        now.add_metric(list(labels), count)
+    total = CounterMetricFamily(
+        "gradwatch_alerts", "Transitions of alerts into firing.", labels=ALERT_LABELS)
+    for job in jobs:
+        for (rule, category, severity), count in sorted(job.alerts_fired.items()):
+            total.add_metric([job.job, rule, category, severity], count)
+    yield from (now, total)
+
+
+def _sink_families(sinks: Sequence[Sink]) -> Iterator[Metric]:
+    sent = CounterMetricFamily(
+        "gradwatch_notifications", "Alert notifications by sink and final outcome.",
+        labels=["sink", "outcome"])
+    retries = CounterMetricFamily(
+        "gradwatch_notification_retries", "Extra delivery attempts after a failure.",
+        labels=["sink"])
+    queued = GaugeMetricFamily(
+        "gradwatch_notification_queue_length", "Notifications waiting to be sent.",
+        labels=["sink"])
+    for sink in sinks:
+        stats = sink.stats()
+        for outcome in ("delivered", "dropped", "failed"):
+            sent.add_metric([sink.name, outcome], getattr(stats, outcome))
+        retries.add_metric([sink.name], stats.retries)
+        queued.add_metric([sink.name], stats.queued)
+    yield from (sent, retries, queued)
+
+
+def _top_layers(layers: tuple[str, ...], norms: np.ndarray,
+                cap: int) -> tuple[list[str], list[float]]:
+    """Layers in model order, at most ``cap``: the largest norms, non-finite first."""
+    first: dict[str, int] = {}
+    for i, name in enumerate(layers):
+        first.setdefault(name, i)  # a repeated name would make duplicate series
+    index = np.fromiter(first.values(), dtype=np.int64, count=len(first))
+    if len(index) > cap:
+        values = norms[index]
+        rank_key = np.where(np.isfinite(values), values, np.inf)
+        index = np.sort(index[np.argsort(-rank_key, kind="stable")[:cap]])
+    return [layers[i] for i in index.tolist()], norms[index].tolist()

@@ -1,0 +1,338 @@
+"""Decode raw wire frames into ``Step`` objects the rules can read.
+
+``Ingest`` is pure: no sockets, no clock, no threads of its own. It turns one
+multipart message into steps, heartbeats and events, and keeps what decoding
+needs between messages: per (job, rank, incarnation) schema caches, the last
+batch ``seq`` (a gap means lost batches) and the agent's cumulative ``dropped``
+count (deltas feed a counter). Nothing that arrives on the socket can make it
+raise: every rejected message is counted by reason and logged, rate-limited.
+
+Example::
+
+    import numpy as np
+    from gradwatch.collector.ingest import Ingest
+    from gradwatch.wire import Batch, Schema, encode
+
+    ingest = Ingest()
+    schema = Schema(id=1, columns=("loss",), layers=("w",))
+    values = np.array([[2.5, 0.1]], "<f4").tobytes()
+    batch = Batch("run-1", 0, 1, 1, 0, "inc", 0, (7,), (0.0,), values, schema)
+    out = ingest.feed(encode(batch))
+    assert out.steps[0].loss == 2.5
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradwatch.rules.step import FLOAT32_MAX, Step
+from gradwatch.wire import (
+    MISSING_BITS,
+    Batch,
+    Event,
+    Heartbeat,
+    Schema,
+    WireVersionError,
+    decode,
+    row_width,
+)
+from gradwatch.wire import columns as col
+
+log = logging.getLogger(__name__)
+
+KINDS = ("batch", "heartbeat", "event")
+# "internal" is a collector bug while handling a valid message (see Server).
+REASONS = ("malformed", "oversized", "unknown_schema", "version", "internal")
+LOG_EVERY = 1000
+MAX_STREAMS = 65_536
+MAX_SCHEMAS_PER_STREAM = 16
+
+# Largest finite value of the gradients' dtype, named by the schema.
+_DTYPE_MAX = {
+    "float16": 65504.0, "half": 65504.0,
+    "bfloat16": float.fromhex("0x1.fep127"),
+    "float32": FLOAT32_MAX, "float": FLOAT32_MAX,
+    "float64": float(np.finfo(np.float64).max), "double": float(np.finfo(np.float64).max),
+}
+
+Frames = Sequence[bytes | memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class Ingested:
+    """What one message turned into (usually only one of the three is non-empty)."""
+
+    steps: tuple[Step, ...] = ()
+    heartbeats: tuple[Heartbeat, ...] = ()
+    events: tuple[Event, ...] = ()
+
+
+NOTHING = Ingested()
+
+
+@dataclass(frozen=True, slots=True)
+class IngestStats:
+    """A consistent snapshot of the counters, for exposition."""
+
+    messages: Mapping[str, int]
+    rejected: Mapping[str, int]
+    agent_dropped: Mapping[str, int]
+    lost_batches: Mapping[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A schema compiled to column indices, once per schema rather than per row."""
+
+    schema: Schema
+    loss: int | None
+    loss_scale: int | None
+    skipped: int | None
+    grad_norm: int | None
+    lr: tuple[int, ...]
+    scalars: tuple[tuple[str, int], ...]
+    first_layer: int
+    dtype_max: float
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Decoding state of one agent instance (job, rank, incarnation)."""
+
+    plans: OrderedDict[int, _Plan] = field(default_factory=OrderedDict)
+    last_seq: int | None = None
+    dropped: int | None = None
+
+
+class RateLimitedLog:
+    """Log the first occurrence of each key, then every ``every``-th."""
+
+    def __init__(self, logger: logging.Logger, every: int = LOG_EVERY) -> None:
+        self._logger = logger
+        self._every = every
+        self._seen: Counter[str] = Counter()
+
+    def warning(self, key: str, message: str, *args: object) -> None:
+        self._seen[key] += 1
+        count = self._seen[key]
+        if count == 1 or count % self._every == 0:
+            self._logger.warning(message + " [%s: %d so far]", *args, key, count)
+
+
+class Ingest:
+    """Turns multipart frames into steps; counts and logs whatever it rejects."""
+
+    def __init__(self, max_message_bytes: int = 16 * 1024 * 1024,
+                 max_streams: int = MAX_STREAMS) -> None:
+        self.max_message_bytes = max_message_bytes
+        self._max_streams = max_streams
+        self._streams: OrderedDict[tuple[str, int, str], _Stream] = OrderedDict()
+        self._lock = threading.Lock()
+        self._messages: Counter[str] = Counter({kind: 0 for kind in KINDS})
+        self._rejected: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self._dropped: Counter[str] = Counter()
+        self._lost: Counter[str] = Counter()
+        self._log = RateLimitedLog(log)
+
+    def feed(self, frames: Frames) -> Ingested:
+        """Decode one message. Never raises: bad input is counted and dropped."""
+        try:
+            size = sum(memoryview(frame).nbytes for frame in frames)
+            if size > self.max_message_bytes:
+                self.reject("oversized", "dropped a message of %d bytes (limit %d); raise "
+                            "max_message_bytes or lower the agent's flush_every",
+                            size, self.max_message_bytes)
+                return NOTHING
+            message = decode(frames)
+        except WireVersionError as exc:
+            self.reject("version", "dropped a message: %s", exc)
+            return NOTHING
+        except Exception as exc:  # WireError, or anything decode() failed to foresee
+            self.reject("malformed", "dropped a malformed message: %s (only gradwatch agents "
+                        "of a matching version should send to this endpoint)", exc)
+            return NOTHING
+        try:
+            return self._dispatch(message)
+        except Exception as exc:
+            self.reject("internal", "failed to decode a valid %s message: %r; please report "
+                        "this as a gradwatch bug", type(message).__name__, exc)
+            return NOTHING
+
+    def reject(self, reason: str, message: str, *args: object) -> None:
+        """Count one dropped message under ``reason`` and log it, rate-limited."""
+        with self._lock:
+            self._rejected[reason] += 1
+        self._log.warning(reason, message, *args)
+
+    def forget(self, job: str) -> None:
+        """Drop every cache and per-job counter of ``job`` (it went silent)."""
+        with self._lock:
+            for key in [key for key in self._streams if key[0] == job]:
+                del self._streams[key]
+            self._dropped.pop(job, None)
+            self._lost.pop(job, None)
+
+    def stats(self) -> IngestStats:
+        with self._lock:
+            return IngestStats(dict(self._messages), dict(self._rejected),
+                               dict(self._dropped), dict(self._lost))
+
+    # ------------------------------------------------------------ per kind
+
+    def _dispatch(self, message: Batch | Heartbeat | Event) -> Ingested:
+        if isinstance(message, Heartbeat):
+            self._count_message("heartbeat")
+            stream = self._stream(message.job, message.rank, message.incarnation)
+            self._track_dropped(stream, message.job, message.rank, message.dropped)
+            return Ingested(heartbeats=(message,))
+        if isinstance(message, Event):
+            self._count_message("event")
+            return Ingested(events=(message,))
+        self._count_message("batch")
+        return self._batch(message)
+
+    def _batch(self, batch: Batch) -> Ingested:
+        stream = self._stream(batch.job, batch.rank, batch.incarnation)
+        self._track_seq(stream, batch)
+        self._track_dropped(stream, batch.job, batch.rank, batch.dropped)
+        plan = self._plan(stream, batch)
+        if plan is None:
+            self.reject("unknown_schema", "dropped a batch of job %r rank %d: schema %d is "
+                        "unknown (the collector started after the agent sent it); this "
+                        "clears when the agent next resends its schema",
+                        batch.job, batch.rank, batch.schema_id)
+            return NOTHING
+        if row_width(batch) != plan.schema.width:
+            self.reject("malformed", "dropped a batch of job %r rank %d: rows of %d values "
+                        "but schema %d has %d; the agent is sending inconsistent data",
+                        batch.job, batch.rank, row_width(batch), plan.schema.id,
+                        plan.schema.width)
+            return NOTHING
+        return Ingested(steps=_rows(batch, plan))
+
+    def _plan(self, stream: _Stream, batch: Batch) -> _Plan | None:
+        plans = stream.plans
+        if batch.schema is None:
+            plan = plans.get(batch.schema_id)
+        else:
+            plan = plans.get(batch.schema.id)
+            # Agents resend schemas periodically: recompile only when one changed.
+            if plan is None or plan.schema != batch.schema:
+                plan = _compile(batch.schema)
+                plans[batch.schema.id] = plan
+        if plan is not None:
+            plans.move_to_end(plan.schema.id)
+            while len(plans) > MAX_SCHEMAS_PER_STREAM:
+                plans.popitem(last=False)
+        return plan
+
+    # ------------------------------------------------------------ bookkeeping
+
+    def _stream(self, job: str, rank: int, incarnation: str) -> _Stream:
+        key = (job, rank, incarnation)
+        with self._lock:
+            stream = self._streams.get(key)
+            if stream is None:
+                stream = self._streams[key] = _Stream()
+                # Bounded whatever arrives: the least recently heard-from goes first.
+                while len(self._streams) > self._max_streams:
+                    self._streams.popitem(last=False)
+            else:
+                self._streams.move_to_end(key)
+            return stream
+
+    def _track_seq(self, stream: _Stream, batch: Batch) -> None:
+        last = stream.last_seq
+        if last is not None and batch.seq > last + 1:
+            lost = batch.seq - last - 1
+            with self._lock:
+                self._lost[batch.job] += lost
+            self._log.warning("lost", "%d batch(es) of job %r rank %d were lost in transit "
+                              "(seq %d then %d); check the network and receive_hwm",
+                              lost, batch.job, batch.rank, last, batch.seq)
+        if last is None or batch.seq > last:
+            stream.last_seq = batch.seq
+
+    def _track_dropped(self, stream: _Stream, job: str, rank: int, dropped: int) -> None:
+        # The agent's count is cumulative per incarnation; the first report
+        # counts whole because those drops happened whether or not we saw them.
+        delta = dropped - (stream.dropped or 0)
+        if delta <= 0:
+            return
+        stream.dropped = dropped
+        with self._lock:
+            self._dropped[job] += delta
+        self._log.warning("agent_dropped", "job %r rank %d could not ship %d step(s) "
+                          "(queue full or no collector listening); raise the agent's queue "
+                          "size or check that the collector keeps up", job, rank, delta)
+
+    def _count_message(self, kind: str) -> None:
+        with self._lock:
+            self._messages[kind] += 1
+
+
+def _compile(schema: Schema) -> _Plan:
+    index = {name: i for i, name in enumerate(schema.columns)}
+    groups = sorted(
+        (int(name[len(col.LR_PREFIX):]), i) for name, i in index.items()
+        if name.startswith(col.LR_PREFIX) and name[len(col.LR_PREFIX):].isdigit())
+    grad_norm = col.scalar(col.GRAD_NORM_SCALAR)
+    scalars = tuple(
+        (name[len(col.SCALAR_PREFIX):], i) for name, i in index.items()
+        if name.startswith(col.SCALAR_PREFIX) and name != grad_norm)
+    dtype = schema.dtype.removeprefix("torch.").lower()
+    return _Plan(
+        schema=schema, loss=index.get(col.LOSS), loss_scale=index.get(col.LOSS_SCALE),
+        skipped=index.get(col.SKIPPED), grad_norm=index.get(grad_norm),
+        lr=tuple(i for _, i in groups), scalars=scalars, first_layer=len(schema.columns),
+        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX))
+
+
+def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
+    """One ``Step`` per row; a MISSING cell becomes ``None`` (or is left out)."""
+    rows, first = len(batch.steps), plan.first_layer
+    raw = np.frombuffer(batch.values, "<f4").reshape(rows, plan.schema.width)
+    missing = raw.view("<u4") == MISSING_BITS
+    # Named columns as Python lists: per-cell access below is list indexing.
+    named = raw[:, :first].astype(np.float64).tolist()
+    named_missing = missing[:, :first].tolist()
+    norms = raw[:, first:].astype(np.float64)
+    norms.flags.writeable = False
+    layer_missing = missing[:, first:]
+    measured = ~layer_missing
+    n_measured = measured.sum(axis=1)
+    totals = np.sqrt(np.square(np.where(measured, norms, 0.0)).sum(axis=1))
+    layers = plan.schema.layers
+
+    steps = []
+    for r in range(rows):
+        values, gone = named[r], named_missing[r]
+        if n_measured[r] == len(layers):
+            row_layers, row_norms = layers, norms[r]
+        else:
+            keep = measured[r]
+            row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
+            row_norms = norms[r][keep]
+        grad_norm = _cell(values, gone, plan.grad_norm)
+        if grad_norm is None and n_measured[r]:
+            grad_norm = float(totals[r])
+        lr = () if any(gone[i] for i in plan.lr) else tuple(values[i] for i in plan.lr)
+        skipped = _cell(values, gone, plan.skipped)
+        steps.append(Step(
+            job=batch.job, step=batch.steps[r], time=batch.times[r], rank=batch.rank,
+            loss=_cell(values, gone, plan.loss), grad_norm=grad_norm, layers=row_layers,
+            layer_norms=row_norms, lr=lr, loss_scale=_cell(values, gone, plan.loss_scale),
+            skipped=skipped is not None and skipped > 0.5,
+            scalars={name: values[i] for name, i in plan.scalars if not gone[i]},
+            dtype_max=plan.dtype_max))
+    return tuple(steps)
+
+
+def _cell(values: list[float], gone: list[bool], i: int | None) -> float | None:
+    return None if i is None or gone[i] else values[i]

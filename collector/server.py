@@ -1,0 +1,371 @@
+"""The collector process: sockets, threads and shutdown, around pure parts.
+
+``Server(config)`` owns a ZeroMQ PULL socket and an ingest thread that feeds
+``Ingest`` -> ``StateStore`` -> rules ``Engine`` -> sinks, an HTTP server for
+``/metrics`` (rendered at scrape time), ``/healthz`` and ``/readyz``, and the
+sinks' threads. ``start()`` and ``stop(timeout)`` are for embedding and tests;
+``run_until_signal()`` is what the CLI calls: SIGTERM/SIGINT only set a flag,
+and the main loop then drains what has arrived and stops within the deadline.
+
+Example::
+
+    from gradwatch.collector.config import CollectorConfig
+    from gradwatch.collector.server import Server
+
+    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"))
+    server.start()
+    print(server.bound_endpoint, server.metrics_port)
+    server.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol
+
+import zmq
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from gradwatch.collector.config import CollectorConfig, CollectorError
+from gradwatch.collector.exposition import GradwatchCollector
+from gradwatch.collector.httpd import MetricsHTTPServer
+from gradwatch.collector.ingest import Frames, Ingest
+from gradwatch.collector.sinks import Sink, mask_url
+from gradwatch.collector.state import StateStore
+from gradwatch.collector.webhook import WebhookSink
+from gradwatch.rules import Engine, Step, load_default_rules, load_rules
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 100            # how long the ingest thread blocks before checking for stop
+EXPIRE_EVERY_S = 1.0     # how often silent jobs are looked for
+DRAIN_BUDGET = 1000      # messages handled between stop/expiry checks
+TICK_S = 0.1             # run_until_signal's flag check period
+
+
+class RulesEngine(Protocol):
+    """What the server needs of ``gradwatch.rules.Engine`` (test doubles implement this)."""
+
+    def observe(self, step: Step) -> Sequence[Any]: ...
+
+    def firing(self) -> Sequence[Any]: ...
+
+    def forget(self, job: str) -> Sequence[Any] | None: ...
+
+
+def build_engine(config: CollectorConfig, clock: Callable[[], float]) -> Engine:
+    """The engine for ``config.rules`` (or the default pack); raises ``RuleFileError``."""
+    specs = load_rules(config.rules) if config.rules is not None else load_default_rules()
+    return Engine(specs, clock=clock)
+
+
+def build_sinks(config: CollectorConfig) -> list[Sink]:
+    return [WebhookSink(url, name=f"webhook-{i}", timeout=config.webhook_timeout,
+                        queue_size=config.webhook_queue_size)
+            for i, url in enumerate(config.webhooks)]
+
+
+class Server:
+    """One collector: see the module docstring. Not restartable once stopped."""
+
+    def __init__(self, config: CollectorConfig, engine: RulesEngine | None = None,
+                 registry: CollectorRegistry | None = None,
+                 clock: Callable[[], float] = time.time,
+                 sinks: Sequence[Sink] | None = None) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else REGISTRY
+        self._clock = clock
+        self._engine = engine
+        self._engine_lock = threading.Lock()
+        self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
+        self.ingest = Ingest(config.max_message_bytes)
+        self.state = StateStore(config.history_steps, config.job_ttl_seconds, clock)
+        self._exposition = GradwatchCollector(
+            self.state, self.ingest.stats, self._firing, self.sinks,
+            per_layer_metrics=config.per_layer_metrics,
+            max_layer_series=config.max_layer_series)
+        self._context: zmq.Context[Any] | None = None
+        self._socket: zmq.Socket[Any] | None = None
+        self._endpoint: str | None = None
+        self._http: MetricsHTTPServer | None = None
+        self._ingest_thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._drain_deadline = 0.0
+        self._progress = threading.Condition()
+        self._handled = 0
+        self._registered = False
+        self._released = False
+        self._wrote_ready_file = False
+        self._exit_requested = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    def start(self) -> None:
+        """Load rules, bind, serve. Raises ``RuleFileError`` or ``CollectorError``."""
+        if self._ingest_thread is not None or self._stopping.is_set():
+            raise CollectorError("a Server starts once; build a new one to start again")
+        if self._engine is None:
+            self._engine = build_engine(self.config, self._clock)
+        try:
+            self._bind()
+            host, port = self.config.metrics_host_port
+            self._http = MetricsHTTPServer(host, port, self.registry, lambda: self.ready)
+            self.registry.register(self._exposition)
+            self._registered = True
+            for sink in self.sinks:
+                sink.start()
+        except BaseException:
+            self._release()
+            raise
+        self._ingest_thread = threading.Thread(
+            target=self._ingest_loop, name="gradwatch-ingest", daemon=True)
+        self._ingest_thread.start()
+        if self.config.ready_file is not None:
+            try:
+                self._write_ready_file(self.config.ready_file)
+            except OSError as exc:
+                self.stop()
+                raise CollectorError(
+                    f"cannot write the ready file {self.config.ready_file}: "
+                    f"{exc.strerror or exc}; check that its directory exists") from exc
+        log.info("collector receiving on %s; metrics on %s; webhooks: %s",
+                 self._endpoint, self.metrics_url,
+                 ", ".join(mask_url(url) for url in self.config.webhooks) or "none")
+
+    def stop(self, timeout: float | None = None) -> bool:
+        """Drain what arrived, flush sinks, close everything; True if all in time."""
+        timeout = self.config.shutdown_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        self._drain_deadline = deadline
+        self._stopping.set()
+        clean = True
+        if self._ingest_thread is not None:
+            self._ingest_thread.join(max(0.0, deadline - time.monotonic()))
+            clean = not self._ingest_thread.is_alive()
+            if not clean:
+                log.warning("ingest thread still busy after %.1fs; exiting without it", timeout)
+        for sink in self.sinks:
+            sink.close(max(0.0, deadline - time.monotonic()))
+            clean = clean and not sink.alive()
+        self._release(term=clean)
+        return clean
+
+    def run_until_signal(self) -> int:
+        """Start, run until SIGTERM or SIGINT, stop within ``shutdown_timeout``.
+
+        Must run on the main thread. Returns 0 after a clean stop, 1 when a
+        thread died or the stop overran its deadline.
+        """
+        handled = (signal.SIGTERM, signal.SIGINT)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
+        code = 0
+        try:
+            self.start()
+            while not self._exit_requested:
+                if not self._alive():
+                    log.error("a collector thread died; stopping (see the errors above)")
+                    code = 1
+                    break
+                time.sleep(TICK_S)
+        finally:
+            log.info("collector stopping")
+            clean = self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return code if clean else 1
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        # Only a flag: the main loop does the work, outside the handler.
+        self._exit_requested = True
+
+    # ---------------------------------------------------------------- properties
+
+    @property
+    def bound_endpoint(self) -> str:
+        """The endpoint actually bound (a ``*`` port resolved)."""
+        if self._endpoint is None:
+            raise CollectorError("the server is not started")
+        return self._endpoint
+
+    @property
+    def metrics_port(self) -> int:
+        if self._http is None:
+            raise CollectorError("the server is not started")
+        return self._http.port
+
+    @property
+    def metrics_url(self) -> str:
+        """Where ``/metrics`` can be scraped from this machine."""
+        host = self.config.metrics_host_port[0]
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.metrics_port}/metrics"
+
+    @property
+    def ready(self) -> bool:
+        """Socket bound and every thread alive: what ``/readyz`` reports."""
+        return self._endpoint is not None and not self._stopping.is_set() and self._alive()
+
+    def wait_for_messages(self, count: int, timeout: float) -> bool:
+        """Block until ``count`` messages (valid or not) have been handled since start."""
+        deadline = time.monotonic() + timeout
+        with self._progress:
+            while self._handled < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._progress.wait(remaining)
+            return True
+
+    @property
+    def messages_handled(self) -> int:
+        with self._progress:
+            return self._handled
+
+    # ---------------------------------------------------------------- ingest
+
+    def _ingest_loop(self) -> None:
+        assert self._socket is not None
+        sock = self._socket
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        next_expiry = time.monotonic() + EXPIRE_EVERY_S
+        try:
+            while not self._stopping.is_set():
+                if poller.poll(POLL_MS):
+                    self._drain(sock, lambda n: n < DRAIN_BUDGET)
+                if time.monotonic() >= next_expiry:
+                    next_expiry = time.monotonic() + EXPIRE_EVERY_S
+                    self._expire()
+            # Stopping: handle what has already arrived, within the deadline.
+            self._drain(sock, lambda n: time.monotonic() < self._drain_deadline)
+        except Exception:
+            log.exception("the ingest thread failed; the collector is no longer ready")
+        finally:
+            sock.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket[Any], more: Callable[[int], bool]) -> None:
+        handled = 0
+        while more(handled):
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle([part.buffer for part in parts])
+            handled += 1
+
+    def _handle(self, frames: Frames) -> None:
+        # Never raises: one bad message must not stop the ingest thread.
+        try:
+            result = self.ingest.feed(frames)
+            for heartbeat in result.heartbeats:
+                self.state.observe_heartbeat(heartbeat)
+            for event in result.events:
+                self.state.observe_event(event)
+            for step in result.steps:
+                self._observe(step)
+        except Exception as exc:
+            self.ingest.reject("internal", "failed to handle a message: %r; please report "
+                               "this as a gradwatch bug", exc)
+        finally:
+            with self._progress:
+                self._handled += 1
+                self._progress.notify_all()
+
+    def _observe(self, step: Step) -> None:
+        try:
+            self.state.observe_step(step)
+            with self._engine_lock:
+                assert self._engine is not None
+                transitions = self._engine.observe(step)
+        except Exception as exc:
+            self.ingest.reject("internal", "failed to evaluate step %d of job %r: %r; please "
+                               "report this as a gradwatch bug", step.step, step.job, exc)
+            return
+        self._dispatch(transitions)
+
+    def _dispatch(self, transitions: Iterable[Any]) -> None:
+        for transition in transitions:
+            alert = transition.alert
+            if transition.current in ("firing", "resolved"):
+                log.info("alert %s %s: job %r step %d: %s", alert.rule, transition.current,
+                         alert.job, alert.step, alert.summary)
+            self.state.record_transition(transition)
+            for sink in self.sinks:
+                try:
+                    sink.notify(transition)
+                except Exception:
+                    log.exception("sink %s failed to accept alert %s", sink.name, alert.rule)
+
+    def _expire(self) -> None:
+        for job in self.state.expire():
+            log.info("forgetting job %r after %.0fs of silence", job,
+                     self.config.job_ttl_seconds)
+            self.ingest.forget(job)
+            with self._engine_lock:
+                assert self._engine is not None
+                resolved = self._engine.forget(job) or ()
+            self._dispatch(resolved)
+
+    def _firing(self) -> list[Any]:
+        if self._engine is None:
+            return []
+        with self._engine_lock:
+            return list(self._engine.firing())
+
+    # ---------------------------------------------------------------- resources
+
+    def _bind(self) -> None:
+        self._context = zmq.Context()
+        sock = self._context.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        self._socket = sock
+        try:
+            sock.bind(self.config.listen)
+        except zmq.ZMQError as exc:
+            raise CollectorError(
+                f"cannot listen on {self.config.listen}: {exc}; another collector may be "
+                "using it: stop it or choose another --listen") from exc
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def _write_ready_file(self, path: Path) -> None:
+        # Written whole then renamed: a reader never sees half a file.
+        body = {"listen": self.bound_endpoint, "metrics_url": self.metrics_url,
+                "pid": os.getpid()}
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps(body), encoding="utf-8")
+        os.replace(partial, path)
+        self._wrote_ready_file = True
+
+    def _alive(self) -> bool:
+        return self._http is not None and self._http.alive() and \
+            self._ingest_thread is not None and self._ingest_thread.is_alive() and \
+            all(sink.alive() for sink in self.sinks)
+
+    def _release(self, term: bool = True) -> None:
+        if self._released:
+            return
+        self._released = True
+        if self._wrote_ready_file and self.config.ready_file is not None:
+            self.config.ready_file.unlink(missing_ok=True)
+        if self._registered:
+            self.registry.unregister(self._exposition)
+            self._registered = False
+        if self._http is not None:
+            self._http.close()
+        if self._socket is not None and self._ingest_thread is None:
+            self._socket.close(linger=0)  # never handed to the ingest thread
+        if self._context is not None and term:
+            self._context.term()
+        self._context = None
+

@@ -1,0 +1,243 @@
+"""What the collector remembers about each job, bounded in size and in time.
+
+Per job and rank: a ring buffer of recent ``Step``s, the last step, loss and
+total grad norm, heartbeats and when the rank was last heard from. Per job:
+checkpoints and evaluations (from events) and how many times each alert fired.
+A job silent for longer than ``job_ttl_seconds`` is forgotten entirely, so its
+metric series disappear with it (no stale gauges).
+
+The ingest thread writes; the scrape thread reads ``snapshot()``. Both go
+through one lock, held only for short, bounded work.
+
+Example::
+
+    from gradwatch.collector.state import StateStore
+    from gradwatch.rules.step import Step
+
+    store = StateStore(history_steps=100, job_ttl_seconds=600, clock=lambda: 0.0)
+    store.observe_step(Step(job="run-1", step=3, time=0.0, loss=2.0))
+    assert store.snapshot()[0].step == 3
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from gradwatch.rules.step import Step
+from gradwatch.wire import Event, Heartbeat
+
+MAX_CHECKPOINTS = 64
+MAX_EVALS = 256
+
+
+class AlertLike(Protocol):
+    """The fields of ``gradwatch.rules.Alert`` that state and exposition read."""
+
+    job: str
+    rule: str
+    category: str
+    severity: str
+
+
+class TransitionLike(Protocol):
+    alert: Any
+    previous: str
+    current: str
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A checkpoint the agent reported saving (``mon.checkpoint_saved``)."""
+
+    step: int
+    path: str
+    time: float
+    rank: int
+
+
+@dataclass(slots=True)
+class RankState:
+    """One rank's recent history and latest signals."""
+
+    history: deque[Step]
+    last_seen: float
+    latest: Step | None = None
+    last_loss: float | None = None
+    last_grad_norm: float | None = None
+    nonfinite: frozenset[str] = frozenset()
+    incarnation: str | None = None
+    heartbeat_time: float | None = None
+    heartbeat_step: int | None = None
+
+    @property
+    def last_step(self) -> int | None:
+        return None if self.latest is None else self.latest.step
+
+
+@dataclass(slots=True)
+class JobState:
+    """Everything kept about one job."""
+
+    job: str
+    last_seen: float
+    history_steps: int
+    ranks: dict[int, RankState] = field(default_factory=dict)
+    checkpoints: deque[Checkpoint] = field(default_factory=lambda: deque(maxlen=MAX_CHECKPOINTS))
+    evals: deque[Event] = field(default_factory=lambda: deque(maxlen=MAX_EVALS))
+    alerts_fired: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+
+    def rank(self, rank: int, now: float) -> RankState:
+        state = self.ranks.get(rank)
+        if state is None:
+            state = self.ranks[rank] = RankState(deque(maxlen=self.history_steps), now)
+        state.last_seen = now
+        self.last_seen = now
+        return state
+
+    def lead(self) -> RankState | None:
+        """The lowest rank that has reported a step: the job's reporting rank."""
+        stepped = [r for r in sorted(self.ranks) if self.ranks[r].latest is not None]
+        return self.ranks[stepped[0]] if stepped else None
+
+    def last_checkpoint_before(self, step: int) -> Checkpoint | None:
+        """The newest checkpoint saved strictly before ``step``: the last good one."""
+        before = [c for c in self.checkpoints if c.step < step]
+        return max(before, key=lambda c: c.step) if before else None
+
+
+@dataclass(frozen=True, slots=True)
+class JobView:
+    """An immutable per-job summary, taken under the lock, rendered after."""
+
+    job: str
+    step: int | None
+    loss: float | None
+    grad_norm: float | None
+    lr: tuple[float, ...]
+    nonfinite_layers: int
+    ranks: int
+    last_seen: float
+    layers: tuple[str, ...]
+    layer_norms: np.ndarray
+    alerts_fired: Mapping[tuple[str, str, str], int]
+
+
+class StateStore:
+    """All jobs' state; thread-safe; forgets silent jobs on ``expire()``."""
+
+    def __init__(self, history_steps: int = 2048, job_ttl_seconds: float = 600.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.history_steps = history_steps
+        self.job_ttl_seconds = job_ttl_seconds
+        self._clock = clock
+        self._jobs: dict[str, JobState] = {}
+        self._lock = threading.Lock()
+
+    def observe_step(self, step: Step) -> None:
+        with self._lock:
+            rank = self._job(step.job).rank(step.rank, self._clock())
+            rank.history.append(step)
+            # Ranks may deliver out of order across batches; "latest" is by step.
+            if rank.latest is None or step.step >= rank.latest.step:
+                rank.latest = step
+                rank.nonfinite = _nonfinite(step)
+            if step.loss is not None:
+                rank.last_loss = step.loss
+            if step.grad_norm is not None:
+                rank.last_grad_norm = step.grad_norm
+
+    def observe_heartbeat(self, hb: Heartbeat) -> None:
+        with self._lock:
+            now = self._clock()
+            rank = self._job(hb.job).rank(hb.rank, now)
+            rank.incarnation = hb.incarnation
+            rank.heartbeat_time = now
+            rank.heartbeat_step = hb.step
+
+    def observe_event(self, event: Event) -> None:
+        with self._lock:
+            job = self._job(event.job)
+            job.rank(event.rank, self._clock())
+            if event.kind == "checkpoint":
+                path = event.fields.get("path")
+                job.checkpoints.append(Checkpoint(
+                    event.step, path if isinstance(path, str) else "", event.time, event.rank))
+            elif event.kind == "eval":
+                job.evals.append(event)
+
+    def record_transition(self, transition: TransitionLike) -> None:
+        """Count transitions into ``firing`` (``gradwatch_alerts_total``)."""
+        if transition.current != "firing" or transition.previous == "firing":
+            return
+        alert = transition.alert
+        with self._lock:
+            job = self._jobs.get(alert.job)
+            if job is not None:
+                job.alerts_fired[(alert.rule, alert.category, alert.severity)] += 1
+
+    def expire(self) -> list[str]:
+        """Forget jobs silent for longer than the TTL; return their names."""
+        with self._lock:
+            cutoff = self._clock() - self.job_ttl_seconds
+            gone = [name for name, job in self._jobs.items() if job.last_seen < cutoff]
+            for name in gone:
+                del self._jobs[name]
+        return gone
+
+    def job(self, name: str) -> JobState | None:
+        """The live state of one job; read it only from the ingest thread."""
+        with self._lock:
+            return self._jobs.get(name)
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted(self._jobs)
+
+    def snapshot(self) -> list[JobView]:
+        """Per-job summaries sorted by job name, for one scrape."""
+        with self._lock:
+            return [_view(self._jobs[name]) for name in sorted(self._jobs)]
+
+    def _job(self, name: str) -> JobState:
+        job = self._jobs.get(name)
+        if job is None:
+            job = self._jobs[name] = JobState(name, self._clock(), self.history_steps)
+        return job
+
+
+def _nonfinite(step: Step) -> frozenset[str]:
+    norms = step.layer_norms
+    if norms.size == 0 or np.isfinite(norms).all():
+        return frozenset()
+    bad = (~np.isfinite(norms)).tolist()
+    return frozenset(name for name, is_bad in zip(step.layers, bad, strict=True) if is_bad)
+
+
+def _view(job: JobState) -> JobView:
+    lead = job.lead()
+    latest = lead.latest if lead is not None else None
+    steps = [r.latest.step for r in job.ranks.values() if r.latest is not None]
+    bad: set[str] = set()
+    for rank in job.ranks.values():
+        bad |= rank.nonfinite
+    return JobView(
+        job=job.job,
+        step=max(steps) if steps else None,
+        loss=lead.last_loss if lead is not None else None,
+        grad_norm=lead.last_grad_norm if lead is not None else None,
+        lr=latest.lr if latest is not None else (),
+        nonfinite_layers=len(bad),
+        ranks=len(job.ranks),
+        last_seen=job.last_seen,
+        layers=latest.layers if latest is not None else (),
+        layer_norms=latest.layer_norms if latest is not None else np.zeros(0),
+        alerts_fired=dict(job.alerts_fired),
+    )
+

@@ -1,0 +1,155 @@
+"""Exposition: exact Prometheus text for a small fixed state, rendered at scrape time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gradwatch.collector.exposition import GradwatchCollector
+from gradwatch.collector.ingest import IngestStats
+from gradwatch.collector.sinks import SinkStats
+from gradwatch.collector.state import StateStore
+from gradwatch.rules import Alert, Transition
+from gradwatch.rules.step import Step
+
+NOW = 1_700_000_000.0
+
+
+class FakeSink:
+    name = "webhook-0"
+
+    def start(self) -> None: ...
+
+    def notify(self, transition: Any) -> None: ...
+
+    def close(self, timeout: float) -> None: ...
+
+    def alive(self) -> bool:
+        return True
+
+    def stats(self) -> SinkStats:
+        return SinkStats(delivered=3, failed=1, dropped=0, retries=2, queued=1)
+
+
+def nan_alert(rank: int) -> Alert:
+    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
+                 job="run-1", state="firing", step=12, summary="nan", started_at=NOW, rank=rank)
+
+
+def fixed_state() -> StateStore:
+    store = StateStore(clock=lambda: NOW)
+    store.observe_step(Step(
+        job="run-1", step=12, time=NOW, rank=0, loss=2.5, grad_norm=5.0,
+        layers=("a", "b", "c", "d"), layer_norms=np.array([3.0, np.nan, 4.0, 0.5]),
+        lr=(0.1, 0.01)))
+    store.observe_step(Step(job="run-1", step=13, time=NOW, rank=1, loss=2.75))
+    store.record_transition(Transition(nan_alert(0), "pending", "firing"))
+    return store
+
+
+INGEST = IngestStats(
+    messages={"batch": 7, "event": 1, "heartbeat": 2},
+    rejected={"malformed": 1, "oversized": 0, "unknown_schema": 2, "version": 0},
+    agent_dropped={"run-1": 5}, lost_batches={"run-1": 1})
+
+EXPECTED = """\
+# HELP gradwatch_build_info gradwatch build; value is always 1.
+# TYPE gradwatch_build_info gauge
+gradwatch_build_info{version="9.9.9"} 1.0
+# HELP gradwatch_ingest_messages_total Valid wire messages received, by kind.
+# TYPE gradwatch_ingest_messages_total counter
+gradwatch_ingest_messages_total{kind="batch"} 7.0
+gradwatch_ingest_messages_total{kind="event"} 1.0
+gradwatch_ingest_messages_total{kind="heartbeat"} 2.0
+# HELP gradwatch_ingest_rejected_total Messages dropped, by reason.
+# TYPE gradwatch_ingest_rejected_total counter
+gradwatch_ingest_rejected_total{reason="malformed"} 1.0
+gradwatch_ingest_rejected_total{reason="oversized"} 0.0
+gradwatch_ingest_rejected_total{reason="unknown_schema"} 2.0
+gradwatch_ingest_rejected_total{reason="version"} 0.0
+# HELP gradwatch_ingest_lost_batches_total Batches missing from an agent's sequence (lost in transit).
+# TYPE gradwatch_ingest_lost_batches_total counter
+gradwatch_ingest_lost_batches_total{job="run-1"} 1.0
+# HELP gradwatch_agent_dropped_steps_total Steps agents report they could not ship (queue full, no collector).
+# TYPE gradwatch_agent_dropped_steps_total counter
+gradwatch_agent_dropped_steps_total{job="run-1"} 5.0
+# HELP gradwatch_job_step Latest step reported by any rank.
+# TYPE gradwatch_job_step gauge
+gradwatch_job_step{job="run-1"} 13.0
+# HELP gradwatch_job_loss Latest training loss of the reporting rank.
+# TYPE gradwatch_job_loss gauge
+gradwatch_job_loss{job="run-1"} 2.5
+# HELP gradwatch_job_grad_norm Latest total gradient L2 norm (pre-clip when reported) of the reporting rank.
+# TYPE gradwatch_job_grad_norm gauge
+gradwatch_job_grad_norm{job="run-1"} 5.0
+# HELP gradwatch_job_learning_rate Latest learning rate per optimizer param group.
+# TYPE gradwatch_job_learning_rate gauge
+gradwatch_job_learning_rate{group="0",job="run-1"} 0.1
+gradwatch_job_learning_rate{group="1",job="run-1"} 0.01
+# HELP gradwatch_job_nonfinite_layers Layers whose latest gradient norm is NaN or Inf on any rank.
+# TYPE gradwatch_job_nonfinite_layers gauge
+gradwatch_job_nonfinite_layers{job="run-1"} 1.0
+# HELP gradwatch_job_ranks Ranks heard from.
+# TYPE gradwatch_job_ranks gauge
+gradwatch_job_ranks{job="run-1"} 2.0
+# HELP gradwatch_job_last_seen_timestamp_seconds Unix time the collector last heard from the job.
+# TYPE gradwatch_job_last_seen_timestamp_seconds gauge
+gradwatch_job_last_seen_timestamp_seconds{job="run-1"} 1.7e+09
+# HELP gradwatch_alerts_firing Alerts firing now (one per incident, summed by labels).
+# TYPE gradwatch_alerts_firing gauge
+gradwatch_alerts_firing{category="numerical",job="run-1",rule="NonFiniteGradients",severity="critical"} 2.0
+# HELP gradwatch_alerts_total Transitions of alerts into firing.
+# TYPE gradwatch_alerts_total counter
+gradwatch_alerts_total{category="numerical",job="run-1",rule="NonFiniteGradients",severity="critical"} 1.0
+# HELP gradwatch_layer_grad_norm Gradient L2 norm of each layer at the job's latest step (reporting rank); top-K by norm when capped.
+# TYPE gradwatch_layer_grad_norm gauge
+gradwatch_layer_grad_norm{job="run-1",layer="b"} NaN
+gradwatch_layer_grad_norm{job="run-1",layer="c"} 4.0
+# HELP gradwatch_layer_series_capped 1 when the job has more layers than max_layer_series and only the largest norms are exposed.
+# TYPE gradwatch_layer_series_capped gauge
+gradwatch_layer_series_capped{job="run-1"} 1.0
+# HELP gradwatch_notifications_total Alert notifications by sink and final outcome.
+# TYPE gradwatch_notifications_total counter
+gradwatch_notifications_total{outcome="delivered",sink="webhook-0"} 3.0
+gradwatch_notifications_total{outcome="dropped",sink="webhook-0"} 0.0
+gradwatch_notifications_total{outcome="failed",sink="webhook-0"} 1.0
+# HELP gradwatch_notification_retries_total Extra delivery attempts after a failure.
+# TYPE gradwatch_notification_retries_total counter
+gradwatch_notification_retries_total{sink="webhook-0"} 2.0
+# HELP gradwatch_notification_queue_length Notifications waiting to be sent.
+# TYPE gradwatch_notification_queue_length gauge
+gradwatch_notification_queue_length{sink="webhook-0"} 1.0
+"""
+
+
+def render(store: StateStore, firing: tuple[Alert, ...] = (nan_alert(0), nan_alert(1)),
+           **kwargs: Any) -> str:
+    registry = CollectorRegistry()
+    registry.register(GradwatchCollector(
+        store, lambda: INGEST, lambda: firing, [FakeSink()], version="9.9.9", **kwargs))
+    return generate_latest(registry).decode()
+
+
+def test_exact_text_for_a_fixed_state() -> None:
+    assert render(fixed_state(), per_layer_metrics=True, max_layer_series=2) == EXPECTED
+
+
+def test_layer_series_are_opt_in_and_uncapped_below_the_limit() -> None:
+    assert "gradwatch_layer_grad_norm" not in render(fixed_state())
+    text = render(fixed_state(), per_layer_metrics=True, max_layer_series=4)
+    assert 'gradwatch_layer_grad_norm{job="run-1",layer="a"} 3.0' in text
+    assert 'gradwatch_layer_series_capped{job="run-1"} 0.0' in text
+
+
+def test_forgotten_jobs_have_no_series() -> None:
+    now = [NOW]
+    store = StateStore(job_ttl_seconds=10, clock=lambda: now[0])
+    store.observe_step(Step(job="run-1", step=1, time=NOW, loss=1.0))
+    assert 'gradwatch_job_step{job="run-1"}' in render(store)
+    now[0] += 11
+    assert store.expire() == ["run-1"]
+    samples = [line for line in render(store, firing=()).splitlines()
+               if not line.startswith("#")]
+    assert not [line for line in samples if line.startswith(("gradwatch_job_", "gradwatch_alerts"))]

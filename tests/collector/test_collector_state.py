@@ -1,0 +1,99 @@
+"""Job state: bounded ring buffers, latest values, checkpoints, TTL forgetting."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from gradwatch.collector.state import StateStore
+from gradwatch.rules import Alert, Transition
+from gradwatch.rules.step import Step
+from gradwatch.wire import Event, Heartbeat
+
+
+@dataclass
+class FakeClock:
+    now: float = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def step(n: int, *, job: str = "run-1", rank: int = 0, loss: float | None = 1.0,
+         grad_norm: float | None = 2.0, norms: tuple[float, ...] = (1.0, 2.0)) -> Step:
+    return Step(job=job, step=n, time=float(n), rank=rank, loss=loss, grad_norm=grad_norm,
+                layers=("a", "b")[:len(norms)], layer_norms=np.array(norms), lr=(0.1,))
+
+
+def alert(state: str = "firing", job: str = "run-1") -> Alert:
+    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
+                 job=job, state=state, step=3, summary="nan", started_at=0.0)  # type: ignore[arg-type]
+
+
+def test_history_is_a_bounded_ring_buffer() -> None:
+    store = StateStore(history_steps=3, clock=FakeClock())
+    for n in range(10):
+        store.observe_step(step(n))
+    rank = store.job("run-1").ranks[0]  # type: ignore[union-attr]
+    assert [s.step for s in rank.history] == [7, 8, 9]
+    assert rank.last_step == 9
+
+
+def test_latest_values_skip_unmeasured_and_out_of_order_steps() -> None:
+    store = StateStore(clock=FakeClock())
+    store.observe_step(step(5, loss=3.0, grad_norm=4.0))
+    store.observe_step(step(6, loss=None, grad_norm=None))
+    store.observe_step(step(4, loss=9.0))  # a late batch does not move "latest" back
+    (view,) = store.snapshot()
+    assert view.step == 6
+    assert view.loss == 9.0  # last *reported* loss, in arrival order
+    assert view.lr == (0.1,)
+
+
+def test_job_view_combines_ranks() -> None:
+    store = StateStore(clock=FakeClock())
+    store.observe_step(step(10, rank=1, loss=5.0, norms=(float("nan"), 1.0)))
+    store.observe_step(step(9, rank=0, loss=2.0, norms=(1.0, float("inf"))))
+    (view,) = store.snapshot()
+    assert (view.step, view.loss, view.ranks, view.nonfinite_layers) == (10, 2.0, 2, 2)
+
+
+def test_heartbeats_and_checkpoints() -> None:
+    clock = FakeClock()
+    store = StateStore(clock=clock)
+    store.observe_heartbeat(Heartbeat("run-1", 2, 4, "inc", 5.0, 17, 0))
+    for n in (100, 200, 300):
+        store.observe_event(Event("run-1", 0, "inc", 0.0, "checkpoint", n, {"path": f"c/{n}"}))
+    store.observe_event(Event("run-1", 0, "inc", 0.0, "eval", 300, {"loss": 1.5}))
+    job = store.job("run-1")
+    assert job is not None
+    assert job.ranks[2].heartbeat_step == 17 and job.ranks[2].heartbeat_time == clock.now
+    assert job.last_checkpoint_before(250).path == "c/200"  # type: ignore[union-attr]
+    assert job.last_checkpoint_before(100) is None
+    assert len(job.evals) == 1
+
+
+def test_silent_jobs_are_forgotten_after_the_ttl() -> None:
+    clock = FakeClock(0.0)
+    store = StateStore(job_ttl_seconds=600, clock=clock)
+    store.observe_step(step(1, job="old"))
+    clock.now = 500.0
+    store.observe_step(step(1, job="live"))
+    clock.now = 600.0
+    assert store.expire() == []
+    clock.now = 650.0
+    assert store.expire() == ["old"]
+    assert [v.job for v in store.snapshot()] == ["live"]
+    assert store.job("old") is None
+
+
+def test_alert_counts_only_transitions_into_firing() -> None:
+    store = StateStore(clock=FakeClock())
+    store.observe_step(step(1))
+    store.record_transition(Transition(alert(), "pending", "firing"))
+    store.record_transition(Transition(alert(), "firing", "firing"))
+    store.record_transition(Transition(alert("resolved"), "firing", "resolved"))
+    store.record_transition(Transition(alert(job="unknown"), "pending", "firing"))
+    (view,) = store.snapshot()
+    assert view.alerts_fired == {("NonFiniteGradients", "numerical", "critical"): 1}
