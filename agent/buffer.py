@@ -1,0 +1,197 @@
+"""The device-side step buffer and the hand-off of flushed rows to the shipper.
+
+Rows live in a ``(2, flush_every, width)`` float32 tensor on the model's
+device: two halves, one row per step, the layer norms first and the device
+column slots after them. When a half fills (or the layout changes, or at
+close) its rows are copied to a pooled host buffer with one asynchronous
+copy and handed to the shipper thread through a bounded queue. The training
+thread never waits: no free host buffer or a full queue drops the batch and
+counts its steps.
+
+Why a half is never overwritten while its copy is still reading it:
+the copy is queued on the current CUDA stream, and so is every later write
+on that stream, so the copy reads the rows before anything can change them.
+A loop may switch streams between steps, though, so before a half is reused
+(``flush_every`` steps later) the then-current stream is made to wait on the
+event recorded after the copy: a device-side dependency, no host wait. The
+pinned host buffer is safe the same way on the other side: the shipper
+returns it to the pool only after ``event.synchronize()`` and encoding.
+
+Example::
+
+    >>> import queue, torch
+    >>> from gradwatch.agent.buffer import StepBuffer
+    >>> from gradwatch.agent.layout import Columns
+    >>> from gradwatch.agent.shipper import Counters
+    >>> cols = Columns(layers=("w",), base=("loss",), device_capacity=2)
+    >>> work = queue.Queue(4)
+    >>> buf = StepBuffer(cols, torch.device("cpu"), 2, 2, work, Counters())
+    >>> for step in range(2):
+    ...     buf.commit(step, 0.0, [])
+    >>> item = work.get_nowait()
+    >>> item.steps, item.rows
+    ([0, 1], 2)
+"""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import torch
+
+from gradwatch.agent.layout import Columns, HostValue, fill_missing
+from gradwatch.agent.shipper import Counters, FlushItem
+
+
+class StepBuffer:
+    """Double-buffered device rows plus the host-side parts of the open segment.
+
+    A *segment* is the run of rows of one half that share a layout: it is
+    shipped as one batch. ``current`` is the row the next step writes into.
+    """
+
+    def __init__(self, columns: Columns, device: torch.device, flush_every: int,
+                 pool_size: int, work: queue.Queue[Any], counters: Counters) -> None:
+        self._columns = columns
+        self._device = device
+        self._cuda = device.type == "cuda"
+        self._on_host = device.type == "cpu"
+        self._rows_per_half = flush_every
+        self._work = work
+        self._counters = counters
+        self._allocate(columns.device_width)
+        self.layout = columns.snapshot()
+        self.host_buffers_made = 0
+        self.pool: queue.Queue[torch.Tensor] = queue.Queue(pool_size)
+        for _ in range(pool_size):
+            self.pool.put_nowait(self._host_buffer())
+
+    def _allocate(self, width: int) -> None:
+        self._width = width
+        self._dev = torch.empty(2, self._rows_per_half, width, dtype=torch.float32,
+                                device=self._device)
+        # Every cell starts as MISSING, so a value nobody wrote reads "not
+        # measured", never 0. Halves are refilled in one kernel when reused.
+        fill_missing(self._dev)
+        # Views made once (and cells on first use): indexing on the hot path
+        # costs a microsecond or two each, several per step.
+        n_layers = len(self._columns.layers)
+        self._rows = [[self._dev[h, r] for r in range(self._rows_per_half)] for h in range(2)]
+        self._layer_views = [[row[:n_layers] for row in half] for half in self._rows]
+        self._cells: list[list[dict[int, torch.Tensor]]] = [
+            [{} for _ in range(self._rows_per_half)] for _ in range(2)]
+        self._half = 0
+        self._seg_start = 0
+        # Events recorded after each copy out of a half, waited on before reuse.
+        self._half_ready: list[list[Any]] = [[], []]
+        self._steps: list[int] = []
+        self._times: list[float] = []
+        self._host: list[list[HostValue]] = []
+        self._select(0)
+
+    def _host_buffer(self) -> torch.Tensor:
+        self.host_buffers_made += 1
+        # Pinned memory is what lets the device-to-host copy run asynchronously.
+        return torch.empty(self._rows_per_half * self._width, dtype=torch.float32,
+                           pin_memory=self._cuda)
+
+    def _select(self, row: int) -> None:
+        """Make ``row`` of the current half the one the next step writes."""
+        self.current = self._rows[self._half][row]
+        self.current_layers = self._layer_views[self._half][row]
+        self._current_cells = self._cells[self._half][row]
+
+    def cell(self, slot: int) -> torch.Tensor:
+        """The current row's cell ``slot`` (a 0-d view, cached)."""
+        view = self._current_cells.get(slot)
+        if view is None:
+            view = self._current_cells[slot] = self.current[slot]
+        return view
+
+    def commit(self, step: int, when: float, host_row: list[HostValue]) -> None:
+        """Close the current row; ship the half when it is full."""
+        self._steps.append(step)
+        self._times.append(when)
+        self._host.append(host_row)
+        row = self._seg_start + len(self._steps)
+        if row < self._rows_per_half:
+            self._select(row)
+            return
+        self.flush()
+        self._switch_half()
+
+    def relayout(self) -> None:
+        """Start a new segment under the columns' new layout.
+
+        Rows already committed go out under the old layout; the current row
+        (which may already hold this step's gradient norms) moves on with
+        the new one. If the device row must grow, the current row is copied
+        into a fresh buffer: a device-side copy, queued like any other.
+        """
+        self.flush()
+        if self._columns.device_width > self._width:
+            old_row, old_width = self.current, self._width
+            self._allocate(self._columns.device_width)
+            self.current[:old_width].copy_(old_row)
+        self.layout = self._columns.snapshot()
+
+    def flush(self) -> None:
+        """Hand the committed rows of the open segment to the shipper, or drop them."""
+        n = len(self._steps)
+        if not n:
+            return
+        start = self._seg_start
+        rows = self._dev[self._half, start:start + n]
+        item = self._stage(rows, n)
+        if item is None or not self._enqueue(item):
+            self._counters.steps_dropped_agent += n
+        self._seg_start += n
+        # New lists: the old ones now belong to the shipper.
+        self._steps, self._times, self._host = [], [], []
+
+    def _stage(self, rows: torch.Tensor, n: int) -> FlushItem | None:
+        common: dict[str, Any] = dict(rows=n, width=self._width, layout=self.layout,
+                                      steps=self._steps, times=self._times,
+                                      host_rows=self._host)
+        if not (self._cuda or self._on_host):
+            # Another accelerator: clone on the device (queued, no wait) and
+            # let the shipper thread do the blocking read.
+            return FlushItem(buf=None, ready=None, device_copy=rows.clone(), **common)
+        try:
+            buf = self.pool.get_nowait()
+        except queue.Empty:
+            return None
+        if buf.numel() < n * self._width:
+            buf = self._host_buffer()  # the rows grew (rare): replace the small one
+        host = buf[: n * self._width].view(n, self._width)
+        ready = None
+        if self._cuda:
+            host.copy_(rows, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            self._half_ready[self._half].append(ready)
+        else:
+            host.copy_(rows)
+        return FlushItem(buf=buf, ready=ready, device_copy=None, **common)
+
+    def _enqueue(self, item: FlushItem) -> bool:
+        try:
+            self._work.put_nowait(item)
+            return True
+        except queue.Full:
+            if item.buf is not None:
+                self.pool.put_nowait(item.buf)
+            return False
+
+    def _switch_half(self) -> None:
+        self._half ^= 1
+        self._seg_start = 0
+        if self._half_ready[self._half]:
+            stream = torch.cuda.current_stream(self._device)
+            for ready in self._half_ready[self._half]:
+                # Device-side wait (see the module docstring): the host does not block.
+                stream.wait_event(ready)
+            self._half_ready[self._half] = []
+        fill_missing(self._dev[self._half])
+        self._select(0)

@@ -1,0 +1,144 @@
+"""Per-layer gradient L2 norms, read on the device with one fused call.
+
+A :class:`GradReader` is built once, when the monitor attaches: it works out
+which parameters are "layers" (the model's trainable parameters that the
+optimizer updates, in ``model.named_parameters()`` order) and precomputes
+everything the hot path would otherwise recompute each step. Reading is then
+a list comprehension over ``p.grad``, one ``torch._foreach_norm`` and one
+``torch.stack`` into a row of the device buffer: no host-device sync, no
+per-layer kernel launches from Python.
+
+Example::
+
+    >>> import torch
+    >>> from gradwatch.agent.gradients import GradReader
+    >>> model = torch.nn.Linear(3, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> reader = GradReader.attach(model, opt)
+    >>> reader.names
+    ('weight', 'bias')
+    >>> model(torch.ones(1, 3)).sum().backward()
+    >>> row = torch.empty(2)  # one float32 per layer
+    >>> reader.read_into(row)
+    >>> bool((row > 0).all())
+    True
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+# torch.compile wraps the model; its parameters gain this prefix, which
+# names nothing the user wrote.
+_COMPILED_PREFIX = "_orig_mod."
+
+# foreach_norm accumulates in the requested dtype; float32 for these is both
+# exact enough and cheap. float64 refuses a narrowing dtype, so it is normed
+# in its own precision and cast on the way into the row.
+_FP32_ACCUMULABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class NoLayersError(ValueError):
+    """The optimizer updates none of the model's trainable parameters."""
+
+
+@dataclass(frozen=True, slots=True)
+class GradReader:
+    """Reads the gradient norms of ``params`` into a preallocated row.
+
+    ``names[i]`` is the layer whose norm lands in ``row[i]``. A parameter
+    whose ``.grad`` is ``None`` this step gets ``0.0``: it received no
+    gradient, which is information (a detached branch), not a missing value.
+    """
+
+    names: tuple[str, ...]
+    params: tuple[torch.nn.Parameter, ...]
+    device: torch.device
+    # Indices of the float64 (or other non-float32-able) params, normed apart.
+    wide: tuple[int, ...]
+    # Params on a device other than ``device`` (model parallel in one process).
+    multi_device: bool
+    # DTensor params (FSDP2, tensor parallel): their norms are of the local
+    # shard, which is what the wire carries; a DTensor norm would need a
+    # collective to resolve.
+    sharded: bool = False
+
+    @classmethod
+    def attach(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> GradReader:
+        """Map the model's named trainable parameters to the optimizer's."""
+        in_optimizer = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        names: list[str] = []
+        params: list[torch.nn.Parameter] = []
+        for name, param in model.named_parameters():
+            if param.requires_grad and id(param) in in_optimizer:
+                names.append(name.removeprefix(_COMPILED_PREFIX))
+                params.append(param)
+        if not params:
+            raise NoLayersError(
+                "the optimizer updates none of the model's trainable parameters; pass the "
+                "model whose parameters this optimizer was built with")
+        device = params[0].device
+        wide = tuple(i for i, p in enumerate(params) if p.dtype not in _FP32_ACCUMULABLE)
+        multi = any(p.device != device for p in params)
+        sharded = any(_is_dtensor(p) for p in params)
+        return cls(tuple(names), tuple(params), device, wide, multi, sharded)
+
+    def read_into(self, row: torch.Tensor) -> None:
+        """Write each layer's gradient L2 norm (float32) into ``row``, in order.
+
+        ``row`` has exactly ``len(names)`` elements (the layer part of a
+        buffer row, sliced once by the caller).
+        """
+        grads = [p.grad for p in self.params]
+        if self.sharded:
+            grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
+        # A list comprehension, not ``None in grads``: ``in`` would call
+        # Tensor.__eq__(None) per gradient, ~16 us each.
+        if self.wide or self.multi_device or [g for g in grads if g is None]:
+            norms = self._norms_slow(grads, row.device)
+        else:
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        # One kernel writes every norm (cast to the row's float32) in place.
+        torch.stack(norms, out=row)
+
+    def _norms_slow(self, grads: Sequence[torch.Tensor | None],
+                    device: torch.device) -> list[torch.Tensor]:
+        """Norms when some grads are absent, wide, or elsewhere: still no sync."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        narrow = [i for i in present if i not in self.wide]
+        wide = [i for i in present if i in self.wide]
+        out: list[torch.Tensor] = [_zero(device)] * len(grads)
+        if narrow:
+            normed = torch._foreach_norm([grads[i] for i in narrow], 2, dtype=torch.float32)
+            for i, n in zip(narrow, normed, strict=True):
+                out[i] = n
+        if wide:
+            for i, n in zip(wide, torch._foreach_norm([grads[i] for i in wide], 2), strict=True):
+                out[i] = n  # float64 here; stack casts it into the float32 row
+        if self.multi_device:
+            # A device-to-device copy, queued; it does not wait for the host.
+            out = [n.to(device, non_blocking=True) for n in out]
+        return out
+
+
+def _is_dtensor(t: object) -> bool:
+    # No DTensor can exist unless its module was imported, so a plain run
+    # never imports torch.distributed for this check.
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+_ZEROS: dict[torch.device, torch.Tensor] = {}
+
+
+def _zero(device: torch.device) -> torch.Tensor:
+    """A cached 0-d float32 zero on ``device``; created once, never synced."""
+    zero = _ZEROS.get(device)
+    if zero is None:
+        zero = _ZEROS[device] = torch.zeros((), dtype=torch.float32, device=device)
+    return zero

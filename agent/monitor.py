@@ -1,0 +1,361 @@
+"""``watch()`` and the :class:`Monitor` it returns: the agent's public face.
+
+The training thread does three cheap things per step and nothing else: the
+optimizer's step pre-hook writes every layer's gradient norm into the open
+device row (one fused kernel), ``Monitor.log`` copies device scalars into
+that row and keeps Python numbers in a host list, and every ``flush_every``
+steps one asynchronous copy hands the rows to the shipper thread. Nothing
+here reads a device value on the host.
+
+Example::
+
+    >>> import torch, gradwatch
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> with gradwatch.watch(model, opt, job="doc", endpoint="tcp://127.0.0.1:1") as mon:
+    ...     for _ in range(3):
+    ...         loss = model(torch.randn(8, 4)).pow(2).mean()
+    ...         loss.backward()
+    ...         opt.step()
+    ...         mon.log(loss=loss)
+    ...         opt.zero_grad()
+    >>> mon.step, mon.stats.steps_logged
+    (3, 3)
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import os
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from gradwatch.agent.buffer import StepBuffer
+from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
+from gradwatch.agent.gradients import GradReader
+from gradwatch.agent.layout import Columns, HostValue
+from gradwatch.agent.shipper import Counters, EventItem, Shipper
+from gradwatch.wire import columns as wc
+
+logger = logging.getLogger(__name__)
+
+Scalar = torch.Tensor | float | int
+# Checked by exact type first: an ABC isinstance costs a microsecond.
+_NUMBERS = (float, int, bool)
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorStats:
+    """A snapshot of the agent's host-side counters.
+
+    ``steps_dropped`` counts steps that never left the process (no free
+    buffer, queue full, or no collector to take them); ``disabled`` says why
+    the monitor switched itself off, or is ``None`` while it runs.
+    """
+
+    steps_logged: int
+    steps_dropped: int
+    steps_sent: int
+    batches_sent: int
+    heartbeats_sent: int
+    events_sent: int
+    events_dropped: int
+    disabled: str | None
+
+
+class Monitor:
+    """Watches one model and optimizer; create it with :func:`watch`."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 config: AgentConfig, scaler: Any = None, enabled: bool = True) -> None:
+        self.config = config
+        self._counters = Counters()
+        self._step = 0
+        self._open = False  # the pre-hook wrote this step's norms; log() not yet called
+        self._closed = False
+        self._disabled: str | None = None if enabled else "switched off by watch(enabled=False)"
+        # One flag for the hot path: closed, switched off, or failed.
+        self._off = not enabled
+        self._fail_lock = threading.Lock()
+        self._warned: set[str] = set()
+        self._hooks: list[Any] = []
+        if not enabled:
+            return
+        self._reader = GradReader.attach(model, optimizer)
+        self._device = self._reader.device
+        self._optimizer = optimizer
+        self._scaler = scaler
+        self._lr_columns = [wc.lr(g) for g in range(len(optimizer.param_groups))]
+        base = [wc.LOSS, *self._lr_columns, wc.SKIPPED]
+        if scaler is not None:
+            base.append(wc.LOSS_SCALE)
+        self._columns = Columns(self._reader.names, base, config.device_columns)
+        self._column_of: dict[str, str] = {wc.LOSS: wc.LOSS}
+        self._work: queue.Queue[Any] = queue.Queue(config.pool_size + config.max_pending_events)
+        self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
+                                  config.pool_size, self._work, self._counters)
+        self.incarnation = secrets.token_hex(8)
+        self._shipper = Shipper(config, self.incarnation, self._work, self._buffer.pool,
+                                self._counters, last_step=lambda: self._step,
+                                on_failure=self._fail)
+        self._shipper.start()
+        self._hooks.append(optimizer.register_step_pre_hook(self._pre_hook))
+
+    # ------------------------------------------------------------ public
+
+    @property
+    def step(self) -> int:
+        """The last logged step's number: steps count from 1, and 0 means none yet."""
+        return self._step
+
+    @property
+    def stats(self) -> MonitorStats:
+        c = self._counters
+        return MonitorStats(
+            steps_logged=c.steps_logged, steps_dropped=c.steps_dropped,
+            steps_sent=c.steps_sent, batches_sent=c.batches_sent, heartbeats_sent=c.heartbeats_sent,
+            events_sent=c.events_sent, events_dropped=c.events_dropped,
+            disabled=self._disabled)
+
+    def log(self, **scalars: Scalar) -> None:
+        """Record this step: ``loss`` plus any named scalars (tensors or numbers).
+
+        Call once per step, after ``optimizer.step()`` and before
+        ``zero_grad()``. Device tensors stay on the device; nothing here waits
+        for the device or the network. If no optimizer step ran since the last
+        ``log`` (GradScaler skipped it for an overflow), the gradients are read
+        here instead and the step is marked ``skipped=1``.
+        """
+        if self._off:
+            self._drop_hooks()  # switched off from the shipper thread, or closed
+            return
+        try:
+            skipped = 0.0
+            if not self._open:
+                # The pre-hook did not run since the last log: the optimizer step
+                # was skipped (AMP overflow). Its gradients are still there.
+                self._reader.read_into(self._buffer.current_layers)
+                skipped = 1.0
+            self._open = False
+            self._commit(scalars, skipped)
+        except Exception as exc:
+            self._fail("recording a step in Monitor.log()", exc)
+
+    def log_eval(self, **values: Scalar) -> None:
+        """Send an ``eval`` event (e.g. ``loss=val_loss``) at step ``self.step``."""
+        self._event("eval", self._step, values)
+
+    def checkpoint_saved(self, step: int, path: str | os.PathLike[str]) -> None:
+        """Tell the collector a checkpoint of ``step`` now exists at ``path``."""
+        if isinstance(step, torch.Tensor) or not isinstance(step, numbers.Integral):
+            # No repr of the value: printing a device tensor would sync.
+            self._warn_once("checkpoint_saved", f"checkpoint_saved(step=<{type(step).__name__}>) "
+                            "needs a Python int (use the loop's step counter); event not sent")
+            return
+        self._event("checkpoint", int(step), {"path": os.fspath(path)})
+
+    def close(self) -> None:
+        """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._off:
+            try:
+                if self._open:
+                    self._open = False
+                    self._commit({}, 0.0)
+                self._buffer.flush()
+            except Exception as exc:
+                self._fail("flushing the last steps in Monitor.close()", exc)
+        self._off = True
+        self._drop_hooks()
+        if hasattr(self, "_shipper"):
+            self._shipper.stop(self.config.close_timeout)
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ hot path
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._off:
+            self._drop_hooks()
+            return
+        try:
+            if self._open:
+                # Two optimizer steps without a log(): the first still counts.
+                self._commit({}, 0.0)
+            self._reader.read_into(self._buffer.current_layers)
+            self._open = True
+        except Exception as exc:
+            self._fail("reading gradient norms in the optimizer step pre-hook", exc)
+
+    def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
+        dev: list[tuple[int, torch.Tensor]] = []
+        host: list[tuple[int, HostValue]] = [(self._columns.host_slot(wc.SKIPPED), skipped)]
+        for name, value in scalars.items():
+            column = self._column_of.get(name) or self._name_column(name)
+            self._route(column, value, dev, host)
+        groups = self._optimizer.param_groups
+        if len(groups) != len(self._lr_columns):
+            self._lr_columns = [wc.lr(g) for g in range(len(groups))]
+        for column, group in zip(self._lr_columns, groups, strict=True):
+            self._route(column, group["lr"], dev, host)
+        if self._scaler is not None:
+            # The scale as a device tensor; get_scale() would sync.
+            scale = getattr(self._scaler, "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                self._route(wc.LOSS_SCALE, scale, dev, host)
+        if self._columns.dirty:
+            self._buffer.relayout()
+        cell = self._buffer.cell
+        for slot, tensor in dev:
+            cell(slot).copy_(tensor)
+        host_row: list[HostValue] = [None] * self._columns.host_width
+        for slot, value in host:
+            host_row[slot] = value
+        self._step += 1
+        self._buffer.commit(self._step, time.time(), host_row)
+        self._counters.steps_logged += 1
+
+    def _route(self, column: str, value: Any, dev: list[tuple[int, torch.Tensor]],
+               host: list[tuple[int, HostValue]]) -> None:
+        """Send a value to its device slot (tensors) or host slot (numbers)."""
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                self._warn_once(column, f"{column!r} is {_describe(value)}; only "
+                                "one-element tensors are logged, so it was skipped")
+                return
+            value = value.detach()
+            if value.dim():
+                value = value.reshape(())
+            if value.device == self._device:
+                dev.append((self._columns.device_slot(column), value))
+            elif value.device.type == "cpu":
+                # A CPU tensor next to a device buffer: read later by the
+                # shipper; cloned since the loop may change it in place.
+                host.append((self._columns.host_slot(column), value.clone()))
+            else:
+                moved = value.to(self._device, non_blocking=True)
+                dev.append((self._columns.device_slot(column), moved))
+        elif type(value) in _NUMBERS or isinstance(value, numbers.Real):
+            host.append((self._columns.host_slot(column), value))
+        else:
+            self._warn_once(column, f"{column!r} is {_describe(value)}; log tensors "
+                            "or numbers, so it was skipped")
+
+    def _name_column(self, name: str) -> str:
+        column = self._column_of[name] = wc.scalar(name)
+        return column
+
+    # ------------------------------------------------------------ events
+
+    def _event(self, kind: str, step: int, values: dict[str, Any]) -> None:
+        if self._off:
+            return
+        try:
+            item = self._event_item(kind, step, values)
+            try:
+                self._work.put_nowait(item)
+            except queue.Full:
+                with self._counters.lock:
+                    self._counters.events_dropped += 1
+        except Exception as exc:
+            self._fail(f"queueing a {kind!r} event", exc)
+
+    def _event_item(self, kind: str, step: int, values: dict[str, Any]) -> EventItem:
+        plain: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                if value.device.type == "cpu" and self._device.type != "cpu":
+                    # Read by the shipper; a pageable host-to-device copy could block.
+                    plain[key] = value.detach().clone()
+                else:
+                    tensors[key] = value.detach().reshape(())
+            elif isinstance(value, (str, bool, int)):
+                plain[key] = value
+            elif isinstance(value, numbers.Real):
+                plain[key] = float(value)  # e.g. a numpy scalar, which JSON cannot encode
+            else:
+                self._warn_once(f"{kind}:{key}", f"{kind} field {key!r} ({_describe(value)}) "
+                                "is not a number, one-element tensor or string; skipped")
+        if not tensors:
+            return EventItem(kind, step, plain)
+        on_device = [t.to(self._device, dtype=torch.float32, non_blocking=True)
+                     for t in tensors.values()]
+        stacked = torch.stack(on_device)
+        ready = None
+        if self._device.type == "cuda":
+            host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(stacked, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            stacked = host
+        return EventItem(kind, step, plain, tuple(tensors), stacked, ready)
+
+    # ------------------------------------------------------------ failure
+
+    def _fail(self, what: str, exc: BaseException) -> None:
+        """Switch off for good, logging once; safe from either thread."""
+        with self._fail_lock:
+            if self._disabled is not None:
+                return
+            self._disabled = f"internal error while {what}: {type(exc).__name__}: {exc}"
+            self._off = True
+        logger.error(
+            "gradwatch: internal error while %s (%s: %s). Monitoring is now switched off for "
+            "this run; training continues unaffected. Please report this with the traceback "
+            "below; watch(enabled=False) silences gradwatch entirely.",
+            what, type(exc).__name__, exc, exc_info=exc)
+        shipper = getattr(self, "_shipper", None)
+        if shipper is not None and not shipper.on_its_thread():
+            self._drop_hooks()
+            shipper.stop(timeout=0.0)
+
+    def _drop_hooks(self) -> None:
+        # Removing a hook is only done on the training thread, which owns them.
+        while self._hooks:
+            self._hooks.pop().remove()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            logger.warning("gradwatch: %s", message)
+
+
+def _describe(value: Any) -> str:
+    """Name a value's type (and shape) without printing it: a device tensor's repr syncs."""
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
+def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
+          endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
+          world: int | None = None, flush_every: int = 10, scaler: Any = None,
+          heartbeat_every: float = 2.0, enabled: bool = True) -> Monitor:
+    """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
+
+    ``rank``/``world`` default to torch.distributed's when it is initialised,
+    else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. Pass
+    the ``torch.amp.GradScaler`` as ``scaler`` to report the loss scale.
+    Raises ``ValueError`` for invalid arguments (before training starts);
+    after that, nothing the monitor does raises into the loop.
+    """
+    rank, world = resolve_rank_world(rank, world)
+    config = AgentConfig(job=job, rank=rank, world=world, endpoint=endpoint,
+                         flush_every=flush_every, heartbeat_every=heartbeat_every)
+    return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)

@@ -1,0 +1,299 @@
+"""The shipper thread: turns flushed buffers into wire messages and sends them.
+
+Everything that may wait lives here, never on the training thread: waiting
+for the device-to-host copy (``event.synchronize()``), reading host values,
+encoding, and the ZeroMQ send. The socket is a PUSH with ``IMMEDIATE=1`` (no
+queueing for a peer that is not connected), a small ``SNDHWM`` and
+``LINGER=0``; every send is ``NOBLOCK`` and a full pipe drops the batch and
+counts its steps. Memory is bounded by the host-buffer pool and the queue.
+
+Schema resend policy: the schema frame rides on the first batch, on any batch
+whose schema id differs from the last one sent, on the first batch after each
+ZeroMQ handshake (a socket monitor reports ``EVENT_HANDSHAKE_SUCCEEDED``, so a
+restarted collector relearns the layer names at once), and on the first batch
+after ``schema_every_s`` seconds without one.
+
+Example (what ``watch()`` does; nothing needs to listen)::
+
+    >>> import queue
+    >>> from gradwatch.agent.config import AgentConfig
+    >>> from gradwatch.agent.shipper import Counters, Shipper
+    >>> cfg = AgentConfig(job="doc", rank=0, world=1, endpoint="tcp://127.0.0.1:1")
+    >>> shipper = Shipper(cfg, "abc123", queue.Queue(8), queue.Queue(8), Counters(),
+    ...                   last_step=lambda: 0)
+    >>> shipper.start()
+    >>> shipper.stop(timeout=2.0)
+    True
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from gradwatch.agent.config import AgentConfig
+from gradwatch.agent.layout import HostValue, Layout, merge_rows
+from gradwatch.wire import Batch, Event, Heartbeat, encode_batch, encode_event, encode_heartbeat
+
+logger = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+@dataclass
+class Counters:
+    """Host-side counters; each field has exactly one writing thread."""
+
+    steps_logged: int = 0          # training thread
+    steps_dropped_agent: int = 0   # training thread: no free buffer / queue full
+    steps_dropped_send: int = 0    # shipper: ZeroMQ would block (no peer, slow peer)
+    batches_sent: int = 0          # shipper
+    steps_sent: int = 0            # shipper
+    heartbeats_sent: int = 0       # shipper
+    events_sent: int = 0           # shipper
+    events_dropped: int = 0        # both, under ``lock``
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def steps_dropped(self) -> int:
+        return self.steps_dropped_agent + self.steps_dropped_send
+
+
+@dataclass(frozen=True, slots=True)
+class FlushItem:
+    """One batch in flight: ``rows`` device rows in ``buf`` (or ``device_copy``)."""
+
+    buf: torch.Tensor | None          # pooled flat host buffer, returned after use
+    rows: int
+    width: int
+    ready: Any                        # torch.cuda.Event, or None when already on host
+    device_copy: torch.Tensor | None  # a device clone to read here (non-CUDA accelerators)
+    layout: Layout
+    steps: list[int]
+    times: list[float]
+    host_rows: list[list[HostValue]]
+
+
+@dataclass(frozen=True, slots=True)
+class EventItem:
+    kind: str
+    step: int
+    fields: Mapping[str, Any]
+    # Tensor-valued fields, stacked: names, then the host (or device) copy.
+    tensor_names: tuple[str, ...] = ()
+    tensor_values: torch.Tensor | None = None
+    ready: Any = None
+    time: float = field(default_factory=time.time)
+
+
+class Shipper:
+    """Owns the ZeroMQ context and socket and the daemon thread that uses them.
+
+    The socket is created and connected here, on the caller's thread, so a
+    malformed endpoint fails ``watch()`` at once; the thread start is the
+    memory barrier ZeroMQ asks for when a socket changes threads.
+    """
+
+    def __init__(self, config: AgentConfig, incarnation: str, work: queue.Queue[Any],
+                 pool: queue.Queue[torch.Tensor], counters: Counters,
+                 last_step: Callable[[], int],
+                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
+        self._cfg = config
+        self._inc = incarnation
+        self._work = work
+        self._pool = pool
+        self._counters = counters
+        self._last_step = last_step
+        self._on_failure = on_failure
+        self._ctx = zmq.Context(io_threads=1)
+        try:
+            self._sock = self._ctx.socket(zmq.PUSH)
+            self._sock.setsockopt(zmq.SNDHWM, config.send_hwm)
+            self._sock.setsockopt(zmq.IMMEDIATE, 1)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._events = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+            self._sock.connect(config.endpoint)
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise ValueError(f"cannot connect to endpoint {config.endpoint!r}: {exc}") from exc
+        self._sent_schema_id = -1
+        self._schema_due = True
+        self._schema_time = -math.inf
+        self._deadline = math.inf
+        self._thread = threading.Thread(target=self._run, name="gradwatch-shipper", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def on_its_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def stop(self, timeout: float) -> bool:
+        """Ask the thread to send what is queued and exit; True if it did in time."""
+        end = time.monotonic() + timeout
+        self._deadline = end
+        try:
+            self._work.put(_STOP, timeout=max(0.0, timeout / 2))
+        except queue.Full:
+            pass  # the thread is busy draining; it also sees the deadline
+        self._thread.join(max(0.0, end - time.monotonic()))
+        return not self._thread.is_alive()
+
+    # ------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # never let a bug here go unseen or reach training
+            if self._on_failure is not None:
+                self._on_failure("shipping batches (the shipper thread)", exc)
+        finally:
+            self._discard_queued()
+            self._shutdown()
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                self._heartbeat()
+                next_beat = now + self._cfg.heartbeat_every
+            if now >= self._deadline:
+                return
+            try:
+                item = self._work.get(timeout=min(next_beat, self._deadline) - now)
+            except queue.Empty:
+                continue
+            if item is _STOP:
+                return
+            self._watch_connections()
+            if isinstance(item, FlushItem):
+                self._ship_batch(item)
+            else:
+                self._ship_event(item)
+
+    def _discard_queued(self) -> None:
+        """Count what is still queued at exit as dropped, so every step is accounted for."""
+        while True:
+            try:
+                item = self._work.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, FlushItem):
+                self._counters.steps_dropped_send += item.rows
+                if item.buf is not None:
+                    self._pool.put_nowait(item.buf)
+            elif isinstance(item, EventItem):
+                with self._counters.lock:
+                    self._counters.events_dropped += 1
+
+    def _watch_connections(self) -> None:
+        """A new handshake means a (re)started peer that may not know our schema."""
+        while self._events.poll(0):
+            recv_monitor_message(self._events, zmq.NOBLOCK)
+            self._schema_due = True
+
+    def _send(self, frames: list[bytes]) -> bool:
+        try:
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def _ship_batch(self, item: FlushItem) -> None:
+        try:
+            values = merge_rows(item.layout, self._host_rows(item), item.host_rows)
+        finally:
+            if item.buf is not None:
+                self._pool.put_nowait(item.buf)
+        schema = item.layout.schema
+        now = time.monotonic()
+        attach = (self._schema_due or schema.id != self._sent_schema_id
+                  or now - self._schema_time >= self._cfg.schema_every_s)
+        cfg, counters = self._cfg, self._counters
+        batch = Batch(
+            job=cfg.job, rank=cfg.rank, world=cfg.world, schema_id=schema.id,
+            seq=counters.batches_sent, incarnation=self._inc,
+            dropped=counters.steps_dropped, steps=tuple(item.steps),
+            times=tuple(item.times), values=values, schema=schema if attach else None)
+        if self._send(encode_batch(batch)):
+            counters.batches_sent += 1
+            counters.steps_sent += item.rows
+            if attach:
+                self._schema_due, self._sent_schema_id, self._schema_time = False, schema.id, now
+        else:
+            counters.steps_dropped_send += item.rows
+
+    def _host_rows(self, item: FlushItem) -> torch.Tensor:
+        if item.ready is not None:
+            item.ready.synchronize()  # this thread may wait; training never does
+        if item.device_copy is not None:
+            return item.device_copy.cpu()
+        assert item.buf is not None
+        return item.buf[: item.rows * item.width].view(item.rows, item.width)
+
+    def _ship_event(self, item: EventItem) -> None:
+        fields = dict(item.fields)
+        if item.tensor_values is not None:
+            if item.ready is not None:
+                item.ready.synchronize()
+            values = item.tensor_values.cpu().tolist()
+            fields.update(zip(item.tensor_names, values, strict=True))
+        cfg = self._cfg
+        event = Event(job=cfg.job, rank=cfg.rank, incarnation=self._inc, time=item.time,
+                      kind=item.kind, step=item.step,
+                      fields={k: _json_number(v) for k, v in fields.items()})
+        if self._send(encode_event(event)):
+            self._counters.events_sent += 1
+        else:
+            with self._counters.lock:
+                self._counters.events_dropped += 1
+
+    def _heartbeat(self) -> None:
+        cfg = self._cfg
+        hb = Heartbeat(job=cfg.job, rank=cfg.rank, world=cfg.world, incarnation=self._inc,
+                       time=time.time(), step=self._last_step(),
+                       dropped=self._counters.steps_dropped)
+        if self._send(encode_heartbeat(hb)):
+            self._counters.heartbeats_sent += 1
+
+    def _shutdown(self) -> None:
+        """Close with a linger bounded by the close deadline, then terminate.
+
+        ``LINGER=0`` while running means an abandoned socket never hangs
+        ``term()``; at close the last batch deserves a short chance to leave.
+        """
+        linger_ms = 0
+        if math.isfinite(self._deadline):
+            linger_ms = max(0, int((self._deadline - time.monotonic()) * 1000))
+        try:
+            self._sock.disable_monitor()
+            self._events.close(linger=0)
+            self._sock.close(linger=linger_ms)
+            self._ctx.term()
+        except zmq.ZMQError as exc:  # nothing left to protect; do not raise in a thread
+            logger.debug("gradwatch: closing the ZeroMQ socket failed: %s", exc)
+
+
+def _json_number(value: Any) -> Any:
+    """Event fields travel as JSON, which has no NaN/Inf: send those as strings."""
+    if isinstance(value, torch.Tensor):
+        value = float(value)  # a CPU tensor kept for this thread to read
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    return value
+

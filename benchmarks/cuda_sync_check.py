@@ -1,0 +1,359 @@
+"""On a CUDA device: prove the agent never synchronises, and measure its overhead.
+
+Self-contained; run it once on a GPU machine:
+
+    python benchmarks/cuda_sync_check.py             # checks, then timings
+    python benchmarks/cuda_sync_check.py --quick     # fewer timed steps
+    python benchmarks/cuda_sync_check.py --allow-cpu # dry run on CPU (AMP as bf16, no sync check)
+
+Exits 0 with "no CUDA device, skipped" when there is no GPU.
+
+**Sync check.** Each workload (MLP, small GPT, and a larger GPT; fp32 and
+AMP fp16 with ``torch.amp.GradScaler``) runs monitored steps after a warm-up
+(first steps allocate) under ``torch.cuda.set_sync_debug_mode("error")``:
+
+* fp32: the *whole* training step runs in error mode, so any synchronising
+  call made by the agent (or the loop) raises;
+* AMP: ``GradScaler.step`` itself syncs by design (it reads ``found_inf``),
+  so error mode is switched on only inside the agent's entry points (the
+  optimizer pre-hook, ``log``, ``log_eval``, ``checkpoint_saved``, ``close``).
+
+The agent never raises into training: a sync error inside it is caught and
+switches it off, so PASS also requires ``mon.stats.disabled is None`` (the
+reason is printed otherwise). The AMP run forces an overflow every 7th step
+to exercise the skipped-step path.
+
+**Overhead.** Like ``agent_overhead.py``: baseline / agent / naive
+(per-parameter ``.item()``) interleaved round-robin in one process, median
+and p90 of wall time per step with a ``torch.cuda.synchronize()`` closing
+each step, for each workload and precision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import zmq
+from torch import nn
+
+import gradwatch
+from gradwatch.agent.monitor import Monitor
+
+VARIANTS = ("baseline", "agent", "naive")
+
+
+# ---------------------------------------------------------------- workloads
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int, d: int, heads: int, layers: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x, self.mask)
+        return self.head(self.ln(x))
+
+
+@dataclass
+class Workload:
+    name: str
+    model: nn.Module
+    make_opt: Callable[[nn.Module], torch.optim.Optimizer]
+    x: torch.Tensor
+    y: torch.Tensor
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
+
+
+def gpt(device: str, name: str, d: int, heads: int, layers: int, seq: int, batch: int
+        ) -> Workload:
+    model = TinyGPT(1000, d, heads, layers, seq).to(device)
+    idx = torch.randint(0, 1000, (batch, seq + 1), device=device)
+    return Workload(name, model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
+                    idx[:, :-1], idx[:, 1:], _lm_loss)
+
+
+def mlp(device: str) -> Workload:
+    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                          nn.Linear(512, 10)).to(device)
+    x = torch.randn(64, 256, device=device)
+    y = torch.randint(0, 10, (64,), device=device)
+    return Workload("mlp", model, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), x, y,
+                    lambda out, t: nn.functional.cross_entropy(out.float(), t))
+
+
+def workloads(device: str, quick: bool) -> list[Workload]:
+    out = [mlp(device), gpt(device, "gpt-small", 256, 4, 4, 128, 8)]
+    if not quick:
+        out.append(gpt(device, "gpt-medium", 768, 12, 12, 512, 8))
+    return out
+
+
+# ---------------------------------------------------------------- sync scoping
+
+_SCOPED = threading.local()
+
+
+def _error_mode_inside(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Run an agent entry point with sync debug mode "error" when scoping is on."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not getattr(_SCOPED, "on", False) or not torch.cuda.is_available():
+            return method(*args, **kwargs)
+        previous = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return method(*args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+
+    return wrapper
+
+
+# Installed before any Monitor exists, so the registered pre-hook is wrapped too.
+for _name in ("_pre_hook", "log", "log_eval", "checkpoint_saved", "close"):
+    setattr(Monitor, _name, _error_mode_inside(getattr(Monitor, _name)))
+
+
+# ---------------------------------------------------------------- one step
+
+
+class Runner:
+    """One model copy, one variant, one precision; ``step()`` runs a training step."""
+
+    def __init__(self, work: Workload, variant: str, amp: bool, endpoint: str,
+                 device: str) -> None:
+        self.model = copy.deepcopy(work.model)
+        self.opt = work.make_opt(self.model)
+        self.work, self.variant, self.amp, self.device = work, variant, amp, device
+        self.scaler = torch.amp.GradScaler(device) if amp else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.mon = None
+        if variant == "agent":
+            self.mon = gradwatch.watch(self.model, self.opt, job=f"sync-{work.name}",
+                                       endpoint=endpoint, scaler=self.scaler)
+        self.sink: list[float] = []
+        self.count = 0
+
+    def step(self, overflow: bool = False) -> None:
+        # fp16 is what GradScaler is for; the CPU dry run uses bf16, which CPUs run fast.
+        half = torch.float16 if self.device == "cuda" else torch.bfloat16
+        autocast = torch.autocast(self.device, dtype=half) if self.amp else nullcontext()
+        with autocast:
+            loss = self.work.loss(self.model(self.work.x), self.work.y)
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()
+            if overflow:
+                # A device-side fill, no sync: the scaler will skip this step.
+                self.params[0].grad.view(-1)[:1].fill_(float("inf"))
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            loss.backward()
+            self.opt.step()
+        if self.mon is not None:
+            self.mon.log(loss=loss)
+            if self.count % 50 == 49:
+                self.mon.log_eval(loss=loss.detach())
+        elif self.variant == "naive":
+            self.sink[:] = [p.grad.norm().item() for p in self.params]
+        self.opt.zero_grad(set_to_none=True)
+        self.count += 1
+
+    def close(self) -> None:
+        if self.mon is not None:
+            self.mon.close()
+
+
+# ---------------------------------------------------------------- sync check
+
+
+def loop_itself_syncs(work: Workload, amp: bool, endpoint: str, device: str) -> bool:
+    """Whether the unmonitored loop already syncs (then only the agent is scoped)."""
+    if amp or device != "cuda":
+        return amp  # GradScaler.step reads found_inf on the host by design
+    runner = Runner(work, "baseline", amp, endpoint, device)
+    for _ in range(5):
+        runner.step()
+    torch.cuda.synchronize()
+    try:
+        torch.cuda.set_sync_debug_mode("error")
+        for _ in range(5):
+            runner.step()
+        return False
+    except RuntimeError as exc:
+        print(f"  note: {work.name} syncs without the agent ({exc}); scoping to the agent")
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def sync_check(work: Workload, amp: bool, endpoint: str, device: str, steps: int) -> bool:
+    label = f"{work.name}/{'amp-fp16' if amp else 'fp32'}"
+    scoped = loop_itself_syncs(work, amp, endpoint, device)
+    runner = Runner(work, "agent", amp, endpoint, device)
+    for i in range(20):  # warm-up: allocator, cuBLAS handles, pinned host buffers
+        runner.step(overflow=amp and i == 10)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    # Sync debug mode cannot see a non_blocking copy into pageable memory
+    # (the driver makes it synchronous), so check the host buffers directly.
+    buffers = list(runner.mon._buffer.pool.queue)
+    pinned = device != "cuda" or all(b.is_pinned() for b in buffers)
+    error: BaseException | None = None
+    scope = "agent entry points" if scoped else "whole step"
+    try:
+        if device == "cuda" and not scoped:
+            torch.cuda.set_sync_debug_mode("error")
+        _SCOPED.on = device == "cuda" and scoped
+        for i in range(steps):
+            runner.step(overflow=amp and i % 7 == 3)
+        runner.mon.checkpoint_saved(runner.mon.step, "ckpt/check.pt")
+        runner.close()
+    except RuntimeError as exc:
+        error = exc
+    finally:
+        _SCOPED.on = False
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    stats = runner.mon.stats
+    ok = (error is None and pinned and stats.disabled is None
+          and stats.steps_logged == steps + 20)
+    print(f"  {'PASS' if ok else 'FAIL'}  {label:<22} error mode on: {scope}; "
+          f"{stats.steps_logged} steps logged, {stats.steps_sent} sent, "
+          f"{stats.steps_dropped} dropped")
+    if error is not None:
+        print(f"        raised: {error}")
+    if not pinned:
+        print("        host buffers are not pinned: the device-to-host copy would block")
+    if stats.disabled is not None:
+        print(f"        agent switched off: {stats.disabled}")
+    return ok
+
+
+# ---------------------------------------------------------------- overhead
+
+
+def overhead(work: Workload, amp: bool, endpoint: str, device: str, steps: int) -> None:
+    runners = {v: Runner(work, v, amp, endpoint, device) for v in VARIANTS}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for runner in runners.values():
+        for _ in range(20):
+            runner.step()
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    while len(times["baseline"]) < steps:
+        for variant, runner in runners.items():
+            for _ in range(10):
+                sync()
+                t0 = time.perf_counter()
+                runner.step()
+                sync()
+                times[variant].append(time.perf_counter() - t0)
+    for runner in runners.values():
+        runner.close()
+    base = statistics.median(times["baseline"])
+    print(f"\n  {work.name} {'amp-fp16' if amp else 'fp32'}: {steps} steps per variant")
+    print(f"    {'variant':<9} {'median ms':>10} {'p90 ms':>9} {'overhead':>9}")
+    for variant, ts in times.items():
+        med = statistics.median(ts)
+        p90 = statistics.quantiles(ts, n=10)[-1]
+        print(f"    {variant:<9} {med * 1e3:>10.3f} {p90 * 1e3:>9.3f} "
+              f"{(med / base - 1) * 100:>+8.2f}%")
+
+
+# ---------------------------------------------------------------- main
+
+
+def drain(stop: threading.Event, sock: zmq.Socket) -> None:
+    while not stop.is_set():
+        if sock.poll(100):
+            sock.recv_multipart()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="gradwatch agent: CUDA sync check and overhead")
+    ap.add_argument("--quick", action="store_true", help="fewer steps, small workloads only")
+    ap.add_argument("--allow-cpu", action="store_true",
+                    help="run on CPU without the sync check (to test this script)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
+    args = ap.parse_args()
+    if torch.cuda.is_available():
+        device = "cuda"
+    elif args.allow_cpu:
+        device = "cpu"
+        print("no CUDA device: dry run on CPU, sync debug mode NOT checked")
+    else:
+        print("no CUDA device, skipped")
+        return 0
+    torch.manual_seed(0)
+    steps = args.steps or (30 if args.quick else 200)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    print(f"torch {torch.__version__} on {name}")
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.linger = 0
+    endpoint = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    stop = threading.Event()
+    drainer = threading.Thread(target=drain, args=(stop, sock), daemon=True)
+    drainer.start()
+    ok = True
+    try:
+        works = workloads(device, args.quick)
+        precisions = (False, True)
+        print("\nsync check (torch.cuda.set_sync_debug_mode('error')):")
+        for work in works:
+            for amp in precisions:
+                ok &= sync_check(work, amp, endpoint, device, max(steps // 2, 30))
+        print("\noverhead (interleaved round-robin, wall time per step incl. sync):")
+        for work in works:
+            for amp in precisions:
+                overhead(work, amp, endpoint, device, steps)
+    finally:
+        stop.set()
+        drainer.join(2)
+        sock.close(linger=0)
+        ctx.term()
+    print(f"\nsync check: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""What the agent puts on the wire, decoded from a real PULL socket on loopback."""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import zmq
+from torch import nn
+
+import gradwatch
+from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
+
+WAIT_MS = 5000
+
+
+class Net(nn.Module):
+    """Two used layers, one that never gets a gradient, one frozen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 8)
+        self.fc2 = nn.Linear(8, 3)
+        self.unused = nn.Linear(2, 2)
+        self.frozen = nn.Linear(3, 3)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(self.fc2(torch.relu(self.fc1(x))))
+
+
+@pytest.fixture
+def pull() -> Iterator[tuple[zmq.Socket, str]]:
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PULL)
+    sock.linger = 0
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    yield sock, f"tcp://127.0.0.1:{port}"
+    sock.close(linger=0)
+    ctx.term()
+
+
+def recv(sock: zmq.Socket) -> Message:
+    assert sock.poll(WAIT_MS), "nothing arrived from the agent in time"
+    return decode(sock.recv_multipart())
+
+
+def wait_connected(sock: zmq.Socket) -> None:
+    """A heartbeat arriving proves the agent's PUSH socket is connected."""
+    assert isinstance(recv(sock), Heartbeat)
+
+
+def collect(sock: zmq.Socket, n_steps: int, n_events: int = 0
+            ) -> tuple[list[Batch], list[Event]]:
+    batches: list[Batch] = []
+    events: list[Event] = []
+    while sum(len(b.steps) for b in batches) < n_steps or len(events) < n_events:
+        msg = recv(sock)
+        if isinstance(msg, Batch):
+            batches.append(msg)
+        elif isinstance(msg, Event):
+            events.append(msg)
+    return batches, events
+
+
+def rows(batches: list[Batch]) -> dict[int, tuple[dict[str, tuple[float, int]], list[float]]]:
+    """step -> ({column: (value, bits)}, layer values), resolving schema by id."""
+    schemas: dict[int, Schema] = {}
+    out = {}
+    for batch in batches:
+        if batch.schema is not None:
+            schemas[batch.schema.id] = batch.schema
+        schema = schemas[batch.schema_id]
+        n = len(batch.values) // 4
+        floats = struct.unpack(f"<{n}f", batch.values)
+        bits = struct.unpack(f"<{n}I", batch.values)
+        for r, step in enumerate(batch.steps):
+            base = r * schema.width
+            cols = {c: (floats[base + i], bits[base + i]) for i, c in enumerate(schema.columns)}
+            layers = list(floats[base + len(schema.columns): base + schema.width])
+            out[step] = (cols, layers)
+    return out
+
+
+def test_batches_match_directly_computed_norms_and_scalars(pull):
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="wire", endpoint=endpoint, flush_every=4,
+                          heartbeat_every=0.05)
+    wait_connected(sock)
+    trainable = [p for n, p in model.named_parameters() if p.requires_grad]
+    expected: dict[int, tuple[list[float], float, float]] = {}
+    n_steps, change_at = 25, 12
+    for i in range(n_steps):
+        loss = model(torch.randn(5, 6)).pow(2).mean() * 10
+        loss.backward()
+        pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        norms = [0.0 if p.grad is None else torch.linalg.vector_norm(p.grad).item()
+                 for p in trainable]
+        expected[mon.step + 1] = (norms, loss.item(), pre_clip.item())
+        opt.step()
+        step = i + 1  # what the agent numbers this step
+        extra = {"extra": float(step)} if step >= change_at and step % 2 == 0 else {}
+        mon.log(loss=loss, grad_norm=pre_clip, **extra)
+        opt.zero_grad()
+    mon.log_eval(loss=torch.tensor(2.5), acc=0.75)
+    mon.checkpoint_saved(24, "ckpt/24.pt")
+    mon.close()
+    batches, events = collect(sock, n_steps, n_events=2)
+
+    table = rows(batches)
+    assert sorted(table) == list(range(1, n_steps + 1))
+    first = batches[0].schema
+    assert first is not None
+    assert first.layers == ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
+                            "unused.weight", "unused.bias")
+    assert {"loss", "lr/0", "skipped", "s/grad_norm"} <= set(first.columns)
+    for step, (cols, layers) in table.items():
+        norms, loss, pre_clip = expected[step]
+        assert layers == pytest.approx(norms, rel=1e-5, abs=1e-7)
+        assert layers[-2:] == [0.0, 0.0]  # no gradient this step is 0, not missing
+        assert cols["loss"][0] == pytest.approx(loss, rel=1e-6)
+        assert cols["s/grad_norm"][0] == pytest.approx(pre_clip, rel=1e-6)
+        assert cols["lr/0"][0] == pytest.approx(0.1)
+        assert cols["skipped"][0] == 0.0
+        if step >= change_at:
+            value, bits = cols["s/extra"]
+            if step % 2 == 0:
+                assert value == float(step)
+            else:
+                assert bits == MISSING_BITS
+        else:
+            assert "s/extra" not in cols
+
+    # The schema travels when it is new, not with every batch.
+    ids = [b.schema_id for b in batches]
+    carried = [b.schema is not None for b in batches]
+    changed = [True] + [a != b for a, b in zip(ids, ids[1:])]
+    assert carried == changed
+    assert len(set(ids)) == 2 and ids[-1] > ids[0]
+    assert all(b.dropped == 0 for b in batches)
+    assert [b.seq for b in batches] == list(range(len(batches)))
+
+    by_kind = {e.kind: e for e in events}
+    assert by_kind["eval"].fields == {"loss": 2.5, "acc": 0.75}
+    assert by_kind["eval"].step == n_steps
+    assert by_kind["checkpoint"].fields == {"path": "ckpt/24.pt"}
+    assert by_kind["checkpoint"].step == 24
+    assert mon.stats.steps_sent == n_steps
+
+
+def test_unmeasured_cells_are_missing_not_zero(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="missing", endpoint=endpoint, flush_every=3,
+                          heartbeat_every=0.05)
+    wait_connected(sock)
+    for i in range(3):
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        if i == 1:
+            mon.log()  # a step without a loss
+        else:
+            mon.log(loss=torch.tensor(1.0))
+        opt.zero_grad()
+    mon.close()
+    table = rows(collect(sock, 3)[0])
+    assert table[2][0]["loss"][1] == MISSING_BITS
+    assert table[1][0]["loss"][0] == 1.0
+    assert "loss_scale" not in table[1][0]  # no scaler, no column
+
+
+def test_two_optimizer_steps_without_log_still_make_two_rows(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="twice", endpoint=endpoint, flush_every=8,
+                          heartbeat_every=0.05)
+    wait_connected(sock)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    opt.step()  # no log() in between: the first step is committed anyway
+    mon.log(loss=3.0)
+    mon.close()
+    table = rows(collect(sock, 2)[0])
+    assert table[1][0]["loss"][1] == MISSING_BITS
+    assert table[2][0]["loss"][0] == 3.0
+    assert table[1][0]["skipped"][0] == table[2][0]["skipped"][0] == 0.0
+
+
+def test_heartbeats_carry_the_last_logged_step(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, job="hb", endpoint=endpoint, heartbeat_every=0.02) as mon:
+        first = recv(sock)
+        assert isinstance(first, Heartbeat) and first.step == 0  # nothing logged yet
+        for _ in range(5):
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            mon.log(loss=1.0)
+        for _ in range(200):  # bounded: heartbeats arrive every 20 ms
+            msg = recv(sock)
+            if isinstance(msg, Heartbeat) and msg.step == 5:
+                break
+        else:
+            pytest.fail("no heartbeat reported step 5")
+        assert msg.incarnation == mon.incarnation and msg.job == "hb"
+
+
+def test_lr_tensor_and_cpu_tensor_scalars_are_recorded(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05))
+    mon = gradwatch.watch(model, opt, job="lr", endpoint=endpoint, flush_every=2,
+                          heartbeat_every=0.05)
+    wait_connected(sock)
+    for _ in range(2):
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        mon.log(loss=torch.tensor([1.5]), tokens=128, bad=torch.ones(3))
+    mon.close()
+    table = rows(collect(sock, 2)[0])
+    cols = table[2][0]
+    assert cols["lr/0"][0] == pytest.approx(0.05)
+    assert cols["loss"][0] == 1.5
+    assert cols["s/tokens"][0] == 128.0
+    assert "s/bad" not in cols  # a multi-element tensor is skipped with a warning
+
+
+def test_eval_fields_that_json_cannot_carry_arrive_as_strings(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="ev", endpoint=endpoint, heartbeat_every=0.05)
+    wait_connected(sock)
+    mon.log_eval(loss=torch.tensor(float("nan")), ppl=float("inf"), split="val", n=3)
+    mon.close()
+    (event,) = collect(sock, 0, n_events=1)[1]
+    assert event.kind == "eval" and event.step == 0
+    assert event.fields == {"loss": "nan", "ppl": "inf", "split": "val", "n": 3}
+
+
+def _rebind(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
+    """ZeroMQ releases a closed socket's port on its I/O thread, after close()
+    returns: until then a bind to the same port fails with EADDRINUSE."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
+
+
+def test_schema_is_resent_after_the_collector_restarts():
+    ctx = zmq.Context()
+    first = ctx.socket(zmq.PULL)
+    first.linger = 0
+    port = first.bind_to_random_port("tcp://127.0.0.1")
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="restart", endpoint=f"tcp://127.0.0.1:{port}",
+                          flush_every=2, heartbeat_every=0.02)
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            mon.log(loss=1.0)
+            opt.zero_grad()
+
+    second = None
+    try:
+        wait_connected(first)
+        steps(4)
+        before, _ = collect(first, 4)
+        assert [b.schema is not None for b in before] == [True, False]
+        first.close(linger=0)  # the collector goes away and comes back on the same port
+        second = ctx.socket(zmq.PULL)
+        second.linger = 0
+        _rebind(second, f"tcp://127.0.0.1:{port}")
+        wait_connected(second)
+        steps(2)
+        (after,), _ = collect(second, 2)
+        assert after.schema is not None and after.schema_id == before[0].schema_id
+    finally:
+        mon.close()
+        if second is not None:
+            second.close(linger=0)
+        first.close(linger=0)
+        ctx.term()
