@@ -1,7 +1,8 @@
 """Command lines of the collector: parse, configure logging, hand over.
 
-``collector_main(argv)`` is ``gradwatch collector ...`` and ``rules_main(argv)``
-is ``gradwatch rules check FILE``; both return the process exit status. The
+``collector_main(argv)`` is ``gradwatch collector ...``, ``rules_main(argv)``
+is ``gradwatch rules check FILE`` and ``replay_main(argv)`` is ``gradwatch
+replay FILE``; each returns the process exit status. The
 top-level ``gradwatch`` script dispatches to them; ``python -m
 gradwatch.collector`` runs ``collector_main`` directly.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gradwatch.collector.config import CollectorError, ConfigError, load_config
+from gradwatch.collector.replay import run_replay
 from gradwatch.collector.server import Server
 from gradwatch.rules import RuleFileError, load_rules
 
@@ -48,6 +50,8 @@ def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentPars
                         help="expose gradwatch_layer_grad_norm per layer")
     parser.add_argument("--ready-file", type=Path, metavar="FILE",
                         help="once ready, write the bound endpoint and metrics URL here as JSON")
+    parser.add_argument("--record", dest="record_dir", type=Path, metavar="DIR",
+                        help="record every job as DIR/<job>.jsonl for `gradwatch replay`")
     parser.add_argument("--log-level", metavar="LEVEL",
                         help="DEBUG, INFO (default), WARNING, ERROR")
     return parser
@@ -59,7 +63,8 @@ def collector_main(argv: Sequence[str] | None = None) -> int:
     overrides: dict[str, Any] = {
         "listen": args.listen, "metrics_addr": args.metrics_addr, "webhooks": args.webhooks,
         "rules": args.rules, "per_layer_metrics": args.per_layer_metrics,
-        "ready_file": args.ready_file, "log_level": args.log_level}
+        "ready_file": args.ready_file, "log_level": args.log_level,
+        "record_dir": args.record_dir}
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -97,9 +102,29 @@ def rules_main(argv: Sequence[str] | None = None) -> int:
     return status
 
 
+def replay_parser(prog: str = "gradwatch replay") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Run the rules over a recorded trace (JSON Lines) and print the "
+        "alerts they would have raised. Exit 0 when the trace was read, alerts or not.")
+    parser.add_argument("file", type=Path, metavar="FILE", help="trace file (collector --record)")
+    parser.add_argument("--rules", type=Path, metavar="FILE",
+                        help="rule file (default: the packaged rule pack)")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per alert transition, one per line")
+    parser.add_argument("--strict", action="store_true",
+                        help="fail on the first bad line instead of skipping bad lines")
+    return parser
+
+
+def replay_main(argv: Sequence[str] | None = None) -> int:
+    """``gradwatch replay FILE [--rules FILE] [--json] [--strict]``; see ``gradwatch.collector.replay``."""
+    args = replay_parser().parse_args(argv)
+    return run_replay(args.file, args.rules, json_lines=args.json, strict=args.strict)
+
+
 def _fail(message: str, status: int) -> int:
     print(f"gradwatch collector: {message}", file=sys.stderr)
     return status
 
 
-__all__ = ["collector_main", "collector_parser", "rules_main", "rules_parser"]
+__all__ = ["collector_main", "collector_parser", "replay_main", "replay_parser", "rules_main", "rules_parser"]

@@ -93,6 +93,10 @@ class CollectorConfig(BaseSettings):
         default=None,
         description="Once ready, write {listen, metrics_url, pid} as JSON here (random ports "
         "made discoverable for supervisors and tests); removed on stop.")
+    record_dir: Path | None = Field(
+        default=None,
+        description="Record every job as a JSON Lines trace <dir>/<job>.jsonl for `gradwatch "
+        "replay`; a write error switches recording off (logged once), never the collector.")
     log_level: LogLevel = "INFO"
 
     @field_validator("webhooks", mode="before")

@@ -37,7 +37,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from gradwatch.collector.config import CollectorConfig, CollectorError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
-from gradwatch.collector.ingest import Frames, Ingest
+from gradwatch.collector.ingest import Frames, Ingest, Ingested
+from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.sinks import Sink, mask_url
 from gradwatch.collector.state import StateStore
 from gradwatch.collector.webhook import WebhookSink
@@ -87,6 +88,7 @@ class Server:
         self._engine_lock = threading.Lock()
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
         self.ingest = Ingest(config.max_message_bytes)
+        self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
         self.state = StateStore(config.history_steps, config.job_ttl_seconds, clock)
         self._exposition = GradwatchCollector(
             self.state, self.ingest.stats, self._firing, self.sinks,
@@ -155,6 +157,8 @@ class Server:
         for sink in self.sinks:
             sink.close(max(0.0, deadline - time.monotonic()))
             clean = clean and not sink.alive()
+        if self.recorder is not None and clean:
+            self.recorder.close()  # the ingest thread, its only writer, has stopped
         self._release(term=clean)
         return clean
 
@@ -266,6 +270,7 @@ class Server:
         # Never raises: one bad message must not stop the ingest thread.
         try:
             result = self.ingest.feed(frames)
+            self._record(result)
             for heartbeat in result.heartbeats:
                 self.state.observe_heartbeat(heartbeat)
             for event in result.events:
@@ -279,6 +284,17 @@ class Server:
             with self._progress:
                 self._handled += 1
                 self._progress.notify_all()
+
+    def _record(self, result: Ingested) -> None:
+        recorder = self.recorder
+        if recorder is None or not recorder.enabled:
+            return
+        for heartbeat in result.heartbeats:
+            recorder.heartbeat(heartbeat)
+        for event in result.events:
+            recorder.event(event)
+        for step in result.steps:
+            recorder.step(step)
 
     def _observe(self, step: Step) -> None:
         try:
@@ -310,6 +326,8 @@ class Server:
             log.info("forgetting job %r after %.0fs of silence", job,
                      self.config.job_ttl_seconds)
             self.ingest.forget(job)
+            if self.recorder is not None:
+                self.recorder.forget(job)
             with self._engine_lock:
                 assert self._engine is not None
                 resolved = self._engine.forget(job) or ()

@@ -1,7 +1,9 @@
 """gradwatch.rules: pure, streaming detectors, rule files and the alert lifecycle.
 
 No torch and no sockets: the same code runs live in the collector and offline
-over a recorded trace. Steps go in, transitions come out.
+over a recorded trace (:mod:`gradwatch.rules.replay`). Steps, cadence stats,
+evals and liveness go in; transitions, each alert with the seed's diagnosis,
+come out.
 
 Example::
 
@@ -14,11 +16,17 @@ Example::
 
 from __future__ import annotations
 
+from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
 from gradwatch.rules.alert import CATEGORIES, SEVERITIES, Alert, Category, Severity, Transition
+from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.detector import Detector, Finding
+from gradwatch.rules.diagnosis import JobHistory, diagnose
 from gradwatch.rules.engine import Engine
+from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule, parse_duration
+from gradwatch.rules.liveness import LivenessTracker, SilentRankDetector, StalledDetector
+from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.registry import detector_names, make_detector, register_detector
@@ -30,26 +38,48 @@ from gradwatch.rules.rulefile import (
     load_rules,
     load_rules_text,
 )
-from gradwatch.rules.step import Step
+from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
+from gradwatch.rules.vanishing import VanishingGradientDetector
+from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
 
 __all__ = [
     "CATEGORIES",
     "SEVERITIES",
+    "ActStats",
     "Alert",
     "AlertLifecycle",
     "AlertRule",
     "Category",
+    "DeadUnitsDetector",
     "Detector",
     "Engine",
+    "Eval",
+    "EvalModeWiringDetector",
     "Finding",
+    "FlatFromStartDetector",
+    "GeneralizationGapDetector",
     "GeometricGrowthDetector",
+    "JobHistory",
     "LayerRatioDetector",
+    "Liveness",
+    "LivenessTracker",
+    "LossScaleCollapseDetector",
+    "LossSpikeDetector",
     "NonFiniteDetector",
+    "RisingLossDetector",
     "RuleFileError",
     "RuleSpec",
+    "SaturationDetector",
     "Severity",
+    "SilentRankDetector",
+    "StalledDetector",
+    "Stats",
     "Step",
     "Transition",
+    "UpdateRatioDetector",
+    "VanishingGradientDetector",
+    "WeightRunawayDetector",
+    "diagnose",
     "default_rules_path",
     "detector_names",
     "load_default_rules",

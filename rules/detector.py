@@ -1,4 +1,15 @@
-"""What every detector is: fed one step at a time, it says whether its condition holds now.
+"""What every detector is: fed its inputs one at a time, it says whether its condition holds now.
+
+A detector implements any subset of four inputs, and the engine routes by
+what it has: ``observe(step)`` (every step of one rank), ``observe_stats(stats)``
+(cadence statistics of one rank), ``observe_eval(ev)`` (evaluations), and
+``observe_liveness(liveness)`` (every rank's progress, about once a second).
+A detector with ``observe_liveness`` is per job, not per rank, and receives
+nothing else; it names the rank it is about in ``Finding.rank``.
+
+An input method returns a :class:`Finding`, or None for "taken into account,
+no new verdict" (a generalization-gap detector reads train losses as context
+but judges only on evals), which leaves the alert's lifecycle untouched.
 
 A detector only judges; holding a condition for a while, deduplicating and
 resolving is the lifecycle's job (:mod:`gradwatch.rules.lifecycle`). Detectors
@@ -15,7 +26,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol, runtime_checkable
@@ -23,7 +34,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 from pydantic import ConfigDict, validate_call
 
-from gradwatch.rules.step import Step
+from gradwatch.rules.step import Eval, Liveness, Stats, Step
 
 _DTYPE_NAMES = {
     float(np.finfo(np.float16).max): "float16",
@@ -35,11 +46,16 @@ _DTYPE_NAMES = {
 
 @dataclass(frozen=True, slots=True)
 class Finding:
-    """A detector's verdict on the latest step, with the numbers behind it."""
+    """A detector's verdict on the latest input, with the numbers behind it.
+
+    ``rank``: for a job-wide (liveness) detector, the rank the finding is
+    about; the alert carries it. None for per-rank detectors.
+    """
 
     active: bool
     summary: str = ""
     evidence: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    rank: int | None = None
 
 
 INACTIVE = Finding(False)
@@ -52,12 +68,44 @@ validated_params = validate_call(config=ConfigDict(strict=True))
 
 
 @runtime_checkable
-class Detector(Protocol):
-    """A streaming judge of one condition; see the module docstring."""
+class StepDetector(Protocol):
+    """Judges steps; see the module docstring."""
 
-    def observe(self, step: Step) -> Finding:
+    def observe(self, step: Step) -> Finding | None:
         """Take one step into account and say whether the condition holds now."""
         ...
+
+
+@runtime_checkable
+class StatsDetector(Protocol):
+    """Judges cadence statistics (weight norms, update ratios, activations)."""
+
+    def observe_stats(self, stats: Stats) -> Finding | None: ...
+
+
+@runtime_checkable
+class EvalDetector(Protocol):
+    """Judges evaluations."""
+
+    def observe_eval(self, ev: Eval) -> Finding | None: ...
+
+
+@runtime_checkable
+class LivenessDetector(Protocol):
+    """Judges every rank's progress of one job; names the bad rank in ``Finding.rank``."""
+
+    def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding | None: ...
+
+
+# Any detector: one with at least one of the four inputs.
+Detector = StepDetector | StatsDetector | EvalDetector | LivenessDetector
+
+INPUTS: tuple[str, ...] = ("observe", "observe_stats", "observe_eval", "observe_liveness")
+
+
+def inputs_of(detector: object) -> frozenset[str]:
+    """Which of the four input methods ``detector`` implements."""
+    return frozenset(name for name in INPUTS if callable(getattr(detector, name, None)))
 
 
 def dtype_name(dtype_max: float) -> str:

@@ -1,9 +1,20 @@
 """The rules engine: every rule's detector and alert lifecycle, per job and rank.
 
 The same engine runs live in the collector and offline in ``gradwatch replay``:
-it takes steps, returns transitions, and does no I/O. A detector and a
-lifecycle are created lazily for each (job, rank, rule) the first time a step
-of that job and rank arrives, and dropped with :meth:`Engine.forget`.
+it takes records, returns transitions, and does no I/O. Four inputs:
+
+* :meth:`Engine.observe` -- one ``Step`` of one rank;
+* :meth:`Engine.observe_stats` -- one cadence ``Stats`` sample of one rank;
+* :meth:`Engine.observe_eval` -- one ``Eval``;
+* :meth:`Engine.tick` -- every known rank's ``Liveness`` (the collector calls
+  it about once a second).
+
+Each rule's detector gets the inputs it implements (see
+:mod:`gradwatch.rules.detector`). Detectors of steps, stats and evals are
+created lazily per (job, rank, rule); liveness detectors per (job, rule). The
+engine also keeps a bounded :class:`JobHistory` per job, fed by the job's
+lowest-numbered reporting rank, from which the seed's decision tree diagnoses
+every alert when it fires (:func:`gradwatch.rules.diagnosis.diagnose`).
 
 Example::
 
@@ -19,23 +30,28 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from gradwatch.rules.alert import Alert, Transition
-from gradwatch.rules.detector import Detector
+from gradwatch.rules.detector import Finding, inputs_of
+from gradwatch.rules.diagnosis import JobHistory, diagnose
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule
 from gradwatch.rules.rulefile import RuleSpec
-from gradwatch.rules.step import Step
+from gradwatch.rules.step import Eval, Liveness, Stats, Step
 
 _CHECK_SEPARATOR = re.compile(r"\s*(?:\n|;)\s*")
 
+Record = Step | Stats | Eval
+
 
 def diagnosis_of(annotations: Mapping[str, str]) -> Mapping[str, Any] | None:
-    """The alert's diagnosis from a rule's ``diagnosis`` and ``next_checks`` annotations.
+    """The rule's own verdict and checks from its ``diagnosis`` and ``next_checks`` annotations.
 
     ``next_checks`` is one string in the rule file; checks are separated by
-    newlines or semicolons. The seed's full decision tree replaces this later.
+    newlines or semicolons. The engine merges these checks into the decision
+    tree's diagnosis of each alert.
     """
     verdict = annotations.get("diagnosis")
     if verdict is None:
@@ -59,8 +75,33 @@ def alert_rule(spec: RuleSpec) -> AlertRule:
     )
 
 
+@dataclass(slots=True)
+class _Slot:
+    """One rule's detector and lifecycle for one (job, rank), or one job."""
+
+    detector: Any
+    lifecycle: AlertLifecycle
+
+
+@dataclass(slots=True)
+class _RankState:
+    """Slots of one (job, rank), split by the input each detector takes (a slot may be in several)."""
+
+    all: list[_Slot]
+    steps: list[_Slot]
+    stats: list[_Slot]
+    evals: list[_Slot]
+
+
+@dataclass(slots=True)
+class _JobState:
+    history: JobHistory = field(default_factory=JobHistory)
+    lead: int | None = None  # the rank whose records feed the history
+    liveness: list[_Slot] | None = None
+
+
 class Engine:
-    """Evaluates rules over steps; see the module docstring."""
+    """Evaluates rules over steps, stats, evals and liveness; see the module docstring."""
 
     def __init__(self, rules: Sequence[RuleSpec], clock: Callable[[], float] = time.time) -> None:
         names = [r.name for r in rules]
@@ -69,30 +110,80 @@ class Engine:
             raise ValueError(f"rule names must be unique; repeated: {', '.join(duplicates)}")
         self.rules = tuple(rules)
         self._alert_rules = tuple(alert_rule(r) for r in self.rules)
+        # Which inputs each rule's detector takes: probed once on a throwaway instance.
+        self._inputs = tuple(inputs_of(r.make_detector()) for r in self.rules)
+        for spec, inputs in zip(self.rules, self._inputs, strict=True):
+            if not inputs:
+                raise ValueError(f"rule {spec.name!r}: detector {spec.detector!r} implements no input "
+                                 "(observe, observe_stats, observe_eval or observe_liveness)")
+        self._rank_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" not in inputs]
+        self._job_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs]
         self._clock = clock
-        # (job, rank) -> one (detector, lifecycle) per rule, in rule order.
-        self._state: dict[tuple[str, int], list[tuple[Detector, AlertLifecycle]]] = {}
+        self._ranks: dict[tuple[str, int], _RankState] = {}
+        self._jobs: dict[str, _JobState] = {}
+
+    # ------------------------------------------------------------ inputs
 
     def observe(self, step: Step) -> list[Transition]:
-        """Feed one step to every rule; return the transitions it caused (usually none)."""
-        per_rule = self._state.get((step.job, step.rank))
-        if per_rule is None:
-            per_rule = self._start(step.job, step.rank)
-        transitions = []
-        for detector, lifecycle in per_rule:
-            transition = lifecycle.update(step.step, detector.observe(step))
-            if transition is not None:
-                transitions.append(transition)
+        """Feed one step to every rule that reads steps; return the transitions it caused."""
+        job = self._job(step.job)
+        if self._leads(job, step.rank):
+            job.history.observe_step(step)
+        state = self._rank(step.job, step.rank)
+        return self._run(state.steps, "observe", step, step.step)
+
+    def observe_stats(self, stats: Stats) -> list[Transition]:
+        """Feed one cadence sample to every rule that reads stats."""
+        job = self._job(stats.job)
+        if self._leads(job, stats.rank):
+            job.history.observe_stats(stats)
+        state = self._rank(stats.job, stats.rank)
+        return self._run(state.stats, "observe_stats", stats, stats.step)
+
+    def observe_eval(self, ev: Eval) -> list[Transition]:
+        """Feed one evaluation to every rule that reads evals."""
+        job = self._job(ev.job)
+        if self._leads(job, ev.rank):
+            job.history.observe_eval(ev)
+        state = self._rank(ev.job, ev.rank)
+        return self._run(state.evals, "observe_eval", ev, ev.step)
+
+    def tick(self, liveness: Sequence[Liveness]) -> list[Transition]:
+        """Feed every known rank's progress (of any jobs) to the liveness rules, per job."""
+        if not self._job_rules:
+            return []
+        by_job: dict[str, list[Liveness]] = {}
+        for live in liveness:
+            by_job.setdefault(live.job, []).append(live)
+        transitions: list[Transition] = []
+        for name, lives in by_job.items():
+            job = self._job(name)
+            if job.liveness is None:
+                job.liveness = [self._slot(i, name, None, job) for i in self._job_rules]
+            latest = max(live.last_step for live in lives)
+            for slot in job.liveness:
+                finding = slot.detector.observe_liveness(lives)
+                if finding is not None:
+                    step = finding.evidence.get("last_step", latest) if finding.active else latest
+                    transitions += self._update(slot, int(step), finding)
         return transitions
+
+    def feed(self, record: Record) -> list[Transition]:
+        """:meth:`observe`, :meth:`observe_stats` or :meth:`observe_eval`, by the record's type."""
+        if isinstance(record, Step):
+            return self.observe(record)
+        if isinstance(record, Stats):
+            return self.observe_stats(record)
+        if isinstance(record, Eval):
+            return self.observe_eval(record)
+        raise TypeError(f"expected a Step, Stats or Eval, not {type(record).__name__}")
+
+    # ------------------------------------------------------------ state
 
     def firing(self) -> list[Alert]:
         """Alerts firing now, across jobs and ranks."""
-        return [
-            lifecycle.alert
-            for per_rule in self._state.values()
-            for _, lifecycle in per_rule
-            if lifecycle.state == "firing" and lifecycle.alert is not None
-        ]
+        return [slot.lifecycle.alert for slot in self._slots()
+                if slot.lifecycle.state == "firing" and slot.lifecycle.alert is not None]
 
     def forget(self, job: str) -> list[Transition]:
         """Drop a finished job's state; its still-firing alerts come back resolved.
@@ -100,23 +191,78 @@ class Engine:
         Resolving them here means no receiver is left holding an alert that
         will never be resolved, as Prometheus does when a series disappears.
         """
+        slots = [slot for key in [k for k in self._ranks if k[0] == job] for slot in self._ranks.pop(key).all]
+        state = self._jobs.pop(job, None)
+        if state is not None and state.liveness:
+            slots += state.liveness
         transitions = []
-        for key in [k for k in self._state if k[0] == job]:
-            for _, lifecycle in self._state.pop(key):
-                transition = lifecycle.close()
-                if transition is not None:
-                    transitions.append(transition)
+        for slot in slots:
+            transition = slot.lifecycle.close()
+            if transition is not None:
+                transitions.append(transition)
         return transitions
 
     def jobs(self) -> list[str]:
         """Jobs the engine holds state for."""
-        return sorted({job for job, _ in self._state})
+        return sorted({job for job, _ in self._ranks} | set(self._jobs))
 
-    def _start(self, job: str, rank: int) -> list[tuple[Detector, AlertLifecycle]]:
-        per_rule = [
-            (spec.make_detector(), AlertLifecycle(rule, job=job, rank=rank, clock=self._clock))
-            for spec, rule in zip(self.rules, self._alert_rules, strict=True)
-        ]
-        self._state[(job, rank)] = per_rule
-        return per_rule
+    def history(self, job: str) -> JobHistory | None:
+        """The diagnosis history of ``job`` (read it from the thread that feeds the engine)."""
+        state = self._jobs.get(job)
+        return None if state is None else state.history
 
+    # ------------------------------------------------------------ internals
+
+    def _slots(self) -> list[_Slot]:
+        slots = [slot for state in self._ranks.values() for slot in state.all]
+        return slots + [slot for job in self._jobs.values() for slot in job.liveness or ()]
+
+    def _job(self, name: str) -> _JobState:
+        state = self._jobs.get(name)
+        if state is None:
+            state = self._jobs[name] = _JobState()
+        return state
+
+    @staticmethod
+    def _leads(job: _JobState, rank: int) -> bool:
+        if job.lead is None or rank < job.lead:
+            job.lead = rank
+        return rank == job.lead
+
+    def _rank(self, job: str, rank: int) -> _RankState:
+        state = self._ranks.get((job, rank))
+        if state is None:
+            owner = self._job(job)
+            slots = {i: self._slot(i, job, rank, owner) for i in self._rank_rules}
+            state = _RankState(
+                all=list(slots.values()),
+                steps=[s for i, s in slots.items() if "observe" in self._inputs[i]],
+                stats=[s for i, s in slots.items() if "observe_stats" in self._inputs[i]],
+                evals=[s for i, s in slots.items() if "observe_eval" in self._inputs[i]],
+            )
+            self._ranks[(job, rank)] = state
+        return state
+
+    def _slot(self, index: int, job: str, rank: int | None, owner: _JobState) -> _Slot:
+        spec, rule = self.rules[index], self._alert_rules[index]
+        checks = tuple(rule.diagnosis["next_checks"]) if rule.diagnosis is not None else ()
+        history = owner.history
+
+        def explain(alert: Alert) -> Mapping[str, Any]:
+            return diagnose(history, alert, checks)
+
+        lifecycle = AlertLifecycle(rule, job=job, rank=rank, clock=self._clock, diagnose=explain)
+        return _Slot(spec.make_detector(), lifecycle)
+
+    def _run(self, slots: list[_Slot], method: str, record: Record, step: int) -> list[Transition]:
+        transitions: list[Transition] = []
+        for slot in slots:
+            finding = getattr(slot.detector, method)(record)
+            if finding is not None:
+                transitions += self._update(slot, step, finding)
+        return transitions
+
+    @staticmethod
+    def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
+        transition = slot.lifecycle.update(step, finding)
+        return [] if transition is None else [transition]

@@ -72,11 +72,14 @@ class AlertRule:
 class AlertLifecycle:
     """State of one rule for one (job, rank); see the module docstring."""
 
-    def __init__(self, rule: AlertRule, *, job: str, rank: int | None, clock: Callable[[], float]) -> None:
+    def __init__(self, rule: AlertRule, *, job: str, rank: int | None, clock: Callable[[], float],
+                 diagnose: Callable[[Alert], Mapping[str, Any] | None] | None = None) -> None:
         self.rule = rule
         self.job = job
         self.rank = rank
         self._clock = clock
+        # Called once per incident, when it fires: the job's history then is what explains it.
+        self._diagnose = diagnose
         self._state: LifecycleState = "inactive"
         self._start_step = 0
         self._started_at = 0.0
@@ -147,7 +150,7 @@ class AlertLifecycle:
 
     def _build(self, finding: Finding) -> Alert:
         rule = self.rule
-        return Alert(
+        alert = Alert(
             rule=rule.name,
             category=rule.category,
             severity=rule.severity,
@@ -158,7 +161,10 @@ class AlertLifecycle:
             started_at=self._started_at,
             evidence=MappingProxyType(dict(finding.evidence)),
             diagnosis=rule.diagnosis,
-            rank=self.rank,
+            rank=finding.rank if finding.rank is not None else self.rank,
             labels=rule.labels,
             annotations=rule.annotations,
         )
+        if self._diagnose is None:
+            return alert
+        return replace(alert, diagnosis=self._diagnose(alert))

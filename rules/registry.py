@@ -19,10 +19,17 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Strict, create_model
 
+from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
+from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.detector import Detector
+from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
+from gradwatch.rules.liveness import SilentRankDetector, StalledDetector
+from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
+from gradwatch.rules.vanishing import VanishingGradientDetector
+from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
 
 DetectorFactory = Callable[..., Detector]
 
@@ -91,3 +98,16 @@ def _strict_scalars(hint: Any) -> Any:
 register_detector("nonfinite", NonFiniteDetector)
 register_detector("growth", GeometricGrowthDetector)
 register_detector("ratio", LayerRatioDetector)
+register_detector("vanishing", VanishingGradientDetector)
+register_detector("flat_start", FlatFromStartDetector)
+register_detector("loss_spike", LossSpikeDetector)
+register_detector("rising_loss", RisingLossDetector)
+register_detector("generalization_gap", GeneralizationGapDetector)
+register_detector("eval_mode", EvalModeWiringDetector)
+register_detector("saturation", SaturationDetector)
+register_detector("dead_units", DeadUnitsDetector)
+register_detector("weight_runaway", WeightRunawayDetector)
+register_detector("update_ratio", UpdateRatioDetector)
+register_detector("loss_scale", LossScaleCollapseDetector)
+register_detector("stalled", StalledDetector)
+register_detector("silent_rank", SilentRankDetector)

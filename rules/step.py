@@ -40,3 +40,74 @@ class Step:
     # Largest finite value of the gradients' dtype: the growth detector projects
     # how many steps remain until the total norm overflows it.
     dtype_max: float = FLOAT32_MAX
+
+
+@dataclass(frozen=True, slots=True)
+class ActStats:
+    """Forward-activation statistics of one module on a cadence step.
+
+    ``kind`` is the module's nonlinearity family ("relu", "tanh", "sigmoid",
+    "other"); ``zero_frac`` is measured for ReLU-family outputs (share of exact
+    zeros) and ``sat_frac`` for tanh/sigmoid outputs (share pinned near their
+    bounds); each is None where it does not apply.
+    """
+
+    module: str
+    kind: str
+    mean: float
+    std: float
+    zero_frac: float | None = None
+    sat_frac: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Cadence-step statistics (every ``stats_every`` steps) of one rank.
+
+    ``weight_norms`` and ``update_ratios`` (‖Δw‖/‖w‖ of the step's update) are
+    aligned with ``layers`` (parameter names in model order); None means not
+    measured.
+    """
+
+    job: str
+    step: int
+    time: float
+    rank: int = 0
+    layers: tuple[str, ...] = ()
+    weight_norms: np.ndarray | None = None
+    update_ratios: np.ndarray | None = None
+    act: tuple[ActStats, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Eval:
+    """An evaluation the loop logged with ``mon.log_eval(loss=...)``.
+
+    ``train_mode_modules`` names the BatchNorm/Dropout-family modules that were
+    in training mode when the eval was logged (they should be none).
+    """
+
+    job: str
+    step: int
+    time: float
+    rank: int = 0
+    loss: float | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    train_mode_modules: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """What the collector knows of one rank's progress at ``now`` (from ticks).
+
+    A rank whose heartbeats keep arriving while ``last_step`` stays put is hung
+    (e.g. a stuck collective); one whose heartbeats stop is silent.
+    """
+
+    job: str
+    rank: int
+    now: float
+    last_step: int
+    last_step_time: float
+    last_heartbeat_time: float
+    step_seconds: float | None = None

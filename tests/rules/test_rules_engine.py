@@ -80,8 +80,11 @@ def test_nan_fires_once_then_resolves_with_the_same_id_and_json_ready_alert() ->
     assert fired.id == resolved.id
     assert fired.evidence["first_nonfinite"][0] == "layers.1.weight"
     assert resolved.resolved_at == 203.0
-    assert fired.diagnosis is not None and fired.diagnosis["verdict"].startswith("Numerical instability")
-    assert len(fired.diagnosis["next_checks"]) == 4
+    # The seed's decision tree names the class; the rule's own checks come with the tree's.
+    assert fired.diagnosis is not None and fired.diagnosis["verdict"] == "numerical"
+    assert fired.diagnosis["summary"].startswith("numerical instability")
+    assert "learning rate and gradient clipping" in fired.diagnosis["next_checks"]
+    assert resolved.diagnosis == fired.diagnosis
     payload = json.loads(json.dumps(fired.to_dict(), allow_nan=False))
     assert payload["evidence"]["loss"] == "nan" and payload["category"] == "numerical"
 

@@ -110,7 +110,8 @@ def test_every_problem_is_reported_with_its_line() -> None:
         "rules.yaml:17: groups[0].rules[2].for: for must be a whole number of steps (e.g. 5) or a duration "
         "such as '30s', '5m', '1h30m'; got 'soon'",
         "rules.yaml:18: groups[0].rules[3].alert: duplicate rule name 'A' (first at line 4)",
-        "rules.yaml:19: groups[0].rules[3].detector: unknown detector 'nosuch'; known detectors: growth, nonfinite, ratio",
+        f"rules.yaml:19: groups[0].rules[3].detector: unknown detector 'nosuch'; known detectors: "
+        f"{', '.join(detector_names())}",
         "rules.yaml:21: groups[0].rules[3].category: Input should be 'numerical'",
         "rules.yaml:22: groups[0].rules[4].alert: Field required",
         "rules.yaml:25: groups[0].rules[4].actions[0]: Input should be 'notify'",

@@ -1,0 +1,133 @@
+"""Activation detectors on cadence statistics (seed Stage 4): saturation and dead units.
+
+"Saturating activations (values pinned near ±1 for tanh, or a large fraction
+of exact zeros for ReLU) indicate poor initialization scale or a learning rate
+that pushed units into a dead regime."
+
+* :class:`SaturationDetector` -- a tanh/sigmoid module's share of outputs
+  pinned near its bounds (``ActStats.sat_frac``) at or above ``threshold``.
+  smdebug's SaturatedActivation flags a layer with more than 50% of its
+  nodes saturated (``threshold_layer=50``); 0.5 is the default here too.
+* :class:`DeadUnitsDetector` -- a ReLU module's share of exact zeros
+  (``ActStats.zero_frac``) at or above ``threshold``. A healthy ReLU layer
+  outputs ~50% zeros, so smdebug DeadRelu's 50% (which counts *units* dead
+  across a batch, not zero *values*) would fire on every healthy net; the
+  default 0.9 is calibrated here on synthetic runs.
+
+Both must hold on ``samples`` consecutive cadence samples of one module, so
+one odd batch decides nothing. Memory is one counter per module.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from gradwatch.rules.detector import INACTIVE, Finding, validated_params
+from gradwatch.rules.step import ActStats, Stats
+
+
+class _ShareDetector:
+    """Shared logic: a per-module share at or above a threshold for ``samples`` cadence samples."""
+
+    field_name = ""
+    what = ""
+
+    def __init__(self, threshold: float, samples: int, kinds: tuple[str, ...], max_named: int) -> None:
+        self.threshold, self.samples, self.kinds, self.max_named = threshold, samples, tuple(kinds), max_named
+        self._held: dict[str, int] = {}
+        self._since: dict[str, int] = {}
+        self._last: Finding = INACTIVE
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no activation statistics."""
+        measured = [(a, self._share(a)) for a in stats.act if a.kind in self.kinds]
+        measured = [(a, s) for a, s in measured if s is not None]
+        if not measured:
+            return None
+        over: list[tuple[str, float, int]] = []
+        for act, share in measured:
+            if share >= self.threshold:
+                held = self._held.get(act.module, 0) + 1
+                self._held[act.module] = held
+                self._since.setdefault(act.module, stats.step)
+                if held >= self.samples:
+                    over.append((act.module, share, self._since[act.module]))
+            else:
+                self._held.pop(act.module, None)
+                self._since.pop(act.module, None)
+        self._last = self._finding(stats, over) if over else INACTIVE
+        return self._last
+
+    def _share(self, act: ActStats) -> float | None:
+        value = getattr(act, self.field_name)
+        return None if value is None or value != value else float(value)
+
+    def _finding(self, stats: Stats, over: list[tuple[str, float, int]]) -> Finding:
+        over.sort(key=lambda item: (item[2], -item[1]))  # earliest first: the likely origin
+        first = over[0]
+        worst = max(over, key=lambda item: item[1])
+        named = [m for m, _, _ in over[: self.max_named]]
+        summary = (
+            f"{len(over)} module(s) with {self.what} at or above {self.threshold:.0%} for "
+            f"{self.samples}+ samples; first {first[0]!r} ({first[1]:.0%}) since step {first[2]}"
+        )
+        evidence = {
+            "module": first[0],
+            "share": first[1],
+            "since_step": first[2],
+            "worst_module": worst[0],
+            "worst_share": worst[1],
+            "modules": named,
+            "count": len(over),
+            "threshold": self.threshold,
+            "step": stats.step,
+        }
+        return Finding(True, summary, evidence)
+
+
+class SaturationDetector(_ShareDetector):
+    """Active while a tanh/sigmoid module's saturated share is >= ``threshold``; see the module docstring.
+
+    Example::
+
+        SaturationDetector(threshold=0.5, samples=3).observe_stats(stats)
+    """
+
+    field_name = "sat_frac"
+    what = "outputs pinned near their bounds"
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5,
+        samples: Annotated[int, Field(ge=1)] = 3,
+        kinds: tuple[str, ...] = ("tanh", "sigmoid"),
+        max_named: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        super().__init__(threshold, samples, kinds, max_named)
+
+
+class DeadUnitsDetector(_ShareDetector):
+    """Active while a ReLU module's share of exact zeros is >= ``threshold``; see the module docstring.
+
+    Example::
+
+        DeadUnitsDetector(threshold=0.9, samples=3).observe_stats(stats)
+    """
+
+    field_name = "zero_frac"
+    what = "exact-zero outputs"
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        threshold: Annotated[float, Field(gt=0.0, le=1.0)] = 0.9,
+        samples: Annotated[int, Field(ge=1)] = 3,
+        kinds: tuple[str, ...] = ("relu", "relu6"),
+        max_named: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        super().__init__(threshold, samples, kinds, max_named)

@@ -1,0 +1,403 @@
+"""Detectors on the shape of the training-loss curve (seed, Stage 2).
+
+"Classify the pathology: nan/inf (numerical), spikes then recovery, a flat
+line from step one (dead pipeline or vanishing gradients), or a curve that
+decreases then rises (learning rate too high)." NaN is the non-finite rule's;
+these are the other three shapes:
+
+* :class:`FlatFromStartDetector` -- the loss has not moved since step one.
+* :class:`LossSpikeDetector` -- the loss jumps far above its robust running
+  level; a spike that recovers is told apart from one that stays up.
+* :class:`RisingLossDetector` -- the loss trend turns up after decreasing.
+
+Every comparison is between medians with a MAD noise scale (:mod:`series`),
+so single noisy batches decide nothing.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections import deque
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import Field
+
+from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
+from gradwatch.rules.series import MAD_TO_SIGMA, flat_since_start, median_se
+from gradwatch.rules.step import Step
+
+
+def finite_loss(step: Step) -> float | None:
+    """The step's loss when it was measured, finite, and not an AMP-skipped step."""
+    if step.loss is None or is_amp_skip(step) or not math.isfinite(step.loss):
+        return None
+    return step.loss
+
+
+class FlatFromStartDetector:
+    """Active while the loss has stayed where it started (seed Stage 2: dead pipeline).
+
+    Compares the median of the first ``head`` losses with the median of the
+    latest ``window`` ones (see :func:`series.flat_since_start`): flat when
+    their difference plus ``z`` standard errors is within ``tolerance`` of the
+    starting level. Only judges runs it saw from (near) step one
+    (``max_first_step``): a collector restarted mid-run, or a resumed
+    converged run, is not "from the start". While the learning rate is still
+    rising across the window (warm-up) it does not judge.
+
+    Example::
+
+        det = FlatFromStartDetector(head=50, window=200, tolerance=0.02)
+        det.observe(step).evidence["change"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        head: Annotated[int, Field(ge=5)] = 50,
+        window: Annotated[int, Field(ge=10)] = 200,
+        tolerance: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.02,
+        z: Annotated[float, Field(ge=0.0)] = 3.0,
+        max_first_step: Annotated[int, Field(ge=0)] = 10,
+        check_every: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        self.head, self.window, self.tolerance, self.z = head, window, tolerance, z
+        self.max_first_step, self.check_every = max_first_step, check_every
+        self._first_step: int | None = None
+        self._head: list[float] = []
+        self._tail: deque[float] = deque(maxlen=window)
+        self._lrs: deque[float | None] = deque(maxlen=window)
+        self._since_check = 0
+        self._last: Finding = INACTIVE
+
+    def observe(self, step: Step) -> Finding:
+        """Judge one step; see the class docstring."""
+        if self._first_step is None:
+            self._first_step = step.step
+        loss = finite_loss(step)
+        if loss is None or self._first_step > self.max_first_step:
+            return self._last
+        if len(self._head) < self.head:
+            self._head.append(loss)
+            return INACTIVE
+        self._tail.append(loss)
+        self._lrs.append(max(step.lr) if step.lr else None)
+        self._since_check += 1
+        if len(self._tail) < self.window or self._since_check < self.check_every:
+            return self._last
+        self._since_check = 0
+        self._last = self._judge(step)
+        return self._last
+
+    def _judge(self, step: Step) -> Finding:
+        lr_then, lr_now = self._lrs[0], self._lrs[-1]
+        if lr_then is not None and lr_now is not None and lr_then < 0.99 * lr_now:
+            return INACTIVE  # warm-up: the loss may not move until the rate has risen
+        verdict = flat_since_start(self._head[:5], self._head, self._tail, self.tolerance, self.z)
+        if not verdict.flat:
+            return INACTIVE
+        summary = (
+            f"loss has not moved since step one: median {verdict.tail:.4g} over the last "
+            f"{self.window} steps vs {verdict.head:.4g} over the first {self.head} "
+            f"(change {verdict.change:+.2%}, within {self.tolerance:.0%}); dead pipeline?"
+        )
+        evidence = {
+            "first_loss": verdict.first,
+            "start_level": verdict.head,
+            "level": verdict.tail,
+            "change": verdict.change,
+            "bound": verdict.bound,
+            "tolerance": self.tolerance,
+            "lr": lr_now,
+            "steps": step.step - (self._first_step or 0) + 1,
+        }
+        return Finding(True, summary, evidence)
+
+
+Report = Literal["spike", "divergence"]
+
+
+class LossSpikeDetector:
+    """Active during a loss spike (``report="spike"``) or once it proves a divergence.
+
+    The running level is the median of the last ``window`` losses and the
+    noise scale 1.4826 × their MAD, in log space when the losses are positive
+    (batch noise is multiplicative; floored at ``min_rel_sigma``).
+    A loss ``sigmas`` noise scales above the level, and at least ``min_rise``
+    (relative) above it, opens an episode; the reference level is frozen for
+    the episode (spike values never enter the window). The episode ends when
+    ``recover_steps`` consecutive losses are back within ``recover_sigmas``.
+
+    ``report="spike"`` is active while the episode's latest loss is still up
+    (category ``loss_spike``); ``report="divergence"`` only once the loss has
+    been up for ``diverge_after`` steps (the loss "stays up / keeps rising":
+    learning rate too high). After ``rebase_after`` steps up the new level is
+    accepted.
+
+    Example::
+
+        det = LossSpikeDetector(window=128, sigmas=6.0)
+        det.observe(step).evidence["height_sigmas"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        report: Report = "spike",
+        window: Annotated[int, Field(ge=8)] = 128,
+        min_history: Annotated[int, Field(ge=8)] = 64,
+        sigmas: Annotated[float, Field(gt=0.0)] = 6.0,
+        min_rise: Annotated[float, Field(ge=0.0)] = 0.1,
+        min_rel_sigma: Annotated[float, Field(ge=0.0)] = 0.001,
+        recover_sigmas: Annotated[float, Field(ge=0.0)] = 3.0,
+        recover_steps: Annotated[int, Field(ge=1)] = 3,
+        diverge_after: Annotated[int, Field(ge=1)] = 50,
+        rebase_after: Annotated[int, Field(ge=2)] = 1000,
+    ) -> None:
+        if min_history > window:
+            raise ValueError(f"min_history ({min_history}) must not exceed window ({window})")
+        self.report, self.window, self.min_history = report, window, min_history
+        self.sigmas, self.min_rise, self.min_rel_sigma = sigmas, min_rise, min_rel_sigma
+        self.recover_sigmas, self.recover_steps = recover_sigmas, recover_steps
+        self.diverge_after, self.rebase_after = diverge_after, rebase_after
+        self._window = _SortedWindow(window)
+        self._sigma: tuple[float, bool] | None = None  # cached noise scale and its space
+        self._sigma_age = 0
+        self._episode: _Episode | None = None
+        self._last: Finding = INACTIVE
+
+    def observe(self, step: Step) -> Finding:
+        """Judge one step; see the class docstring."""
+        loss = finite_loss(step)
+        if loss is None:
+            return self._last  # NaN is the non-finite rule's; no measurement keeps the verdict
+        episode = self._episode
+        if episode is None:
+            episode = self._maybe_open(step.step, loss)
+            if episode is None:
+                self._window.add(loss)
+                self._sigma_age += 1
+                self._last = INACTIVE
+                return INACTIVE
+            self._episode = episode
+        else:
+            episode.add(step.step, loss)
+            if episode.recovered >= self.recover_steps or episode.steps >= self.rebase_after:
+                if episode.steps >= self.rebase_after:
+                    self._window.clear()  # the loss settled at a new level: accept it
+                    self._sigma = None
+                self._episode = None
+                self._last = INACTIVE
+                return INACTIVE
+        self._last = self._finding(episode)
+        return self._last
+
+    def _maybe_open(self, step: int, loss: float) -> _Episode | None:
+        if len(self._window) < self.min_history:
+            return None
+        level = self._window.median()
+        if loss < level + self.min_rise * abs(level):
+            return None  # the cheap test first: most steps end here
+        sigma, log = self._noise(level)
+        centre = math.log(level) if log else level
+        height = ((math.log(loss) if log else loss) - centre) / sigma
+        if height < self.sigmas:
+            return None
+        back = self.recover_sigmas * sigma
+        recover_below = level * math.exp(back) if log else level + back
+        return _Episode(step, level, sigma, loss, height, recover_below, log)
+
+    def _noise(self, level: float) -> tuple[float, bool]:
+        """The window's noise scale, recomputed after every 8 new losses (it drifts slowly)."""
+        if self._sigma is None or self._sigma_age >= 8:
+            values = self._window.values()
+            # Batch losses are skewed (noise is multiplicative): judge positive losses in log
+            # space, where a 6σ excursion is as rare as the rule means it to be.
+            log = bool(values[0] > 0.0)
+            space = np.log(values) if log else values
+            centre = math.log(level) if log else level
+            sigma = MAD_TO_SIGMA * float(np.median(np.abs(space - centre)))
+            floor = self.min_rel_sigma if log else self.min_rel_sigma * abs(level)
+            self._sigma, self._sigma_age = (max(sigma, floor, 1e-12), log), 0
+        return self._sigma
+
+    def _finding(self, ep: _Episode) -> Finding:
+        diverging = ep.steps >= self.diverge_after
+        # Active only while the latest loss is still up: the alert resolves as the loss
+        # returns, and a one-step outlier is active for one step (the rule's `for` drops it).
+        if ep.recovered or (self.report == "divergence" and not diverging):
+            return INACTIVE
+        evidence = {
+            "level": ep.level,
+            "sigma": ep.sigma,
+            "spike_step": ep.start,
+            "spike_loss": ep.first,
+            "height_sigmas": ep.height,
+            "peak_loss": ep.peak,
+            "peak_step": ep.peak_step,
+            "peak_sigmas": ep.sigmas_of(ep.peak),
+            "space": "log" if ep.log else "linear",
+            "loss": ep.latest,
+            "steps_above": ep.steps,
+            "window": self.window,
+        }
+        if diverging:
+            summary = (
+                f"loss has stayed above its level for {ep.steps} steps since step {ep.start}: "
+                f"now {ep.latest:.4g} vs level {ep.level:.4g} (peak {ep.peak:.4g} at step "
+                f"{ep.peak_step}); diverging, not a passing spike"
+            )
+        else:
+            summary = (
+                f"loss spike at step {ep.start}: {ep.first:.4g} is {ep.height:.1f}σ above its "
+                f"running level {ep.level:.4g} (median of the last {self.window} steps)"
+            )
+        return Finding(True, summary, evidence)
+
+
+class _SortedWindow:
+    """The last ``size`` values, kept sorted too: the median is a lookup, an update O(size) memmove."""
+
+    __slots__ = ("_order", "_sorted")
+
+    def __init__(self, size: int) -> None:
+        self._order: deque[float] = deque(maxlen=size)
+        self._sorted: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, value: float) -> None:
+        if len(self._order) == self._order.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, self._order[0])]
+        self._order.append(value)
+        bisect.insort(self._sorted, value)
+
+    def clear(self) -> None:
+        self._order.clear()
+        self._sorted.clear()
+
+    def median(self) -> float:
+        n = len(self._sorted)
+        mid = n // 2
+        return self._sorted[mid] if n % 2 else 0.5 * (self._sorted[mid - 1] + self._sorted[mid])
+
+    def values(self) -> np.ndarray:
+        """The values in ascending order."""
+        return np.asarray(self._sorted, dtype=np.float64)
+
+
+class _Episode:
+    """One spike, from the loss that opened it until it recovers."""
+
+    __slots__ = ("start", "level", "sigma", "first", "height", "recover_below", "log",
+                 "peak", "peak_step", "latest", "steps", "recovered")
+
+    def __init__(self, start: int, level: float, sigma: float, loss: float, height: float,
+                 recover_below: float, log: bool) -> None:
+        self.start, self.level, self.sigma, self.log = start, level, sigma, log
+        self.first, self.height, self.recover_below = loss, height, recover_below
+        self.peak, self.peak_step, self.latest = loss, start, loss
+        self.steps, self.recovered = 1, 0
+
+    def sigmas_of(self, loss: float) -> float:
+        """How many noise scales ``loss`` sits above the level."""
+        if self.log:
+            return (math.log(loss) - math.log(self.level)) / self.sigma if loss > 0 else -math.inf
+        return (loss - self.level) / self.sigma
+
+    def add(self, step: int, loss: float) -> None:
+        self.latest = loss
+        if loss > self.peak:
+            self.peak, self.peak_step = loss, step
+        if loss <= self.recover_below:
+            self.recovered += 1
+        else:
+            self.recovered = 0
+            self.steps += 1
+
+
+class RisingLossDetector:
+    """Active while the loss trend has turned up after decreasing (seed Stage 2: LR too high).
+
+    Losses are summarised per block of ``block`` steps by their median and
+    the standard error of that median. Active when each of the last
+    ``sustain`` blocks sits above the lowest block so far by at least ``rise``
+    (relative) *and* by ``z`` standard errors of the difference, and the
+    lowest block came after the first one fell by ``drop`` -- the curve went
+    down first, then up.
+
+    Example::
+
+        det = RisingLossDetector(block=25, rise=0.2, sustain=3)
+        det.observe(step).evidence["rise"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        block: Annotated[int, Field(ge=5)] = 25,
+        rise: Annotated[float, Field(gt=0.0)] = 0.2,
+        z: Annotated[float, Field(ge=0.0)] = 4.0,
+        sustain: Annotated[int, Field(ge=1)] = 3,
+        drop: Annotated[float, Field(ge=0.0)] = 0.05,
+    ) -> None:
+        self.block, self.rise, self.z, self.sustain, self.drop = block, rise, z, sustain, drop
+        self._current: list[float] = []
+        self._first: float | None = None
+        self._best: tuple[float, float, int] | None = None  # (median, se, step)
+        self._recent: deque[tuple[float, float, int]] = deque(maxlen=sustain)
+        self._last: Finding = INACTIVE
+
+    def observe(self, step: Step) -> Finding:
+        """Judge one step; see the class docstring."""
+        loss = finite_loss(step)
+        if loss is None:
+            return self._last
+        self._current.append(loss)
+        if len(self._current) < self.block:
+            return self._last
+        values = np.asarray(self._current, dtype=np.float64)
+        self._current = []
+        median = float(np.median(values))
+        se = median_se(MAD_TO_SIGMA * float(np.median(np.abs(values - median))), values.size)
+        summary = (median, se, step.step)
+        if self._first is None:
+            self._first = median
+        self._recent.append(summary)
+        if self._best is None or median < self._best[0]:
+            self._best = summary
+        self._last = self._judge()
+        return self._last
+
+    def _judge(self) -> Finding:
+        best, first = self._best, self._first
+        if best is None or first is None or len(self._recent) < self.sustain:
+            return INACTIVE
+        if first < best[0] * (1.0 + self.drop):
+            return INACTIVE  # never went down: not "decreases then rises"
+        for median, se, _ in self._recent:
+            if median < best[0] * (1.0 + self.rise) or median - best[0] < self.z * math.hypot(se, best[1]):
+                return INACTIVE
+        latest = self._recent[-1]
+        rise = latest[0] / best[0] - 1.0 if best[0] > 0 else math.inf
+        summary = (
+            f"loss is rising again: block median {latest[0]:.4g} at step {latest[2]} is "
+            f"{rise:+.0%} over its low {best[0]:.4g} at step {best[2]} for {self.sustain} blocks "
+            f"of {self.block} steps; learning rate too high?"
+        )
+        evidence = {
+            "low": best[0],
+            "low_step": best[2],
+            "level": latest[0],
+            "rise": rise,
+            "start_level": first,
+            "block": self.block,
+            "blocks_above": self.sustain,
+        }
+        return Finding(True, summary, evidence)

@@ -1,0 +1,94 @@
+"""Vanishing-gradient detector: every gradient is ~0 while the loss is far from converged.
+
+The seed's ``diagnose``: ``all(n < 1e-6 for n in norms[-50:]) and not
+converged(losses)`` -> "vanishing gradients: check activation saturation,
+depth, residuals". The total norm is below the threshold exactly when every
+layer's is too small to matter, so the detector reads the total (the
+reported ``grad_norm``, else the root sum of squares of the layer norms).
+
+"Converged" is not defined by the seed. Here the loss is converged when its
+recent median is at most ``converged_fraction`` of where it started, or below
+``converged_loss`` in absolute terms: a run that solved its task may have
+tiny gradients legitimately. Without a measured loss convergence cannot be
+told, and the detector stays quiet.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from typing import Annotated
+
+from pydantic import Field
+
+from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
+from gradwatch.rules.growth import total_grad_norm
+from gradwatch.rules.loss import finite_loss
+from gradwatch.rules.step import Step
+
+
+class VanishingGradientDetector:
+    """Active while the total grad norm stayed below ``threshold`` for ``window`` steps, loss unconverged.
+
+    Example::
+
+        det = VanishingGradientDetector(window=50, threshold=1e-6)
+        det.observe(step).evidence["max_grad_norm"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        window: Annotated[int, Field(ge=1)] = 50,
+        threshold: Annotated[float, Field(gt=0.0)] = 1e-6,
+        converged_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1,
+        converged_loss: Annotated[float, Field(ge=0.0)] = 1e-3,
+        head: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        self.window, self.threshold = window, threshold
+        self.converged_fraction, self.converged_loss, self.head = converged_fraction, converged_loss, head
+        self._norms: deque[float] = deque(maxlen=window)
+        self._losses: deque[float] = deque(maxlen=window)
+        self._head: list[float] = []
+        self._last: Finding = INACTIVE
+
+    def observe(self, step: Step) -> Finding:
+        """Judge one step; see the class docstring."""
+        loss = finite_loss(step)
+        if loss is not None:
+            if len(self._head) < self.head:
+                self._head.append(loss)
+            self._losses.append(loss)
+        norm = total_grad_norm(step)
+        if is_amp_skip(step) or norm is None or not math.isfinite(norm):
+            return self._last
+        self._norms.append(norm)
+        self._last = self._judge(step)
+        return self._last
+
+    def _judge(self, step: Step) -> Finding:
+        if len(self._norms) < self.window or not self._head or len(self._losses) < min(self.window, 5):
+            return INACTIVE
+        largest = max(self._norms)
+        if largest >= self.threshold:
+            return INACTIVE
+        start = statistics.median(self._head)
+        level = statistics.median(self._losses)
+        if level <= self.converged_loss or level <= self.converged_fraction * abs(start):
+            return INACTIVE  # converged: tiny gradients are expected
+        progress = f", {level / start:.0%} of where it started" if start else ""
+        summary = (
+            f"gradients vanished: total grad norm below {self.threshold:g} for {self.window} steps "
+            f"(largest {largest:.3g}) while the loss is still {level:.4g}{progress}"
+        )
+        evidence = {
+            "max_grad_norm": largest,
+            "threshold": self.threshold,
+            "window": self.window,
+            "loss": level,
+            "start_loss": start,
+            "step": step.step,
+        }
+        return Finding(True, summary, evidence)

@@ -1,0 +1,218 @@
+"""Weight detectors on cadence statistics (seed Stage 4; TheDeepChecker's weight checks).
+
+* :class:`WeightRunawayDetector` -- "weight histograms with runaway magnitude
+  indicate insufficient regularization or an exploding-gradient regime that
+  the optimizer partially absorbed". Runaway is *geometric* growth of the
+  total weight norm: a steady factor per sample that does not slow down.
+  Healthy growth (random-walk diffusion without weight decay grows like
+  sqrt(t); warm-up growth saturates) decelerates, which the fit rejects.
+* :class:`UpdateRatioDetector` -- ‖Δw‖/‖w‖ of the optimizer's update outside
+  a sane band. Karpathy's rule of thumb (CS231n notes) puts a healthy ratio
+  around 1e-3. ``direction="high"``: the weight-norm-weighted global ratio
+  above ``high`` (default 0.1, two orders above the rule of thumb) -- the
+  optimizer rewrites the weights every few steps. ``direction="low"``: even
+  the fastest-moving layer below ``low`` (default 1e-6) while the learning
+  rate is non-zero and not annealed away -- nothing learns (frozen
+  parameters, an optimizer that never steps, bf16 rounding every update away).
+  smdebug's WeightUpdateRatio uses 10 and 1e-8 on its own definition of the
+  ratio; the defaults here are calibrated on synthetic runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Annotated, Literal
+
+import numpy as np
+from pydantic import Field
+
+from gradwatch.rules.detector import INACTIVE, Finding, validated_params
+from gradwatch.rules.growth import fit_line
+from gradwatch.rules.step import Stats, Step
+
+
+class WeightRunawayDetector:
+    """Active while the total weight norm grows geometrically over ``window`` cadence samples.
+
+    Conditions: growth of at least ``min_growth`` across the window, a
+    straight line in log(norm) (R² >= ``min_r2``), and the newest half still
+    growing at ``min_recent`` of the window's rate (no deceleration).
+
+    Example::
+
+        det = WeightRunawayDetector(window=8, min_growth=2.0)
+        det.observe_stats(stats).evidence["factor_per_sample"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        window: Annotated[int, Field(ge=4)] = 8,
+        min_growth: Annotated[float, Field(gt=1.0)] = 2.0,
+        min_r2: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95,
+        min_recent: Annotated[float, Field(ge=0.0)] = 0.8,
+    ) -> None:
+        self.window, self.min_growth, self.min_r2, self.min_recent = window, min_growth, min_r2, min_recent
+        self._steps: deque[int] = deque(maxlen=window)
+        self._logs: deque[float] = deque(maxlen=window)
+        self._layers: deque[np.ndarray] = deque(maxlen=window)
+        self._names: tuple[str, ...] = ()
+        self._last: Finding = INACTIVE
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no weight norms."""
+        if stats.weight_norms is None:
+            return None
+        norms = np.asarray(stats.weight_norms, dtype=np.float64)
+        if norms.size == 0 or not np.isfinite(norms).all():
+            return self._last  # non-finite weights are the non-finite rule's
+        total = math.sqrt(float(np.dot(norms, norms)))
+        if total <= 0.0:
+            return self._last
+        if stats.layers != self._names or (self._layers and self._layers[-1].size != norms.size):
+            # Another model layout (or the first sample): the old samples compare to nothing.
+            self._steps.clear()
+            self._logs.clear()
+            self._layers.clear()
+            self._names = stats.layers
+        self._steps.append(stats.step)
+        self._logs.append(math.log(total))
+        self._layers.append(norms)
+        self._last = self._judge(total) if len(self._logs) == self.window else INACTIVE
+        return self._last
+
+    def _judge(self, total: float) -> Finding:
+        x = np.arange(self.window, dtype=np.float64)
+        y = np.fromiter(self._logs, dtype=np.float64, count=self.window)
+        slope, r2 = fit_line(x, y)
+        half = self.window // 2
+        recent, _ = fit_line(x[-half:], y[-half:])
+        growth = math.exp(min(y[-1] - y[0], 700.0))
+        if growth < self.min_growth or r2 < self.min_r2 or slope <= 0 or recent < self.min_recent * slope:
+            return INACTIVE
+        first, last = self._layers[0], self._layers[-1]
+        # Layers with a non-trivial share of the weights: a zero-initialised bias "grows" infinitely.
+        big = first >= 0.01 * float(first.max())
+        ratios = np.where(big, last / np.where(first > 0, first, 1.0), 0.0)
+        top = int(np.argmax(ratios))
+        layer = self._names[top] if top < len(self._names) else f"#{top}"
+        summary = (
+            f"weight norm growing without bound: total {total:.4g} grew ×{growth:.2f} over {self.window} "
+            f"samples (×{math.exp(slope):.3f} per sample, steps {self._steps[0]}–{self._steps[-1]}); "
+            f"fastest layer {layer!r} ×{float(ratios[top]):.2f}"
+        )
+        evidence = {
+            "weight_norm": total,
+            "growth": growth,
+            "factor_per_sample": math.exp(slope),
+            "r2": r2,
+            "since_step": self._steps[0],
+            "fastest_layer": layer,
+            "fastest_layer_growth": float(ratios[top]),
+        }
+        return Finding(True, summary, evidence)
+
+
+Direction = Literal["high", "low"]
+
+
+class UpdateRatioDetector:
+    """Active while ‖Δw‖/‖w‖ is outside the band for ``samples`` consecutive cadence samples.
+
+    See the module docstring for the two directions. ``observe`` only tracks
+    the learning rate (largest param group; None when never reported).
+
+    Example::
+
+        det = UpdateRatioDetector(direction="high", high=0.1)
+        det.observe_stats(stats).evidence["ratio"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        direction: Direction = "high",
+        high: Annotated[float, Field(gt=0.0)] = 0.1,
+        low: Annotated[float, Field(ge=0.0)] = 1e-6,
+        samples: Annotated[int, Field(ge=1)] = 3,
+        lr_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1,
+    ) -> None:
+        self.direction, self.high, self.low = direction, high, low
+        self.samples, self.lr_fraction = samples, lr_fraction
+        self._lr: float | None = None
+        self._lr_peak = 0.0
+        self._held = 0
+        self._since: int | None = None
+        self._last: Finding = INACTIVE
+
+    def observe(self, step: Step) -> None:
+        """Track the learning rate; judged on the next cadence sample."""
+        if step.lr:
+            lr = max(step.lr)
+            if math.isfinite(lr):
+                self._lr = lr
+                self._lr_peak = max(self._lr_peak, lr)
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no update ratios."""
+        if stats.update_ratios is None:
+            return None
+        ratios = np.asarray(stats.update_ratios, dtype=np.float64)
+        finite = np.isfinite(ratios)
+        if not finite.any():
+            return self._last
+        if self.direction == "high":
+            value = self._global(ratios, finite, stats.weight_norms)
+            outside = value > self.high
+        else:
+            value = float(ratios[finite].max())
+            lr = self._lr
+            # Frozen only means something while the rate is non-zero and not annealed away.
+            judged = lr is not None and lr > 0.0 and lr >= self.lr_fraction * self._lr_peak
+            outside = judged and value < self.low
+        if not outside:
+            self._held, self._since = 0, None
+            self._last = INACTIVE
+            return self._last
+        self._held += 1
+        if self._since is None:
+            self._since = stats.step
+        self._last = self._finding(value, stats) if self._held >= self.samples else INACTIVE
+        return self._last
+
+    @staticmethod
+    def _global(ratios: np.ndarray, finite: np.ndarray, weights: np.ndarray | None) -> float:
+        """‖Δw‖/‖w‖ over the whole model: layers weighted by their weight norm."""
+        if weights is not None and np.asarray(weights).shape == ratios.shape:
+            w = np.asarray(weights, dtype=np.float64)
+            ok = finite & np.isfinite(w)
+            denominator = float(np.dot(w[ok], w[ok]))
+            if denominator > 0.0:
+                return math.sqrt(float(np.dot(ratios[ok] * w[ok], ratios[ok] * w[ok])) / denominator)
+        return float(np.median(ratios[finite]))
+
+    def _finding(self, value: float, stats: Stats) -> Finding:
+        if self.direction == "high":
+            summary = (
+                f"updates too large: ‖Δw‖/‖w‖ = {value:.3g} > {self.high:g} for {self._held} samples "
+                f"since step {self._since} (healthy is ~1e-3); learning rate too high?"
+            )
+        else:
+            summary = (
+                f"weights frozen: the largest layer ‖Δw‖/‖w‖ is {value:.3g} < {self.low:g} for "
+                f"{self._held} samples since step {self._since} with lr {self._lr:.3g}; are the "
+                "parameters in the optimizer, and does it step?"
+            )
+        evidence = {
+            "direction": self.direction,
+            "ratio": value,
+            "threshold": self.high if self.direction == "high" else self.low,
+            "samples": self._held,
+            "since_step": self._since,
+            "lr": self._lr,
+            "step": stats.step,
+        }
+        return Finding(True, summary, evidence)

@@ -1,0 +1,163 @@
+"""Loss-curve detectors: flat from the start, spikes vs divergence, a trend that turns up."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from gradwatch.rules import Step
+from gradwatch.rules.detector import Finding
+from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
+from gradwatch.rules.series import flat_since_start, trending_up
+
+
+def steps(losses: Iterable[float], first: int = 1, lr: float | None = 1e-3) -> list[Step]:
+    return [Step(job="j", step=first + i, time=float(i), loss=loss, lr=() if lr is None else (lr,))
+            for i, loss in enumerate(losses)]
+
+
+def run(det: object, losses: Iterable[float], **kw: object) -> list[Finding]:
+    return [det.observe(s) for s in steps(losses, **kw)]  # type: ignore[attr-defined]
+
+
+def noisy(n: int, level: float = 2.3, sigma: float = 0.05, seed: int = 0) -> np.ndarray:
+    return level * np.random.default_rng(seed).lognormal(0.0, sigma, n)
+
+
+# ---------------------------------------------------------------- flat from the start
+
+
+def test_flat_fires_once_the_windows_resolve_it() -> None:
+    found = run(FlatFromStartDetector(), noisy(400, sigma=0.005))
+    first = next(i for i, f in enumerate(found) if f.active) + 1
+    assert first == 250  # 50 head + 200 window, judged every 10 steps
+    ev = found[-1].evidence
+    assert abs(ev["change"]) < 0.02 and ev["bound"] <= 0.02 and ev["start_level"] == pytest.approx(2.3, rel=0.01)
+
+
+def test_a_constant_loss_is_flat() -> None:
+    assert run(FlatFromStartDetector(), [0.693] * 300)[-1].active
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_noisy_slowly_decreasing_loss_is_not_flat(seed: int) -> None:
+    t = np.arange(3000)
+    losses = 2.3 * (1.0 - 0.1 * t / 3000) * np.random.default_rng(seed).lognormal(0.0, 0.3, t.size)
+    assert not any(f.active for f in run(FlatFromStartDetector(), losses))
+
+
+def test_converged_run_with_a_flat_tail_is_not_flat() -> None:
+    losses = 0.05 + 2.0 * np.exp(-np.arange(2000) / 20.0)  # learned in the first ~50 steps
+    assert not any(f.active for f in run(FlatFromStartDetector(), losses))
+
+
+def test_a_run_first_seen_mid_way_is_not_judged() -> None:
+    assert not any(f.active for f in run(FlatFromStartDetector(), [0.7] * 600, first=50_000))
+
+
+def test_no_verdict_while_the_learning_rate_still_rises() -> None:
+    det = FlatFromStartDetector()
+    found = [det.observe(Step(job="j", step=t, time=0.0, loss=2.3, lr=(1e-6 * t,))) for t in range(1, 600)]
+    assert not any(f.active for f in found)
+    assert det.observe(Step(job="j", step=600, time=0.0, loss=2.3, lr=(6e-4,))).active is False
+    found = [det.observe(Step(job="j", step=t, time=0.0, loss=2.3, lr=(6e-4,))) for t in range(601, 900)]
+    assert found[-1].active  # warm-up over, still flat
+
+
+def test_flat_since_start_needs_the_first_losses_too() -> None:
+    # First window already converged, but the very first losses were 10x higher: it learned.
+    verdict = flat_since_start([2.3] * 5, [0.2] * 50, [0.2] * 200, tolerance=0.02, z=3.0)
+    assert not verdict.flat and verdict.first == 2.3
+
+
+# ---------------------------------------------------------------- spikes
+
+
+def spike_series(n: int = 400, at: int = 200, height: float = 3.0, length: int = 10, seed: int = 0) -> np.ndarray:
+    losses = noisy(n, seed=seed)
+    losses[at:at + length] *= height
+    return losses
+
+
+def test_spike_fires_with_evidence_and_clears_when_the_loss_returns() -> None:
+    found = run(LossSpikeDetector(), spike_series())
+    active = [i for i, f in enumerate(found) if f.active]
+    assert active == list(range(200, 210))  # steps 201..210: exactly the spike
+    ev = found[200].evidence
+    assert ev["spike_step"] == 201 and ev["height_sigmas"] > 6 and ev["space"] == "log"
+    assert ev["level"] == pytest.approx(2.3, rel=0.05)
+    assert not found[-1].active
+
+
+def test_divergence_only_when_the_loss_stays_up() -> None:
+    spike = run(LossSpikeDetector(report="divergence"), spike_series())
+    assert not any(f.active for f in spike)
+    stays = spike_series(length=200)
+    found = run(LossSpikeDetector(report="divergence"), stays)
+    first = next(i for i, f in enumerate(found) if f.active)
+    assert first == 200 + 49  # the 50th step above the level
+    assert "diverging" in found[first].summary and found[first].evidence["steps_above"] == 50
+
+
+def test_nan_and_missing_losses_keep_the_verdict() -> None:
+    det = LossSpikeDetector()
+    for s in steps(spike_series(n=205)):
+        found = det.observe(s)
+    assert found.active
+    assert det.observe(Step(job="j", step=206, time=0.0, loss=math.nan)).active
+    assert det.observe(Step(job="j", step=207, time=0.0)).active
+
+
+def test_negative_losses_are_judged_in_linear_space() -> None:
+    losses = -5.0 + np.random.default_rng(1).normal(0.0, 0.05, 300)
+    losses[250:260] += 3.0
+    found = run(LossSpikeDetector(), losses)
+    assert found[250].active and found[250].evidence["space"] == "linear"
+
+
+def test_a_new_level_is_accepted_after_rebase_after() -> None:
+    losses = np.concatenate([noisy(100), noisy(300, level=5.0, seed=2)])
+    found = run(LossSpikeDetector(rebase_after=100), losses)
+    assert found[150].active and not found[-1].active
+
+
+def test_spike_params_are_checked() -> None:
+    with pytest.raises(ValueError, match="min_history"):
+        LossSpikeDetector(window=32, min_history=64)
+    with pytest.raises(ValidationError):
+        LossSpikeDetector(report="both")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- rising
+
+
+def test_rising_after_decreasing_fires_and_names_the_low() -> None:
+    t = np.arange(1500)
+    level = np.where(t < 600, 2.3 - 1.5 * t / 600, 0.8 + 1.0 * (t - 600) / 900)
+    found = run(RisingLossDetector(), level * np.random.default_rng(0).lognormal(0.0, 0.1, t.size))
+    first = next(i for i, f in enumerate(found) if f.active)
+    assert 700 < first < 1000
+    ev = found[first].evidence
+    assert 500 <= ev["low_step"] <= 700 and ev["rise"] >= 0.2
+
+
+def test_rising_from_the_start_is_not_this_rule() -> None:
+    losses = np.linspace(1.0, 3.0, 1000)
+    assert not any(f.active for f in run(RisingLossDetector(), losses))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_noisy_plateau_never_rises(seed: int) -> None:
+    losses = noisy(5000, sigma=0.3, seed=seed)
+    losses[:100] *= 2.0
+    assert not any(f.active for f in run(RisingLossDetector(), losses))
+
+
+def test_trending_up() -> None:
+    assert trending_up([1.0 * 1.1**i for i in range(30)], factor=4.0)
+    assert not trending_up([1.0] * 30, factor=1.2)
+    assert not trending_up([1.0, 2.0], factor=1.2)

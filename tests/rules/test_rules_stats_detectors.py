@@ -1,0 +1,154 @@
+"""Cadence-statistics detectors (activations, weights, update ratios) and AMP loss-scale collapse."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from gradwatch.rules import Step
+from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
+from gradwatch.rules.amp import LossScaleCollapseDetector
+from gradwatch.rules.step import ActStats, Stats
+from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
+
+LAYERS = ("0.weight", "0.bias", "1.weight", "1.bias")
+
+
+def stats(t: int, *, act: Sequence[ActStats] = (), weights: Sequence[float] | None = None,
+          ratios: Sequence[float] | None = None) -> Stats:
+    return Stats(job="j", step=t, time=float(t), layers=LAYERS, act=tuple(act),
+                 weight_norms=None if weights is None else np.asarray(weights, dtype=float),
+                 update_ratios=None if ratios is None else np.asarray(ratios, dtype=float))
+
+
+def relu(module: str, zero: float) -> ActStats:
+    return ActStats(module, "relu", mean=0.3, std=0.5, zero_frac=zero)
+
+
+def tanh(module: str, sat: float) -> ActStats:
+    return ActStats(module, "tanh", mean=0.0, std=0.9, sat_frac=sat)
+
+
+# ---------------------------------------------------------------- activations
+
+
+def test_dead_units_needs_three_samples_and_names_the_module() -> None:
+    det = DeadUnitsDetector()
+    found = [det.observe_stats(stats(50 * k, act=[relu("a", 0.5), relu("b", 0.95)])) for k in range(1, 5)]
+    assert [f.active for f in found if f is not None] == [False, False, True, True]
+    ev = found[2].evidence
+    assert (ev["module"], ev["since_step"], ev["count"]) == ("b", 50, 1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_healthy_relu_halves_never_fire(seed: int) -> None:
+    det = DeadUnitsDetector()
+    rng = np.random.default_rng(seed)
+    for k in range(1, 500):
+        acts = [relu(f"m{j}", float(np.clip(rng.normal(0.5, 0.1), 0, 1))) for j in range(8)]
+        assert not det.observe_stats(stats(k, act=acts)).active
+
+
+def test_a_dip_resets_the_count() -> None:
+    det = SaturationDetector(samples=2)
+    shares = [0.9, 0.2, 0.9, 0.9]
+    found = [det.observe_stats(stats(k, act=[tanh("a", s)])) for k, s in enumerate(shares)]
+    assert [f.active for f in found] == [False, False, False, True]
+
+
+def test_stats_without_activations_are_no_verdict() -> None:
+    assert SaturationDetector().observe_stats(stats(1, weights=[1.0] * 4)) is None
+    # A ReLU module tells a saturation detector nothing, and vice versa.
+    assert SaturationDetector().observe_stats(stats(1, act=[relu("a", 0.99)])) is None
+    assert DeadUnitsDetector().observe_stats(stats(1, act=[tanh("a", 0.99)])) is None
+
+
+# ---------------------------------------------------------------- weights
+
+
+def run_weights(det: WeightRunawayDetector, totals: Sequence[float]) -> list[bool]:
+    out = []
+    for k, total in enumerate(totals):
+        found = det.observe_stats(stats(50 * (k + 1), weights=[total, 0.0, total / 10, 0.01]))
+        assert found is not None
+        out.append(found.active)
+    return out
+
+
+def test_geometric_weight_growth_fires() -> None:
+    det = WeightRunawayDetector()
+    assert run_weights(det, [10.0 * 1.15**k for k in range(12)])[-1]
+    found = det.observe_stats(stats(1000, weights=[10.0 * 1.15**12, 0.0, 10.0 * 1.15**12 / 10, 0.01]))
+    assert found is not None and found.evidence["fastest_layer"] in ("0.weight", "1.weight")
+    assert found.evidence["growth"] >= 2.0
+
+
+def test_diffusive_and_saturating_growth_do_not_fire() -> None:
+    # sqrt(t) (random walk, no weight decay) from an init of 10, and a warm-up that levels off.
+    assert not any(run_weights(WeightRunawayDetector(), [math.sqrt(100 + 40 * k) for k in range(60)]))
+    assert not any(run_weights(WeightRunawayDetector(), [10 * (3 - 2 * math.exp(-k / 3)) for k in range(60)]))
+
+
+def test_zero_initialised_biases_do_not_count() -> None:
+    det = WeightRunawayDetector()
+    for k in range(20):
+        found = det.observe_stats(stats(k, weights=[10.0, 1e-6 * 2**k, 3.0, 1e-6 * 3**k]))
+        assert found is not None and not found.active
+
+
+def test_update_ratio_high_uses_the_weighted_global_ratio() -> None:
+    det = UpdateRatioDetector(direction="high")
+    # The zero-initialised bias has an infinite ratio; weighted by its norm it does not count.
+    for k in range(5):
+        found = det.observe_stats(stats(k, weights=[10.0, 0.0, 5.0, 0.0], ratios=[1e-3, math.inf, 1e-3, 0.5]))
+        assert found is not None and not found.active
+    found = [det.observe_stats(stats(10 + k, weights=[10.0, 0.1, 5.0, 0.1], ratios=[0.3, 0.3, 0.3, 0.3]))
+             for k in range(3)]
+    assert [f.active for f in found if f is not None] == [False, False, True]
+    assert found[-1] is not None and found[-1].evidence["ratio"] == pytest.approx(0.3)
+
+
+def frozen_run(det: UpdateRatioDetector, lrs: Sequence[float | None]) -> list[bool]:
+    out = []
+    for k, lr in enumerate(lrs):
+        det.observe(Step(job="j", step=k, time=0.0, lr=() if lr is None else (lr,)))
+        found = det.observe_stats(stats(k, ratios=[0.0, 0.0, 0.0, 0.0]))
+        assert found is not None
+        out.append(found.active)
+    return out
+
+
+def test_frozen_weights_need_a_live_learning_rate() -> None:
+    assert frozen_run(UpdateRatioDetector(direction="low"), [1e-3] * 4) == [False, False, True, True]
+    assert not any(frozen_run(UpdateRatioDetector(direction="low"), [None] * 5))  # lr unknown
+    assert not any(frozen_run(UpdateRatioDetector(direction="low"), [0.0] * 5))  # lr is zero
+    annealed = [1e-3] + [1e-5] * 5  # end of a cosine schedule: 1% of the peak
+    assert not any(frozen_run(UpdateRatioDetector(direction="low"), annealed))
+
+
+# ---------------------------------------------------------------- loss scale
+
+
+def amp_steps(scales: Sequence[float], skipped: Sequence[bool]) -> list[bool]:
+    det = LossScaleCollapseDetector()
+    return [det.observe(Step(job="j", step=t, time=0.0, loss_scale=s, skipped=k)).active
+            for t, (s, k) in enumerate(zip(scales, skipped, strict=True))]
+
+
+def test_startup_search_and_rare_overflows_are_healthy() -> None:
+    scales = [65536.0 / 2 ** min(t, 16) for t in range(16)] + [1.5] * 984  # settles at 1.5: odd but above 1
+    skipped = [t < 16 or t % 500 == 0 for t in range(1000)]
+    assert not any(amp_steps(scales, skipped))
+
+
+def test_collapse_on_the_floor_and_on_a_skip_storm() -> None:
+    halving = [65536.0 / 2**t for t in range(20)]
+    found = amp_steps(halving, [True] * 20)
+    assert found.index(True) == 16  # scale 1.0
+    storm = amp_steps([1024.0] * 300, [t >= 100 and t % 2 == 0 for t in range(300)])
+    assert storm.index(True) > 100 and storm[-1]
+    det = LossScaleCollapseDetector()
+    assert not det.observe(Step(job="j", step=1, time=0.0, loss_scale=None)).active  # no AMP
