@@ -129,7 +129,9 @@ class Demo:
             print(f"\n{body.get('rule')}: evidence {json.dumps(body.get('evidence'), default=str)}")
             diagnosis = body.get("diagnosis") or {}
             if diagnosis:
-                print(f"  diagnosis: {diagnosis.get('verdict')}")
+                print(f"  diagnosis [{diagnosis.get('verdict')}]: {diagnosis.get('summary')}")
+                for check in list(diagnosis.get("next_checks") or [])[:3]:
+                    print(f"    next: {check}")
         if "numerical" not in categories:
             print("\nthe numerical alert did not arrive: see the collector's log above", file=sys.stderr)
             return 1
