@@ -37,6 +37,9 @@ class AgentConfig:
     endpoint: str = DEFAULT_ENDPOINT
     flush_every: int = 10
     heartbeat_every: float = 2.0
+    # Every this many steps the agent also ships cadence statistics (weight
+    # norms); 0 switches them off.
+    stats_every: int = 50
     # Host buffers in flight between the training thread and the shipper.
     # Four covers one being encoded, one queued and two being copied.
     pool_size: int = 4
@@ -62,6 +65,9 @@ class AgentConfig:
                 "0 <= rank < world; pass rank= and world= or set RANK and WORLD_SIZE")
         if not 1 <= self.flush_every <= MAX_ROWS:
             raise ValueError(f"flush_every must be in [1, {MAX_ROWS}], got {self.flush_every}")
+        if self.stats_every < 0:
+            raise ValueError(f"stats_every must be >= 0 (0: no cadence statistics), "
+                             f"got {self.stats_every}")
         if not self.heartbeat_every > 0:
             raise ValueError(f"heartbeat_every must be > 0 seconds, got {self.heartbeat_every}")
         for name in ("pool_size", "max_pending_events", "send_hwm", "device_columns"):

@@ -93,15 +93,22 @@ class GradReader:
         ``row`` has exactly ``len(names)`` elements (the layer part of a
         buffer row, sliced once by the caller).
         """
-        grads = [p.grad for p in self.params]
+        self._write_norms([p.grad for p in self.params], row)
+
+    def read_weights_into(self, row: torch.Tensor) -> None:
+        """Write each parameter's own L2 norm (of this rank's shard) into ``row``; no sync."""
+        with torch.no_grad():  # called from the loop, where autograd would record the norms
+            self._write_norms(list(self.params), row)
+
+    def _write_norms(self, tensors: list[torch.Tensor | None], row: torch.Tensor) -> None:
         if self.sharded:
-            grads = [g.to_local() if _is_dtensor(g) else g for g in grads]
-        # A list comprehension, not ``None in grads``: ``in`` would call
-        # Tensor.__eq__(None) per gradient, ~16 us each.
-        if self.wide or self.multi_device or [g for g in grads if g is None]:
-            norms = self._norms_slow(grads, row.device)
+            tensors = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+        # A list comprehension, not ``None in tensors``: ``in`` would call
+        # Tensor.__eq__(None) per tensor, ~16 us each.
+        if self.wide or self.multi_device or [t for t in tensors if t is None]:
+            norms = self._norms_slow(tensors, row.device)
         else:
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
         # One kernel writes every norm (cast to the row's float32) in place.
         torch.stack(norms, out=row)
 

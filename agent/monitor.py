@@ -42,12 +42,17 @@ from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns, HostValue
-from gradwatch.agent.shipper import Counters, EventItem, Shipper
+from gradwatch.agent.shipper import Counters, EventItem, Shipper, StatsItem
 from gradwatch.wire import columns as wc
 
 logger = logging.getLogger(__name__)
 
 Scalar = torch.Tensor | float | int
+# BatchNorm and Dropout behave differently in training mode; an eval that runs
+# them so is wrong. (LayerNorm/GroupNorm do not depend on the mode.)
+_MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
+# Names sent with one eval event: the header frame is capped at 64 KiB.
+MAX_TRAIN_MODE_NAMES = 32
 # Checked by exact type first: an ABC isinstance costs a microsecond.
 _NUMBERS = (float, int, bool)
 
@@ -69,6 +74,8 @@ class MonitorStats:
     events_sent: int
     events_dropped: int
     disabled: str | None
+    stats_sent: int = 0
+    stats_dropped: int = 0
 
 
 class Monitor:
@@ -90,6 +97,9 @@ class Monitor:
         if not enabled:
             return
         self._reader = GradReader.attach(model, optimizer)
+        # Found once: walking a large model's modules on every eval is wasted work.
+        self._mode_sensitive = tuple((name or type(m).__name__, m) for name, m
+                                     in model.named_modules() if isinstance(m, _MODE_SENSITIVE))
         self._device = self._reader.device
         self._optimizer = optimizer
         self._scaler = scaler
@@ -123,7 +133,7 @@ class Monitor:
             steps_logged=c.steps_logged, steps_dropped=c.steps_dropped,
             steps_sent=c.steps_sent, batches_sent=c.batches_sent, heartbeats_sent=c.heartbeats_sent,
             events_sent=c.events_sent, events_dropped=c.events_dropped,
-            disabled=self._disabled)
+            disabled=self._disabled, stats_sent=c.stats_sent, stats_dropped=c.stats_dropped)
 
     def log(self, **scalars: Scalar) -> None:
         """Record this step: ``loss`` plus any named scalars (tensors or numbers).
@@ -150,8 +160,20 @@ class Monitor:
             self._fail("recording a step in Monitor.log()", exc)
 
     def log_eval(self, **values: Scalar) -> None:
-        """Send an ``eval`` event (e.g. ``loss=val_loss``) at step ``self.step``."""
-        self._event("eval", self._step, values)
+        """Send an ``eval`` event (e.g. ``loss=val_loss``) at step ``self.step``.
+
+        Call it while the model is still set up for evaluation. When the model
+        has BatchNorm or Dropout modules, the event also names those left in
+        training mode (``train_mode_modules``, at most ``MAX_TRAIN_MODE_NAMES``;
+        ``module.training`` is a host flag, so this reads nothing on the device).
+        """
+        if self._off:
+            return
+        extra: dict[str, Any] = {}
+        if self._mode_sensitive:
+            training = [name for name, module in self._mode_sensitive if module.training]
+            extra["train_mode_modules"] = training[:MAX_TRAIN_MODE_NAMES]
+        self._event("eval", self._step, values, extra)
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike[str]) -> None:
         """Tell the collector a checkpoint of ``step`` now exists at ``path``."""
@@ -227,8 +249,29 @@ class Monitor:
         for slot, value in host:
             host_row[slot] = value
         self._step += 1
-        self._buffer.commit(self._step, time.time(), host_row)
+        now = time.time()
+        self._buffer.commit(self._step, now, host_row)
         self._counters.steps_logged += 1
+        every = self.config.stats_every
+        if every and self._step % every == 0:
+            self._queue_stats(now)
+
+    def _queue_stats(self, now: float) -> None:
+        """Queue this step's weight norms (after the update) without waiting for them."""
+        norms = torch.empty(len(self._reader.names), dtype=torch.float32, device=self._device)
+        self._reader.read_weights_into(norms)
+        ready = None
+        if self._device.type == "cuda":
+            host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
+            host.copy_(norms, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            norms = host
+        try:
+            self._work.put_nowait(StatsItem(self._step, now, self._reader.names, norms, ready))
+        except queue.Full:
+            with self._counters.lock:
+                self._counters.stats_dropped += 1
 
     def _route(self, column: str, value: Any, dev: list[tuple[int, torch.Tensor]],
                host: list[tuple[int, HostValue]]) -> None:
@@ -262,11 +305,13 @@ class Monitor:
 
     # ------------------------------------------------------------ events
 
-    def _event(self, kind: str, step: int, values: dict[str, Any]) -> None:
+    def _event(self, kind: str, step: int, values: dict[str, Any],
+               extra: dict[str, Any] | None = None) -> None:
+        """Queue an event of ``values`` (checked) and ``extra`` (the agent's own, sent as is)."""
         if self._off:
             return
         try:
-            item = self._event_item(kind, step, values)
+            item = self._event_item(kind, step, values, extra or {})
             try:
                 self._work.put_nowait(item)
             except queue.Full:
@@ -275,8 +320,9 @@ class Monitor:
         except Exception as exc:
             self._fail(f"queueing a {kind!r} event", exc)
 
-    def _event_item(self, kind: str, step: int, values: dict[str, Any]) -> EventItem:
-        plain: dict[str, Any] = {}
+    def _event_item(self, kind: str, step: int, values: dict[str, Any],
+                    extra: dict[str, Any]) -> EventItem:
+        plain: dict[str, Any] = dict(extra)
         tensors: dict[str, torch.Tensor] = {}
         for key, value in values.items():
             if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -346,16 +392,19 @@ def _describe(value: Any) -> str:
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
           world: int | None = None, flush_every: int = 10, scaler: Any = None,
-          heartbeat_every: float = 2.0, enabled: bool = True) -> Monitor:
+          heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
     else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. Pass
     the ``torch.amp.GradScaler`` as ``scaler`` to report the loss scale.
+    Every ``stats_every`` steps (0: never) the parameters' own L2 norms are
+    also shipped, as a separate cadence-statistics batch.
     Raises ``ValueError`` for invalid arguments (before training starts);
     after that, nothing the monitor does raises into the loop.
     """
     rank, world = resolve_rank_world(rank, world)
     config = AgentConfig(job=job, rank=rank, world=world, endpoint=endpoint,
-                         flush_every=flush_every, heartbeat_every=heartbeat_every)
+                         flush_every=flush_every, heartbeat_every=heartbeat_every,
+                         stats_every=stats_every)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)

@@ -42,8 +42,17 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gradwatch.agent.config import AgentConfig
-from gradwatch.agent.layout import HostValue, Layout, merge_rows
-from gradwatch.wire import Batch, Event, Heartbeat, encode_batch, encode_event, encode_heartbeat
+from gradwatch.agent.layout import HostValue, Layout, fill_missing, merge_rows
+from gradwatch.wire import (
+    Batch,
+    Event,
+    Heartbeat,
+    Schema,
+    encode_batch,
+    encode_event,
+    encode_heartbeat,
+)
+from gradwatch.wire import columns as wc
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +71,8 @@ class Counters:
     heartbeats_sent: int = 0       # shipper
     events_sent: int = 0           # shipper
     events_dropped: int = 0        # both, under ``lock``
+    stats_sent: int = 0            # shipper: cadence-statistics batches
+    stats_dropped: int = 0         # both, under ``lock``
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -96,6 +107,17 @@ class EventItem:
     time: float = field(default_factory=time.time)
 
 
+@dataclass(frozen=True, slots=True)
+class StatsItem:
+    """Cadence statistics of one step: ``weight_norms`` aligned with ``layers``."""
+
+    step: int
+    time: float
+    layers: tuple[str, ...]
+    weight_norms: torch.Tensor  # float32; on the host once ``ready`` (if any) completes
+    ready: Any = None
+
+
 class Shipper:
     """Owns the ZeroMQ context and socket and the daemon thread that uses them.
 
@@ -126,9 +148,10 @@ class Shipper:
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise ValueError(f"cannot connect to endpoint {config.endpoint!r}: {exc}") from exc
-        self._sent_schema_id = -1
-        self._schema_due = True
-        self._schema_time = -math.inf
+        # Schema id -> when it last travelled; cleared on a (re)connection.
+        self._schema_sent: dict[int, float] = {}
+        self._seq = 0  # batches of any schema sent by this incarnation
+        self._stats_schema: Schema | None = None
         self._deadline = math.inf
         self._thread = threading.Thread(target=self._run, name="gradwatch-shipper", daemon=True)
 
@@ -183,6 +206,8 @@ class Shipper:
             self._watch_connections()
             if isinstance(item, FlushItem):
                 self._ship_batch(item)
+            elif isinstance(item, StatsItem):
+                self._ship_stats(item)
             else:
                 self._ship_event(item)
 
@@ -200,12 +225,15 @@ class Shipper:
             elif isinstance(item, EventItem):
                 with self._counters.lock:
                     self._counters.events_dropped += 1
+            elif isinstance(item, StatsItem):
+                with self._counters.lock:
+                    self._counters.stats_dropped += 1
 
     def _watch_connections(self) -> None:
         """A new handshake means a (re)started peer that may not know our schema."""
         while self._events.poll(0):
             recv_monitor_message(self._events, zmq.NOBLOCK)
-            self._schema_due = True
+            self._schema_sent.clear()
 
     def _send(self, frames: list[bytes]) -> bool:
         try:
@@ -220,23 +248,46 @@ class Shipper:
         finally:
             if item.buf is not None:
                 self._pool.put_nowait(item.buf)
-        schema = item.layout.schema
-        now = time.monotonic()
-        attach = (self._schema_due or schema.id != self._sent_schema_id
-                  or now - self._schema_time >= self._cfg.schema_every_s)
-        cfg, counters = self._cfg, self._counters
-        batch = Batch(
-            job=cfg.job, rank=cfg.rank, world=cfg.world, schema_id=schema.id,
-            seq=counters.batches_sent, incarnation=self._inc,
-            dropped=counters.steps_dropped, steps=tuple(item.steps),
-            times=tuple(item.times), values=values, schema=schema if attach else None)
-        if self._send(encode_batch(batch)):
+        counters = self._counters
+        if self._send_batch(item.layout.schema, item.steps, item.times, values):
             counters.batches_sent += 1
             counters.steps_sent += item.rows
-            if attach:
-                self._schema_due, self._sent_schema_id, self._schema_time = False, schema.id, now
         else:
             counters.steps_dropped_send += item.rows
+
+    def _ship_stats(self, item: StatsItem) -> None:
+        if item.ready is not None:
+            item.ready.synchronize()  # this thread may wait; training never does
+        norms = item.weight_norms.cpu()
+        schema = self._stats_schema
+        if schema is None or schema.layers != item.layers:
+            schema = self._stats_schema = Schema(wc.STATS_SCHEMA_ID, (wc.WEIGHT_NORMS,), item.layers)
+        row = torch.empty(1 + norms.numel(), dtype=torch.float32)
+        fill_missing(row[:1])  # the marker column carries no value
+        row[1:] = norms
+        if self._send_batch(schema, [item.step], [item.time], row.numpy().astype("<f4").tobytes()):
+            self._counters.stats_sent += 1
+        else:
+            with self._counters.lock:
+                self._counters.stats_dropped += 1
+
+    def _send_batch(self, schema: Schema, steps: list[int], times: list[float],
+                    values: bytes) -> bool:
+        """Send one batch, attaching ``schema`` when the peer may not know it; True if sent."""
+        now = time.monotonic()
+        last = self._schema_sent.get(schema.id)
+        attach = last is None or now - last >= self._cfg.schema_every_s
+        cfg = self._cfg
+        batch = Batch(
+            job=cfg.job, rank=cfg.rank, world=cfg.world, schema_id=schema.id, seq=self._seq,
+            incarnation=self._inc, dropped=self._counters.steps_dropped, steps=tuple(steps),
+            times=tuple(times), values=values, schema=schema if attach else None)
+        if not self._send(encode_batch(batch)):
+            return False
+        self._seq += 1
+        if attach:
+            self._schema_sent[schema.id] = now
+        return True
 
     def _host_rows(self, item: FlushItem) -> torch.Tensor:
         if item.ready is not None:

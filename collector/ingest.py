@@ -1,7 +1,8 @@
-"""Decode raw wire frames into ``Step`` objects the rules can read.
+"""Decode raw wire frames into the records (``Step``, ``Eval``) the rules read.
 
 ``Ingest`` is pure: no sockets, no clock, no threads of its own. It turns one
-multipart message into steps, heartbeats and events, and keeps what decoding
+multipart message into steps, heartbeats and events (an ``eval`` event also
+into an ``Eval``, see :func:`eval_of`), and keeps what decoding
 needs between messages: per (job, rank, incarnation) schema caches, the last
 batch ``seq`` (a gap means lost batches) and the agent's cumulative ``dropped``
 count (deltas feed a counter). Nothing that arrives on the socket can make it
@@ -24,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.rules.step import FLOAT32_MAX, Step
+from gradwatch.rules.step import FLOAT32_MAX, Eval, Stats, Step
 from gradwatch.wire import (
     MISSING_BITS,
     Batch,
@@ -52,6 +54,9 @@ REASONS = ("malformed", "oversized", "unknown_schema", "version", "internal")
 LOG_EVERY = 1000
 MAX_STREAMS = 65_536
 MAX_SCHEMAS_PER_STREAM = 16
+MAX_TRAIN_MODE_MODULES = 256  # names kept from one eval event; the rest are counted, not named
+# JSON has no NaN/Inf: agents send non-finite event numbers as these strings.
+_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 # Largest finite value of the gradients' dtype, named by the schema.
 _DTYPE_MAX = {
@@ -66,11 +71,13 @@ Frames = Sequence[bytes | memoryview]
 
 @dataclass(frozen=True, slots=True)
 class Ingested:
-    """What one message turned into (usually only one of the three is non-empty)."""
+    """What one message turned into (usually one kind only; an eval event also fills ``evals``)."""
 
     steps: tuple[Step, ...] = ()
     heartbeats: tuple[Heartbeat, ...] = ()
     events: tuple[Event, ...] = ()
+    evals: tuple[Eval, ...] = ()  # the ``eval`` events among ``events``, decoded
+    stats: tuple[Stats, ...] = ()  # from batches of a cadence-statistics schema
 
 
 NOTHING = Ingested()
@@ -99,6 +106,7 @@ class _Plan:
     scalars: tuple[tuple[str, int], ...]
     first_layer: int
     dtype_max: float
+    stats: bool = False  # a cadence-statistics schema: layer values are weight norms
 
 
 @dataclass(slots=True)
@@ -193,7 +201,8 @@ class Ingest:
             return Ingested(heartbeats=(message,))
         if isinstance(message, Event):
             self._count_message("event")
-            return Ingested(events=(message,))
+            evals = (eval_of(message),) if message.kind == "eval" else ()
+            return Ingested(events=(message,), evals=evals)
         self._count_message("batch")
         return self._batch(message)
 
@@ -214,6 +223,8 @@ class Ingest:
                         batch.job, batch.rank, row_width(batch), plan.schema.id,
                         plan.schema.width)
             return NOTHING
+        if plan.stats:
+            return Ingested(stats=_stats_rows(batch, plan))
         return Ingested(steps=_rows(batch, plan))
 
     def _plan(self, stream: _Stream, batch: Batch) -> _Plan | None:
@@ -277,6 +288,35 @@ class Ingest:
             self._messages[kind] += 1
 
 
+def eval_of(event: Event) -> Eval:
+    """The ``Eval`` an ``eval`` event describes; fields of the wrong type are left out.
+
+    ``loss`` and numeric fields may be numbers or the strings "nan", "inf" and
+    "-inf"; ``train_mode_modules`` is a list of module names (the first
+    ``MAX_TRAIN_MODE_MODULES`` strings are kept).
+    """
+    fields = dict(event.fields)
+    loss = _number(fields.pop("loss", None))
+    modules = fields.pop("train_mode_modules", None)
+    named = tuple(m for m in modules if isinstance(m, str))[:MAX_TRAIN_MODE_MODULES] \
+        if isinstance(modules, list) else ()
+    metrics = {key: value for key, value in ((k, _number(v)) for k, v in fields.items())
+               if value is not None}
+    return Eval(job=event.job, step=event.step, time=event.time, rank=event.rank, loss=loss,
+                metrics=metrics, train_mode_modules=named)
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, str):
+        return _NONFINITE.get(value.strip().lower())
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # a JSON integer beyond float range
+            return math.inf if value > 0 else -math.inf
+    return None
+
+
 def _compile(schema: Schema) -> _Plan:
     index = {name: i for i, name in enumerate(schema.columns)}
     groups = sorted(
@@ -291,7 +331,25 @@ def _compile(schema: Schema) -> _Plan:
         schema=schema, loss=index.get(col.LOSS), loss_scale=index.get(col.LOSS_SCALE),
         skipped=index.get(col.SKIPPED), grad_norm=index.get(grad_norm),
         lr=tuple(i for _, i in groups), scalars=scalars, first_layer=len(schema.columns),
-        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX))
+        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX), stats=col.WEIGHT_NORMS in index)
+
+
+def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
+    """One ``Stats`` per row, with the layers whose weight norm was measured."""
+    rows, first = len(batch.steps), plan.first_layer
+    raw = np.frombuffer(batch.values, "<f4").reshape(rows, plan.schema.width)
+    measured = raw[:, first:].view("<u4") != MISSING_BITS
+    norms = raw[:, first:].astype(np.float64)
+    out = []
+    for r in range(rows):
+        keep = measured[r]
+        layers = plan.schema.layers if keep.all() else tuple(
+            name for name, k in zip(plan.schema.layers, keep.tolist(), strict=True) if k)
+        row = norms[r] if keep.all() else norms[r][keep]
+        row.flags.writeable = False
+        out.append(Stats(job=batch.job, step=batch.steps[r], time=batch.times[r],
+                         rank=batch.rank, layers=layers, weight_norms=row))
+    return tuple(out)
 
 
 def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:

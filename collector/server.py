@@ -1,7 +1,9 @@
 """The collector process: sockets, threads and shutdown, around pure parts.
 
 ``Server(config)`` owns a ZeroMQ PULL socket and an ingest thread that feeds
-``Ingest`` -> ``StateStore`` -> rules ``Engine`` -> sinks, an HTTP server for
+``Ingest`` -> ``StateStore`` -> rules ``Engine`` -> sinks (steps and evals as
+they arrive; every rank's liveness from the state about once a second of the
+injected clock, see :meth:`Server.tick`), an HTTP server for
 ``/metrics`` (rendered at scrape time), ``/healthz`` and ``/readyz``, and the
 sinks' threads. ``start()`` and ``stop(timeout)`` are for embedding and tests;
 ``run_until_signal()`` is what the CLI calls: SIGTERM/SIGINT only set a flag,
@@ -43,11 +45,13 @@ from gradwatch.collector.sinks import Sink, mask_url
 from gradwatch.collector.state import StateStore
 from gradwatch.collector.webhook import WebhookSink
 from gradwatch.rules import Engine, Step, load_default_rules, load_rules
+from gradwatch.rules.step import Eval, Liveness, Stats
 
 log = logging.getLogger(__name__)
 
 POLL_MS = 100            # how long the ingest thread blocks before checking for stop
 EXPIRE_EVERY_S = 1.0     # how often silent jobs are looked for
+LIVENESS_EVERY_S = 1.0   # how often (injected clock) the liveness rules are ticked
 DRAIN_BUDGET = 1000      # messages handled between stop/expiry checks
 TICK_S = 0.1             # run_until_signal's flag check period
 
@@ -56,6 +60,12 @@ class RulesEngine(Protocol):
     """What the server needs of ``gradwatch.rules.Engine`` (test doubles implement this)."""
 
     def observe(self, step: Step) -> Sequence[Any]: ...
+
+    def observe_stats(self, stats: Stats) -> Sequence[Any]: ...
+
+    def observe_eval(self, ev: Eval) -> Sequence[Any]: ...
+
+    def tick(self, liveness: Sequence[Liveness]) -> Sequence[Any]: ...
 
     def firing(self) -> Sequence[Any]: ...
 
@@ -101,6 +111,7 @@ class Server:
         self._ingest_thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._drain_deadline = 0.0
+        self._next_liveness = -float("inf")
         self._progress = threading.Condition()
         self._handled = 0
         self._registered = False
@@ -249,6 +260,11 @@ class Server:
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
                     self._expire()
+                now = self._clock()
+                # Also when the clock went back (a stepped one, or a test's).
+                if now >= self._next_liveness or self._next_liveness > now + LIVENESS_EVERY_S:
+                    self._next_liveness = now + LIVENESS_EVERY_S
+                    self.tick()
             # Stopping: handle what has already arrived, within the deadline.
             self._drain(sock, lambda n: time.monotonic() < self._drain_deadline)
         except Exception:
@@ -277,6 +293,10 @@ class Server:
                 self.state.observe_event(event)
             for step in result.steps:
                 self._observe(step)
+            for stats in result.stats:
+                self._evaluate("the statistics", stats, self._engine_of().observe_stats)
+            for ev in result.evals:
+                self._evaluate("the eval", ev, self._engine_of().observe_eval)
         except Exception as exc:
             self.ingest.reject("internal", "failed to handle a message: %r; please report "
                                "this as a gradwatch bug", exc)
@@ -295,6 +315,8 @@ class Server:
             recorder.event(event)
         for step in result.steps:
             recorder.step(step)
+        for stats in result.stats:
+            recorder.stats(stats)
 
     def _observe(self, step: Step) -> None:
         try:
@@ -305,6 +327,40 @@ class Server:
         except Exception as exc:
             self.ingest.reject("internal", "failed to evaluate step %d of job %r: %r; please "
                                "report this as a gradwatch bug", step.step, step.job, exc)
+            return
+        self._dispatch(transitions)
+
+    def _engine_of(self) -> RulesEngine:
+        assert self._engine is not None  # set in start(), before the ingest thread runs
+        return self._engine
+
+    def _evaluate(self, what: str, record: Stats | Eval,
+                  observe: Callable[[Any], Sequence[Any]]) -> None:
+        try:
+            with self._engine_lock:
+                transitions = observe(record)
+        except Exception as exc:
+            self.ingest.reject("internal", "failed to evaluate %s at step %d of job %r: %r; "
+                               "please report this as a gradwatch bug", what, record.step,
+                               record.job, exc)
+            return
+        self._dispatch(transitions)
+
+    def tick(self) -> None:
+        """Judge every known rank's liveness now and send the transitions to the sinks.
+
+        The ingest thread calls this about once a second of the injected
+        clock; tests call it directly after moving a fake clock. Never raises.
+        """
+        try:
+            liveness = self.state.liveness()
+            with self._engine_lock:
+                if self._engine is None:
+                    return
+                transitions = self._engine.tick(liveness)
+        except Exception as exc:
+            self.ingest.reject("internal", "failed to evaluate liveness: %r; please report "
+                               "this as a gradwatch bug", exc)
             return
         self._dispatch(transitions)
 

@@ -1,8 +1,9 @@
 """What the collector remembers about each job, bounded in size and in time.
 
 Per job and rank: a ring buffer of recent ``Step``s, the last step, loss and
-total grad norm, heartbeats and when the rank was last heard from. Per job:
-checkpoints and evaluations (from events) and how many times each alert fired.
+total grad norm, heartbeats, when the rank was last heard from and when its
+step last advanced (``liveness()`` makes the rules' ``Liveness`` of these).
+Per job: checkpoints and evaluations (from events) and how many times each alert fired.
 A job silent for longer than ``job_ttl_seconds`` is forgotten entirely, so its
 metric series disappear with it (no stale gauges).
 
@@ -21,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from collections import Counter, deque
@@ -30,11 +32,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gradwatch.rules.step import Step
+from gradwatch.rules.step import Liveness, Step
 from gradwatch.wire import Event, Heartbeat
 
 MAX_CHECKPOINTS = 64
 MAX_EVALS = 256
+STEP_INTERVALS = 32  # per-step intervals behind a rank's median step time
 
 
 class AlertLike(Protocol):
@@ -75,6 +78,16 @@ class RankState:
     incarnation: str | None = None
     heartbeat_time: float | None = None
     heartbeat_step: int | None = None
+    # Progress for liveness: the highest step known from steps or heartbeats,
+    # when (collector clock) it last advanced, and recent seconds per step
+    # measured on the agent's clock (a batch arrives all at once).
+    progress: int | None = None
+    progress_time: float = 0.0
+    step_intervals: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
+
+    def advance(self, step: int, now: float) -> None:
+        if self.progress is None or step > self.progress:
+            self.progress, self.progress_time = step, now
 
     @property
     def last_step(self) -> int | None:
@@ -142,24 +155,35 @@ class StateStore:
 
     def observe_step(self, step: Step) -> None:
         with self._lock:
-            rank = self._job(step.job).rank(step.rank, self._clock())
+            now = self._clock()
+            rank = self._job(step.job).rank(step.rank, now)
             rank.history.append(step)
             # Ranks may deliver out of order across batches; "latest" is by step.
             if rank.latest is None or step.step >= rank.latest.step:
+                previous = rank.latest
+                if previous is not None and step.step > previous.step and step.time > previous.time:
+                    rank.step_intervals.append((step.time - previous.time) / (step.step - previous.step))
                 rank.latest = step
                 rank.nonfinite = _nonfinite(step)
             if step.loss is not None:
                 rank.last_loss = step.loss
             if step.grad_norm is not None:
                 rank.last_grad_norm = step.grad_norm
+            rank.advance(step.step, now)
 
     def observe_heartbeat(self, hb: Heartbeat) -> None:
         with self._lock:
             now = self._clock()
             rank = self._job(hb.job).rank(hb.rank, now)
+            if rank.incarnation is not None and hb.incarnation != rank.incarnation:
+                # A restarted process (maybe resumed from an earlier step) progresses anew.
+                rank.progress = None
+                rank.step_intervals.clear()
             rank.incarnation = hb.incarnation
             rank.heartbeat_time = now
             rank.heartbeat_step = hb.step
+            if hb.step > 0:  # 0 is "no step yet": a slow start (compile, data) is no hang
+                rank.advance(hb.step, now)
 
     def observe_event(self, event: Event) -> None:
         with self._lock:
@@ -181,6 +205,23 @@ class StateStore:
             job = self._jobs.get(alert.job)
             if job is not None:
                 job.alerts_fired[(alert.rule, alert.category, alert.severity)] += 1
+
+    def liveness(self) -> list[Liveness]:
+        """Every rank's progress now, for ``Engine.tick``: ranks that reported a step or heartbeat.
+
+        Any message from a rank counts as a heartbeat (``last_seen``); the
+        step time is the median of the rank's recent per-step intervals.
+        """
+        with self._lock:
+            now = self._clock()
+            return [
+                Liveness(job=name, rank=r, now=now, last_step=rank.progress,
+                         last_step_time=rank.progress_time, last_heartbeat_time=rank.last_seen,
+                         step_seconds=statistics.median(rank.step_intervals)
+                         if rank.step_intervals else None)
+                for name, job in sorted(self._jobs.items())
+                for r, rank in sorted(job.ranks.items()) if rank.progress is not None
+            ]
 
     def expire(self) -> list[str]:
         """Forget jobs silent for longer than the TTL; return their names."""

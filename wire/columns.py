@@ -16,6 +16,13 @@ LR_PREFIX: Final = "lr/"
 SCALAR_PREFIX: Final = "s/"
 # A scalar the loop logs under this name is the *pre-clip* total grad norm.
 GRAD_NORM_SCALAR: Final = "grad_norm"
+# A schema naming this column is a cadence-statistics schema, not a step
+# schema: its layer values are the parameters' L2 norms (weights, not
+# gradients) and this cell itself holds MISSING. See docs/wire.md.
+WEIGHT_NORMS: Final = "stats/weight_norm"
+# The schema id agents give their cadence-statistics schema (step schemas
+# count up from 0 and never reach it).
+STATS_SCHEMA_ID: Final = 1 << 30
 
 
 def lr(group: int) -> str:

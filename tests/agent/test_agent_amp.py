@@ -4,26 +4,13 @@ from __future__ import annotations
 
 import math
 import struct
-from collections.abc import Iterator
 
-import pytest
 import torch
 import zmq
 from torch import nn
 
 import gradwatch
 from gradwatch.wire import Batch, Heartbeat, Schema, decode
-
-
-@pytest.fixture
-def pull() -> Iterator[tuple[zmq.Socket, str]]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.linger = 0
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
-    sock.close(linger=0)
-    ctx.term()
 
 
 def receive_rows(sock: zmq.Socket, n_steps: int) -> dict[int, tuple[dict[str, float], list[float]]]:

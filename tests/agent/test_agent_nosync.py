@@ -77,11 +77,11 @@ def endpoint() -> Iterator[str]:
 def run_loop(endpoint: str, steps: int = 40) -> gradwatch.Monitor:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Linear(32, 4))
+                          nn.Dropout(0.0), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
     mon = gradwatch.watch(model, opt, job="nosync", endpoint=endpoint, flush_every=4,
-                          scaler=scaler, heartbeat_every=0.05)
+                          scaler=scaler, heartbeat_every=0.05, stats_every=10)
     for i in range(steps):
         loss = model(torch.randn(8, 16)).pow(2).mean()
         scaler.scale(loss).backward()
@@ -106,6 +106,7 @@ def test_monitored_loop_makes_no_syncing_call_on_the_training_thread(detector, e
     assert mon.stats.steps_logged == 40
     assert mon.stats.disabled is None
     assert mon.stats.steps_dropped + mon.stats.steps_sent == 40
+    assert mon.stats.stats_dropped + mon.stats.stats_sent == 4  # cadence steps ran too
 
 
 def test_detector_catches_a_deliberate_item(detector, endpoint, monkeypatch):

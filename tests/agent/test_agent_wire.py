@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import struct
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,17 +30,6 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.frozen(self.fc2(torch.relu(self.fc1(x))))
-
-
-@pytest.fixture
-def pull() -> Iterator[tuple[zmq.Socket, str]]:
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.PULL)
-    sock.linger = 0
-    port = sock.bind_to_random_port("tcp://127.0.0.1")
-    yield sock, f"tcp://127.0.0.1:{port}"
-    sock.close(linger=0)
-    ctx.term()
 
 
 def recv(sock: zmq.Socket) -> Message:

@@ -168,6 +168,15 @@ class ExplodingEngine:
     def observe(self, step: Step) -> list[Any]:
         raise RuntimeError("boom")
 
+    def observe_eval(self, ev: Any) -> list[Any]:
+        raise RuntimeError("boom")
+
+    def observe_stats(self, stats: Any) -> list[Any]:
+        raise RuntimeError("boom")
+
+    def tick(self, liveness: Any) -> list[Any]:
+        return []
+
     def firing(self) -> list[Any]:
         return []
 

@@ -1,0 +1,83 @@
+"""Cadence statistics: every ``stats_every`` steps the weight norms travel as their own batch."""
+
+from __future__ import annotations
+
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from torch import nn
+
+import gradwatch
+from gradwatch.collector.ingest import Ingest
+from gradwatch.wire import MISSING_BITS, Batch, Heartbeat, decode, encode
+from gradwatch.wire import columns as wc
+
+WAIT_MS = 5000
+
+
+def batches(sock: zmq.Socket, n_steps: int, n_stats: int) -> tuple[list[Batch], list[Batch]]:
+    steps: list[Batch] = []
+    stats: list[Batch] = []
+    while sum(len(b.steps) for b in steps) < n_steps or len(stats) < n_stats:
+        assert sock.poll(WAIT_MS), "nothing arrived from the agent in time"
+        msg = decode(sock.recv_multipart())
+        if isinstance(msg, Batch):
+            (stats if msg.schema_id == wc.STATS_SCHEMA_ID else steps).append(msg)
+    return steps, stats
+
+
+def test_weight_norms_ship_every_stats_every_steps_and_decode_to_stats(pull) -> None:
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="st", endpoint=endpoint, flush_every=2,
+                          stats_every=3, heartbeat_every=0.05)
+    assert sock.poll(WAIT_MS) and isinstance(decode(sock.recv_multipart()), Heartbeat)
+    expected = {}
+    for step in range(1, 7):
+        model(torch.randn(5, 3)).pow(2).mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+        if step % 3 == 0:
+            expected[step] = [p.detach().norm().item() for p in model.parameters()]
+    mon.close()
+    step_batches, stat_batches = batches(sock, 6, 2)
+    assert mon.stats.stats_sent == 2 and mon.stats.stats_dropped == 0
+    assert sum(len(b.steps) for b in step_batches) == 6  # steps are untouched
+    assert [b.steps for b in stat_batches] == [(3,), (6,)]
+    first = stat_batches[0]
+    assert first.schema is not None and first.schema.columns == (wc.WEIGHT_NORMS,)
+    assert first.schema.layers == ("0.weight", "0.bias", "2.weight", "2.bias")
+    seqs = sorted(b.seq for b in step_batches + stat_batches)
+    assert seqs == list(range(len(seqs)))  # one sequence: the collector sees no gap
+
+    ingest = Ingest()
+    decoded = [ingest.feed(encode(b)) for b in stat_batches]
+    for out, step in zip(decoded, (3, 6), strict=True):
+        (stats,) = out.stats
+        assert out.steps == () and stats.step == step and stats.job == "st"
+        assert stats.layers == first.schema.layers
+        assert stats.weight_norms == pytest.approx(expected[step], rel=1e-5)
+    raw = np.frombuffer(first.values, "<u4")
+    assert raw[0] == MISSING_BITS  # the marker cell carries no value
+
+
+def test_stats_every_zero_sends_none_and_negative_is_refused(pull) -> None:
+    sock, endpoint = pull
+    model = nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="stats_every"):
+        gradwatch.watch(model, opt, job="st", endpoint=endpoint, stats_every=-1)
+    mon = gradwatch.watch(model, opt, job="st", endpoint=endpoint, flush_every=1,
+                          stats_every=0, heartbeat_every=0.05)
+    for _ in range(3):
+        model(torch.randn(2, 2)).sum().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    mon.close()
+    assert mon.stats.stats_sent == 0 and mon.stats.steps_logged == 3
