@@ -40,6 +40,14 @@ class AgentConfig:
     # Every this many steps the agent also ships cadence statistics (weight
     # norms); 0 switches them off.
     stats_every: int = 50
+    # On cadence steps, also measure forward activations (forward hooks armed
+    # for that step's forward pass only) of at most this many modules.
+    activation_stats: bool = True
+    max_act_modules: int = 256
+    # On cadence steps, also send each layer's update ratio ||dw||/||w||: the
+    # optimizer step pre-hook copies the parameters (one transient copy of the
+    # model's trainable parameters, on cadence steps only). False saves it.
+    update_ratios: bool = True
     # Host buffers in flight between the training thread and the shipper.
     # Four covers one being encoded, one queued and two being copied.
     pool_size: int = 4
@@ -70,7 +78,8 @@ class AgentConfig:
                              f"got {self.stats_every}")
         if not self.heartbeat_every > 0:
             raise ValueError(f"heartbeat_every must be > 0 seconds, got {self.heartbeat_every}")
-        for name in ("pool_size", "max_pending_events", "send_hwm", "device_columns"):
+        for name in ("pool_size", "max_pending_events", "send_hwm", "device_columns",
+                     "max_act_modules"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.endpoint or "://" not in self.endpoint:

@@ -100,6 +100,23 @@ class GradReader:
         with torch.no_grad():  # called from the loop, where autograd would record the norms
             self._write_norms(list(self.params), row)
 
+    def snapshot_weights(self) -> list[torch.Tensor]:
+        """A copy of every parameter (of this rank's shard), queued in one fused call; no sync.
+
+        Holds one copy of the trainable parameters until the caller drops it.
+        """
+        with torch.no_grad():
+            return list(torch._foreach_mul(self._weights(), 1.0))
+
+    def read_updates_into(self, before: list[torch.Tensor], row: torch.Tensor) -> None:
+        """Write ``||w - before||`` per parameter into ``row``; overwrites ``before``; no sync."""
+        with torch.no_grad():
+            torch._foreach_sub_(before, self._weights())
+            self._write_norms(list(before), row)
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [(p.to_local() if _is_dtensor(p) else p).detach() for p in self.params]
+
     def _write_norms(self, tensors: list[torch.Tensor | None], row: torch.Tensor) -> None:
         if self.sharded:
             tensors = [t.to_local() if _is_dtensor(t) else t for t in tensors]

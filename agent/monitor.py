@@ -38,10 +38,11 @@ from typing import Any
 
 import torch
 
+from gradwatch.agent.activations import ActHooks
 from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
 from gradwatch.agent.gradients import GradReader
-from gradwatch.agent.layout import Columns, HostValue
+from gradwatch.agent.layout import Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, EventItem, Shipper, StatsItem
 from gradwatch.wire import columns as wc
 
@@ -55,6 +56,8 @@ _MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropo
 MAX_TRAIN_MODE_NAMES = 32
 # Checked by exact type first: an ABC isinstance costs a microsecond.
 _NUMBERS = (float, int, bool)
+# Update ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
+_TINY = 1e-30
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,9 @@ class Monitor:
         self._fail_lock = threading.Lock()
         self._warned: set[str] = set()
         self._hooks: list[Any] = []
+        self._acts: ActHooks | None = None
+        # Parameters before a cadence step's update (update ratios), else None.
+        self._before: list[torch.Tensor] | None = None
         if not enabled:
             return
         self._reader = GradReader.attach(model, optimizer)
@@ -118,6 +124,12 @@ class Monitor:
                                 on_failure=self._fail)
         self._shipper.start()
         self._hooks.append(optimizer.register_step_pre_hook(self._pre_hook))
+        self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
+        if config.activation_stats and config.stats_every:
+            self._acts = ActHooks.attach(model, self._device, on_error=self._fail,
+                                         max_modules=config.max_act_modules)
+            if self._acts is not None and config.stats_every == 1:
+                self._acts.arm()  # step 1 is a cadence step
 
     # ------------------------------------------------------------ public
 
@@ -221,6 +233,9 @@ class Monitor:
                 self._commit({}, 0.0)
             self._reader.read_into(self._buffer.current_layers)
             self._open = True
+            every = self.config.stats_every
+            if self.config.update_ratios and every and (self._step + 1) % every == 0:
+                self._before = self._reader.snapshot_weights()  # a cadence step's update
         except Exception as exc:
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
 
@@ -255,11 +270,38 @@ class Monitor:
         every = self.config.stats_every
         if every and self._step % every == 0:
             self._queue_stats(now)
+        acts = self._acts
+        if acts is not None:
+            # Hooks live only for a cadence step's forward pass: armed now when
+            # the next step is one, removed here at its log().
+            acts.disarm()
+            if (self._step + 1) % every == 0:
+                acts.arm()
 
     def _queue_stats(self, now: float) -> None:
-        """Queue this step's weight norms (after the update) without waiting for them."""
+        """Queue this step's weight norms (after the update) and activation statistics
+        (of its forward pass) without waiting for them."""
         norms = torch.empty(len(self._reader.names), dtype=torch.float32, device=self._device)
         self._reader.read_weights_into(norms)
+        columns: tuple[str, ...] = ()
+        parts: list[torch.Tensor] = []
+        acts = self._acts
+        if acts is not None:
+            columns = acts.columns
+            parts.append(acts.snapshot())
+        if self.config.update_ratios:
+            columns = (*columns, *self._ratio_columns)
+            ratios = torch.empty_like(norms)
+            before, self._before = self._before, None
+            if before is None:
+                fill_missing(ratios)  # no optimizer step ran (AMP skip): nothing to measure
+            else:
+                self._reader.read_updates_into(before, ratios)
+                ratios.div_(norms.clamp_min(_TINY))
+                del before  # the transient copy of the parameters goes here
+            parts.append(ratios)
+        if parts:
+            norms = torch.cat((*parts, norms))
         ready = None
         if self._device.type == "cuda":
             host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
@@ -268,7 +310,8 @@ class Monitor:
             ready.record()
             norms = host
         try:
-            self._work.put_nowait(StatsItem(self._step, now, self._reader.names, norms, ready))
+            self._work.put_nowait(StatsItem(self._step, now, self._reader.names, norms, ready,
+                                            columns))
         except queue.Full:
             with self._counters.lock:
                 self._counters.stats_dropped += 1
@@ -375,6 +418,9 @@ class Monitor:
         # Removing a hook is only done on the training thread, which owns them.
         while self._hooks:
             self._hooks.pop().remove()
+        if self._acts is not None:
+            self._acts.disarm()
+        self._before = None  # a cadence step's parameter copy, if one was held
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -392,19 +438,26 @@ def _describe(value: Any) -> str:
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
           world: int | None = None, flush_every: int = 10, scaler: Any = None,
-          heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True) -> Monitor:
+          heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True,
+          activation_stats: bool = True, update_ratios: bool = True) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
     else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. Pass
     the ``torch.amp.GradScaler`` as ``scaler`` to report the loss scale.
     Every ``stats_every`` steps (0: never) the parameters' own L2 norms are
-    also shipped, as a separate cadence-statistics batch.
+    also shipped, as a separate cadence-statistics batch, with activation
+    statistics of that step's forward pass (``activation_stats``; forward hooks
+    on at most 256 ReLU/Tanh/Sigmoid-family modules, armed for that forward
+    only; off for ``torch.compile``d models, with one warning) and each
+    layer's update ratio ||dw||/||w|| (``update_ratios``; costs one transient
+    copy of the trainable parameters on cadence steps only).
     Raises ``ValueError`` for invalid arguments (before training starts);
     after that, nothing the monitor does raises into the loop.
     """
     rank, world = resolve_rank_world(rank, world)
     config = AgentConfig(job=job, rank=rank, world=world, endpoint=endpoint,
                          flush_every=flush_every, heartbeat_every=heartbeat_every,
-                         stats_every=stats_every)
+                         stats_every=stats_every, activation_stats=activation_stats,
+                         update_ratios=update_ratios)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)

@@ -109,13 +109,18 @@ class EventItem:
 
 @dataclass(frozen=True, slots=True)
 class StatsItem:
-    """Cadence statistics of one step: ``weight_norms`` aligned with ``layers``."""
+    """Cadence statistics of one step.
+
+    ``values`` holds one value per name in ``columns`` (activation statistics,
+    MISSING where not measured), then the weight norms aligned with ``layers``.
+    """
 
     step: int
     time: float
     layers: tuple[str, ...]
-    weight_norms: torch.Tensor  # float32; on the host once ``ready`` (if any) completes
+    values: torch.Tensor  # float32; on the host once ``ready`` (if any) completes
     ready: Any = None
+    columns: tuple[str, ...] = ()
 
 
 class Shipper:
@@ -258,13 +263,14 @@ class Shipper:
     def _ship_stats(self, item: StatsItem) -> None:
         if item.ready is not None:
             item.ready.synchronize()  # this thread may wait; training never does
-        norms = item.weight_norms.cpu()
+        values = item.values.cpu()
         schema = self._stats_schema
-        if schema is None or schema.layers != item.layers:
-            schema = self._stats_schema = Schema(wc.STATS_SCHEMA_ID, (wc.WEIGHT_NORMS,), item.layers)
-        row = torch.empty(1 + norms.numel(), dtype=torch.float32)
+        columns = (wc.WEIGHT_NORMS, *item.columns)
+        if schema is None or schema.layers != item.layers or schema.columns != columns:
+            schema = self._stats_schema = Schema(wc.STATS_SCHEMA_ID, columns, item.layers)
+        row = torch.empty(1 + values.numel(), dtype=torch.float32)
         fill_missing(row[:1])  # the marker column carries no value
-        row[1:] = norms
+        row[1:] = values
         if self._send_batch(schema, [item.step], [item.time], row.numpy().astype("<f4").tobytes()):
             self._counters.stats_sent += 1
         else:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.rules.step import FLOAT32_MAX, Eval, Stats, Step
+from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
 from gradwatch.wire import (
     MISSING_BITS,
     Batch,
@@ -107,6 +107,11 @@ class _Plan:
     first_layer: int
     dtype_max: float
     stats: bool = False  # a cadence-statistics schema: layer values are weight norms
+    # Activation columns of a cadence-statistics schema, per module:
+    # (module, kind, mean, std, zero_frac, sat_frac) column indices.
+    acts: tuple[tuple[str, str, int, int, int | None, int | None], ...] = ()
+    # Update-ratio column index per layer (-1: none), or () when the schema has none.
+    ratios: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -331,7 +336,32 @@ def _compile(schema: Schema) -> _Plan:
         schema=schema, loss=index.get(col.LOSS), loss_scale=index.get(col.LOSS_SCALE),
         skipped=index.get(col.SKIPPED), grad_norm=index.get(grad_norm),
         lr=tuple(i for _, i in groups), scalars=scalars, first_layer=len(schema.columns),
-        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX), stats=col.WEIGHT_NORMS in index)
+        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX), stats=col.WEIGHT_NORMS in index,
+        acts=_act_plan(index) if col.WEIGHT_NORMS in index else (),
+        ratios=_ratio_plan(index, schema.layers) if col.WEIGHT_NORMS in index else ())
+
+
+def _ratio_plan(index: Mapping[str, int], layers: tuple[str, ...]) -> tuple[int, ...]:
+    found = [index.get(col.update_ratio(layer), -1) for layer in layers]
+    return tuple(found) if any(i >= 0 for i in found) else ()
+
+
+def _act_plan(index: Mapping[str, int]) -> tuple[tuple[str, str, int, int, int | None, int | None], ...]:
+    """Group ``act/<module>/<kind>/<stat>`` columns by module; a module needs mean and std."""
+    found: dict[tuple[str, str], dict[str, int]] = {}
+    for name, i in index.items():
+        if not name.startswith(col.ACT_PREFIX):
+            continue
+        parts = name[len(col.ACT_PREFIX):].rsplit("/", 2)
+        if len(parts) != 3 or not parts[0]:
+            continue  # not ours to read: receivers ignore columns they do not know
+        module, kind, stat = parts
+        found.setdefault((module, kind), {})[stat] = i
+    return tuple(
+        (module, kind, stats[col.ACT_MEAN], stats[col.ACT_STD], stats.get(col.ACT_ZERO_FRAC),
+         stats.get(col.ACT_SAT_FRAC))
+        for (module, kind), stats in found.items()
+        if col.ACT_MEAN in stats and col.ACT_STD in stats)
 
 
 def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
@@ -340,15 +370,31 @@ def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
     raw = np.frombuffer(batch.values, "<f4").reshape(rows, plan.schema.width)
     measured = raw[:, first:].view("<u4") != MISSING_BITS
     norms = raw[:, first:].astype(np.float64)
+    named = raw[:, :first].astype(np.float64).tolist()
+    named_missing = (raw[:, :first].view("<u4") == MISSING_BITS).tolist()
     out = []
     for r in range(rows):
+        values, gone = named[r], named_missing[r]
+        acts = tuple(
+            ActStats(module, kind, values[m], values[s], _cell(values, gone, z),
+                     _cell(values, gone, f))
+            for module, kind, m, s, z, f in plan.acts if not gone[m] and not gone[s])
         keep = measured[r]
         layers = plan.schema.layers if keep.all() else tuple(
             name for name, k in zip(plan.schema.layers, keep.tolist(), strict=True) if k)
         row = norms[r] if keep.all() else norms[r][keep]
         row.flags.writeable = False
+        ratios = None
+        if plan.ratios:
+            # NaN where a layer's ratio was not measured; None when none was.
+            cells = [_cell(values, gone, i) if i >= 0 else None for i in plan.ratios]
+            if any(c is not None for c in cells):
+                full = np.array([math.nan if c is None else c for c in cells], np.float64)
+                ratios = full if keep.all() else full[keep]
+                ratios.flags.writeable = False
         out.append(Stats(job=batch.job, step=batch.steps[r], time=batch.times[r],
-                         rank=batch.rank, layers=layers, weight_norms=row))
+                         rank=batch.rank, layers=layers, weight_norms=row, act=acts,
+                         update_ratios=ratios))
     return tuple(out)
 
 

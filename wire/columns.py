@@ -23,6 +23,17 @@ WEIGHT_NORMS: Final = "stats/weight_norm"
 # The schema id agents give their cadence-statistics schema (step schemas
 # count up from 0 and never reach it).
 STATS_SCHEMA_ID: Final = 1 << 30
+# Update ratios ||dw||/||w|| of a cadence step's update ride in the
+# cadence-statistics schema as one named column per layer: this prefix + layer.
+UPDATE_RATIO_PREFIX: Final = "stats/update_ratio/"
+# Activation statistics ride in the cadence-statistics schema as named columns
+# ``act/<module>/<kind>/<stat>`` (kind: relu, relu6, tanh, sigmoid, other);
+# split with ``rsplit("/", 2)`` since a module name may itself hold "/".
+ACT_PREFIX: Final = "act/"
+ACT_MEAN: Final = "mean"
+ACT_STD: Final = "std"
+ACT_ZERO_FRAC: Final = "zero_frac"
+ACT_SAT_FRAC: Final = "sat_frac"
 
 
 def lr(group: int) -> str:
@@ -31,3 +42,11 @@ def lr(group: int) -> str:
 
 def scalar(name: str) -> str:
     return f"{SCALAR_PREFIX}{name}"
+
+
+def act(module: str, kind: str, stat: str) -> str:
+    return f"{ACT_PREFIX}{module}/{kind}/{stat}"
+
+
+def update_ratio(layer: str) -> str:
+    return f"{UPDATE_RATIO_PREFIX}{layer}"

@@ -74,14 +74,14 @@ def endpoint() -> Iterator[str]:
     ctx.term()
 
 
-def run_loop(endpoint: str, steps: int = 40) -> gradwatch.Monitor:
+def run_loop(endpoint: str, steps: int = 40, stats_every: int = 10) -> gradwatch.Monitor:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
                           nn.Dropout(0.0), nn.Linear(32, 4))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
     mon = gradwatch.watch(model, opt, job="nosync", endpoint=endpoint, flush_every=4,
-                          scaler=scaler, heartbeat_every=0.05, stats_every=10)
+                          scaler=scaler, heartbeat_every=0.05, stats_every=stats_every)
     for i in range(steps):
         loss = model(torch.randn(8, 16)).pow(2).mean()
         scaler.scale(loss).backward()
@@ -107,6 +107,24 @@ def test_monitored_loop_makes_no_syncing_call_on_the_training_thread(detector, e
     assert mon.stats.disabled is None
     assert mon.stats.steps_dropped + mon.stats.steps_sent == 40
     assert mon.stats.stats_dropped + mon.stats.stats_sent == 4  # cadence steps ran too
+
+
+def test_cadence_steps_with_activation_hooks_make_no_syncing_call(detector, endpoint, monkeypatch):
+    from gradwatch.agent import activations
+
+    measured: list[str] = []
+    original = activations._measure
+
+    def counting(y: torch.Tensor, kind: str, frac: bool) -> torch.Tensor:
+        measured.append(kind)
+        return original(y, kind, frac)
+
+    monkeypatch.setattr(activations, "_measure", counting)
+    mon = run_loop(endpoint, steps=12, stats_every=2)  # every other step hooks the forward
+    assert detector.calls == []
+    assert mon.stats.disabled is None
+    assert measured == ["relu", "tanh"] * 6  # the hooks really ran, on 6 cadence steps
+    assert mon.stats.stats_dropped + mon.stats.stats_sent == 6
 
 
 def test_detector_catches_a_deliberate_item(detector, endpoint, monkeypatch):

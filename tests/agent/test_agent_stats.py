@@ -50,7 +50,7 @@ def test_weight_norms_ship_every_stats_every_steps_and_decode_to_stats(pull) -> 
     assert sum(len(b.steps) for b in step_batches) == 6  # steps are untouched
     assert [b.steps for b in stat_batches] == [(3,), (6,)]
     first = stat_batches[0]
-    assert first.schema is not None and first.schema.columns == (wc.WEIGHT_NORMS,)
+    assert first.schema is not None and first.schema.columns[0] == wc.WEIGHT_NORMS
     assert first.schema.layers == ("0.weight", "0.bias", "2.weight", "2.bias")
     seqs = sorted(b.seq for b in step_batches + stat_batches)
     assert seqs == list(range(len(seqs)))  # one sequence: the collector sees no gap
