@@ -302,13 +302,7 @@ class Monitor:
             parts.append(ratios)
         if parts:
             norms = torch.cat((*parts, norms))
-        ready = None
-        if self._device.type == "cuda":
-            host = torch.empty(norms.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(norms, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            norms = host
+        norms, ready = _to_host_async(norms)
         try:
             self._work.put_nowait(StatsItem(self._step, now, self._reader.names, norms, ready,
                                             columns))
@@ -386,13 +380,7 @@ class Monitor:
         on_device = [t.to(self._device, dtype=torch.float32, non_blocking=True)
                      for t in tensors.values()]
         stacked = torch.stack(on_device)
-        ready = None
-        if self._device.type == "cuda":
-            host = torch.empty(stacked.shape, dtype=torch.float32, pin_memory=True)
-            host.copy_(stacked, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            stacked = host
+        stacked, ready = _to_host_async(stacked)
         return EventItem(kind, step, plain, tuple(tensors), stacked, ready)
 
     # ------------------------------------------------------------ failure
@@ -461,3 +449,18 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
                          stats_every=stats_every, activation_stats=activation_stats,
                          update_ratios=update_ratios)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
+
+
+def _to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Queue a copy of CUDA ``values`` into pinned host memory, without waiting.
+
+    Returns the host tensor and an event the shipper thread waits on before it
+    reads it; CPU tensors come back as they are, with no event.
+    """
+    if values.device.type != "cuda":
+        return values, None
+    host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready

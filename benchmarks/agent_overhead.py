@@ -37,6 +37,7 @@ from torch import nn
 
 import gradwatch
 from gradwatch.agent.monitor import Monitor
+from tiny_gpt import TinyGPT  # benchmarks/ is on sys.path when run as a script
 
 VARIANTS = ("baseline", "agent", "naive")
 
@@ -60,38 +61,6 @@ def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
 
 Monitor._pre_hook = _timed("pre-hook", Monitor._pre_hook)  # type: ignore[method-assign]
 Monitor.log = _timed("log", Monitor.log)  # type: ignore[method-assign]
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.ln1 = nn.LayerNorm(d)
-        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
-        self.ln2 = nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = self.ln1(x)
-        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
-        return x + self.mlp(self.ln2(x))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 1000, d: int = 256, heads: int = 4, layers: int = 4,
-                 seq: int = 128) -> None:
-        super().__init__()
-        self.tok = nn.Embedding(vocab, d)
-        self.pos = nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.register_buffer("mask", torch.triu(torch.ones(seq, seq, dtype=torch.bool), 1))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x, self.mask)
-        return self.head(self.ln(x))
 
 
 @dataclass
