@@ -12,6 +12,8 @@ import zmq
 from torch import nn
 
 import gradwatch
+from gradwatch.agent import AgentConfig
+from gradwatch.agent.monitor import Monitor
 from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
 
 WAIT_MS = 5000
@@ -79,8 +81,12 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = gradwatch.watch(model, opt, job="wire", endpoint=endpoint, flush_every=4,
-                          heartbeat_every=0.05)
+    # Enough host buffers for every batch of the run: the agent drops rather
+    # than wait when the shipper thread is starved (a busy CI machine), and
+    # this test is about values, not about that policy.
+    config = AgentConfig(job="wire", rank=0, world=1, endpoint=endpoint, flush_every=4,
+                         heartbeat_every=0.05, pool_size=16)
+    mon = Monitor(model, opt, config)
     wait_connected(sock)
     trainable = [p for n, p in model.named_parameters() if p.requires_grad]
     expected: dict[int, tuple[list[float], float, float]] = {}
