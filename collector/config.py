@@ -97,6 +97,10 @@ class CollectorConfig(BaseSettings):
         default=None,
         description="Record every job as a JSON Lines trace <dir>/<job>.jsonl for `gradwatch "
         "replay`; a write error switches recording off (logged once), never the collector.")
+    data_dir: Path | None = Field(
+        default=None,
+        description="Directory for the collector's durable state (alert outbox, checkpoints, "
+        "restart budget), one SQLite file per concern; None keeps them in memory only.")
     log_level: LogLevel = "INFO"
 
     @field_validator("webhooks", mode="before")
