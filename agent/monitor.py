@@ -45,6 +45,7 @@ from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, EventItem, Shipper, StatsItem
 from gradwatch.wire import columns as wc
+from gradwatch.wire.messages import DATA_CHANGE
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ Scalar = torch.Tensor | float | int
 _MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
+MAX_NOTE_CHARS = 512  # a data_change note: a sentence, not a payload
 # Checked by exact type first: an ABC isinstance costs a microsecond.
 _NUMBERS = (float, int, bool)
 # Update ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
@@ -186,6 +188,14 @@ class Monitor:
             training = [name for name, module in self._mode_sensitive if module.training]
             extra["train_mode_modules"] = training[:MAX_TRAIN_MODE_NAMES]
         self._event("eval", self._step, values, extra)
+
+    def data_changed(self, note: str = "") -> None:
+        """Announce a planned change of data or task before the next step (e.g. a new shard
+        mix, curriculum stage, or the seed's switch from the memorization subset to the
+        full set). The rules re-baseline from that step instead of calling the jump in
+        loss a spike; ``note`` says what changed and is kept in the recorded trace.
+        """
+        self._event(DATA_CHANGE, self._step + 1, {"note": str(note)[:MAX_NOTE_CHARS]})
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike[str]) -> None:
         """Tell the collector a checkpoint of ``step`` now exists at ``path``."""

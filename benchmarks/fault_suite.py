@@ -44,7 +44,10 @@ def table(results: list[Result]) -> str:
                      f"{(f'{statistics.median(lat):g}' if lat else '-'):>8}"
                      f"{(str(max(lat)) if lat else '-'):>6}{o:>7}  {missed}")
     lines.append("-" * 78)
-    lines.append(f"{'all faults':<22}{f'{det}/{tot}':>8}{'':>14}{oth:>7}")
+    every = [r.latency for rs in by_cat.values() for r in rs if r.latency is not None]
+    lines.append(f"{'all faults':<22}{f'{det}/{tot}':>8}"
+                 f"{(f'{statistics.median(every):g}' if every else '-'):>8}"
+                 f"{(str(max(every)) if every else '-'):>6}{oth:>7}")
     fa = [r for r in controls if r.false_alarm]
     lines.append(f"controls: {len(fa)}/{len(controls)} with a false alarm"
                  + "".join(f"\n  {r.scenario.name}: " + ", ".join(

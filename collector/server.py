@@ -46,6 +46,7 @@ from gradwatch.collector.state import StateStore
 from gradwatch.collector.webhook import WebhookSink
 from gradwatch.rules import Engine, Step, load_default_rules, load_rules
 from gradwatch.rules.step import Eval, Liveness, Stats
+from gradwatch.wire.messages import DATA_CHANGE
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class RulesEngine(Protocol):
     def firing(self) -> Sequence[Any]: ...
 
     def forget(self, job: str) -> Sequence[Any] | None: ...
+
+    def data_changed(self, job: str, step: int) -> None: ...
 
 
 def build_engine(config: CollectorConfig, clock: Callable[[], float]) -> Engine:
@@ -291,6 +294,9 @@ class Server:
                 self.state.observe_heartbeat(heartbeat)
             for event in result.events:
                 self.state.observe_event(event)
+                if event.kind == DATA_CHANGE:
+                    with self._engine_lock:
+                        self._engine_of().data_changed(event.job, event.step)
             for step in result.steps:
                 self._observe(step)
             for stats in result.stats:

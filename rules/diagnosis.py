@@ -232,10 +232,19 @@ class JobHistory:
                            f"({self._modules[first]!r} vs {self._modules[last]!r})", high=not vanishing)
         if len(self._early_first) < 10:
             self._early_first.append(float(modules[first]))
-        elif float(modules[first]) < 1e-2 * statistics.median(self._early_first):
+        elif float(modules[first]) < 1e-2 * statistics.median(self._early_first) and not self._converging():
+            # A loss that fell 10x shrinks every gradient with it (a memorized batch does):
+            # that is convergence, not the first layer's gradient vanishing.
             drop = float(modules[first]) / statistics.median(self._early_first)
             self._mark("first_layer_collapse", "vanishing_gradients", step.step, drop,
                        f"first layer's grad norm fell to {drop:.2g}× its early level", high=False)
+
+    def _converging(self) -> bool:
+        if len(self.head) < 10 or len(self.losses) < 3:
+            return False
+        start = statistics.median(self.head[:10])
+        level = statistics.median(v for _, v in list(self.losses)[-3:])  # the gradients' loss now
+        return level <= 0.1 * abs(start)
 
     def _mark(self, signal: str, category: str, step: int, value: float, detail: str,
               high: bool = True) -> None:
@@ -257,6 +266,10 @@ def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ())
     verdict, reason, evidence = _verdict(history)
     cause = _earlier_cause(history, alert)
     summary = f"{VERDICTS[verdict]}" + (f": {reason}" if reason else "")
+    if verdict == "none":
+        # The seed's tree reads the loss and grad norms only; say what the alert rests on.
+        summary += (f" (the seed's tree reads the loss and grad norms); this "
+                    f"{alert.category.replace('_', ' ')} alert rests on its own evidence")
     checks: list[str] = []
     if cause is not None:
         first = cause["chain"][0]

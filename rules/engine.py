@@ -9,6 +9,12 @@ it takes records, returns transitions, and does no I/O. Four inputs:
 * :meth:`Engine.tick` -- every known rank's ``Liveness`` (the collector calls
   it about once a second).
 
+A fifth, :meth:`Engine.data_changed`, is the job announcing a planned change
+of data or task (the agent's ``mon.data_changed()``): from that step on, every
+rank's step, stats and eval detectors start from fresh baselines, so a loss
+that jumps because the task changed is not a spike. Alert lifecycles are kept:
+an incident already firing resolves only when its fresh detector says so.
+
 Each rule's detector gets the inputs it implements (see
 :mod:`gradwatch.rules.detector`). Detectors of steps, stats and evals are
 created lazily per (job, rank, rule); liveness detectors per (job, rule). The
@@ -91,6 +97,7 @@ class _RankState:
     steps: list[_Slot]
     stats: list[_Slot]
     evals: list[_Slot]
+    baseline_from: int = 0  # the announced data change these detectors were made after
 
 
 @dataclass(slots=True)
@@ -98,6 +105,8 @@ class _JobState:
     history: JobHistory = field(default_factory=JobHistory)
     lead: int | None = None  # the rank whose records feed the history
     liveness: list[_Slot] | None = None
+    data_changes: list[int] = field(default_factory=list)  # announced steps, ascending
+    history_from: int = 0  # the announced data change the history was restarted at
 
 
 class Engine:
@@ -128,25 +137,41 @@ class Engine:
         """Feed one step to every rule that reads steps; return the transitions it caused."""
         job = self._job(step.job)
         if self._leads(job, step.rank):
+            self._rebase_history(job, step.step)
             job.history.observe_step(step)
-        state = self._rank(step.job, step.rank)
+        state = self._rank(step.job, step.rank, step.step)
         return self._run(state.steps, "observe", step, step.step)
 
     def observe_stats(self, stats: Stats) -> list[Transition]:
         """Feed one cadence sample to every rule that reads stats."""
         job = self._job(stats.job)
         if self._leads(job, stats.rank):
+            self._rebase_history(job, stats.step)
             job.history.observe_stats(stats)
-        state = self._rank(stats.job, stats.rank)
+        state = self._rank(stats.job, stats.rank, stats.step)
         return self._run(state.stats, "observe_stats", stats, stats.step)
 
     def observe_eval(self, ev: Eval) -> list[Transition]:
         """Feed one evaluation to every rule that reads evals."""
         job = self._job(ev.job)
         if self._leads(job, ev.rank):
+            self._rebase_history(job, ev.step)
             job.history.observe_eval(ev)
-        state = self._rank(ev.job, ev.rank)
+        state = self._rank(ev.job, ev.rank, ev.step)
         return self._run(state.evals, "observe_eval", ev, ev.step)
+
+    def data_changed(self, job: str, step: int) -> None:
+        """The job changed its data or task on purpose at ``step``: re-baseline from there.
+
+        Applied per rank when that rank's first record at or after ``step``
+        arrives, so rows of the old data still in flight (ranks ship in
+        batches) do not leak into the new baselines. Returns nothing: a
+        re-baseline only ever resolves alerts later, through the detectors.
+        """
+        changes = self._job(job).data_changes
+        if step not in changes:
+            changes.append(step)
+            changes.sort()
 
     def tick(self, liveness: Sequence[Liveness]) -> list[Transition]:
         """Feed every known rank's progress (of any jobs) to the liveness rules, per job."""
@@ -224,15 +249,23 @@ class Engine:
         return state
 
     @staticmethod
+    def _rebase_history(job: _JobState, at_step: int) -> None:
+        # Trends across a planned change compare two tasks: the diagnosis starts over.
+        due = [s for s in job.data_changes if job.history_from < s <= at_step]
+        if due:
+            job.history_from = due[-1]
+            job.history = JobHistory()
+
+    @staticmethod
     def _leads(job: _JobState, rank: int) -> bool:
         if job.lead is None or rank < job.lead:
             job.lead = rank
         return rank == job.lead
 
-    def _rank(self, job: str, rank: int) -> _RankState:
+    def _rank(self, job: str, rank: int, at_step: int) -> _RankState:
         state = self._ranks.get((job, rank))
+        owner = self._job(job)
         if state is None:
-            owner = self._job(job)
             slots = {i: self._slot(i, job, rank, owner) for i in self._rank_rules}
             state = _RankState(
                 all=list(slots.values()),
@@ -241,15 +274,18 @@ class Engine:
                 evals=[s for i, s in slots.items() if "observe_eval" in self._inputs[i]],
             )
             self._ranks[(job, rank)] = state
+        due = [s for s in owner.data_changes if state.baseline_from < s <= at_step]
+        if due:
+            state.baseline_from = due[-1]
+            for slot, index in zip(state.all, self._rank_rules, strict=True):
+                slot.detector = self.rules[index].make_detector()
         return state
 
     def _slot(self, index: int, job: str, rank: int | None, owner: _JobState) -> _Slot:
         spec, rule = self.rules[index], self._alert_rules[index]
         checks = tuple(rule.diagnosis["next_checks"]) if rule.diagnosis is not None else ()
-        history = owner.history
-
         def explain(alert: Alert) -> Mapping[str, Any]:
-            return diagnose(history, alert, checks)
+            return diagnose(owner.history, alert, checks)  # read late: a data change renews it
 
         lifecycle = AlertLifecycle(rule, job=job, rank=rank, clock=self._clock, diagnose=explain)
         return _Slot(spec.make_detector(), lifecycle)

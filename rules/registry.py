@@ -28,6 +28,7 @@ from gradwatch.rules.liveness import SilentRankDetector, StalledDetector
 from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
+from gradwatch.rules.stepping import OptimizerIdleDetector
 from gradwatch.rules.vanishing import VanishingGradientDetector
 from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
 
@@ -100,6 +101,7 @@ register_detector("growth", GeometricGrowthDetector)
 register_detector("ratio", LayerRatioDetector)
 register_detector("vanishing", VanishingGradientDetector)
 register_detector("flat_start", FlatFromStartDetector)
+register_detector("optimizer_idle", OptimizerIdleDetector)
 register_detector("loss_spike", LossSpikeDetector)
 register_detector("rising_loss", RisingLossDetector)
 register_detector("generalization_gap", GeneralizationGapDetector)

@@ -35,6 +35,7 @@ from gradwatch.rules.engine import Engine
 from gradwatch.rules.liveness import LivenessTracker
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
+from gradwatch.wire.messages import DATA_CHANGE
 from gradwatch.wire.trace import (
     TraceAct,
     TraceEval,
@@ -218,6 +219,8 @@ class Replay:
         elif isinstance(rec, TraceEvent) and rec.kind == "checkpoint":
             path = rec.fields.get("path")
             self.checkpoints.append(Checkpoint(rec.step, path if isinstance(path, str) else ""))
+        elif isinstance(rec, TraceEvent) and rec.kind == DATA_CHANGE:
+            engine.data_changed(header.job, rec.step)
         return []
 
 

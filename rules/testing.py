@@ -32,7 +32,8 @@ DEPTH = 6
 LAYERS = tuple(f"layers.{i}.{kind}" for i in range(DEPTH) for kind in ("weight", "bias"))
 ACT_MODULES = tuple(f"act.{i}" for i in range(DEPTH - 1))
 FAULTS = ("nan", "spike", "divergence", "rising", "flat", "vanishing", "overfit", "saturation",
-          "dead_relu", "weight_runaway", "update_high", "frozen", "loss_scale", "eval_mode")
+          "dead_relu", "weight_runaway", "update_high", "frozen", "loss_scale", "eval_mode",
+          "idle", "partial_frozen")
 
 Record = Step | Stats | Eval
 
@@ -164,6 +165,8 @@ class _Run:
                 if self.clean % 2000 == 0:
                     self.loss_scale *= 2.0
             scale = self.loss_scale
+        if s.fault == "idle" and self.faulty(t):
+            skipped = True  # the loop stopped calling optimizer.step()
         grad_norm = float(np.sqrt(np.sum(norms**2)))
         return Step(job=s.job, step=t, time=t * s.step_seconds, rank=s.rank, loss=loss, grad_norm=grad_norm,
                     layers=LAYERS, layer_norms=norms, lr=(self.lr(i),), loss_scale=scale, skipped=skipped)
@@ -180,6 +183,8 @@ class _Run:
                 ratios = ratios * 300.0
             elif s.fault == "frozen":
                 ratios = np.zeros_like(ratios)
+            elif s.fault == "partial_frozen":
+                ratios[: ratios.size // 2] = 0.0  # the first blocks never move
         return Stats(job=s.job, step=t, time=t * s.step_seconds, rank=s.rank, layers=LAYERS,
                      weight_norms=weights, update_ratios=ratios, act=self.acts(t))
 

@@ -115,7 +115,7 @@ class WeightRunawayDetector:
         return Finding(True, summary, evidence)
 
 
-Direction = Literal["high", "low"]
+Direction = Literal["high", "low", "partial"]
 
 
 class UpdateRatioDetector:
@@ -164,15 +164,21 @@ class UpdateRatioDetector:
         finite = np.isfinite(ratios)
         if not finite.any():
             return self._last
+        frozen: list[str] = []
         if self.direction == "high":
             value = self._global(ratios, finite, stats.weight_norms)
             outside = value > self.high
+        elif self.direction == "partial":
+            # Some layers never move while others learn: a freeze left on (or meant: the
+            # rule is informational). Judged like "low", on the rate the run is using.
+            still = finite & (ratios < self.low)
+            value = float(still.sum())
+            names = stats.layers if len(stats.layers) == ratios.size else ()
+            frozen = [names[i] if names else f"#{i}" for i in np.flatnonzero(still)]
+            outside = self._judged() and 0 < still.sum() < finite.sum()
         else:
             value = float(ratios[finite].max())
-            lr = self._lr
-            # Frozen only means something while the rate is non-zero and not annealed away.
-            judged = lr is not None and lr > 0.0 and lr >= self.lr_fraction * self._lr_peak
-            outside = judged and value < self.low
+            outside = self._judged() and value < self.low
         if not outside:
             self._held, self._since = 0, None
             self._last = INACTIVE
@@ -180,8 +186,13 @@ class UpdateRatioDetector:
         self._held += 1
         if self._since is None:
             self._since = stats.step
-        self._last = self._finding(value, stats) if self._held >= self.samples else INACTIVE
+        self._last = self._finding(value, stats, frozen) if self._held >= self.samples else INACTIVE
         return self._last
+
+    def _judged(self) -> bool:
+        # Frozen only means something while the rate is non-zero and not annealed away.
+        lr = self._lr
+        return lr is not None and lr > 0.0 and lr >= self.lr_fraction * self._lr_peak
 
     @staticmethod
     def _global(ratios: np.ndarray, finite: np.ndarray, weights: np.ndarray | None) -> float:
@@ -194,8 +205,15 @@ class UpdateRatioDetector:
                 return math.sqrt(float(np.dot(ratios[ok] * w[ok], ratios[ok] * w[ok])) / denominator)
         return float(np.median(ratios[finite]))
 
-    def _finding(self, value: float, stats: Stats) -> Finding:
-        if self.direction == "high":
+    def _finding(self, value: float, stats: Stats, frozen: list[str]) -> Finding:
+        if self.direction == "partial":
+            shown = ", ".join(repr(n) for n in frozen[:5]) + (" …" if len(frozen) > 5 else "")
+            summary = (
+                f"{len(frozen)} layer(s) never change (‖Δw‖/‖w‖ < {self.low:g}) for {self._held} "
+                f"samples since step {self._since} while the others learn: {shown}; frozen on "
+                "purpose, or requires_grad / the optimizer's param groups left wrong?"
+            )
+        elif self.direction == "high":
             summary = (
                 f"updates too large: ‖Δw‖/‖w‖ = {value:.3g} > {self.high:g} for {self._held} samples "
                 f"since step {self._since} (healthy is ~1e-3); learning rate too high?"
@@ -210,6 +228,7 @@ class UpdateRatioDetector:
             "direction": self.direction,
             "ratio": value,
             "threshold": self.high if self.direction == "high" else self.low,
+            "frozen_layers": frozen[:32],
             "samples": self._held,
             "since_step": self._since,
             "lr": self._lr,

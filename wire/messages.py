@@ -38,7 +38,9 @@ MAX_COLUMNS: Final = 1 << 20
 MAX_NAME_CHARS: Final = 1024
 MAX_JOB_CHARS: Final = 128
 MAX_RANK: Final = 1 << 20
-EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note"})
+# "data_change": the job changed its data or task on purpose; rules re-baseline from its step.
+DATA_CHANGE: Final = "data_change"
+EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA_CHANGE})
 
 _PREAMBLE = struct.Struct("<2sBB")
 

@@ -111,3 +111,49 @@ def test_nan_at_a_known_step_alerts_within_two_flush_intervals(
         assert firing and firing[0].endswith(" 1.0"), text
     finally:
         mon.close()
+
+
+def _train(model: Any, job: str, endpoint: str, steps: int, inputs: Any) -> None:
+    """A plain classification loop with the agent on the activation-statistics cadence."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(model, optimizer, job=job, endpoint=endpoint, flush_every=FLUSH_EVERY,
+                          stats_every=STATS_EVERY)
+    try:
+        for _ in range(steps):
+            x = inputs()
+            loss = torch.nn.functional.cross_entropy(model(x), (x[:, 0] > 0).long())
+            loss.backward()
+            optimizer.step()
+            mon.log(loss=loss)
+            optimizer.zero_grad()
+    finally:
+        mon.close()
+
+
+STATS_EVERY = 5
+
+
+def test_saturation_and_dead_unit_alerts_come_from_the_agents_activation_hooks(
+        collector: dict[str, Any], receiver: WebhookReceiver) -> None:
+    torch.manual_seed(0)
+    nn = torch.nn
+    tanh = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2))
+    relu = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
+    with torch.no_grad():
+        tanh[0].weight.mul_(30.0)   # an init far too large: tanh pinned at +-1
+        relu[0].bias.fill_(-20.0)   # biases that switch every ReLU off
+    _train(tanh, "e2e-tanh", collector["listen"], 40, lambda: torch.randn(32, 8))
+    _train(relu, "e2e-relu", collector["listen"], 40, lambda: torch.randn(32, 8))
+
+    def both(bodies: list[dict[str, Any]]) -> bool:
+        firing = {(b["job"], b["category"]) for b in bodies if b["state"] == "firing"}
+        return {("e2e-tanh", "saturation"), ("e2e-relu", "dead_units")} <= firing
+
+    bodies = receiver.wait_for(both, timeout=30.0)
+    by_job = {b["job"]: b for b in bodies if b["state"] == "firing"
+              and b["category"] in ("saturation", "dead_units")}
+    saturated, dead = by_job["e2e-tanh"], by_job["e2e-relu"]
+    # The evidence names the hooked module and a share measured on the device.
+    assert saturated["rule"] == "ActivationsSaturated" and "'1'" in saturated["summary"]
+    assert dead["rule"] == "DeadReLUs" and "'1'" in dead["summary"]
+    assert saturated["step"] <= 2 * STATS_EVERY and dead["step"] <= 2 * STATS_EVERY

@@ -32,6 +32,8 @@ EXPECTED = {
     "frozen": ("WeightsFrozen", "update_ratio", set()),
     "loss_scale": ("LossScaleCollapse", "loss_scale_collapse", set()),
     "eval_mode": ("EvalInTrainingMode", "eval_mode_wiring", set()),
+    "idle": ("OptimizerIdle", "dead_pipeline", set()),
+    "partial_frozen": ("LayersFrozen", "update_ratio", set()),
 }
 
 

@@ -52,6 +52,7 @@ class CaptureSink:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.fired: list[Fired] = []
+        self.alerts: list[Any] = []  # the firing Alert records, diagnosis included
 
     def start(self) -> None:
         pass
@@ -61,6 +62,7 @@ class CaptureSink:
             a = transition.alert
             with self._lock:
                 self.fired.append(Fired(a.rule, str(a.category), int(a.step)))
+                self.alerts.append(a)
 
     def close(self, timeout: float) -> None:
         pass
@@ -145,6 +147,7 @@ class Result:
     detected: bool = False
     latency: int | None = None
     other: list[Fired] = field(default_factory=list)
+    alerts: list[Any] = field(default_factory=list)
 
     @property
     def false_alarm(self) -> bool:
@@ -198,7 +201,9 @@ def run_scenario(s: Scenario) -> Result:
             mon.close()
         server.stop(timeout=5.0)
         torch.set_num_threads(threads)
-    return score(s, list(sink.fired), time.monotonic() - started)
+    result = score(s, list(sink.fired), time.monotonic() - started)
+    result.alerts = list(sink.alerts)
+    return result
 
 
 # --------------------------------------------------------------------------- training helpers
@@ -236,11 +241,16 @@ def classify(ctx: Ctx, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
              after_backward: Callable[[int], None] | None = None,
              do_step: Callable[[int], bool] | None = None,
              eval_every: int = 0, eval_fn: Callable[[], torch.Tensor] | None = None,
-             sched: Any = None, **watch_kw: Any) -> Any:
-    """One plain classification loop; the hooks inject each fault at its step."""
+             sched: Any = None, data_change_at: int | None = None, **watch_kw: Any) -> Any:
+    """One plain classification loop; the hooks inject each fault at its step.
+
+    ``data_change_at``: the loop announces a planned data change before that step.
+    """
     label = label or teacher()
     mon = ctx.watch(model, opt, **watch_kw)
     for step in range(1, steps + 1):
+        if step == data_change_at:
+            mon.data_changed("switched to a new task")
         if before_step:
             before_step(step)
         x = inputs(step) if inputs else torch.randn(batch, N_IN)
@@ -611,13 +621,60 @@ def _dataset_shift(ctx: Ctx) -> None:
              + (0.0 if s < 250 else 0.3), label=t)
 
 
-def _task_switch(ctx: Ctx) -> None:
+def _task_switch(ctx: Ctx, announced: bool = True) -> None:
     model = mlp()
     t1, t2 = teacher(1), teacher(2)
     box = [0]
     classify(ctx, model, torch.optim.Adam(model.parameters(), lr=2e-3), 500,
              label=lambda x: t1(x) if box[0] < 250 else t2(x),
-             before_step=lambda s: box.__setitem__(0, s))
+             before_step=lambda s: box.__setitem__(0, s),
+             data_change_at=250 if announced else None)
+
+
+SEED_TABULAR = 2048  # the seed's "tabular dataset": teacher-labelled Gaussian features
+SEED_SUBSET = 12     # Stage 1: memorize 12 examples ...
+SEED_STEPS = 300     # ... for 300 steps, then train on the full set
+
+
+def seed_worked_example(ctx: Ctx | None, init_scale: float, full_steps: int = 300,
+                        **watch_kw: Any) -> list[float]:
+    """The seed's worked example, for real: a 6-layer tanh MLP classifier, Xavier init
+    scaled by ``init_scale`` (the seed's bug is 10), SGD at lr 0.1, a hand-written
+    (numerically fragile) log-softmax; 300 steps on 12 examples, then the full set,
+    announced with ``mon.data_changed``. Returns the loss per step. ``ctx`` None runs
+    it unmonitored (the README's measurement).
+    """
+    g = torch.Generator().manual_seed(5)
+    x_all = torch.randn(SEED_TABULAR, N_IN, generator=g)
+    y_all = teacher()(x_all)
+    layers: list[nn.Module] = []
+    for i in range(6):
+        lin = nn.Linear(N_IN if i == 0 else 64, N_CLS if i == 5 else 64)
+        nn.init.xavier_uniform_(lin.weight, gain=init_scale)
+        nn.init.zeros_(lin.bias)
+        layers += [lin, nn.Tanh()] if i < 5 else [lin]
+    model = nn.Sequential(*layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = ctx.watch(model, opt, **watch_kw) if ctx is not None else None
+    losses = []
+    for step in range(1, SEED_STEPS + full_steps + 1):
+        if step <= SEED_STEPS:
+            x, y = x_all[:SEED_SUBSET], y_all[:SEED_SUBSET]
+        else:
+            if step == SEED_STEPS + 1 and mon is not None:
+                mon.data_changed("memorization subset -> full set")
+            idx = torch.randint(0, SEED_TABULAR, (64,), generator=g)
+            x, y = x_all[idx], y_all[idx]
+        out = model(x)
+        p = torch.exp(out) / torch.exp(out).sum(1, keepdim=True)  # the fragile log-softmax
+        loss = -torch.log(p.gather(1, y[:, None])).mean()
+        loss.backward()
+        opt.step()
+        if mon is not None:
+            mon.log(loss=loss)
+        opt.zero_grad()
+        losses.append(float(loss.detach()))
+    return losses
 
 
 def _warmup_cosine(ctx: Ctx) -> None:
@@ -702,11 +759,13 @@ def _healthy_weight_decay_long(ctx: Ctx) -> None:
 
 
 ACT = "gradwatch.agent.activations"  # the agent's activation statistics (saturation, dead units)
-PARTIAL_FREEZE = ("WeightsFrozen fires only when every layer is frozen (fastest-moving layer "
-                  "< 1e-6); a frozen backbone under a learning head is not detected")
-TASK_SWITCH = ("known false alarm: switching to a new task mid-run is, in the loss alone, a "
-               "spike that does not recover (LossSpike, LossDiverging, LossRising); there is no "
-               "API to announce a planned data change")
+PARTIAL_FREEZE = ("the agent watches only parameters with requires_grad that the optimizer "
+                  "holds (so the per-step norm stays one fused kernel); a backbone frozen with "
+                  "requires_grad_(False) is invisible. LayersFrozen catches trainable layers "
+                  "that never move; WeightsFrozen a model that does not move at all")
+TASK_SWITCH = ("known false alarm: an unannounced switch to a new task mid-run is, in the "
+               "loss alone, a spike that does not recover (LossSpike, LossDiverging, "
+               "LossRising); announce it with mon.data_changed() (the announced control passes)")
 
 SCENARIOS: tuple[Scenario, ...] = (
     # numerical
@@ -773,6 +832,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("sigmoid_saturated_inputs", "saturation", 1, _saturated_sigmoid_inputs,
              requires=ACT),
     Scenario("dead_relu_bias_init", "dead_units", 1, _dead_relu_bias, requires=ACT),
+    # the seed's worked example, run for real (README: what actually happens)
+    Scenario("seed_example_xavier_x10", "saturation", 1,
+             lambda c: seed_worked_example(c, init_scale=10.0), requires=ACT),
     # healthy controls
     Scenario("healthy_sgd_momentum", None, 0, _healthy_sgd),
     Scenario("healthy_adam", None, 0, _healthy_adam),
@@ -780,7 +842,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("healthy_many_inactive_relus", None, 0, _many_inactive_relus),
     Scenario("healthy_noisy_batch_of_2", None, 0, _noisy_small_batch),
     Scenario("healthy_dataset_shift_midrun", None, 0, _dataset_shift),
-    Scenario("healthy_task_switch_midrun", None, 0, _task_switch, needs=TASK_SWITCH),
+    Scenario("healthy_task_switch_announced", None, 0, _task_switch),
+    Scenario("healthy_task_switch_unannounced", None, 0,
+             lambda c: _task_switch(c, announced=False), needs=TASK_SWITCH),
+    Scenario("healthy_seed_example_fixed_init", None, 0,
+             lambda c: seed_worked_example(c, init_scale=1.0)),
     Scenario("healthy_warmup_cosine", None, 0, _warmup_cosine),
     Scenario("healthy_step_decay", None, 0, _step_decay),
     Scenario("healthy_amp_fp16", None, 0, _amp_healthy),
