@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch
 from torch import nn
 
-from scenarios.scenario_lib import BY_NAME, SEED_STEPS, run_scenario, seed_worked_example
+from gradwatch.seed_example import SUBSET_STEPS as SEED_STEPS
+from scenarios.scenario_lib import BY_NAME, run_scenario, seed_worked_example
 
 MARKS = (1, 20, 40, 100, 300, 301, 350, 450, 600)
 

@@ -1,114 +1,132 @@
-"""``gradwatch demo``: a real fault caught end to end on loopback.
+"""``gradwatch demo``: the seed's debugging procedure on its worked example, end to end.
 
-A collector daemon (a subprocess, as in production), a local webhook receiver,
-and a small real training job with the agent attached. The fault is real: SGD on
-a least-squares problem with a learning rate above its stability limit
-2/λmax(H). The gradient norm grows geometrically until float32 overflows; the
-collector's rules see the growth first (with a projection of when it overflows)
-and then the non-finite loss, and the alerts reach the webhook while the job
-runs. Nothing is faked: every number below was measured by the agent.
+A collector daemon (a subprocess, as in production) records every job and
+posts alerts to a local webhook receiver. The job is the seed's worked example
+(:mod:`gradwatch.seed_example`): a 6-layer tanh MLP with Xavier init scaled
+10x, SGD at lr 0.1, 300 steps memorizing 12 examples, then the full set. The
+story, in the seed's order:
+
+1. Stage 1 preflight (memorization) on the broken model;
+2. the monitored run: the alert and its diagnosis arrive while it trains;
+3. the fix (the correct init), its preflight and its monitored run;
+4. the post-mortem report of both runs (self-contained HTML).
+
+Nothing is faked: every number printed is measured in this run. Where the
+seed's narrative and the measurement differ (the broken model *passes* the
+memorization test here), the demo says so.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-JOB = "demo"
 READY_TIMEOUT_S = 30.0
-ALERT_TIMEOUT_S = 10.0
+ALERT_TIMEOUT_S = 15.0
+STOP_TIMEOUT_S = 15.0
+BROKEN, FIXED = "seed-broken-init", "seed-fixed-init"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradwatch demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=140, help="training steps (default 140)")
-    parser.add_argument("--lr", type=float, default=0.8,
-                        help="learning rate; the problem is stable below ~0.64 (default 0.8)")
-    parser.add_argument("--step-time", type=float, default=0.02,
+    parser.add_argument("--out", type=Path, default=Path("gradwatch-demo"),
+                        help="folder for the recorded traces and reports (default ./gradwatch-demo)")
+    parser.add_argument("--full-steps", type=int, default=300,
+                        help="steps on the full set after memorization (default 300)")
+    parser.add_argument("--step-time", type=float, default=0.002,
                         help="seconds each step stands in for a real model's compute")
     args = parser.parse_args(argv)
-    return Demo(args.steps, args.lr, args.step_time).run()
+    return Demo(args.out, args.full_steps, args.step_time).run()
 
 
 class Demo:
-    def __init__(self, steps: int, lr: float, step_time: float) -> None:
-        self.steps = steps
-        self.lr = lr
+    def __init__(self, out: Path, full_steps: int, step_time: float) -> None:
+        self.out = out
+        self.full_steps = full_steps
         self.step_time = step_time
         self.shown: set[tuple[str, str]] = set()
-        self.stable_below = 0.0
 
     def run(self) -> int:
         from gradwatch.collector.receiver import WebhookReceiver
 
-        print("gradwatch demo: a learning rate above SGD's stability limit, caught live\n")
-        with tempfile.TemporaryDirectory(prefix="gradwatch-demo-") as tmp, \
-                WebhookReceiver() as receiver:
-            collector, ready = _start_collector(Path(tmp), receiver.url)
+        print("gradwatch demo: the seed's procedure on its worked example "
+              "(6-layer tanh MLP, Xavier init x10, SGD lr 0.1)\n")
+        started = time.monotonic()
+        traces = self.out / "traces"
+        traces.mkdir(parents=True, exist_ok=True)
+        with WebhookReceiver() as receiver:
+            collector, ready = _start_collector(self.out, traces, receiver.url)
             try:
-                print(f"[1/4] collector  pid {collector.pid}, ingest {ready['listen']}, "
-                      f"metrics {ready['metrics_url']}")
-                print(f"[2/4] webhook    receiver at {receiver.url}")
-                started = time.monotonic()
-                self._train(ready["listen"], receiver)
-                self._await_alerts(receiver)
-                print("[4/4] metrics    scraped from the collector's /metrics:")
+                print(f"[1/5] collector   pid {collector.pid}, ingest {ready['listen']}, metrics "
+                      f"{ready['metrics_url']}, recording to {traces}/; webhook {receiver.url}")
+                self._job(BROKEN, 10.0, "[2/5]", ready["listen"], receiver)
+                broken = self._await(receiver, BROKEN, "saturation")
+                self._explain(broken)
+                self._job(FIXED, 1.0, "[3/5]", ready["listen"], receiver)
+                fixed = [b for b in receiver.bodies if b.get("job") == FIXED and b.get("state") == "firing"]
+                print(f"      {len(fixed)} alert(s) on the fixed run"
+                      + ("" if fixed else ": the correct init trains clean"))
                 _print_metrics(ready["metrics_url"])
-                return self._summary(receiver, time.monotonic() - started)
             finally:
-                collector.terminate()
-                try:
-                    collector.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    collector.kill()
+                _stop(collector)
+        return self._report(traces, broken, fixed, time.monotonic() - started)
 
-    def _train(self, endpoint: str, receiver: Any) -> None:
+    # ------------------------------------------------------------ one job
+
+    def _job(self, job: str, init_scale: float, label: str, endpoint: str, receiver: Any) -> None:
         import torch
 
         import gradwatch
+        from gradwatch import seed_example as seed
+        from gradwatch.preflight import memorization
 
         torch.manual_seed(0)
-        features = torch.randn(512, 32)
-        targets = features @ torch.randn(32, 1) + 0.1 * torch.randn(512, 1)
-        # MSE's Hessian is 2/n XᵀX: gradient descent is stable only for lr < 2/λmax.
-        lam = torch.linalg.eigvalsh(2 * features.T @ features / len(features)).max()
-        self.stable_below = 2 / float(lam)
-        model = torch.nn.Linear(32, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=self.lr)
-        print(f"[3/4] training   least squares, 32 features, SGD lr={self.lr} "
-              f"(stable only below 2/λmax = {self.stable_below:.2f}); {self.steps} steps\n")
-        with gradwatch.watch(model, optimizer, job=JOB, endpoint=endpoint) as mon:
-            for step in range(1, self.steps + 1):
-                idx = torch.randint(0, len(features), (64,))
-                loss = torch.nn.functional.mse_loss(model(features[idx]), targets[idx])
-                loss.backward()
-                optimizer.step()
-                mon.log(loss=loss)
-                optimizer.zero_grad()
-                if step % 10 == 0:
-                    # The demo's own progress line reads the loss on the host; the
-                    # agent itself never does.
-                    print(f"   step {step:4d}  loss {loss.item():10.3g}")
-                self._show_new_alerts(receiver)
+        x, y = seed.tabular()
+        model = seed.seed_model(init_scale)
+        print(f"\n{label} job {job!r}: Xavier init x{init_scale:g}")
+        check = memorization(model, seed.fragile_nll, (x[:seed.SUBSET], y[:seed.SUBSET]))
+        print("      Stage 1 preflight: " + str(check).replace("\n", "\n      "))
+        if check.passed and init_scale != 1.0:
+            print("      (the seed expects this broken model to fail; measured, it memorizes 12 "
+                  "points easily: saturated tanh units act as fixed binary features. Stage 1 is "
+                  "necessary, not sufficient; the monitored run is what catches it.)")
+        total = seed.SUBSET_STEPS + self.full_steps
+        print(f"      monitored run: {seed.SUBSET_STEPS} steps on {seed.SUBSET} examples, then "
+              f"{self.full_steps} on the full set (announced with mon.data_changed)")
+        monitors: list[Any] = []
+
+        def watch(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
+            monitors.append(gradwatch.watch(m, opt, job=job, endpoint=endpoint, stats_every=10))
+            return monitors[-1]
+
+        def progress(step: int, loss: float) -> None:
+            if step % 100 == 0 or step == total:
+                print(f"      step {step:4d}  loss {loss:10.4g}")
+            self._show_new_alerts(receiver)
+            if self.step_time:
                 time.sleep(self.step_time)
-        print()
 
-    def _await_alerts(self, receiver: Any) -> None:
-        def numerical_arrived(bodies: list[dict[str, Any]]) -> bool:
-            return any(b.get("category") == "numerical" for b in bodies)
+        try:
+            seed.run(model, x, y, watch, full_steps=self.full_steps, on_step=progress)
+        finally:
+            for mon in monitors:
+                mon.close()
 
-        receiver.wait_for(numerical_arrived, timeout=ALERT_TIMEOUT_S)
+    def _await(self, receiver: Any, job: str, category: str) -> list[dict[str, Any]]:
+        def arrived(bodies: list[dict[str, Any]]) -> bool:
+            return any(b.get("job") == job and b.get("category") == category for b in bodies)
+
+        receiver.wait_for(arrived, timeout=ALERT_TIMEOUT_S)
         self._show_new_alerts(receiver)
+        return [b for b in receiver.bodies if b.get("job") == job and b.get("state") == "firing"]
 
     def _show_new_alerts(self, receiver: Any) -> None:
         for body in receiver.bodies:
@@ -121,30 +139,45 @@ class Demo:
                   f"[{body.get('category')}, {body.get('severity')}] from step {body.get('step')}: "
                   f"{body.get('summary')}")
 
-    def _summary(self, receiver: Any, elapsed: float) -> int:
-        firing = [b for b in receiver.bodies if b.get("state") == "firing"]
-        categories = sorted({str(b.get("category")) for b in firing})
-        print(f"\n{len(firing)} alert(s) delivered in {elapsed:.1f} s: {', '.join(categories)}")
-        for body in firing:
-            print(f"\n{body.get('rule')}: evidence {json.dumps(body.get('evidence'), default=str)}")
+    @staticmethod
+    def _explain(firing: list[dict[str, Any]]) -> None:
+        for body in firing[:1]:
             diagnosis = body.get("diagnosis") or {}
-            if diagnosis:
-                print(f"  diagnosis [{diagnosis.get('verdict')}]: {diagnosis.get('summary')}")
-                for check in list(diagnosis.get("next_checks") or [])[:3]:
-                    print(f"    next: {check}")
-        if "numerical" not in categories:
-            print("\nthe numerical alert did not arrive: see the collector's log above", file=sys.stderr)
+            print(f"      evidence: {json.dumps(body.get('evidence'), default=str)[:300]}")
+            print(f"      diagnosis: {diagnosis.get('summary', '(none)')}")
+            for check in list(diagnosis.get("next_checks") or [])[:3]:
+                print(f"        next: {check}")
+
+    # ------------------------------------------------------------ the end
+
+    def _report(self, traces: Path, broken: list[dict[str, Any]], fixed: list[dict[str, Any]],
+                elapsed: float) -> int:
+        from gradwatch.report import write_report
+
+        print("\n[5/5] post-mortem reports (self-contained HTML; open in a browser):")
+        for job in (BROKEN, FIXED):
+            trace = traces / f"{job}.jsonl"
+            if not trace.exists():
+                print(f"      no trace was recorded for {job} at {trace}", file=sys.stderr)
+                return 1
+            path = write_report(trace, self.out / f"report-{job}.html")
+            print(f"      {path.resolve()}")
+        caught = any(b.get("category") == "saturation" for b in broken)
+        print(f"\ndone in {elapsed:.0f} s: the broken init raised {len(broken)} alert(s) "
+              f"({', '.join(sorted({str(b.get('category')) for b in broken})) or 'none'}), "
+              f"the fix raised {len(fixed)}.")
+        if not caught or fixed:
+            print("the demo's expected outcome did not happen: see the collector's log above",
+                  file=sys.stderr)
             return 1
-        print(f"\nWhat to do in a real run: lower the learning rate (here, below "
-              f"{self.stable_below:.2f}), add warm-up or clipping, and roll back to a "
-              "checkpoint saved before the growth began.")
         return 0
 
 
-def _start_collector(tmp: Path, webhook_url: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
-    ready_file = tmp / "ready.json"
+def _start_collector(out: Path, traces: Path, webhook_url: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    ready_file = out / "collector-ready.json"
+    ready_file.unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "gradwatch", "collector", "--listen", "tcp://127.0.0.1:*",
-           "--metrics-addr", "127.0.0.1:0", "--webhook", webhook_url,
+           "--metrics-addr", "127.0.0.1:0", "--webhook", webhook_url, "--record", str(traces),
            "--ready-file", str(ready_file), "--log-level", "warning"]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + READY_TIMEOUT_S
@@ -160,13 +193,19 @@ def _start_collector(tmp: Path, webhook_url: str) -> tuple[subprocess.Popen[byte
     return proc, json.loads(ready_file.read_text())
 
 
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()  # SIGTERM: the collector drains and closes its trace files
+    try:
+        proc.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _print_metrics(url: str) -> None:
+    print("\n[4/5] metrics scraped from the collector's /metrics (what Prometheus sees):")
     with urllib.request.urlopen(url, timeout=5) as response:
         text = response.read().decode()
-    wanted = ("gradwatch_job_step", "gradwatch_job_grad_norm", "gradwatch_job_loss",
-              "gradwatch_alerts_firing", "gradwatch_ingest_messages_total")
+    wanted = ("gradwatch_job_step", "gradwatch_job_loss", "gradwatch_alerts_firing")
     for line in text.splitlines():
         if line.startswith(wanted):
-            name, _, value = line.rpartition(" ")
-            number = float(value)
-            print(f"   {name} {value if math.isfinite(number) else number}")
+            print(f"      {line}")

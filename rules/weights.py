@@ -139,8 +139,9 @@ class UpdateRatioDetector:
         low: Annotated[float, Field(ge=0.0)] = 1e-6,
         samples: Annotated[int, Field(ge=1)] = 3,
         lr_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1,
+        moving: Annotated[float, Field(gt=0.0)] = 1e-4,
     ) -> None:
-        self.direction, self.high, self.low = direction, high, low
+        self.direction, self.high, self.low, self.moving = direction, high, low, moving
         self.samples, self.lr_fraction = samples, lr_fraction
         self._lr: float | None = None
         self._lr_peak = 0.0
@@ -175,7 +176,9 @@ class UpdateRatioDetector:
             value = float(still.sum())
             names = stats.layers if len(stats.layers) == ratios.size else ()
             frozen = [names[i] if names else f"#{i}" for i in np.flatnonzero(still)]
-            outside = self._judged() and 0 < still.sum() < finite.sum()
+            # The rest must clearly learn (a converged model moves every layer a little).
+            learning = bool((ratios[finite] >= self.moving).any())
+            outside = self._judged() and learning and bool(still.any())
         else:
             value = float(ratios[finite].max())
             outside = self._judged() and value < self.low

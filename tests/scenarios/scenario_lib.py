@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import gradwatch
+from gradwatch import seed_example
 
 DRAIN_TIMEOUT_S = 10.0
 
@@ -461,7 +462,7 @@ def _constant_inputs(ctx: Ctx) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
-    classify(ctx, model, opt, 300, inputs=lambda s: torch.zeros(64, N_IN),
+    classify(ctx, model, opt, 400, inputs=lambda s: torch.zeros(64, N_IN),
              label=lambda x: torch.randint(0, N_CLS, (len(x),), generator=g))
 
 
@@ -469,7 +470,7 @@ def _shuffled_labels(ctx: Ctx) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(4)
-    classify(ctx, model, opt, 300,
+    classify(ctx, model, opt, 400,
              label=lambda x: torch.randint(0, N_CLS, (len(x),), generator=g))
 
 
@@ -631,50 +632,13 @@ def _task_switch(ctx: Ctx, announced: bool = True) -> None:
              data_change_at=250 if announced else None)
 
 
-SEED_TABULAR = 2048  # the seed's "tabular dataset": teacher-labelled Gaussian features
-SEED_SUBSET = 12     # Stage 1: memorize 12 examples ...
-SEED_STEPS = 300     # ... for 300 steps, then train on the full set
-
-
 def seed_worked_example(ctx: Ctx | None, init_scale: float, full_steps: int = 300,
                         **watch_kw: Any) -> list[float]:
-    """The seed's worked example, for real: a 6-layer tanh MLP classifier, Xavier init
-    scaled by ``init_scale`` (the seed's bug is 10), SGD at lr 0.1, a hand-written
-    (numerically fragile) log-softmax; 300 steps on 12 examples, then the full set,
-    announced with ``mon.data_changed``. Returns the loss per step. ``ctx`` None runs
-    it unmonitored (the README's measurement).
-    """
-    g = torch.Generator().manual_seed(5)
-    x_all = torch.randn(SEED_TABULAR, N_IN, generator=g)
-    y_all = teacher()(x_all)
-    layers: list[nn.Module] = []
-    for i in range(6):
-        lin = nn.Linear(N_IN if i == 0 else 64, N_CLS if i == 5 else 64)
-        nn.init.xavier_uniform_(lin.weight, gain=init_scale)
-        nn.init.zeros_(lin.bias)
-        layers += [lin, nn.Tanh()] if i < 5 else [lin]
-    model = nn.Sequential(*layers)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = ctx.watch(model, opt, **watch_kw) if ctx is not None else None
-    losses = []
-    for step in range(1, SEED_STEPS + full_steps + 1):
-        if step <= SEED_STEPS:
-            x, y = x_all[:SEED_SUBSET], y_all[:SEED_SUBSET]
-        else:
-            if step == SEED_STEPS + 1 and mon is not None:
-                mon.data_changed("memorization subset -> full set")
-            idx = torch.randint(0, SEED_TABULAR, (64,), generator=g)
-            x, y = x_all[idx], y_all[idx]
-        out = model(x)
-        p = torch.exp(out) / torch.exp(out).sum(1, keepdim=True)  # the fragile log-softmax
-        loss = -torch.log(p.gather(1, y[:, None])).mean()
-        loss.backward()
-        opt.step()
-        if mon is not None:
-            mon.log(loss=loss)
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
-    return losses
+    """The seed's worked example (``gradwatch.seed_example``), watched through ``ctx``."""
+    x, y = seed_example.tabular()
+    watch = (lambda model, opt: ctx.watch(model, opt, **watch_kw)) if ctx is not None else None
+    return seed_example.run(seed_example.seed_model(init_scale), x, y, watch,
+                            full_steps=full_steps)
 
 
 def _warmup_cosine(ctx: Ctx) -> None:
