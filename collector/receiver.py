@@ -3,7 +3,9 @@
 ``WebhookReceiver`` listens on ``127.0.0.1`` (port 0 picks a free one), keeps
 the JSON body and headers of every POST, and lets a caller wait, without sleep
 loops, until what it received satisfies a predicate. It can also answer the
-first requests with chosen statuses (e.g. ``503``) to exercise retries.
+first requests with chosen statuses (e.g. ``503``) to exercise retries, or
+every request with one status while it plays "down" (``fail_with(503)``, then
+``fail_with(None)``). ``attempts`` lists every POST with the status it got.
 
 Example::
 
@@ -38,6 +40,16 @@ class Received:
     body: Any
 
 
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One POST as it arrived, accepted or not: path, headers, raw body, status answered."""
+
+    path: str
+    headers: Mapping[str, str]
+    raw: bytes
+    status: int
+
+
 class WebhookReceiver:
     """Collects POSTed JSON bodies; thread-safe; close it (or use ``with``)."""
 
@@ -45,6 +57,8 @@ class WebhookReceiver:
                  statuses: Iterable[int] = ()) -> None:
         self._received: list[Received] = []
         self._statuses = deque(statuses)
+        self._attempts: list[Attempt] = []
+        self._failing: int | None = None
         self._cond = threading.Condition()
         self._host = host
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
@@ -66,6 +80,28 @@ class WebhookReceiver:
     def bodies(self) -> list[Any]:
         with self._cond:
             return [r.body for r in self._received]
+
+    @property
+    def attempts(self) -> list[Attempt]:
+        with self._cond:
+            return list(self._attempts)
+
+    def fail_with(self, status: int | None) -> None:
+        """Answer every POST with ``status`` (e.g. 503) until called with None."""
+        with self._cond:
+            self._failing = status
+
+    def wait_for_attempts(self, count: int, timeout: float) -> list[Attempt]:
+        """Block until ``count`` POSTs arrived (accepted or not); raise ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while len(self._attempts) < count:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"webhook receiver: {len(self._attempts)} of {count} "
+                                       f"POSTs arrived within {timeout}s")
+                self._cond.wait(remaining)
+            return list(self._attempts)
 
     def wait_for(self, predicate: Callable[[list[Any]], bool], timeout: float) -> list[Any]:
         """Block until ``predicate(bodies)`` holds; return the bodies, or raise ``TimeoutError``."""
@@ -98,12 +134,14 @@ class WebhookReceiver:
         try:
             body = json.loads(raw)
         except ValueError:
-            return 400
+            body, status = None, 400
         with self._cond:
-            status = self._statuses.popleft() if self._statuses else 200
+            if body is not None:
+                status = self._statuses.popleft() if self._statuses else (self._failing or 200)
             if 200 <= status < 300:
                 self._received.append(Received(path, headers, body))
-                self._cond.notify_all()
+            self._attempts.append(Attempt(path, headers, raw, status))
+            self._cond.notify_all()
             return status
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:

@@ -1,9 +1,10 @@
 """The seam between alert transitions and the places they are sent.
 
 A sink receives every transition the rules engine returns and decides what to
-send (the webhook sends ``firing`` and ``resolved``). ``notify`` never blocks
-the ingest thread: sinks queue and deliver from their own thread. The durable
-outbox and the Slack / PagerDuty / Alertmanager sinks plug in here later.
+send (``firing`` and ``resolved``). ``notify`` never blocks the ingest thread:
+sinks queue and deliver from their own thread. The collector's sinks store
+every notification in the durable outbox first (``gradwatch.collector.outbox``)
+and format it for a generic signed webhook, Slack, PagerDuty or Alertmanager.
 
 Example::
 
@@ -15,8 +16,13 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
+
+from pydantic import SecretStr
+
+from gradwatch.collector.config import ConfigError
 
 PAYLOAD_VERSION = 1
 PAYLOAD_KIND = "gradwatch.alert"
@@ -75,3 +81,25 @@ def mask_url(url: str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{parts.scheme}://{host}{port}/…"
+
+
+def read_secret(value: SecretStr | None, path: Path | None, key: str) -> str | None:
+    """The secret set as ``key`` (environment or config) or in the file ``<key>_file``.
+
+    Raises ``ConfigError`` when both are set or the file cannot be read; the
+    secret itself never appears in a message.
+    """
+    if value is not None and path is not None:
+        raise ConfigError(f"both {key} and {key}_file are set; keep one of them")
+    if value is not None:
+        return value.get_secret_value().strip() or None
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {key}_file {path}: {exc.strerror or exc}; check the "
+                          "path and that the collector may read it") from exc
+    if not text:
+        raise ConfigError(f"{key}_file {path} is empty; put the secret in it or unset it")
+    return text

@@ -1,22 +1,21 @@
-"""Generic JSON webhook: POST every firing and resolved alert to a URL.
+"""Generic JSON webhook: the request, its HTTP transport, and the retry policy.
 
-Delivery never blocks the ingest thread. ``notify`` puts the alert on a bounded
-queue (when it is full the oldest notification is dropped and counted) and a
-background thread POSTs ``Alert.to_dict()`` plus ``"version"`` and ``"kind"``,
-retrying connection errors, timeouts, 408, 429 and 5xx with exponential backoff
-and jitter (``Retry-After`` seconds or HTTP-date honoured). ``Idempotency-Key``
-and ``webhook-id`` are ``<alert id>:<state>``, so a receiver can drop retried
-copies. HTTP goes through an injected transport (stdlib ``urllib`` by default),
-so tests and users can substitute their own. URLs are masked in logs.
+:class:`WebhookChannel` turns one stored notification (``Alert.to_dict()`` plus
+``"version"`` and ``"kind"``) into a POST: ``Idempotency-Key`` and
+``webhook-id`` are ``<alert id>:<state>``, so a receiver can drop retried
+copies, and with a secret each attempt is signed afresh (Standard Webhooks).
+The collector delivers it through the durable outbox
+(:class:`gradwatch.collector.outbox.OutboxSink`), which retries connection
+errors, timeouts, 408, 429 and 5xx with :func:`retry_delay` (exponential
+backoff with jitter; ``Retry-After`` seconds or HTTP-date honoured). HTTP goes
+through an injected transport (stdlib ``urllib`` by default). URLs are masked
+in logs.
 
 Example::
 
-    from gradwatch.collector.webhook import WebhookSink
-
-    sink = WebhookSink("https://hooks.example.com/gradwatch")
-    sink.start()
-    # for transition in engine.observe(step): sink.notify(transition)
-    sink.close(timeout=5.0)
+    channel = WebhookChannel("https://hooks.example.com/gradwatch", secret=key)
+    request = channel.request("3f2a…:firing", alert_payload(alert), now=time.time())
+    response = urllib_transport(request)
 """
 
 from __future__ import annotations
@@ -25,22 +24,15 @@ import email.utils
 import http.client
 import json
 import logging
-import random
-import threading
-import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradwatch.collector.config import VERSION, CollectorError
+from gradwatch.collector.signing import signature_headers
 from gradwatch.collector.sinks import (
-    NOTIFY_STATES,
-    SinkStats,
-    alert_payload,
-    idempotency_key,
     mask_url,
 )
 
@@ -96,135 +88,48 @@ class RetryPolicy:
     max_retry_after: float = 60.0
 
 
-class WebhookSink:
-    """Posts alert transitions to one URL from a background thread."""
+class WebhookChannel:
+    """The generic JSON webhook request for one stored notification (outbox channel).
 
-    def __init__(self, url: str, *, name: str = "webhook", transport: Transport = urllib_transport,
-                 timeout: float = 5.0, queue_size: int = 1024, retry: RetryPolicy = RetryPolicy(),
-                 jitter: Callable[[], float] = random.random,
-                 sleep: Callable[[float], object] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.name = name
+    The body is the stored ``alert_payload`` verbatim; ``webhook-id`` and
+    ``Idempotency-Key`` are the notification id ``<alert id>:<state>``. With a
+    ``secret`` each attempt is signed afresh (Standard Webhooks), so a retry
+    hours later still carries a timestamp the receiver accepts.
+    """
+
+    def __init__(self, url: str, *, secret: bytes | None = None, timeout: float = 5.0) -> None:
         self._url = url
-        self._masked = mask_url(url)
-        self._transport = transport
+        self._secret = secret
         self._timeout = timeout
-        self._retry = retry
-        self._jitter = jitter
-        self._clock = clock
-        self._queue: deque[Any] = deque()
-        self._queue_size = queue_size
-        self._cond = threading.Condition()
-        self._closing = threading.Event()
-        # Backoff waits end early on close, so shutdown is never held by a retry.
-        self._sleep = sleep or self._closing.wait
-        self._thread: threading.Thread | None = None
-        self._counts = {"delivered": 0, "failed": 0, "dropped": 0, "retries": 0}
+        self.target = mask_url(url)
 
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"gradwatch-{self.name}",
-                                            daemon=True)
-            self._thread.start()
+    def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
+        body = json.dumps(alert, allow_nan=False, separators=(",", ":")).encode()
+        headers = {"Content-Type": "application/json", "User-Agent": f"gradwatch/{VERSION}",
+                   "Idempotency-Key": notification_id, "webhook-id": notification_id}
+        if self._secret is not None:
+            headers.update(signature_headers(self._secret, notification_id, body, now))
+        return HttpRequest(self._url, body, headers, self._timeout)
 
-    def notify(self, transition: Any) -> None:
-        """Queue a firing or resolved transition; other transitions are ignored."""
-        if transition.current not in NOTIFY_STATES:
-            return
-        with self._cond:
-            if self._closing.is_set():
-                return
-            if len(self._queue) >= self._queue_size:
-                dropped = self._queue.popleft()
-                self._counts["dropped"] += 1
-                if self._counts["dropped"] == 1 or self._counts["dropped"] % 1000 == 0:
-                    log.warning("webhook %s: queue full (%d), dropped the oldest notification "
-                                "(%s); the receiver is too slow or down [%d dropped so far]",
-                                self._masked, self._queue_size, dropped.rule,
-                                self._counts["dropped"])
-            self._queue.append(transition.alert)
-            self._cond.notify()
+    def __repr__(self) -> str:
+        return f"WebhookChannel({self.target!r}, signed={self._secret is not None})"
 
-    def close(self, timeout: float) -> None:
-        """Send what is queued (one attempt each) within ``timeout``, then stop."""
-        with self._cond:
-            self._closing.set()
-            self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("webhook %s: still sending after %.1fs at shutdown; giving up",
-                            self._masked, timeout)
-        with self._cond:
-            if self._queue:
-                log.warning("webhook %s: %d notification(s) not sent at shutdown",
-                            self._masked, len(self._queue))
-                self._counts["dropped"] += len(self._queue)
-                self._queue.clear()
 
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+def is_retryable(response: HttpResponse | None) -> bool:
+    """No answer, 408, 429 and 5xx may succeed later; other statuses will not."""
+    return response is None or response.status >= 500 or response.status in RETRY_STATUSES
 
-    def stats(self) -> SinkStats:
-        with self._cond:
-            return SinkStats(queued=len(self._queue), **self._counts)
 
-    # ---------------------------------------------------------------- worker
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue and not self._closing.is_set():
-                    self._cond.wait()
-                if not self._queue:
-                    return
-                alert = self._queue.popleft()
-            try:
-                outcome = self._deliver(alert)
-            except Exception:  # a bug here must not kill the thread for good
-                log.exception("webhook %s: failed to send %r", self._masked, alert)
-                outcome = "failed"
-            with self._cond:
-                self._counts[outcome] += 1
-
-    def _deliver(self, alert: Any) -> str:
-        body = json.dumps(alert_payload(alert), allow_nan=False, separators=(",", ":"))
-        key = idempotency_key(alert)
-        request = HttpRequest(self._url, body.encode(), {
-            "Content-Type": "application/json", "User-Agent": f"gradwatch/{VERSION}",
-            "Idempotency-Key": key, "webhook-id": key}, self._timeout)
-        for attempt in range(1, self._retry.max_attempts + 1):
-            response: HttpResponse | None = None
-            try:
-                response = self._transport(request)
-                problem = f"HTTP {response.status}"
-            except Exception as exc:  # any transport failure is a failed attempt
-                problem = str(exc) or type(exc).__name__
-            if response is not None and 200 <= response.status < 300:
-                log.debug("webhook %s: sent %s (%s)", self._masked, key, alert.rule)
-                return "delivered"
-            retryable = response is None or response.status >= 500 or \
-                response.status in RETRY_STATUSES
-            if not retryable or attempt == self._retry.max_attempts or self._closing.is_set():
-                log.warning("webhook %s: gave up on alert %s of job %r after %d attempt(s): %s; "
-                            "check that the receiver is up and accepts POSTed JSON",
-                            self._masked, alert.rule, alert.job, attempt, problem)
-                return "failed"
-            delay = self._delay(attempt, response)
-            log.debug("webhook %s: %s, retrying in %.2fs", self._masked, problem, delay)
-            with self._cond:
-                self._counts["retries"] += 1
-            self._sleep(delay)
-        return "failed"
-
-    def _delay(self, attempt: int, response: HttpResponse | None) -> float:
-        if response is not None:
-            after = _retry_after(response.headers, self._clock())
-            if after is not None:
-                return min(after, self._retry.max_retry_after)
-        backoff = min(self._retry.max_delay, self._retry.base_delay * 2.0 ** (attempt - 1))
-        # Half fixed, half random: spreads retries of many collectors apart.
-        return backoff * (0.5 + 0.5 * self._jitter())
+def retry_delay(policy: RetryPolicy, attempt: int, response: HttpResponse | None, now: float,
+                jitter: Callable[[], float]) -> float:
+    """Seconds before attempt ``attempt + 1``: ``Retry-After`` if given, else jittered backoff."""
+    if response is not None:
+        after = _retry_after(response.headers, now)
+        if after is not None:
+            return min(after, policy.max_retry_after)
+    backoff = min(policy.max_delay, policy.base_delay * 2.0 ** (attempt - 1))
+    # Half fixed, half random: spreads retries of many collectors apart.
+    return backoff * (0.5 + 0.5 * jitter())
 
 
 def _retry_after(headers: Mapping[str, str], now: float) -> float | None:

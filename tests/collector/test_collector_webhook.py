@@ -1,150 +1,104 @@
-"""Webhook sink: payload, headers, retries and backoff through a fake transport; receiver."""
+"""Webhook request, retry policy, HTTP transport and the loopback receiver.
+
+Delivery itself (queueing, retries over time, restarts) is the outbox's and is
+tested in test_outbox.py and test_delivery_outage.py; here are the pieces.
+"""
 
 from __future__ import annotations
 
 import email.utils
 import json
 import socket
-import threading
-from collections.abc import Sequence
 
 import pytest
 
 from gradwatch.collector.receiver import WebhookReceiver
-from gradwatch.collector.sinks import mask_url
+from gradwatch.collector.signing import decode_secret, verify
+from gradwatch.collector.sinks import alert_payload, idempotency_key, mask_url
 from gradwatch.collector.webhook import (
     HttpRequest,
     HttpResponse,
     RetryPolicy,
     TransportError,
-    WebhookSink,
+    WebhookChannel,
+    is_retryable,
+    retry_delay,
     urllib_transport,
 )
-from gradwatch.rules import Alert, Transition
+from gradwatch.rules import Alert
 
 URL = "https://hooks.example.com/services/T0/B0/s3cret"
+SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
-def transition(current: str = "firing", previous: str = "pending") -> Transition:
-    state = "resolved" if current == "resolved" else "firing"
-    alert = Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                  job="run-1", state=state, step=12, summary="loss is nan",  # type: ignore[arg-type]
-                  started_at=1.0, evidence={"loss": float("nan")}, rank=0)
-    return Transition(alert, previous, current)  # type: ignore[arg-type]
+def alert(state: str = "firing") -> Alert:
+    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
+                 job="run-1", state=state, step=12, summary="loss is nan",  # type: ignore[arg-type]
+                 started_at=1.0, evidence={"loss": float("nan")}, rank=0)
 
 
-class FakeTransport:
-    """Answers from a script; each entry is a response or an exception to raise."""
-
-    def __init__(self, script: Sequence[HttpResponse | Exception], done_after: int) -> None:
-        self._script = list(script)
-        self.requests: list[HttpRequest] = []
-        self.done = threading.Event()
-        self._done_after = done_after
-
-    def __call__(self, request: HttpRequest) -> HttpResponse:
-        self.requests.append(request)
-        answer = self._script.pop(0) if self._script else HttpResponse(200)
-        if len(self.requests) >= self._done_after:
-            self.done.set()
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-
-def run_sink(transport: FakeTransport, *transitions: Transition,
-             **kwargs: object) -> tuple[WebhookSink, list[float]]:
-    delays: list[float] = []
-    sink = WebhookSink(URL, transport=transport, jitter=lambda: 1.0, sleep=delays.append,
-                       **kwargs)  # type: ignore[arg-type]
-    sink.start()
-    for t in transitions:
-        sink.notify(t)
-    assert transport.done.wait(10), "the sink never made the expected requests"
-    sink.close(timeout=10)
-    assert not sink.alive()
-    return sink, delays
-
-
-def test_posts_the_alert_with_envelope_and_idempotency_headers() -> None:
-    transport = FakeTransport([], done_after=2)
-    sink, _ = run_sink(transport, transition("pending", "inactive"), transition(),
-                       transition("resolved", "firing"))
-    first, second = transport.requests
-    body = json.loads(first.body)
+def test_the_request_carries_the_envelope_and_idempotency_headers() -> None:
+    a = alert()
+    request = WebhookChannel(URL, timeout=3.0).request(idempotency_key(a), alert_payload(a), 1e9)
+    body = json.loads(request.body)
     assert body["version"] == 1 and body["kind"] == "gradwatch.alert"
     assert body["rule"] == "NonFiniteGradients" and body["state"] == "firing"
     assert body["evidence"] == {"loss": "nan"}  # strict JSON: no NaN literal
-    assert first.headers["Idempotency-Key"] == first.headers["webhook-id"] == f"{body['id']}:firing"
-    assert json.loads(second.body)["state"] == "resolved"
-    assert first.timeout == 5.0
-    assert sink.stats().delivered == 2
+    assert request.headers["Idempotency-Key"] == request.headers["webhook-id"] == f"{a.id}:firing"
+    assert "webhook-signature" not in request.headers and request.timeout == 3.0
 
 
-def test_retries_5xx_with_exponential_backoff_then_delivers() -> None:
-    transport = FakeTransport([HttpResponse(503), HttpResponse(502), HttpResponse(200)], 3)
-    sink, delays = run_sink(transport, transition(),
-                            retry=RetryPolicy(base_delay=0.5, max_delay=30))
-    assert delays == [0.5, 1.0]
-    stats = sink.stats()
-    assert (stats.delivered, stats.failed, stats.retries) == (1, 0, 2)
+def test_a_signed_request_verifies_and_a_retry_is_signed_afresh() -> None:
+    key = decode_secret(SECRET)
+    a = alert("resolved")
+    channel = WebhookChannel(URL, secret=key)
+    first = channel.request(idempotency_key(a), alert_payload(a), 1_700_000_000.0)
+    later = channel.request(idempotency_key(a), alert_payload(a), 1_700_003_600.0)
+    assert verify(key, first.headers, first.body, now=1_700_000_010.0) == f"{a.id}:resolved"
+    assert verify(key, later.headers, later.body, now=1_700_003_610.0) == f"{a.id}:resolved"
+    assert first.headers["webhook-timestamp"] != later.headers["webhook-timestamp"]
+    assert "s3cret" not in repr(channel) and "signed=True" in repr(channel)
 
 
-def test_honours_retry_after_on_429() -> None:
-    transport = FakeTransport([HttpResponse(429, {"retry-after": "7"}), HttpResponse(204)], 2)
-    sink, delays = run_sink(transport, transition())
-    assert delays == [7.0]
-    assert sink.stats().delivered == 1
+def test_backoff_doubles_up_to_the_cap_with_half_of_it_jittered() -> None:
+    policy = RetryPolicy(base_delay=0.5, max_delay=4.0)
+    assert [retry_delay(policy, n, None, 0.0, lambda: 1.0) for n in range(1, 6)] == \
+        [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert retry_delay(policy, 3, None, 0.0, lambda: 0.0) == 1.0  # half of 2.0 is fixed
 
 
-def test_honours_retry_after_as_an_http_date() -> None:
+def test_retry_after_seconds_and_http_date_are_honoured_and_capped() -> None:
+    policy = RetryPolicy(max_retry_after=60.0)
+    seconds = HttpResponse(429, {"retry-after": "7"})
     later = email.utils.formatdate(1_700_000_003, usegmt=True)
-    transport = FakeTransport([HttpResponse(503, {"Retry-After": later})], 2)
-    _, delays = run_sink(transport, transition(), clock=lambda: 1_700_000_000.0)
-    assert delays == [3.0]
+    date = HttpResponse(503, {"Retry-After": later})
+    assert retry_delay(policy, 1, seconds, 0.0, lambda: 1.0) == 7.0
+    assert retry_delay(policy, 1, date, 1_700_000_000.0, lambda: 1.0) == 3.0
+    assert retry_delay(policy, 1, HttpResponse(503, {"Retry-After": "86400"}), 0.0,
+                       lambda: 1.0) == 60.0
 
 
-def test_gives_up_after_max_attempts_on_timeouts() -> None:
-    transport = FakeTransport([TransportError("timed out")] * 5, 5)
-    sink, delays = run_sink(transport, transition(),
-                            retry=RetryPolicy(max_attempts=5, base_delay=1.0, max_delay=4.0))
-    assert delays == [1.0, 2.0, 4.0, 4.0]
-    stats = sink.stats()
-    assert (stats.delivered, stats.failed, stats.retries) == (0, 1, 4)
+def test_which_answers_may_succeed_later() -> None:
+    assert is_retryable(None)  # no answer: connection refused, reset, timeout
+    assert all(is_retryable(HttpResponse(s)) for s in (408, 429, 500, 502, 503))
+    assert not any(is_retryable(HttpResponse(s)) for s in (200, 400, 401, 404, 422))
 
 
-def test_client_errors_are_not_retried() -> None:
-    transport = FakeTransport([HttpResponse(400)], 1)
-    sink, delays = run_sink(transport, transition())
-    assert delays == [] and sink.stats().failed == 1
-
-
-def test_full_queue_drops_the_oldest() -> None:
-    sink = WebhookSink(URL, transport=FakeTransport([], 1), queue_size=2)
-    for _ in range(3):
-        sink.notify(transition())
-    assert (sink.stats().dropped, sink.stats().queued) == (1, 2)
-    sink.close(timeout=1)  # never started: what was queued is counted as dropped
-    assert (sink.stats().dropped, sink.stats().queued) == (3, 0)
-
-
-def test_urls_are_masked_in_logs(caplog: pytest.LogCaptureFixture) -> None:
+def test_urls_are_masked() -> None:
     assert mask_url(URL) == "https://hooks.example.com/…"
     assert mask_url("http://user:pw@[::1]:8080/x?token=1") == "http://[::1]:8080/…"
-    run_sink(FakeTransport([HttpResponse(404)], 1), transition())
-    assert "s3cret" not in caplog.text and "hooks.example.com/…" in caplog.text
+    assert "s3cret" not in repr(WebhookChannel(URL))
 
 
 def test_urllib_transport_and_receiver_round_trip() -> None:
+    a = alert()
     with WebhookReceiver(statuses=[503]) as receiver:
-        sink = WebhookSink(receiver.url, sleep=lambda _: None)
-        sink.start()
-        sink.notify(transition())
+        request = WebhookChannel(receiver.url).request(idempotency_key(a), alert_payload(a), 1e9)
+        assert urllib_transport(request).status == 503  # an HTTP error status is an answer
+        assert urllib_transport(request).status in (200, 204)
         (body,) = receiver.wait_for(lambda got: len(got) == 1, timeout=10)
-        sink.close(timeout=10)
         assert body["category"] == "numerical"
-        assert receiver.requests[0].headers["idempotency-key"] == f"{body['id']}:firing"
-        assert sink.stats().retries == 1 and sink.stats().delivered == 1
+        assert receiver.requests[0].headers["idempotency-key"] == f"{a.id}:firing"
 
 
 def test_urllib_transport_turns_connection_errors_into_transport_errors() -> None:

@@ -1,0 +1,431 @@
+"""A durable outbox: every notification is stored before it is sent, then sent until it lands.
+
+:class:`Outbox` is one SQLite table (``<data_dir>/outbox.sqlite3``, WAL; in
+memory when there is no data dir) of ``(sink, id, body, state, attempts,
+created_at, next_attempt_at)``. :class:`OutboxSink` is a :class:`Sink` over it:
+``notify`` routes the transition and inserts a row (a local insert, never the
+network); a worker thread takes due rows, sends them through a *channel* (which
+formats the HTTP request: generic webhook, Slack, PagerDuty, Alertmanager) and
+an injected transport, and marks each delivered, or reschedules it with
+exponential backoff and jitter (``Retry-After`` honoured). A notification is
+given up only when it is older than ``max_age`` (24 h by default), even when
+the receiver rejects it (a 4xx is usually a misconfiguration someone fixes; it
+is logged as a warning). On start the worker
+resumes every pending row, so a collector killed with ``kill -9`` and started
+again with the same data dir delivers what it had not. The id of a row is
+``<alert id>:<state>``: the same notification is stored, and sent, once.
+
+Bounded: at most ``max_pending`` pending rows per sink; past that the oldest is
+dropped and counted. Finished rows are kept for ``max_age`` (they remember what
+was sent) and then pruned.
+
+Example::
+
+    from gradwatch.collector.outbox import Outbox, OutboxSink
+    from gradwatch.collector.webhook import WebhookChannel
+
+    outbox = Outbox.open(Path("/var/lib/gradwatch"))
+    sink = OutboxSink("webhook-0", WebhookChannel("https://hooks.example.com/x"), outbox)
+    sink.start()
+    # for transition in engine.observe(step): sink.notify(transition)
+    sink.close(timeout=5.0)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from gradwatch.collector.config import CollectorError
+from gradwatch.collector.routing import Router, TokenBucket
+from gradwatch.collector.sinks import NOTIFY_STATES, SinkStats, alert_payload, idempotency_key
+from gradwatch.collector.webhook import (
+    HttpRequest,
+    HttpResponse,
+    RetryPolicy,
+    Transport,
+    is_retryable,
+    retry_delay,
+    urllib_transport,
+)
+
+log = logging.getLogger(__name__)
+
+OUTBOX_FILE = "outbox.sqlite3"
+DEFAULT_MAX_AGE_S = 24 * 3600.0
+DEFAULT_MAX_PENDING = 10_000
+DURABLE_RETRY = RetryPolicy(base_delay=1.0, max_delay=300.0, max_retry_after=3600.0)
+BATCH = 32                 # due rows taken per pass
+PRUNE_EVERY_S = 3600.0
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS outbox (
+    sink TEXT NOT NULL,
+    id TEXT NOT NULL,
+    body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',
+    attempts INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    next_attempt_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (sink, id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS outbox_due ON outbox (sink, state, next_attempt_at);
+"""
+
+
+class OutboxError(CollectorError):
+    """The outbox file cannot be opened or written; the message says what to check."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pending:
+    """One notification waiting to be sent."""
+
+    sink: str
+    id: str
+    body: str
+    attempts: int
+    created_at: float
+    next_attempt_at: float
+
+
+class Outbox:
+    """The SQLite table behind every :class:`OutboxSink`; thread-safe."""
+
+    def __init__(self, path: Path | None = None, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
+        self.path = path
+        self.max_pending = max_pending
+        self._lock = threading.Lock()
+        try:
+            # One connection shared under a lock: the ingest thread inserts, workers update.
+            self._db = sqlite3.connect(":memory:" if path is None else str(path),
+                                       isolation_level=None, check_same_thread=False)
+            if path is not None:
+                # WAL + NORMAL: a committed row survives the process being killed
+                # (kill -9); only an OS crash may lose the last transactions.
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as exc:
+            raise OutboxError(f"cannot open the alert outbox {path}: {exc}; check that the "
+                              "data dir exists, is writable and is not on a network "
+                              "filesystem") from exc
+
+    @classmethod
+    def open(cls, data_dir: Path | None, *, max_pending: int = DEFAULT_MAX_PENDING) -> Outbox:
+        """``<data_dir>/outbox.sqlite3`` (the dir is created), or in memory for None."""
+        if data_dir is None:
+            return cls(None, max_pending=max_pending)
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise OutboxError(f"cannot create the data dir {data_dir}: {exc.strerror or exc}; "
+                              "choose a writable --data-dir") from exc
+        return cls(data_dir / OUTBOX_FILE, max_pending=max_pending)
+
+    def put(self, sink: str, notification_id: str, body: str, now: float) -> tuple[bool, int]:
+        """Store a new notification: (inserted, how many old pending rows were dropped).
+
+        A notification already stored (pending or finished) is not stored again.
+        """
+        with self._lock, self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cur = self._db.execute(
+                "INSERT OR IGNORE INTO outbox (sink, id, body, created_at, next_attempt_at, "
+                "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (sink, notification_id, body, now, now, now))
+            if cur.rowcount == 0:
+                return False, 0
+            excess = self._count(sink) - self.max_pending
+            if excess > 0:
+                self._db.execute(
+                    "UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? AND id IN "
+                    "(SELECT id FROM outbox WHERE sink = ? AND state = 'pending' "
+                    "ORDER BY created_at, id LIMIT ?)", (now, sink, sink, excess))
+            return True, max(0, excess)
+
+    def due(self, sink: str, now: float, limit: int = BATCH) -> list[Pending]:
+        """Pending rows of ``sink`` whose time has come, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT sink, id, body, attempts, created_at, next_attempt_at FROM outbox "
+                "WHERE sink = ? AND state = 'pending' AND next_attempt_at <= ? "
+                "ORDER BY next_attempt_at, created_at LIMIT ?", (sink, now, limit)).fetchall()
+        return [Pending(*row) for row in rows]
+
+    def next_due(self, sink: str) -> float | None:
+        """When the earliest pending row of ``sink`` is due; None when nothing is pending."""
+        with self._lock:
+            (when,) = self._db.execute(
+                "SELECT MIN(next_attempt_at) FROM outbox WHERE sink = ? AND state = 'pending'",
+                (sink,)).fetchone()
+        return when
+
+    def reschedule(self, row: Pending, at: float, now: float) -> None:
+        self._update("UPDATE outbox SET attempts = attempts + 1, next_attempt_at = ?, "
+                     "updated_at = ? WHERE sink = ? AND id = ?", (at, now, row.sink, row.id))
+
+    def finish(self, row: Pending, state: str, now: float) -> None:
+        """Mark ``row`` ``delivered`` or ``failed``; it stays (deduplication) until pruned."""
+        self._update("UPDATE outbox SET state = ?, attempts = attempts + 1, updated_at = ? "
+                     "WHERE sink = ? AND id = ?", (state, now, row.sink, row.id))
+
+    def resume(self, sink: str, now: float) -> int:
+        """Make every pending row of ``sink`` due now (after a restart); return how many."""
+        with self._lock:
+            self._db.execute(
+                "UPDATE outbox SET next_attempt_at = ? WHERE sink = ? AND state = 'pending' "
+                "AND next_attempt_at > ?", (now, sink, now))
+            return self._count(sink)
+
+    def pending(self, sink: str) -> int:
+        with self._lock:
+            return self._count(sink)
+
+    def prune(self, before: float) -> int:
+        """Forget finished rows last touched before ``before``; return how many."""
+        with self._lock:
+            cur = self._db.execute(
+                "DELETE FROM outbox WHERE state != 'pending' AND updated_at < ?", (before,))
+        return cur.rowcount
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _count(self, sink: str) -> int:
+        (count,) = self._db.execute(
+            "SELECT COUNT(*) FROM outbox WHERE sink = ? AND state = 'pending'", (sink,)).fetchone()
+        return int(count)
+
+    def _update(self, sql: str, params: tuple[Any, ...]) -> None:
+        with self._lock:
+            self._db.execute(sql, params)
+
+
+class Channel(Protocol):
+    """Formats one stored notification as the HTTP request of one kind of receiver."""
+
+    target: str  # where it goes, safe to log (URLs masked)
+
+    def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
+        ...
+
+
+class OutboxSink:
+    """A :class:`Sink` that stores every notification, then delivers it from a worker thread.
+
+    ``router`` decides which alerts this sink sends and paces it (see
+    :mod:`gradwatch.collector.routing`). The sink owns ``outbox`` and closes
+    it; several sinks share one file through one ``Outbox`` each. A sink made
+    without one gets its own in-memory outbox.
+    """
+
+    def __init__(self, name: str, channel: Channel, outbox: Outbox | None = None, *,
+                 transport: Transport = urllib_transport, router: Router | None = None,
+                 retry: RetryPolicy = DURABLE_RETRY, max_age: float = DEFAULT_MAX_AGE_S,
+                 clock: Callable[[], float] = time.time,
+                 jitter: Callable[[], float] = random.random) -> None:
+        self.name = name
+        self.channel = channel
+        self.outbox = outbox if outbox is not None else Outbox()
+        self.router = router or Router(name=name)
+        self._transport = transport
+        self._retry = retry
+        self._max_age = max_age
+        self._clock = clock
+        self._jitter = jitter
+        self._bucket = TokenBucket(self.router.policy.rate_per_minute)
+        self._wake = threading.Event()
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self._counts = {"delivered": 0, "failed": 0, "dropped": 0, "retries": 0}
+        self._next_prune = 0.0
+        self._closed = False
+
+    # ---------------------------------------------------------------- Sink API
+
+    def start(self) -> None:
+        if self._thread is None:
+            resumed = self.outbox.resume(self.name, self._clock())
+            if resumed:
+                log.info("%s: resuming %d undelivered notification(s) from the outbox",
+                         self.name, resumed)
+            self._thread = threading.Thread(target=self._run, name=f"gradwatch-{self.name}",
+                                            daemon=True)
+            self._thread.start()
+
+    def notify(self, transition: Any) -> None:
+        """Store a firing or resolved transition this sink routes; never touches the network."""
+        if transition.current not in NOTIFY_STATES or self._closing.is_set():
+            return
+        alert = transition.alert
+        now = self._clock()
+        if not self.router.admit(alert, now):
+            return
+        self._admitted(alert)
+        body = json.dumps(alert_payload(alert), allow_nan=False, separators=(",", ":"))
+        try:
+            inserted, dropped = self.outbox.put(self.name, idempotency_key(alert), body, now)
+        except sqlite3.Error as exc:
+            log.error("%s: cannot store alert %s in the outbox (%s); it is lost. Check the "
+                      "data dir's disk space and permissions", self.name, alert.rule, exc)
+            self._count("dropped")
+            return
+        if dropped:
+            self._count("dropped", dropped)
+            log.warning("%s: outbox full (%d pending), dropped the %d oldest notification(s); "
+                        "%s is down or too slow", self.name, self.outbox.max_pending, dropped,
+                        self.channel.target)
+        if inserted:
+            self._wake.set()
+
+    def close(self, timeout: float) -> None:
+        """Stop the worker within ``timeout``; what is pending stays in the outbox."""
+        self._closing.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("%s: still sending after %.1fs at shutdown; giving up",
+                            self.name, timeout)
+                return  # the worker still uses the outbox; the process is exiting anyway
+        if self._closed:
+            return
+        self._closed = True
+        left = self.outbox.pending(self.name)
+        if left and self.outbox.path is not None:
+            log.warning("%s: %d notification(s) not yet delivered at shutdown; they are sent "
+                        "when the collector starts again with the same data dir", self.name, left)
+        elif left:
+            self._count("dropped", left)
+            log.warning("%s: %d notification(s) not delivered at shutdown are lost; set "
+                        "data_dir to keep them across restarts", self.name, left)
+        self.outbox.close()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stats(self) -> SinkStats:
+        with self._lock:
+            return self._stats()
+
+    def wait_for(self, predicate: Callable[[SinkStats], bool], timeout: float) -> SinkStats:
+        """Block until ``predicate(stats())`` holds; return the stats or raise ``TimeoutError``."""
+        deadline = time.monotonic() + timeout
+        with self._changed:
+            while not predicate(stats := self._stats()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{self.name}: condition not met within {timeout}s; "
+                                       f"stats now {stats}")
+                self._changed.wait(remaining)
+            return stats
+
+    def _stats(self) -> SinkStats:
+        try:
+            queued = self.outbox.pending(self.name)
+        except sqlite3.Error:  # closed at shutdown: nothing is queued any more
+            queued = 0
+        return SinkStats(queued=queued, **self._counts)
+
+    # ---------------------------------------------------------------- worker
+
+    def _run(self) -> None:
+        while True:
+            closing = self._closing.is_set()
+            try:
+                wait = self.deliver_due(final=closing)
+            except Exception:  # a bug here must not stop delivery for good
+                log.exception("%s: delivery pass failed; retrying", self.name)
+                wait = 1.0
+            if closing:
+                return
+            self._wake.wait(wait)
+            self._wake.clear()
+
+    def deliver_due(self, final: bool = False) -> float:
+        """Send what is due now; return the seconds until more is due.
+
+        The worker thread calls this in a loop; tests and embedders without a
+        thread may call it directly. ``final``: one last pass at shutdown.
+        """
+        now = self._clock()
+        for row in self.outbox.due(self.name, now):
+            if self._closing.is_set() and not final:
+                return 0.0
+            wait = self._bucket.take()
+            if wait > 0:
+                return wait  # rate limited: the rest waits in the outbox
+            self._attempt(row)
+        if final:
+            return 0.0
+        now = self._clock()
+        if now >= self._next_prune:
+            self._next_prune = now + PRUNE_EVERY_S
+            self.outbox.prune(now - self._max_age)
+        wait = self._periodic(now)
+        if self.outbox.due(self.name, now, limit=1):
+            return 0.0
+        when = self.outbox.next_due(self.name)
+        if when is not None:
+            wait = min(wait, max(0.0, when - now))
+        return wait
+
+    def _admitted(self, alert: Any) -> None:
+        """Hook: ``alert`` passed this sink's routing (called on the notifying thread)."""
+
+    def _periodic(self, now: float) -> float:
+        """Extra work subclasses do on the worker thread; return seconds until it is due again."""
+        return PRUNE_EVERY_S
+
+    def _attempt(self, row: Pending) -> None:
+        now = self._clock()
+        response: HttpResponse | None = None
+        try:
+            request = self.channel.request(row.id, json.loads(row.body), now)
+            response = self._transport(request)
+            problem = f"HTTP {response.status}"
+        except Exception as exc:  # any transport failure is a failed attempt
+            problem = str(exc) or type(exc).__name__
+        now = self._clock()
+        if response is not None and 200 <= response.status < 300:
+            self.outbox.finish(row, "delivered", now)
+            self._count("delivered")
+            log.debug("%s: delivered %s", self.name, row.id)
+            return
+        age = now - row.created_at
+        if age >= self._max_age:
+            self.outbox.finish(row, "failed", now)
+            self._count("failed")
+            log.warning("%s: gave up on notification %s after %d attempt(s) over %.0fs, last: "
+                        "%s; check that %s is up and accepts this request", self.name, row.id,
+                        row.attempts + 1, age, problem, self.channel.target)
+            return
+        delay = retry_delay(self._retry, row.attempts + 1, response, now, self._jitter)
+        self.outbox.reschedule(row, now + delay, now)
+        self._count("retries")
+        if row.attempts == 0 and not is_retryable(response):
+            # A rejection is usually a receiver-side misconfiguration (route, token) that an
+            # operator fixes within the max age: retried like an outage, but said loudly.
+            log.warning("%s: %s rejected notification %s with %s; retrying until it is %.0fs "
+                        "old. Check the URL, credentials and the receiver's logs",
+                        self.name, self.channel.target, row.id, problem, self._max_age)
+        else:
+            log.debug("%s: %s for %s, retrying in %.2fs", self.name, problem, row.id, delay)
+
+    def _count(self, outcome: str, n: int = 1) -> None:
+        with self._changed:
+            self._counts[outcome] += n
+            self._changed.notify_all()
