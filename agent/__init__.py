@@ -15,8 +15,10 @@ Example::
 See :mod:`gradwatch.agent.monitor` for what happens on each step.
 """
 
+from gradwatch.agent.commands import ROLLBACK_EXIT_CODE, Rollback, resume_plan
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.gradients import NoLayersError
 from gradwatch.agent.monitor import Monitor, MonitorStats, watch
 
-__all__ = ["AgentConfig", "Monitor", "MonitorStats", "NoLayersError", "watch"]
+__all__ = ["ROLLBACK_EXIT_CODE", "AgentConfig", "Monitor", "MonitorStats", "NoLayersError",
+           "Rollback", "resume_plan", "watch"]

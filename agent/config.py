@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradwatch.wire.messages import MAX_JOB_CHARS, MAX_RANK, MAX_ROWS
 
@@ -62,6 +62,14 @@ class AgentConfig:
     device_columns: int = 16
     # How long close() waits for the last batch to leave.
     close_timeout: float = 2.0
+    # Rollback commands (gradwatch.agent.commands): the collector's command
+    # socket (None: off), the shared HMAC key, and what a rollback does:
+    # "return" hands it to mon.pending_rollback(), "exit" writes resume_file
+    # and exits with ROLLBACK_EXIT_CODE at the next step boundary.
+    command_endpoint: str | None = None
+    command_key: bytes | None = field(default=None, repr=False)
+    on_rollback: str = "return"
+    resume_file: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 < len(self.job) <= MAX_JOB_CHARS and self.job.isprintable()):
@@ -82,6 +90,12 @@ class AgentConfig:
                      "max_act_modules"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.on_rollback not in ("return", "exit"):
+            raise ValueError(f"on_rollback must be 'return' or 'exit', got {self.on_rollback!r}")
+        if self.command_endpoint is not None and (
+                "://" not in self.command_endpoint or not self.command_key):
+            raise ValueError("command_endpoint needs a ZeroMQ address and command_key the "
+                             f"collector's command key; got {self.command_endpoint!r}")
         if not self.endpoint or "://" not in self.endpoint:
             raise ValueError(
                 f"endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT!r}, "

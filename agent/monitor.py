@@ -40,10 +40,17 @@ import torch
 
 from gradwatch.agent.activations import ActHooks
 from gradwatch.agent.buffer import StepBuffer
+from gradwatch.agent.commands import (
+    ROLLBACK_EXIT_CODE,
+    Rollback,
+    command_settings,
+    resume_file_path,
+    write_resume_file,
+)
 from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns, HostValue, fill_missing
-from gradwatch.agent.shipper import Counters, EventItem, Shipper, StatsItem
+from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, StatsItem
 from gradwatch.wire import columns as wc
 from gradwatch.wire.messages import DATA_CHANGE
 
@@ -52,7 +59,7 @@ logger = logging.getLogger(__name__)
 Scalar = torch.Tensor | float | int
 # BatchNorm and Dropout behave differently in training mode; an eval that runs
 # them so is wrong. (LayerNorm/GroupNorm do not depend on the mode.)
-_MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
+MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
 MAX_NOTE_CHARS = 512  # a data_change note: a sentence, not a payload
@@ -81,6 +88,8 @@ class MonitorStats:
     disabled: str | None
     stats_sent: int = 0
     stats_dropped: int = 0
+    commands_accepted: int = 0
+    commands_refused: int = 0
 
 
 class Monitor:
@@ -92,6 +101,10 @@ class Monitor:
         self._counters = Counters()
         self._step = 0
         self._open = False  # the pre-hook wrote this step's norms; log() not yet called
+        # The rates this step's update used, read in the pre-hook: loops (and Trainer
+        # callbacks) often step the scheduler before log(), which would report the next.
+        self._step_lrs: list[Any] | None = None
+        self._in_hook = False  # torch iterates its hook dict while our pre-hook runs
         self._closed = False
         self._disabled: str | None = None if enabled else "switched off by watch(enabled=False)"
         # One flag for the hot path: closed, switched off, or failed.
@@ -102,12 +115,16 @@ class Monitor:
         self._acts: ActHooks | None = None
         # Parameters before a cadence step's update (update ratios), else None.
         self._before: list[torch.Tensor] | None = None
+        # Set by the shipper thread (one attribute store), taken by the training thread.
+        self._pending: Rollback | None = None
+        self._command_ready = threading.Event()
+        self._command_lock = threading.Lock()
         if not enabled:
             return
         self._reader = GradReader.attach(model, optimizer)
         # Found once: walking a large model's modules on every eval is wasted work.
         self._mode_sensitive = tuple((name or type(m).__name__, m) for name, m
-                                     in model.named_modules() if isinstance(m, _MODE_SENSITIVE))
+                                     in model.named_modules() if isinstance(m, MODE_SENSITIVE))
         self._device = self._reader.device
         self._optimizer = optimizer
         self._scaler = scaler
@@ -123,7 +140,8 @@ class Monitor:
         self.incarnation = secrets.token_hex(8)
         self._shipper = Shipper(config, self.incarnation, self._work, self._buffer.pool,
                                 self._counters, last_step=lambda: self._step,
-                                on_failure=self._fail)
+                                on_failure=self._fail,
+                                on_command=self._on_command if config.command_endpoint else None)
         self._shipper.start()
         self._hooks.append(optimizer.register_step_pre_hook(self._pre_hook))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
@@ -143,11 +161,14 @@ class Monitor:
     @property
     def stats(self) -> MonitorStats:
         c = self._counters
+        shipper = getattr(self, "_shipper", None)
+        accepted, refused = shipper.command_counts() if shipper is not None else (0, 0)
         return MonitorStats(
             steps_logged=c.steps_logged, steps_dropped=c.steps_dropped,
             steps_sent=c.steps_sent, batches_sent=c.batches_sent, heartbeats_sent=c.heartbeats_sent,
             events_sent=c.events_sent, events_dropped=c.events_dropped,
-            disabled=self._disabled, stats_sent=c.stats_sent, stats_dropped=c.stats_dropped)
+            disabled=self._disabled, stats_sent=c.stats_sent, stats_dropped=c.stats_dropped,
+            commands_accepted=accepted, commands_refused=refused)
 
     def log(self, **scalars: Scalar) -> None:
         """Record this step: ``loss`` plus any named scalars (tensors or numbers).
@@ -172,6 +193,8 @@ class Monitor:
             self._commit(scalars, skipped)
         except Exception as exc:
             self._fail("recording a step in Monitor.log()", exc)
+        if self._pending is not None and self.config.on_rollback == "exit":
+            self._exit_for_rollback()
 
     def log_eval(self, **values: Scalar) -> None:
         """Send an ``eval`` event (e.g. ``loss=val_loss``) at step ``self.step``.
@@ -206,6 +229,55 @@ class Monitor:
             return
         self._event("checkpoint", int(step), {"path": os.fspath(path)})
 
+    def pending_rollback(self) -> Rollback | None:
+        """The rollback the collector asked for since the last call, or ``None``; cheap.
+
+        Call it at a step boundary. Taking the command clears it: load
+        ``cmd.checkpoint``, skip ``cmd.skip_batches`` batches, then call
+        :meth:`rollback_done` with the checkpoint's step (see docs/rollback.md).
+        """
+        if self._pending is None:  # the per-step case: one attribute read
+            return None
+        with self._command_lock:
+            cmd, self._pending = self._pending, None
+            self._command_ready.clear()
+        return cmd
+
+    def wait_for_command(self, timeout: float) -> bool:
+        """Block up to ``timeout`` s for a rollback command; True if one is pending.
+
+        For tests and loops that pause anyway (e.g. at an eval); never needed
+        in a normal loop, which polls :meth:`pending_rollback` per step.
+        """
+        return self._command_ready.wait(timeout)
+
+    def rollback_done(self, step: int) -> None:
+        """Say the loop resumed from the checkpoint of ``step``: steps count on from there.
+
+        Also removes the resume file (``on_rollback="exit"``'s plan) if there
+        is one, continues as a new ``incarnation`` (the collector then sees the
+        rewound steps as a restart, not a stall) and sends a ``note`` event.
+        """
+        if isinstance(step, torch.Tensor) or not isinstance(step, numbers.Integral):
+            self._warn_once("rollback_done", "rollback_done(step) needs a Python int; ignored")
+            return
+        self._step = int(step)
+        self._open = False
+        if not self._off:
+            incarnation = secrets.token_hex(8)
+            try:
+                self._work.put_nowait(Reincarnate(incarnation))  # ordered after earlier steps
+                self.incarnation = incarnation
+            except queue.Full:
+                self._warn_once("reincarnate", "rollback_done: the send queue is full, so the "
+                                "collector may briefly see the rewound steps as a stall")
+        try:
+            resume_file_path(self.config.resume_file).unlink(missing_ok=True)
+        except OSError as exc:
+            self._warn_once("resume_file", f"cannot remove the resume file: {exc}; delete it "
+                            "or the next restart resumes from the same plan")
+        self._event("note", self._step, {"note": "rollback_done"})
+
     def close(self) -> None:
         """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
         if self._closed:
@@ -235,19 +307,24 @@ class Monitor:
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._off:
-            self._drop_hooks()
+            # Not removed here: torch is iterating its hook dict, and removing an entry
+            # would raise into the loop when another hook follows ours. log()/close() do it.
             return
+        self._in_hook = True
         try:
             if self._open:
                 # Two optimizer steps without a log(): the first still counts.
                 self._commit({}, 0.0)
             self._reader.read_into(self._buffer.current_layers)
+            self._step_lrs = [group["lr"] for group in optimizer.param_groups]
             self._open = True
             every = self.config.stats_every
             if self.config.update_ratios and every and (self._step + 1) % every == 0:
                 self._before = self._reader.snapshot_weights()  # a cadence step's update
         except Exception as exc:
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
+        finally:
+            self._in_hook = False
 
     def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
         dev: list[tuple[int, torch.Tensor]] = []
@@ -258,8 +335,12 @@ class Monitor:
         groups = self._optimizer.param_groups
         if len(groups) != len(self._lr_columns):
             self._lr_columns = [wc.lr(g) for g in range(len(groups))]
-        for column, group in zip(self._lr_columns, groups, strict=True):
-            self._route(column, group["lr"], dev, host)
+        lrs = self._step_lrs if self._step_lrs is not None else [g["lr"] for g in groups]
+        self._step_lrs = None
+        if len(lrs) != len(groups):
+            lrs = [g["lr"] for g in groups]  # param groups added between the step and log()
+        for column, lr in zip(self._lr_columns, lrs, strict=True):
+            self._route(column, lr, dev, host)
         if self._scaler is not None:
             # The scale as a device tensor; get_scale() would sync.
             scale = getattr(self._scaler, "_scale", None)
@@ -393,6 +474,33 @@ class Monitor:
         stacked, ready = _to_host_async(stacked)
         return EventItem(kind, step, plain, tuple(tensors), stacked, ready)
 
+    # ------------------------------------------------------------ commands
+
+    def _on_command(self, rollback: Rollback) -> None:
+        # Shipper thread; the training thread takes it at a step boundary.
+        with self._command_lock:
+            self._pending = rollback
+            self._command_ready.set()
+
+    def _exit_for_rollback(self) -> None:
+        """Write the plan for the restarted process, then leave the loop with the exit code."""
+        cmd = self.pending_rollback()
+        assert cmd is not None
+        where = resume_file_path(self.config.resume_file)
+        try:
+            write_resume_file(where, cmd)
+        except OSError as exc:
+            # Exiting without a plan would restart from the newest (maybe poisoned)
+            # checkpoint: keep training and say so instead.
+            self._warn_once("resume_write", f"cannot write the resume file {where}: {exc}; "
+                            "the rollback was NOT done, training continues")
+            return
+        logger.warning("gradwatch: exiting with code %d for a rollback to %s (step %d); the "
+                       "restarted process reads %s with gradwatch.agent.resume_plan()",
+                       ROLLBACK_EXIT_CODE, cmd.checkpoint, cmd.step, where)
+        self.close()
+        raise SystemExit(ROLLBACK_EXIT_CODE)
+
     # ------------------------------------------------------------ failure
 
     def _fail(self, what: str, exc: BaseException) -> None:
@@ -409,7 +517,8 @@ class Monitor:
             what, type(exc).__name__, exc, exc_info=exc)
         shipper = getattr(self, "_shipper", None)
         if shipper is not None and not shipper.on_its_thread():
-            self._drop_hooks()
+            if not self._in_hook:  # inside the pre-hook, log()/close() remove the hooks
+                self._drop_hooks()
             shipper.stop(timeout=0.0)
 
     def _drop_hooks(self) -> None:
@@ -437,7 +546,9 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
           world: int | None = None, flush_every: int = 10, scaler: Any = None,
           heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True,
-          activation_stats: bool = True, update_ratios: bool = True) -> Monitor:
+          activation_stats: bool = True, update_ratios: bool = True,
+          command_endpoint: str | None = None, command_key: str | bytes | None = None,
+          on_rollback: str = "return", resume_file: str | None = None) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
@@ -450,14 +561,32 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     only; off for ``torch.compile``d models, with one warning) and each
     layer's update ratio ||dw||/||w|| (``update_ratios``; costs one transient
     copy of the trainable parameters on cadence steps only).
+    Rollback commands (off by default; docs/rollback.md): ``command_endpoint``
+    (else ``$GRADWATCH_COMMAND_ENDPOINT``) is the collector's command socket
+    and ``command_key`` (else ``$GRADWATCH_COMMAND_KEY`` or the file named by
+    ``$GRADWATCH_COMMAND_KEY_FILE``) its HMAC key. ``on_rollback="return"``
+    hands commands to :meth:`Monitor.pending_rollback`; ``"exit"`` writes
+    ``resume_file`` (default ``$GRADWATCH_RESUME_FILE`` or
+    ``./.gradwatch-resume.json``) and raises ``SystemExit(ROLLBACK_EXIT_CODE)``
+    from the next ``log()``.
     Raises ``ValueError`` for invalid arguments (before training starts);
-    after that, nothing the monitor does raises into the loop.
+    after that, nothing the monitor does raises into the loop, except that
+    deliberate ``SystemExit``.
     """
     rank, world = resolve_rank_world(rank, world)
+    try:
+        cmd_endpoint, cmd_key = command_settings(command_endpoint, command_key)
+    except ValueError as exc:
+        if command_endpoint is not None or command_key is not None:
+            raise
+        # Set up by the environment: a broken rollback setup must not stop training.
+        logger.error("gradwatch: %s; rollback commands are off for this run", exc)
+        cmd_endpoint, cmd_key = None, None
     config = AgentConfig(job=job, rank=rank, world=world, endpoint=endpoint,
                          flush_every=flush_every, heartbeat_every=heartbeat_every,
                          stats_every=stats_every, activation_stats=activation_stats,
-                         update_ratios=update_ratios)
+                         update_ratios=update_ratios, command_endpoint=cmd_endpoint,
+                         command_key=cmd_key, on_rollback=on_rollback, resume_file=resume_file)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
 

@@ -41,6 +41,7 @@ import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from gradwatch.agent.commands import CommandReceiver, Rollback
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.layout import HostValue, Layout, fill_missing, merge_rows
 from gradwatch.wire import (
@@ -57,6 +58,8 @@ from gradwatch.wire import columns as wc
 logger = logging.getLogger(__name__)
 
 _STOP = object()
+# With a command socket, the thread looks at it at least this often.
+COMMAND_POLL_S = 0.1
 
 
 @dataclass
@@ -108,6 +111,13 @@ class EventItem:
 
 
 @dataclass(frozen=True, slots=True)
+class Reincarnate:
+    """Queued after a rollback: what follows is sent as ``incarnation``."""
+
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
 class StatsItem:
     """Cadence statistics of one step.
 
@@ -134,7 +144,8 @@ class Shipper:
     def __init__(self, config: AgentConfig, incarnation: str, work: queue.Queue[Any],
                  pool: queue.Queue[torch.Tensor], counters: Counters,
                  last_step: Callable[[], int],
-                 on_failure: Callable[[str, BaseException], None] | None = None) -> None:
+                 on_failure: Callable[[str, BaseException], None] | None = None,
+                 on_command: Callable[[Rollback], None] | None = None) -> None:
         self._cfg = config
         self._inc = incarnation
         self._work = work
@@ -153,6 +164,13 @@ class Shipper:
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise ValueError(f"cannot connect to endpoint {config.endpoint!r}: {exc}") from exc
+        self._commands: CommandReceiver | None = None
+        if on_command is not None and config.command_endpoint and config.command_key:
+            try:
+                self._commands = CommandReceiver(self._ctx, config.command_endpoint, config.job,
+                                                 config.command_key, on_command)
+            except ValueError as exc:  # a rollback feature problem never stops monitoring
+                logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         # Schema id -> when it last travelled; cleared on a (re)connection.
         self._schema_sent: dict[int, float] = {}
         self._seq = 0  # batches of any schema sent by this incarnation
@@ -166,6 +184,13 @@ class Shipper:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def command_counts(self) -> tuple[int, int]:
+        """Commands accepted and refused (all reasons) so far; (0, 0) without a socket."""
+        commands = self._commands
+        if commands is None:
+            return 0, 0
+        return commands.accepted, sum(commands.refused.values())
 
     def on_its_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -202,8 +227,12 @@ class Shipper:
                 next_beat = now + self._cfg.heartbeat_every
             if now >= self._deadline:
                 return
+            wait = min(next_beat, self._deadline) - now
+            if self._commands is not None:
+                self._commands.poll()
+                wait = min(wait, COMMAND_POLL_S)
             try:
-                item = self._work.get(timeout=min(next_beat, self._deadline) - now)
+                item = self._work.get(timeout=wait)
             except queue.Empty:
                 continue
             if item is _STOP:
@@ -213,8 +242,18 @@ class Shipper:
                 self._ship_batch(item)
             elif isinstance(item, StatsItem):
                 self._ship_stats(item)
+            elif isinstance(item, Reincarnate):
+                self._reincarnate(item.incarnation)
             else:
                 self._ship_event(item)
+
+    def _reincarnate(self, incarnation: str) -> None:
+        """Continue as a new incarnation (after a rollback): the collector then treats the
+        rewound step numbers as a fresh start, not as a stall, and relearns the schema."""
+        self._inc = incarnation
+        self._seq = 0
+        self._schema_sent.clear()
+        self._heartbeat()
 
     def _discard_queued(self) -> None:
         """Count what is still queued at exit as dropped, so every step is accounted for."""
@@ -340,6 +379,8 @@ class Shipper:
         try:
             self._sock.disable_monitor()
             self._events.close(linger=0)
+            if self._commands is not None:
+                self._commands.close()
             self._sock.close(linger=linger_ms)
             self._ctx.term()
         except zmq.ZMQError as exc:  # nothing left to protect; do not raise in a thread

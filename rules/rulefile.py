@@ -44,7 +44,9 @@ from gradwatch.rules.alert import Category, Severity
 from gradwatch.rules.detector import Detector
 from gradwatch.rules.lifecycle import parse_duration
 
-Action = Literal["notify"]  # rollback and stop arrive with the collector's actions
+# What a firing rule triggers; the collector carries out rollback (signed agent
+# commands, gradwatch.collector.actions); stop is accepted but not acted on yet.
+Action = Literal["notify", "rollback", "stop"]
 Loc = tuple[str | int, ...]
 _Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
 _FOR_HELP = "for must be a whole number of steps (e.g. 5) or a duration such as '30s', '5m', '1h30m'"

@@ -115,6 +115,24 @@ def test_hook_failure_switches_off_once_and_removes_the_hook(caplog, monkeypatch
     assert "no such row" in mon.stats.disabled
 
 
+def test_hook_failure_never_raises_into_the_loop_when_another_hook_follows(caplog, monkeypatch):
+    # torch iterates its pre-hook dict while ours runs: removing our entry there would
+    # raise "OrderedDict mutated during iteration" into optimizer.step().
+    def broken(self: object, row: torch.Tensor) -> None:
+        raise IndexError("no such row")
+
+    monkeypatch.setattr(gradients_module.GradReader, "read_into", broken)
+    model, opt = tiny()
+    mon = gradwatch.watch(model, opt, job="hook", endpoint=free_endpoint())
+    later: list[int] = []
+    opt.register_step_pre_hook(lambda o, a, k: later.append(1))
+    train(model, opt, mon, 5)  # raises if the hook dict is mutated mid-iteration
+    assert len(later) == 5  # the user's own hook ran on every step
+    assert len(opt._optimizer_step_pre_hooks) == 1  # ours is gone, theirs stays
+    mon.close()
+    assert len(errors(caplog)) == 1
+
+
 def test_log_failure_switches_off_once(caplog, monkeypatch):
     def broken(self: object, *args: object) -> None:
         raise ValueError("bad row")

@@ -229,6 +229,25 @@ def test_lr_tensor_and_cpu_tensor_scalars_are_recorded(pull):
     assert "s/bad" not in cols  # a multi-element tensor is skipped with a warning
 
 
+def test_lr_is_the_one_the_step_used_even_if_the_scheduler_steps_before_log(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    mon = gradwatch.watch(model, opt, job="lr", endpoint=endpoint, flush_every=3,
+                          heartbeat_every=0.05)
+    wait_connected(sock)
+    for _ in range(3):
+        model(torch.randn(2, 6)).sum().backward()
+        opt.step()
+        sched.step()  # before log(), as many loops and trainers do
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    mon.close()
+    table = rows(collect(sock, 3)[0])
+    assert [table[s][0]["lr/0"][0] for s in (1, 2, 3)] == [1.0, 0.5, 0.25]
+
+
 def test_eval_fields_that_json_cannot_carry_arrive_as_strings(pull):
     sock, endpoint = pull
     model = Net()

@@ -63,7 +63,7 @@ groups:
       - detector: ratio
         severity: info
         category: numerical
-        actions: [rollback]
+        actions: [reboot]
 """
 
 
@@ -114,7 +114,7 @@ def test_every_problem_is_reported_with_its_line() -> None:
         f"{', '.join(detector_names())}",
         "rules.yaml:21: groups[0].rules[3].category: Input should be 'numerical'",
         "rules.yaml:22: groups[0].rules[4].alert: Field required",
-        "rules.yaml:25: groups[0].rules[4].actions[0]: Input should be 'notify'",
+        "rules.yaml:25: groups[0].rules[4].actions[0]: Input should be 'notify', 'rollback' or 'stop'",
     ]
     for line in expected:
         assert line in message, f"missing {line!r} in\n{message}"

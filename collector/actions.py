@@ -1,0 +1,361 @@
+"""Rule actions beyond notify: signed rollback commands, bounded by a restart budget.
+
+When a rule whose ``actions`` include ``rollback`` starts firing, the
+collector names the last checkpoint saved *before* the incident began (see
+:mod:`gradwatch.collector.checkpoints`) and publishes a command to the job's
+agents: ``{job, action, checkpoint, step, skip_batches, alert_id, rule,
+issued_at, nonce}``, serialized as canonical JSON and signed with
+HMAC-SHA256 under the shared command key. The agent refuses unsigned, badly
+signed, stale (> 60 s) and replayed commands. Restarting a job is a
+privileged act, so:
+
+* with no command key configured, rollback is switched off (one warning at
+  start) and never sent unauthenticated;
+* each job has a budget (default 3 rollbacks per 6 h) and a cooldown
+  (default 10 min), kept in SQLite next to the checkpoints so a collector
+  restart does not reset them;
+* a refused rollback is logged, counted and recorded (reasons: ``disabled``,
+  ``no_checkpoint``, ``no_listener``, ``budget``, ``cooldown``, ``duplicate``);
+  the alert itself still reaches every sink.
+
+Every alert also gets ``last_good_checkpoint`` filled in (:meth:`Actions.annotate`).
+
+Sending is injected (``send(frames)``): the server owns the ZeroMQ XPUB socket,
+tests pass a list's ``append``. The key only authenticates; it does not
+encrypt (CurveZMQ on the command socket comes with a later change).
+
+Example::
+
+    >>> from gradwatch.collector.actions import Actions, ActionSettings
+    >>> sent = []
+    >>> actions = Actions(ActionSettings(key=b"k" * 32), {"NaN": ("notify", "rollback")},
+    ...                   send=sent.append, clock=lambda: 1000.0)
+    >>> actions.checkpoints.add("run-1", 100, "ckpt/100.pt", time=0.0)
+    >>> # for transition in engine.observe(step): actions.on_transition(transition)
+    >>> actions.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import sqlite3
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gradwatch.collector.checkpoints import CheckpointStore, SavedCheckpoint, connect
+from gradwatch.collector.config import CollectorConfig, ConfigError
+from gradwatch.wire.commands import MIN_KEY_BYTES, encode_command
+
+log = logging.getLogger(__name__)
+
+COMMAND_VERSION = 1
+ACTIONS_FILE = "actions.sqlite3"
+
+BUDGET_SCHEMA = """
+CREATE TABLE IF NOT EXISTS restarts (
+    job      TEXT NOT NULL,
+    time     REAL NOT NULL,
+    alert_id TEXT NOT NULL,
+    outcome  TEXT NOT NULL,   -- 'sent' or 'refused'
+    reason   TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS restarts_by_job ON restarts (job, time);
+"""
+
+
+def check_key(key: bytes, where: str) -> bytes:
+    """Return ``key`` if it is long enough to authenticate commands, else raise ``ConfigError``."""
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(
+            f"the command key from {where} is {len(key)} bytes; use at least {MIN_KEY_BYTES} "
+            "random bytes, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class ActionSettings:
+    """What the actions need from the collector config; ``key=None`` switches rollback off."""
+
+    key: bytes | None = field(default=None, repr=False)
+    skip_batches: int = 200
+    margin_steps: int = 0
+    max_rollbacks: int = 3
+    window_s: float = 6 * 3600.0
+    cooldown_s: float = 600.0
+    path: Path | None = None
+
+
+def action_settings(config: CollectorConfig) -> ActionSettings:
+    """The actions' settings from ``config``; reads ``command_key_file`` if one is named.
+
+    Raises ``ConfigError`` when the key file cannot be read or a key is too short.
+    """
+    key: bytes | None = None
+    if config.command_key is not None:
+        key = check_key(config.command_key.get_secret_value().encode("utf-8"),
+                        "GRADWATCH_COMMAND_KEY / command_key")
+    elif config.command_key_file is not None:
+        try:
+            raw = config.command_key_file.read_bytes().strip()
+        except OSError as exc:
+            raise ConfigError(f"cannot read command_key_file {config.command_key_file}: "
+                              f"{exc.strerror or exc}; fix the path or unset it") from exc
+        key = check_key(raw, str(config.command_key_file))
+    return ActionSettings(
+        key=key, skip_batches=config.rollback_skip_batches,
+        margin_steps=config.rollback_margin_steps, max_rollbacks=config.rollback_budget,
+        window_s=config.rollback_budget_window_s, cooldown_s=config.rollback_cooldown_s,
+        path=None if config.data_dir is None else config.data_dir / ACTIONS_FILE)
+
+
+@dataclass(frozen=True, slots=True)
+class ActionStats:
+    """Counters read at scrape time; ``refused`` by reason."""
+
+    sent: int
+    refused: Mapping[str, int]
+    enabled: bool
+
+
+class Budget:
+    """Restarts per job: at most ``max_count`` per ``window_s`` and one per ``cooldown_s``.
+
+    Every decision is a row in ``restarts``, so counts survive a restart of
+    the process that keeps them. Thread-safe.
+    """
+
+    def __init__(self, db: sqlite3.Connection, max_count: int, window_s: float,
+                 cooldown_s: float, lock: threading.Lock | None = None) -> None:
+        self._db = db
+        self._lock = lock or threading.Lock()
+        self.max_count, self.window_s, self.cooldown_s = max_count, window_s, cooldown_s
+        with self._lock:
+            self._db.executescript(BUDGET_SCHEMA)
+
+    def refusal(self, job: str, alert_id: str, now: float) -> str | None:
+        """Why a restart of ``job`` for ``alert_id`` must not happen now, or ``None``."""
+        with self._lock:
+            done = self._db.execute(
+                "SELECT 1 FROM restarts WHERE job = ? AND alert_id = ? AND outcome = 'sent'",
+                (job, alert_id)).fetchone()
+            recent = self._db.execute(
+                "SELECT COUNT(*), MAX(time) FROM restarts WHERE job = ? AND outcome = 'sent' "
+                "AND time > ?", (job, now - self.window_s)).fetchone()
+        if done is not None:
+            return "duplicate"
+        count, last = recent
+        if count >= self.max_count:
+            return "budget"
+        if last is not None and now - last < self.cooldown_s:
+            return "cooldown"
+        return None
+
+    def record(self, job: str, alert_id: str, now: float, reason: str | None) -> None:
+        """Record a restart (``reason=None``) or a refusal with its reason."""
+        outcome = "sent" if reason is None else "refused"
+        with self._lock:
+            self._db.execute("INSERT INTO restarts VALUES (?, ?, ?, ?, ?)",
+                             (job, now, alert_id, outcome, reason or ""))
+
+    def jobs(self, now: float) -> list[str]:
+        """Jobs with a restart inside the current window."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT DISTINCT job FROM restarts WHERE outcome = 'sent' AND time > ? "
+                "ORDER BY job", (now - self.window_s,)).fetchall()
+        return [job for (job,) in rows]
+
+    def used(self, job: str, now: float) -> int:
+        """Restarts of ``job`` inside the current window."""
+        with self._lock:
+            (count,) = self._db.execute(
+                "SELECT COUNT(*) FROM restarts WHERE job = ? AND outcome = 'sent' AND time > ?",
+                (job, now - self.window_s)).fetchone()
+        return int(count)
+
+
+class Actions:
+    """Turns firing transitions of ``rollback`` rules into signed commands; see the module doc."""
+
+    def __init__(self, settings: ActionSettings, rule_actions: Mapping[str, Iterable[str]],
+                 send: Callable[[list[bytes]], Any] | None,
+                 clock: Callable[[], float] = time.time,
+                 listening: Callable[[str], bool] | None = None) -> None:
+        self.settings = settings
+        self._rollback_rules = frozenset(
+            name for name, acts in rule_actions.items() if "rollback" in acts)
+        self._send = send
+        self.clock = clock
+        self._listening = listening
+        self._db = connect(settings.path)
+        # One lock for everything on the shared connection.
+        self._db_lock = threading.Lock()
+        self.checkpoints = CheckpointStore(None, db=self._db, lock=self._db_lock)
+        self.budget = Budget(self._db, settings.max_rollbacks, settings.window_s,
+                             settings.cooldown_s, lock=self._db_lock)
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._refused: Counter[str] = Counter()
+        self.enabled = settings.key is not None and send is not None
+        stops = sorted(name for name, acts in rule_actions.items() if "stop" in acts)
+        if stops:
+            log.warning("rules %s ask for the 'stop' action, which this collector does not "
+                        "carry out yet; they notify only", ", ".join(stops))
+        if self._rollback_rules and not self.enabled:
+            log.warning(
+                "rollback is switched OFF: rules %s ask for it but no command key is configured; "
+                "set GRADWATCH_COMMAND_KEY or command_key_file (the agents need the same key). "
+                "These alerts still notify.", ", ".join(sorted(self._rollback_rules)))
+
+    def observe_event(self, event: Any) -> None:
+        """Keep ``checkpoint`` events (a wire ``Event``); other kinds are ignored."""
+        if event.kind != "checkpoint":
+            return
+        path = event.fields.get("path")
+        if isinstance(path, str) and path:
+            self.checkpoints.add(event.job, event.step, path, event.time, event.rank)
+
+    def annotate(self, transition: Any) -> Any:
+        """``transition`` with its alert's ``last_good_checkpoint`` filled in where one is known.
+
+        Every alert carries it (DESIGN's alert contract), so a receiver such as
+        ``gradwatch restart-hook`` can restart from it. Never raises.
+        """
+        alert = transition.alert
+        if alert.last_good_checkpoint is not None:
+            return transition
+        try:
+            found = self.checkpoints.last_good(alert.job, alert.step, self.settings.margin_steps)
+            if found is None:
+                return transition
+            return replace(transition, alert=replace(alert, last_good_checkpoint=found.path))
+        except Exception:  # the alert matters more than this detail: send it as it is
+            log.exception("filling last_good_checkpoint of alert %s failed; please report this "
+                          "as a gradwatch bug", alert.id)
+            return transition
+
+    def on_transition(self, transition: Any) -> dict[str, Any] | None:
+        """Act on one transition; return the command sent, or ``None``. Never raises."""
+        alert = transition.alert
+        if (transition.current != "firing" or transition.previous == "firing"
+                or alert.rule not in self._rollback_rules):
+            return None
+        try:
+            return self._rollback(alert)
+        except Exception:
+            log.exception("rollback for alert %s (%s, job %r) failed; please report this "
+                          "as a gradwatch bug", alert.id, alert.rule, alert.job)
+            self._count_refused("error")
+            return None
+
+    def stats(self) -> ActionStats:
+        with self._lock:
+            return ActionStats(self._sent, dict(self._refused), self.enabled)
+
+    def close(self) -> None:
+        with self._db_lock:
+            self._db.close()
+
+    def _rollback(self, alert: Any) -> dict[str, Any] | None:
+        now = self.clock()
+        if not self.enabled:
+            self._refuse(alert, now, "disabled", "no command key is configured")
+            return None
+        found = self.checkpoints.last_good(alert.job, alert.step, self.settings.margin_steps)
+        if found is None:
+            self._refuse(alert, now, "no_checkpoint",
+                         f"no checkpoint was reported before step {alert.step}")
+            return None
+        if self._listening is not None and not self._listening(alert.job):
+            self._refuse(alert, now, "no_listener", f"no agent of job {alert.job!r} is connected "
+                         "to the command socket (set GRADWATCH_COMMAND_ENDPOINT on the job)")
+            return None
+        reason = self.budget.refusal(alert.job, alert.id, now)
+        if reason is not None:
+            used = self.budget.used(alert.job, now)
+            self._refuse(alert, now, reason,
+                         f"{used}/{self.settings.max_rollbacks} rollbacks in the last "
+                         f"{self.settings.window_s:.0f}s, cooldown {self.settings.cooldown_s:.0f}s")
+            return None
+        command = self._command(alert, found, now)
+        assert self._send is not None and self.settings.key is not None
+        self._send(encode_command(command, self.settings.key))
+        self.budget.record(alert.job, alert.id, now, None)
+        with self._lock:
+            self._sent += 1
+        log.warning("rollback sent to job %r for alert %s (%s at step %d): resume from %s "
+                    "(step %d), skip %d batches", alert.job, alert.id, alert.rule, alert.step,
+                    found.path, found.step, self.settings.skip_batches)
+        return command
+
+    def _command(self, alert: Any, found: SavedCheckpoint, now: float) -> dict[str, Any]:
+        return {"v": COMMAND_VERSION, "job": alert.job, "action": "rollback",
+                "checkpoint": found.path, "step": found.step,
+                "skip_batches": self.settings.skip_batches, "alert_id": alert.id,
+                "rule": alert.rule, "issued_at": now, "nonce": secrets.token_hex(16)}
+
+    def _refuse(self, alert: Any, now: float, reason: str, detail: str) -> None:
+        log.warning("rollback refused for job %r, alert %s (%s at step %d): %s: %s; the alert "
+                    "is still notified", alert.job, alert.id, alert.rule, alert.step, reason,
+                    detail)
+        self.budget.record(alert.job, alert.id, now, reason)
+        self._count_refused(reason)
+
+    def _count_refused(self, reason: str) -> None:
+        with self._lock:
+            self._refused[reason] += 1
+
+
+class ActionsMetrics:
+    """A Prometheus collector of the actions' counters, built at scrape time.
+
+    ``gradwatch_rollbacks_sent_total``, ``gradwatch_rollbacks_refused_total{reason}``,
+    ``gradwatch_rollback_enabled`` and ``gradwatch_rollback_budget_remaining{job}``
+    (jobs with a rollback inside the budget window; others have the full budget).
+    """
+
+    def __init__(self, actions: Actions) -> None:
+        self._actions = actions
+
+    def describe(self) -> Iterable[Metric]:
+        return list(self._families({}, 0, False, {}))
+
+    def collect(self) -> Iterable[Metric]:
+        actions = self._actions
+        stats = actions.stats()
+        now = actions.clock()
+        budget = actions.budget
+        remaining = {job: max(0, budget.max_count - budget.used(job, now))
+                     for job in budget.jobs(now)}
+        return list(self._families(stats.refused, stats.sent, stats.enabled, remaining))
+
+    @staticmethod
+    def _families(refused: Mapping[str, int], sent: int, enabled: bool,
+                  remaining: Mapping[str, int]) -> Iterator[Metric]:
+        sent_family = CounterMetricFamily("gradwatch_rollbacks_sent",
+                                          "Signed rollback commands sent to agents.")
+        sent_family.add_metric([], sent)
+        yield sent_family
+        refused_family = CounterMetricFamily(
+            "gradwatch_rollbacks_refused", "Rollbacks not carried out, by reason; the alert "
+            "was still notified.", labels=["reason"])
+        for reason, count in sorted(refused.items()):
+            refused_family.add_metric([reason], count)
+        yield refused_family
+        yield GaugeMetricFamily("gradwatch_rollback_enabled",
+                                "1 when a command key is set and rollback actions run.",
+                                value=int(enabled))
+        left = GaugeMetricFamily("gradwatch_rollback_budget_remaining",
+                                 "Rollbacks a job may still get in the budget window.",
+                                 labels=["job"])
+        for job, count in sorted(remaining.items()):
+            left.add_metric([job], count)
+        yield left
