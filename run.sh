@@ -7,7 +7,69 @@ set -euo pipefail
 cd "$(dirname "$0")"
 venv=${GRADWATCH_VENV:-.venv}
 
+# System binaries the integration tests run for real (tests/binaries.py), each
+# as "name|Debian alias", and the Debian packages that provide them.
+system_binaries=(prometheus promtool "prometheus-alertmanager|alertmanager" amtool
+                 "chromium|chromium-browser")
+system_packages=(prometheus prometheus-alertmanager chromium)
+
+have_binary() {
+  local name
+  for name in ${1//|/ }; do
+    PATH="$PATH:/usr/sbin:/usr/bin" command -v "$name" >/dev/null 2>&1 && return 0
+  done
+  return 1
+}
+
+setup_system() {
+  local missing=() binary
+  for binary in "${system_binaries[@]}"; do
+    have_binary "$binary" || missing+=("${binary%%|*}")
+  done
+  [ ${#missing[@]} -eq 0 ] && return
+  local sudo=() can_install=1
+  if [ "$(id -u)" -ne 0 ]; then
+    if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
+      sudo=(sudo -n)
+    else
+      can_install=
+    fi
+  fi
+  command -v apt-get >/dev/null 2>&1 || can_install=
+  if [ -z "$can_install" ]; then
+    echo "missing ${missing[*]} (the integration tests need them; they skip locally and" \
+         "fail under CI=true): install the packages ${system_packages[*]} as root," \
+         "e.g. apt-get install -y --no-install-recommends ${system_packages[*]}" >&2
+    return
+  fi
+  echo "installing ${system_packages[*]} with apt-get (missing: ${missing[*]})..." >&2
+  # The Debian packages start prometheus and alertmanager as services on their
+  # default ports (9090, 9093) in postinst. The tests start their own instances
+  # on free ports and a service would only hold ports and CPU, so while
+  # installing, a policy-rc.d that answers 101 ("action forbidden") tells
+  # invoke-rc.d / deb-systemd-invoke not to start anything. An existing
+  # policy-rc.d (e.g. a container's) is left as it is.
+  local policy=/usr/sbin/policy-rc.d added_policy=
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' | ${sudo[@]+"${sudo[@]}"} tee "$policy" >/dev/null &&
+      ${sudo[@]+"${sudo[@]}"} chmod 755 "$policy" && added_policy=1
+    # Never leave it behind, even if apt-get is interrupted.
+    [ -n "$added_policy" ] && trap '${sudo[@]+"${sudo[@]}"} rm -f "$policy"' EXIT
+  fi
+  if ! { ${sudo[@]+"${sudo[@]}"} apt-get update -qq &&
+         ${sudo[@]+"${sudo[@]}"} env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+           --no-install-recommends "${system_packages[@]}" >/dev/null; }; then
+    echo "apt-get could not install ${system_packages[*]}; install them by hand" \
+         "(apt-get install -y ${system_packages[*]}) or the integration tests cannot run" >&2
+  fi
+  if [ -n "$added_policy" ]; then
+    ${sudo[@]+"${sudo[@]}"} rm -f "$policy"
+    trap - EXIT
+  fi
+}
+
 setup() {
+  setup_system
   # Re-install when pyproject changes; otherwise set-up costs nothing.
   if [ -x "$venv/bin/gradwatch" ] && [ "$venv/.installed" -nt pyproject.toml ]; then
     return

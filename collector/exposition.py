@@ -30,6 +30,7 @@ from gradwatch.collector.config import VERSION
 from gradwatch.collector.ingest import IngestStats
 from gradwatch.collector.sinks import Sink
 from gradwatch.collector.state import AlertLike, JobView, StateStore
+from gradwatch.rules.ratio import group_layers
 
 ALERT_LABELS = ["job", "rule", "category", "severity"]
 
@@ -66,6 +67,8 @@ class GradwatchCollector(Collector):
         yield build
         yield from _ingest_families(ingest)
         yield from _job_families(jobs)
+        yield _ratio_family(jobs)
+        yield from _activation_families(jobs, self._max_layer_series)
         yield from _alert_families(jobs, firing)
         if self._per_layer:
             yield from self._layer_families(jobs)
@@ -126,6 +129,10 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
     ranks = gauge("gradwatch_job_ranks", "Ranks heard from.")
     seen = gauge("gradwatch_job_last_seen_timestamp_seconds",
                  "Unix time the collector last heard from the job.")
+    val = gauge("gradwatch_job_eval_loss", "Latest validation loss (mon.log_eval).")
+    scale = gauge("gradwatch_job_loss_scale", "Latest AMP loss scale of the reporting rank.")
+    rank_seen = gauge("gradwatch_rank_last_seen_timestamp_seconds",
+                      "Unix time the collector last heard from each rank.", ["rank"])
     for job in jobs:
         if job.step is not None:
             step.add_metric([job.job], job.step)
@@ -138,7 +145,51 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
         nonfinite.add_metric([job.job], job.nonfinite_layers)
         ranks.add_metric([job.job], job.ranks)
         seen.add_metric([job.job], job.last_seen)
-    yield from (step, loss, grad, lr, nonfinite, ranks, seen)
+        if job.eval_loss is not None:
+            val.add_metric([job.job], job.eval_loss)
+        if job.loss_scale is not None:
+            scale.add_metric([job.job], job.loss_scale)
+        for r, when in job.rank_last_seen.items():
+            rank_seen.add_metric([job.job, str(r)], when)
+    yield from (step, loss, grad, lr, nonfinite, ranks, seen, val, scale, rank_seen)
+
+
+def _activation_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
+    """Saturated and dead shares per hooked module: the ``cap`` highest of each per job."""
+    sat = GaugeMetricFamily(
+        "gradwatch_activation_saturated_fraction",
+        "Share of tanh/sigmoid outputs pinned near their bounds, per module, at the latest "
+        "cadence step (top modules per job).", labels=["job", "module", "kind"])
+    dead = GaugeMetricFamily(
+        "gradwatch_activation_dead_fraction",
+        "Share of exact-zero ReLU-family outputs, per module, at the latest cadence step "
+        "(top modules per job).", labels=["job", "module", "kind"])
+    for job in jobs:
+        for family, values in ((sat, [(a.sat_frac, a) for a in job.act if a.sat_frac is not None]),
+                               (dead, [(a.zero_frac, a) for a in job.act if a.zero_frac is not None])):
+            for value, a in sorted(values, key=lambda pair: -pair[0])[:cap]:
+                family.add_metric([job.job, a.module, a.kind], value)
+    yield from (sat, dead)
+
+
+def _ratio_family(jobs: list[JobView]) -> Metric:
+    # The layer-ratio rule's own measure (modules in model order, zero and
+    # non-finite ones skipped), so the dashboard shows what the rule judges.
+    ratio = GaugeMetricFamily(
+        "gradwatch_job_first_last_grad_ratio",
+        "Grad norm of the first module over the last at the job's latest step "
+        "(<0.01 vanishing, >100 exploding by the default rules).", labels=["job"])
+    for job in jobs:
+        if len(job.layers) != job.layer_norms.size or job.layer_norms.size < 2:
+            continue
+        inverse, names, _ = group_layers(job.layers)
+        with np.errstate(over="ignore", invalid="ignore"):  # inf is a fine answer here
+            modules = np.sqrt(np.bincount(inverse, weights=job.layer_norms ** 2,
+                                          minlength=len(names)))
+            usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0))
+            if usable.size >= 2:
+                ratio.add_metric([job.job], float(modules[usable[0]] / modules[usable[-1]]))
+    return ratio
 
 
 def _alert_families(jobs: list[JobView], firing: list[AlertLike]) -> Iterator[Metric]:

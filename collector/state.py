@@ -32,7 +32,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gradwatch.rules.step import Liveness, Step
+from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
 from gradwatch.wire import Event, Heartbeat
 
 MAX_CHECKPOINTS = 64
@@ -105,6 +105,10 @@ class JobState:
     checkpoints: deque[Checkpoint] = field(default_factory=lambda: deque(maxlen=MAX_CHECKPOINTS))
     evals: deque[Event] = field(default_factory=lambda: deque(maxlen=MAX_EVALS))
     alerts_fired: Counter[tuple[str, str, str]] = field(default_factory=Counter)
+    eval_loss: float | None = None  # the newest finite eval loss of the lowest rank
+    eval_rank: int | None = None
+    act: tuple[ActStats, ...] = ()  # the lowest rank's latest activation statistics
+    act_rank: int | None = None
 
     def rank(self, rank: int, now: float) -> RankState:
         state = self.ranks.get(rank)
@@ -140,6 +144,10 @@ class JobView:
     layers: tuple[str, ...]
     layer_norms: np.ndarray
     alerts_fired: Mapping[tuple[str, str, str], int]
+    loss_scale: float | None = None
+    eval_loss: float | None = None
+    rank_last_seen: Mapping[int, float] = field(default_factory=dict)
+    act: tuple[ActStats, ...] = ()
 
 
 class StateStore:
@@ -195,6 +203,24 @@ class StateStore:
                     event.step, path if isinstance(path, str) else "", event.time, event.rank))
             elif event.kind == "eval":
                 job.evals.append(event)
+
+    def observe_eval(self, ev: Eval) -> None:
+        """Keep the newest finite eval loss (of the lowest-numbered rank that reports one)."""
+        if ev.loss is None or not np.isfinite(ev.loss):
+            return
+        with self._lock:
+            job = self._job(ev.job)
+            if job.eval_rank is None or ev.rank <= job.eval_rank:
+                job.eval_loss, job.eval_rank = ev.loss, ev.rank
+
+    def observe_stats(self, stats: Stats) -> None:
+        """Keep the latest activation statistics (of the lowest-numbered rank)."""
+        if not stats.act:
+            return
+        with self._lock:
+            job = self._job(stats.job)
+            if job.act_rank is None or stats.rank <= job.act_rank:
+                job.act, job.act_rank = stats.act, stats.rank
 
     def record_transition(self, transition: TransitionLike) -> None:
         """Count transitions into ``firing`` (``gradwatch_alerts_total``)."""
@@ -280,5 +306,9 @@ def _view(job: JobState) -> JobView:
         layers=latest.layers if latest is not None else (),
         layer_norms=latest.layer_norms if latest is not None else np.zeros(0),
         alerts_fired=dict(job.alerts_fired),
+        loss_scale=latest.loss_scale if latest is not None else None,
+        eval_loss=job.eval_loss,
+        rank_last_seen={r: rank.last_seen for r, rank in sorted(job.ranks.items())},
+        act=job.act,
     )
 

@@ -12,7 +12,7 @@ from gradwatch.collector.ingest import IngestStats
 from gradwatch.collector.sinks import SinkStats
 from gradwatch.collector.state import StateStore
 from gradwatch.rules import Alert, Transition
-from gradwatch.rules.step import Step
+from gradwatch.rules.step import ActStats, Eval, Stats, Step
 
 NOW = 1_700_000_000.0
 
@@ -43,8 +43,15 @@ def fixed_state() -> StateStore:
     store.observe_step(Step(
         job="run-1", step=12, time=NOW, rank=0, loss=2.5, grad_norm=5.0,
         layers=("a", "b", "c", "d"), layer_norms=np.array([3.0, np.nan, 4.0, 0.5]),
-        lr=(0.1, 0.01)))
+        lr=(0.1, 0.01), loss_scale=1024.0))
     store.observe_step(Step(job="run-1", step=13, time=NOW, rank=1, loss=2.75))
+    store.observe_eval(Eval(job="run-1", step=12, time=NOW, rank=1, loss=3.0))
+    store.observe_eval(Eval(job="run-1", step=12, time=NOW, rank=0, loss=float("nan")))  # kept out
+    store.observe_stats(Stats(job="run-1", step=10, time=NOW, rank=0, act=(
+        ActStats("act1", "relu", mean=0.1, std=0.2, zero_frac=0.5),
+        ActStats("act2", "relu", mean=0.1, std=0.2, zero_frac=0.9),
+        ActStats("act3", "relu", mean=0.1, std=0.2, zero_frac=0.7),  # capped away: third of 3
+        ActStats("tanh1", "tanh", mean=0.0, std=0.9, sat_frac=0.25))))
     store.record_transition(Transition(nan_alert(0), "pending", "firing"))
     return store
 
@@ -97,6 +104,25 @@ gradwatch_job_ranks{job="run-1"} 2.0
 # HELP gradwatch_job_last_seen_timestamp_seconds Unix time the collector last heard from the job.
 # TYPE gradwatch_job_last_seen_timestamp_seconds gauge
 gradwatch_job_last_seen_timestamp_seconds{job="run-1"} 1.7e+09
+# HELP gradwatch_job_eval_loss Latest validation loss (mon.log_eval).
+# TYPE gradwatch_job_eval_loss gauge
+gradwatch_job_eval_loss{job="run-1"} 3.0
+# HELP gradwatch_job_loss_scale Latest AMP loss scale of the reporting rank.
+# TYPE gradwatch_job_loss_scale gauge
+gradwatch_job_loss_scale{job="run-1"} 1024.0
+# HELP gradwatch_rank_last_seen_timestamp_seconds Unix time the collector last heard from each rank.
+# TYPE gradwatch_rank_last_seen_timestamp_seconds gauge
+gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="0"} 1.7e+09
+gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="1"} 1.7e+09
+# HELP gradwatch_job_first_last_grad_ratio Grad norm of the first module over the last at the job's latest step (<0.01 vanishing, >100 exploding by the default rules).
+# TYPE gradwatch_job_first_last_grad_ratio gauge
+# HELP gradwatch_activation_saturated_fraction Share of tanh/sigmoid outputs pinned near their bounds, per module, at the latest cadence step (top modules per job).
+# TYPE gradwatch_activation_saturated_fraction gauge
+gradwatch_activation_saturated_fraction{job="run-1",kind="tanh",module="tanh1"} 0.25
+# HELP gradwatch_activation_dead_fraction Share of exact-zero ReLU-family outputs, per module, at the latest cadence step (top modules per job).
+# TYPE gradwatch_activation_dead_fraction gauge
+gradwatch_activation_dead_fraction{job="run-1",kind="relu",module="act2"} 0.9
+gradwatch_activation_dead_fraction{job="run-1",kind="relu",module="act3"} 0.7
 # HELP gradwatch_alerts_firing Alerts firing now (one per incident, summed by labels).
 # TYPE gradwatch_alerts_firing gauge
 gradwatch_alerts_firing{category="numerical",job="run-1",rule="NonFiniteGradients",severity="critical"} 2.0
