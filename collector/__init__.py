@@ -1,7 +1,8 @@
 """gradwatch.collector: the sidecar that receives agents' batches and acts on them.
 
 Pure configuration (``CollectorConfig``, ``load_config``), a ``Server`` that owns
-sockets, threads and shutdown, sinks (``WebhookSink``) and a loopback
+sockets, threads and shutdown, alert sinks behind a durable outbox
+(``OutboxSink`` with a webhook, Slack or PagerDuty channel; ``AlertmanagerSink``) and a loopback
 ``WebhookReceiver`` for tests and demos. Never imports torch.
 
 Example::
@@ -17,7 +18,9 @@ Example::
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError, load_config
 from gradwatch.collector.receiver import WebhookReceiver
 from gradwatch.collector.server import Server
-from gradwatch.collector.webhook import WebhookSink
+from gradwatch.collector.alertmanager import AlertmanagerSink
+from gradwatch.collector.outbox import Outbox, OutboxSink
+from gradwatch.collector.webhook import WebhookChannel
 
-__all__ = ["CollectorConfig", "CollectorError", "ConfigError", "Server", "WebhookReceiver",
-           "WebhookSink", "load_config"]
+__all__ = ["AlertmanagerSink", "CollectorConfig", "CollectorError", "ConfigError", "Outbox",
+           "OutboxSink", "Server", "WebhookChannel", "WebhookReceiver", "load_config"]

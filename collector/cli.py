@@ -50,6 +50,9 @@ def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentPars
                         help="expose gradwatch_layer_grad_norm per layer")
     parser.add_argument("--ready-file", type=Path, metavar="FILE",
                         help="once ready, write the bound endpoint and metrics URL here as JSON")
+    parser.add_argument("--data-dir", type=Path, metavar="DIR",
+                        help="keep durable state (the alert outbox) in DIR; undelivered alerts "
+                        "survive a restart")
     parser.add_argument("--record", dest="record_dir", type=Path, metavar="DIR",
                         help="record every job as DIR/<job>.jsonl for `gradwatch replay`")
     parser.add_argument("--log-level", metavar="LEVEL",
@@ -64,7 +67,7 @@ def collector_main(argv: Sequence[str] | None = None) -> int:
         "listen": args.listen, "metrics_addr": args.metrics_addr, "webhooks": args.webhooks,
         "rules": args.rules, "per_layer_metrics": args.per_layer_metrics,
         "ready_file": args.ready_file, "log_level": args.log_level,
-        "record_dir": args.record_dir}
+        "record_dir": args.record_dir, "data_dir": args.data_dir}
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -122,9 +125,17 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
     return run_replay(args.file, args.rules, json_lines=args.json, strict=args.strict)
 
 
+def restart_hook_main(argv: Sequence[str] | None = None) -> int:
+    """``gradwatch restart-hook [--config FILE] ... -- ARGV``; see ``gradwatch.collector.restart_hook``."""
+    from gradwatch.collector.restart_hook import hook_main
+
+    return hook_main(argv)
+
+
 def _fail(message: str, status: int) -> int:
     print(f"gradwatch collector: {message}", file=sys.stderr)
     return status
 
 
-__all__ = ["collector_main", "collector_parser", "replay_main", "replay_parser", "rules_main", "rules_parser"]
+__all__ = ["collector_main", "collector_parser", "replay_main", "replay_parser",
+           "restart_hook_main", "rules_main", "rules_parser"]

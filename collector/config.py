@@ -25,8 +25,10 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from gradwatch.collector.routing import RoutePolicy
 
 MiB = 1024 * 1024
 
@@ -88,7 +90,40 @@ class CollectorConfig(BaseSettings):
         default=5.0, gt=0, description="Seconds per webhook HTTP request.")
     webhook_queue_size: int = Field(
         default=1024, ge=1,
-        description="Pending notifications per webhook before the oldest is dropped.")
+        description="In-memory queue of the Grafana annotation sink (annotations are not "
+        "pages: best effort); alert sinks are bounded by outbox_max_pending instead.")
+    webhook_secret: SecretStr | None = Field(
+        default=None, description="Standard Webhooks secret (whsec_<base64>) signing every "
+        "generic webhook request; None sends them unsigned.")
+    webhook_secret_file: Path | None = Field(
+        default=None, description="File holding the webhook secret (a mounted secret).")
+    slack_webhook_url: SecretStr | None = Field(
+        default=None, description="Slack incoming webhook URL (its path is a secret).")
+    slack_webhook_url_file: Path | None = Field(
+        default=None, description="File holding the Slack incoming webhook URL.")
+    pagerduty_routing_key: SecretStr | None = Field(
+        default=None, description="PagerDuty Events API v2 integration (routing) key.")
+    pagerduty_routing_key_file: Path | None = Field(
+        default=None, description="File holding the PagerDuty routing key.")
+    pagerduty_url: str = Field(
+        default="https://events.pagerduty.com/v2/enqueue",
+        description="PagerDuty Events API v2 endpoint (change it only for tests or proxies).")
+    alertmanager_urls: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Alertmanager base URLs (http://host:9093); alerts are POSTed to "
+        "/api/v2/alerts and re-posted while firing.")
+    alertmanager_resend_seconds: float = Field(
+        default=60.0, gt=0, description="Re-post firing alerts to Alertmanager this often.")
+    routes: dict[Literal["webhook", "slack", "pagerduty", "alertmanager"], RoutePolicy] = Field(
+        default_factory=dict,
+        description="Per sink kind: min_severity, categories, exclude_categories, "
+        "rate_per_minute (e.g. {pagerduty: {min_severity: critical}}).")
+    outbox_max_age_seconds: float = Field(
+        default=24 * 3600.0, gt=0,
+        description="Keep retrying an undelivered alert this long, then give up (counted).")
+    outbox_max_pending: int = Field(
+        default=10_000, ge=1,
+        description="Undelivered notifications kept per sink before the oldest is dropped.")
     ready_file: Path | None = Field(
         default=None,
         description="Once ready, write {listen, metrics_url, pid} as JSON here (random ports "
@@ -101,9 +136,42 @@ class CollectorConfig(BaseSettings):
         default=None,
         description="Directory for the collector's durable state (alert outbox, checkpoints, "
         "restart budget), one SQLite file per concern; None keeps them in memory only.")
+    command_listen: str = Field(
+        default="tcp://127.0.0.1:5556",
+        description="ZeroMQ endpoint of the PUB socket that sends signed rollback commands to "
+        "agents (topic = job); used only when a command key is set.")
+    command_key: SecretStr | None = Field(
+        default=None,
+        description="Shared HMAC-SHA256 key (>= 16 bytes) signing rollback commands; agents need "
+        "the same key. None (and no command_key_file) switches rollback actions off.")
+    command_key_file: Path | None = Field(
+        default=None, description="File holding the command key (a mounted secret).")
+    rollback_skip_batches: int = Field(
+        default=200, ge=0,
+        description="Batches a rolled-back job skips after resuming (PaLM: a few hundred).")
+    rollback_margin_steps: int = Field(
+        default=0, ge=0,
+        description="Roll back to a checkpoint at least this many steps before the onset.")
+    rollback_budget: int = Field(
+        default=3, ge=0, description="Rollbacks allowed per job per rollback_budget_window_s.")
+    rollback_budget_window_s: float = Field(
+        default=6 * 3600.0, gt=0, description="Window of the rollback budget, in seconds.")
+    rollback_cooldown_s: float = Field(
+        default=600.0, ge=0, description="Least time between two rollbacks of one job.")
     log_level: LogLevel = "INFO"
+    grafana_url: str | None = Field(
+        default=None,
+        description="Grafana base URL (http(s)://host:port); alerts become annotations there.")
+    grafana_token: SecretStr | None = Field(
+        default=None, description="Grafana service-account token (Editor role).")
+    grafana_token_file: Path | None = Field(
+        default=None, description="File holding the Grafana token (a mounted secret).")
+    grafana_dashboard_uid: str | None = Field(
+        default=None,
+        description="Attach annotations to this dashboard; None makes organization "
+        "annotations that any dashboard shows through a tag filter.")
 
-    @field_validator("webhooks", mode="before")
+    @field_validator("webhooks", "alertmanager_urls", mode="before")
     @classmethod
     def _split_webhooks(cls, value: Any) -> Any:
         # The environment carries one string: accept a JSON list or commas.
@@ -114,7 +182,7 @@ class CollectorConfig(BaseSettings):
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
-    @field_validator("webhooks")
+    @field_validator("webhooks", "alertmanager_urls")
     @classmethod
     def _check_webhooks(cls, value: list[str]) -> list[str]:
         for url in value:
@@ -123,7 +191,17 @@ class CollectorConfig(BaseSettings):
                 raise ValueError("each webhook must be an http:// or https:// URL with a host")
         return value
 
-    @field_validator("listen")
+    @field_validator("grafana_url")
+    @classmethod
+    def _check_grafana_url(cls, value: str | None) -> str | None:
+        if value is not None:
+            parts = urlsplit(value)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError("must be an http:// or https:// URL with a host, "
+                                 "e.g. http://grafana:3000")
+        return value
+
+    @field_validator("listen", "command_listen")
     @classmethod
     def _check_listen(cls, value: str) -> str:
         if not value.startswith(("tcp://", "ipc://", "inproc://")):
@@ -194,6 +272,11 @@ def _read_file(path: Path) -> dict[str, Any]:
     return {str(key).replace("-", "_"): value for key, value in data.items()}
 
 
+# Keys whose values may be or embed secrets (tokens in URLs): never echoed in errors.
+_UNECHOED = ("webhook", "slack", "pagerduty_routing_key", "alertmanager_urls", "grafana_token",
+             "command_key")
+
+
 def _describe(exc: ValidationError, path: Path | None) -> str:
     lines = []
     for error in exc.errors():
@@ -204,7 +287,7 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
             continue
         message = error["msg"].removeprefix("Value error, ")
         # Webhook URLs may embed tokens: never echo them back.
-        got = "" if key.startswith("webhooks") else f" (got {error.get('input')!r:.80})"
+        got = "" if key.startswith(_UNECHOED) else f" (got {error.get('input')!r:.80})"
         lines.append(f"  {key}: {message}{got}")
     where = f"the config file {path}, " if path is not None else ""
     return ("invalid collector configuration:\n" + "\n".join(lines) +

@@ -35,7 +35,8 @@ from typing import IO
 from gradwatch.rules.replay import trace_eval, trace_stats, trace_step
 from gradwatch.rules.step import FLOAT32_MAX, Eval, Stats, Step
 from gradwatch.wire import Event, Heartbeat
-from gradwatch.wire.trace import TraceEval, TraceEvent, TraceHeader, TraceHeartbeat, TraceRecord, encode_record
+from gradwatch.collector.ingest import eval_of
+from gradwatch.wire.trace import TraceEvent, TraceHeader, TraceHeartbeat, TraceRecord, encode_record
 
 log = logging.getLogger(__name__)
 
@@ -181,15 +182,9 @@ class TraceRecorder:
 
 
 def _event_record(event: Event) -> TraceRecord:
-    fields = dict(event.fields)
     if event.kind == "eval":
-        loss = fields.pop("loss", None)
-        modules = fields.pop("train_mode_modules", ())
-        metrics = {k: float(v) for k, v in fields.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        return TraceEval(step=event.step, rank=event.rank, time=event.time,
-                         loss=float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None,
-                         metrics=metrics,
-                         train_mode_modules=tuple(str(m) for m in modules) if isinstance(modules, (list, tuple)) else ())
+        # Decoded as the engine sees it: a "nan" loss stays NaN in the trace, not None.
+        return trace_eval(eval_of(event))
+    fields = dict(event.fields)
     safe = {k: v for k, v in fields.items() if not (isinstance(v, float) and not math.isfinite(v))}
     return TraceEvent(step=event.step, kind=event.kind, rank=event.rank, time=event.time, fields=safe)

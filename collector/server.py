@@ -36,14 +36,21 @@ from typing import Any, Protocol
 import zmq
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from gradwatch.collector.config import CollectorConfig, CollectorError
+from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
+from gradwatch.collector.alertmanager import AlertmanagerSink
+from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Frames, Ingest, Ingested
 from gradwatch.collector.recorder import TraceRecorder
-from gradwatch.collector.sinks import Sink, mask_url
+from gradwatch.collector.outbox import Outbox, OutboxSink
+from gradwatch.collector.pagerduty import PagerDutyChannel
+from gradwatch.collector.routing import Router
+from gradwatch.collector.signing import SignatureError, decode_secret
+from gradwatch.collector.sinks import Sink, mask_url, read_secret
+from gradwatch.collector.slack import SlackChannel
 from gradwatch.collector.state import StateStore
-from gradwatch.collector.webhook import WebhookSink
+from gradwatch.collector.webhook import WebhookChannel
 from gradwatch.rules import Engine, Step, load_default_rules, load_rules
 from gradwatch.rules.step import Eval, Liveness, Stats
 from gradwatch.wire.messages import DATA_CHANGE
@@ -82,9 +89,46 @@ def build_engine(config: CollectorConfig, clock: Callable[[], float]) -> Engine:
 
 
 def build_sinks(config: CollectorConfig) -> list[Sink]:
-    return [WebhookSink(url, name=f"webhook-{i}", timeout=config.webhook_timeout,
-                        queue_size=config.webhook_queue_size)
-            for i, url in enumerate(config.webhooks)]
+    """Every configured sink; alert sinks each hold a connection to the durable outbox."""
+    def outbox() -> Outbox:
+        return Outbox.open(config.data_dir, max_pending=config.outbox_max_pending)
+
+    def options(kind: str, name: str) -> dict[str, Any]:
+        return {"router": Router(config.routes.get(kind), name=name),
+                "max_age": config.outbox_max_age_seconds}
+
+    # Every secret is read (and may fail) before any outbox is opened.
+    secret = read_secret(config.webhook_secret, config.webhook_secret_file, "webhook_secret")
+    try:
+        key = decode_secret(secret) if secret is not None else None
+    except SignatureError as exc:
+        raise ConfigError(f"webhook_secret: {exc}") from exc
+    slack = read_secret(config.slack_webhook_url, config.slack_webhook_url_file,
+                        "slack_webhook_url")
+    routing_key = read_secret(config.pagerduty_routing_key, config.pagerduty_routing_key_file,
+                              "pagerduty_routing_key")
+    timeout = config.webhook_timeout
+    sinks: list[Sink] = [
+        OutboxSink(f"webhook-{i}", WebhookChannel(url, secret=key, timeout=timeout), outbox(),
+                   **options("webhook", f"webhook-{i}"))
+        for i, url in enumerate(config.webhooks)]
+    if slack is not None:
+        sinks.append(OutboxSink("slack", SlackChannel(slack, timeout=timeout), outbox(),
+                                **options("slack", "slack")))
+    if routing_key is not None:
+        channel = PagerDutyChannel(routing_key, url=config.pagerduty_url, timeout=timeout)
+        sinks.append(OutboxSink("pagerduty", channel, outbox(),
+                                **options("pagerduty", "pagerduty")))
+    sinks += [AlertmanagerSink(url, name=f"alertmanager-{i}", outbox=outbox(), timeout=timeout,
+                               resend_interval=config.alertmanager_resend_seconds,
+                               **options("alertmanager", f"alertmanager-{i}"))
+              for i, url in enumerate(config.alertmanager_urls)]
+    if config.grafana_url is not None:
+        # Imported only when configured: grafana-client pulls in its HTTP stack.
+        from gradwatch.collector.grafana import build_grafana_sinks
+
+        sinks.extend(build_grafana_sinks(config))
+    return sinks
 
 
 class Server:
@@ -120,6 +164,12 @@ class Server:
         self._registered = False
         self._released = False
         self._wrote_ready_file = False
+        self.actions: Actions | None = None
+        self._actions_metrics: ActionsMetrics | None = None
+        self._commands: zmq.Socket[Any] | None = None  # XPUB; used under _commands_lock
+        self._commands_lock = threading.Condition()
+        self._listening: set[str] = set()  # jobs with an agent subscribed to commands
+        self.command_endpoint: str | None = None
         self._exit_requested = False
 
     # ---------------------------------------------------------------- lifecycle
@@ -132,10 +182,14 @@ class Server:
             self._engine = build_engine(self.config, self._clock)
         try:
             self._bind()
+            self._start_actions()
             host, port = self.config.metrics_host_port
             self._http = MetricsHTTPServer(host, port, self.registry, lambda: self.ready)
             self.registry.register(self._exposition)
             self._registered = True
+            assert self.actions is not None
+            self._actions_metrics = ActionsMetrics(self.actions)
+            self.registry.register(self._actions_metrics)
             for sink in self.sinks:
                 sink.start()
         except BaseException:
@@ -255,11 +309,16 @@ class Server:
         sock = self._socket
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        if self._commands is not None:
+            poller.register(self._commands, zmq.POLLIN)  # XPUB: agents (un)subscribing
         next_expiry = time.monotonic() + EXPIRE_EVERY_S
         try:
             while not self._stopping.is_set():
-                if poller.poll(POLL_MS):
+                ready = dict(poller.poll(POLL_MS))
+                if sock in ready:
                     self._drain(sock, lambda n: n < DRAIN_BUDGET)
+                if self._commands is not None and self._commands in ready:
+                    self._read_subscriptions()
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
                     self._expire()
@@ -294,14 +353,18 @@ class Server:
                 self.state.observe_heartbeat(heartbeat)
             for event in result.events:
                 self.state.observe_event(event)
+                if self.actions is not None:
+                    self.actions.observe_event(event)
                 if event.kind == DATA_CHANGE:
                     with self._engine_lock:
                         self._engine_of().data_changed(event.job, event.step)
             for step in result.steps:
                 self._observe(step)
             for stats in result.stats:
+                self.state.observe_stats(stats)
                 self._evaluate("the statistics", stats, self._engine_of().observe_stats)
             for ev in result.evals:
+                self.state.observe_eval(ev)
                 self._evaluate("the eval", ev, self._engine_of().observe_eval)
         except Exception as exc:
             self.ingest.reject("internal", "failed to handle a message: %r; please report "
@@ -372,11 +435,15 @@ class Server:
 
     def _dispatch(self, transitions: Iterable[Any]) -> None:
         for transition in transitions:
+            if self.actions is not None:
+                transition = self.actions.annotate(transition)  # last_good_checkpoint
             alert = transition.alert
             if transition.current in ("firing", "resolved"):
                 log.info("alert %s %s: job %r step %d: %s", alert.rule, transition.current,
                          alert.job, alert.step, alert.summary)
             self.state.record_transition(transition)
+            if self.actions is not None:
+                self.actions.on_transition(transition)  # after recording; never raises
             for sink in self.sinks:
                 try:
                     sink.notify(transition)
@@ -410,13 +477,55 @@ class Server:
         sock.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
         sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         self._socket = sock
-        try:
-            sock.bind(self.config.listen)
-        except zmq.ZMQError as exc:
-            raise CollectorError(
-                f"cannot listen on {self.config.listen}: {exc}; another collector may be "
-                "using it: stop it or choose another --listen") from exc
-        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._endpoint = _bind_socket(sock, self.config.listen, "--listen")
+
+    def _start_actions(self) -> None:
+        """Bind the command PUB socket (only with a command key) and build the actions."""
+        settings = action_settings(self.config)
+        rules = getattr(self._engine, "rules", ())
+        send: Callable[[list[bytes]], None] | None = None
+        if settings.key is not None:
+            assert self._context is not None
+            # XPUB, not PUB: it reports subscriptions, so a rollback for a job with
+            # no agent listening is refused and logged instead of silently dropped.
+            sock = self._context.socket(zmq.XPUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            self._commands = sock
+            self.command_endpoint = _bind_socket(sock, self.config.command_listen,
+                                                 "command_listen")
+            send = self._send_command
+            log.info("rollback commands (HMAC-signed, not encrypted) on %s", self.command_endpoint)
+        self.actions = Actions(settings, {r.name: r.actions for r in rules}, send, self._clock,
+                               listening=self.listening)
+
+    def _send_command(self, frames: list[bytes]) -> None:
+        # Dispatch runs on the ingest thread and on tick() callers: one user at a time.
+        with self._commands_lock:
+            if self._commands is not None:
+                self._commands.send_multipart(frames, flags=zmq.NOBLOCK)  # drops, never blocks
+
+    def _read_subscriptions(self) -> None:
+        with self._commands_lock:
+            while self._commands is not None:
+                try:
+                    message = self._commands.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if message[:1] == b"\x01":
+                    self._listening.add(message[1:].decode("utf-8", "replace"))
+                elif message[:1] == b"\x00":
+                    self._listening.discard(message[1:].decode("utf-8", "replace"))
+            self._commands_lock.notify_all()
+
+    def listening(self, job: str) -> bool:
+        """Whether an agent of ``job`` is subscribed to rollback commands now."""
+        with self._commands_lock:
+            return job in self._listening
+
+    def wait_for_listener(self, job: str, timeout: float) -> bool:
+        """Block until an agent of ``job`` subscribes to commands, at most ``timeout`` s."""
+        with self._commands_lock:
+            return self._commands_lock.wait_for(lambda: job in self._listening, timeout)
 
     def _write_ready_file(self, path: Path) -> None:
         # Written whole then renamed: a reader never sees half a file.
@@ -441,11 +550,30 @@ class Server:
         if self._registered:
             self.registry.unregister(self._exposition)
             self._registered = False
+        if self._actions_metrics is not None:
+            self.registry.unregister(self._actions_metrics)
+            self._actions_metrics = None
         if self._http is not None:
             self._http.close()
         if self._socket is not None and self._ingest_thread is None:
             self._socket.close(linger=0)  # never handed to the ingest thread
+        with self._commands_lock:
+            if self._commands is not None:
+                self._commands.close(linger=0)
+                self._commands = None
+        if self.actions is not None:
+            self.actions.close()
         if self._context is not None and term:
             self._context.term()
         self._context = None
 
+
+def _bind_socket(sock: zmq.Socket[Any], endpoint: str, option: str) -> str:
+    """Bind ``sock`` to ``endpoint``; the endpoint actually bound (a ``*`` port resolved)."""
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as exc:
+        raise CollectorError(
+            f"cannot listen on {endpoint}: {exc}; another collector may be using it: stop it "
+            f"or choose another {option}") from exc
+    return sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -15,6 +15,9 @@ commands:
   collector     run the collector daemon (ingest, rules, /metrics, alert webhooks)
   rules check   validate a rule file and list every error with its line
   replay FILE   run the rules over a recorded trace; print the alerts it would raise
+  report TRACE  write a self-contained HTML post-mortem of a trace (-o report.html)
+  grafana push  create or replace the gradwatch dashboard in Grafana
+  restart-hook  run one allow-listed command when a signed alert arrives
   demo          agent + collector + rules + alert on loopback; ends by itself
   version       print the version
 
@@ -40,6 +43,24 @@ def _replay(argv: Sequence[str]) -> int:
     return replay_main(argv)
 
 
+def _grafana(argv: Sequence[str]) -> int:
+    from gradwatch.collector.grafana_cli import grafana_main
+
+    return grafana_main(argv)
+
+
+def _restart_hook(argv: Sequence[str]) -> int:
+    from gradwatch.collector.cli import restart_hook_main
+
+    return restart_hook_main(argv)
+
+
+def _report(argv: Sequence[str]) -> int:
+    from gradwatch.report.cli import report_main
+
+    return report_main(argv)
+
+
 def _demo(argv: Sequence[str]) -> int:
     from gradwatch.demo import main as demo_main
 
@@ -57,6 +78,9 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "collector": _collector,
     "rules": _rules,
     "replay": _replay,
+    "report": _report,
+    "grafana": _grafana,
+    "restart-hook": _restart_hook,
     "demo": _demo,
     "version": _version,
 }

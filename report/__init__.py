@@ -1,0 +1,39 @@
+"""gradwatch.report: a self-contained HTML post-mortem of a recorded trace.
+
+``gradwatch report TRACE -o report.html`` replays the trace through the rules
+and draws the loss (alerts marked), total and per-layer gradient norms, the
+first/last layer ratio, activation saturation and dead fractions, the AMP loss
+scale, and every alert with its diagnosis, evidence and next checks. No torch.
+
+Example::
+
+    from pathlib import Path
+    from gradwatch.report import write_report
+
+    write_report(Path("traces/run-42.jsonl"), Path("report.html"))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradwatch.report.data import ReportData, load_report_data
+from gradwatch.report.html import render_report
+from gradwatch.rules import RuleSpec
+
+
+def build_report(trace: Path, rules: Sequence[RuleSpec] | None = None) -> str:
+    """The report of ``trace`` as an HTML string (rules default to the packaged pack)."""
+    return render_report(load_report_data(trace, rules), source=str(trace))
+
+
+def write_report(trace: Path, out: Path, rules: Sequence[RuleSpec] | None = None) -> Path:
+    """Write the report of ``trace`` to ``out`` (parent folders created); returns ``out``."""
+    html = build_report(trace, rules)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(html, encoding="utf-8")
+    return out
+
+
+__all__ = ["ReportData", "build_report", "load_report_data", "render_report", "write_report"]

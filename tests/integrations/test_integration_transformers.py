@@ -1,0 +1,170 @@
+"""The real ``transformers.Trainer`` with ``GradwatchCallback`` against a real collector.
+
+A tiny ``PreTrainedModel`` (built from code, nothing downloaded) trains for
+12 optimizer steps with gradient accumulation 2, logging every 2 steps,
+evaluating and saving every 6. The collector must record exactly the
+Trainer's steps, every layer's gradient norm on each, the Trainer's own
+logged losses and pre-clip grad norms at the logged steps, both evals and
+both checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip(
+    "transformers", reason="transformers is not installed: pip install 'gradwatch[integrations]'")
+pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate: "
+                    "pip install 'gradwatch[integrations]'")
+
+from torch import nn  # noqa: E402
+from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
+
+from gradwatch.integrations.transformers import GradwatchCallback  # noqa: E402
+from tests.integrations.recording import RecordingCollector  # noqa: E402
+
+STEPS, ACCUMULATE, LOG_EVERY, EVAL_EVERY = 12, 2, 2, 6
+N_IN, N_CLASSES, BATCH = 8, 3, 4
+
+
+class TinyConfig(PretrainedConfig):
+    model_type = "gradwatch-tiny"
+
+    def __init__(self, n_in: int = N_IN, hidden: int = 16, n_classes: int = N_CLASSES,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.n_in, self.hidden, self.n_classes = n_in, hidden, n_classes
+
+
+class TinyClassifier(PreTrainedModel):
+    config_class = TinyConfig
+
+    def __init__(self, config: TinyConfig) -> None:
+        super().__init__(config)
+        self.body = nn.Sequential(nn.Linear(config.n_in, config.hidden), nn.ReLU(),
+                                  nn.Dropout(0.1), nn.Linear(config.hidden, config.n_classes))
+        self.post_init()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        logits = self.body(x)
+        out: dict[str, Any] = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+class RandomSet(torch.utils.data.Dataset):
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, N_IN, generator=g)
+        self.y = torch.randint(0, N_CLASSES, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"x": self.x[i], "labels": self.y[i]}
+
+
+def _trainer(output_dir: Path, callback: GradwatchCallback) -> Trainer:
+    torch.manual_seed(0)
+    args = TrainingArguments(
+        output_dir=str(output_dir), run_name="hf-tiny", max_steps=STEPS,
+        per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
+        per_device_eval_batch_size=16, learning_rate=0.05, max_grad_norm=0.5,
+        logging_steps=LOG_EVERY, logging_nan_inf_filter=False,
+        eval_strategy="steps", eval_steps=EVAL_EVERY,
+        save_strategy="steps", save_steps=EVAL_EVERY, save_only_model=True,
+        report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    return Trainer(model=TinyClassifier(TinyConfig()), args=args,
+                   train_dataset=RandomSet(STEPS * ACCUMULATE * BATCH, seed=1),
+                   eval_dataset=RandomSet(32, seed=2), callbacks=[callback])
+
+
+def test_trainer_run_reaches_the_collector(collector: RecordingCollector, tmp_path: Path) -> None:
+    callback = GradwatchCallback(endpoint=collector.endpoint, flush_every=5, stats_every=0)
+    trainer = _trainer(tmp_path / "out", callback)
+    monitor_of_run: list[Any] = []
+    trainer.add_callback(_Spy(callback, monitor_of_run))
+    trainer.train()
+    assert callback.monitor is None  # closed at on_train_end
+    assert trainer.state.global_step == STEPS
+
+    got = collector.received("hf-tiny", monitor_of_run[0])
+    assert [s.step for s in got.steps] == list(range(1, STEPS + 1))
+    names = tuple(name for name, _ in trainer.model.named_parameters())
+    assert got.layers == names == ("body.0.weight", "body.0.bias", "body.3.weight", "body.3.bias")
+    for s in got.steps:
+        assert len(s.layer_grad_norms) == len(names)
+        assert all(v is not None and math.isfinite(v) and v > 0 for v in s.layer_grad_norms)
+        assert not s.skipped
+
+    logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
+    assert sorted(logged) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert any(h["grad_norm"] > 0.5 for h in logged.values())  # clipping was active
+    for s in got.steps:
+        if s.step in logged:
+            assert s.loss == pytest.approx(logged[s.step]["loss"], rel=1e-6)
+            # The Trainer's pre-clip norm, not the one recomputed from the (clipped) layers.
+            assert s.grad_norm == pytest.approx(logged[s.step]["grad_norm"], rel=1e-6)
+            # The rate this step used (two groups: decay, no decay), though the Trainer
+            # steps its linear scheduler before the step is recorded.
+            assert s.lr == (pytest.approx(logged[s.step]["learning_rate"], rel=1e-6),) * 2
+        else:
+            assert s.loss is None
+
+    evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
+    assert sorted(evals) == [EVAL_EVERY, STEPS]
+    assert [(e.step, e.loss) for e in got.evals] == [
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(evals.items())]
+    assert all(e.train_mode_modules == () for e in got.evals)  # Dropout was in eval mode
+
+    checkpoints = [(e.step, e.fields["path"]) for e in got.events if e.kind == "checkpoint"]
+    expected = [(step, str(tmp_path / "out" / f"checkpoint-{step}"))
+                for step in (EVAL_EVERY, STEPS)]
+    assert checkpoints == expected
+    assert all(Path(path).is_dir() for _, path in checkpoints)
+
+
+def test_a_failing_monitor_never_stops_the_trainer(
+        collector: RecordingCollector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    callback = GradwatchCallback(job="hf-broken", endpoint=collector.endpoint)
+
+    def explode(**scalars: Any) -> None:
+        raise RuntimeError("injected by the test")
+
+    trainer = _trainer(tmp_path / "out", callback)
+    trainer.add_callback(_Breaker(callback, explode))
+    with caplog.at_level(logging.ERROR, logger="gradwatch.integrations._attach"):
+        trainer.train()
+    assert trainer.state.global_step == STEPS
+    errors = [r for r in caplog.records if "injected by the test" in r.getMessage()]
+    assert len(errors) == 1  # logged once, then off
+    assert callback.monitor is None
+
+
+class _Spy(transformers.TrainerCallback):
+    """Keeps the callback's monitor before on_train_end closes and forgets it."""
+
+    def __init__(self, callback: GradwatchCallback, into: list[Any]) -> None:
+        self.callback, self.into = callback, into
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        self.into.append(self.callback.monitor)
+
+
+class _Breaker(transformers.TrainerCallback):
+    """Makes the watched monitor's log() raise from the first step on."""
+
+    def __init__(self, callback: GradwatchCallback, log: Any) -> None:
+        self.callback, self.log = callback, log
+
+    def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
+        assert self.callback.monitor is not None
+        self.callback.monitor.log = self.log  # type: ignore[method-assign]

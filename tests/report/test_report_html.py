@@ -1,0 +1,162 @@
+"""The HTML post-mortem: built from a real recorded trace, parsed, and checked to be
+self-contained; traces missing signals render with "not recorded" panels."""
+
+from __future__ import annotations
+
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+from gradwatch.cli import main
+from gradwatch.report import build_report, load_report_data, write_report
+from gradwatch.wire.trace import TraceEval, TraceHeader, TraceStats, TraceStep, TraceAct, encode_record
+from tests.report.recorded import JOB, NAN_STEP, STEPS
+
+SECTIONS = ("summary", "loss", "grad-norm", "layers", "ratio", "activations", "loss-scale", "alerts")
+# Attributes through which a page pulls something in from elsewhere.
+FETCHING = {"src", "href", "srcset", "xlink:href", "data", "poster", "action", "formaction", "background"}
+
+
+class Page(HTMLParser):
+    """Sections with their text, every tag, and every attribute that could fetch a resource."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sections: dict[str, str] = {}
+        self.tags: list[str] = []
+        self.fetching: list[tuple[str, str, str]] = []
+        self.styles = ""
+        self._section: str | None = None
+        self._in_style = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.tags.append(tag)
+        attributes = dict(attrs)
+        if tag == "section":
+            self._section = attributes.get("id") or ""
+            self.sections[self._section] = ""
+        self._in_style = tag == "style"
+        for name, value in attrs:
+            if name in FETCHING or (name == "style" and value and "url(" in value):
+                self.fetching.append((tag, name, value or ""))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "section":
+            self._section = None
+        self._in_style = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_style:
+            self.styles += data
+        if self._section is not None:
+            self.sections[self._section] += data
+
+
+def parse(html: str) -> Page:
+    page = Page()
+    page.feed(html)
+    page.close()
+    return page
+
+
+def assert_self_contained(page: Page, html: str) -> None:
+    assert page.fetching == [], page.fetching
+    assert not {"script", "link", "img", "iframe", "object", "embed", "image", "use"} & set(page.tags)
+    assert "url(" not in page.styles and "@import" not in page.styles
+    assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
+    assert "https://" not in html
+
+
+def test_a_recorded_trace_becomes_a_self_contained_post_mortem(recorded_trace: Path, tmp_path: Path) -> None:
+    out = write_report(recorded_trace, tmp_path / "out" / "report.html")
+    html = out.read_text(encoding="utf-8")
+    page = parse(html)
+    assert tuple(page.sections) == SECTIONS
+    assert_self_contained(page, html)
+    summary = page.sections["summary"]
+    assert JOB in summary and f"1–{STEPS} ({STEPS})" in summary
+    assert f"step {NAN_STEP}: NonFiniteGradients" in summary
+    assert "Verdict: numerical instability (first alert" in summary
+    alerts = page.sections["alerts"]
+    assert "A1 critical" in alerts and "NonFiniteGradients" in alerts and f"from step {NAN_STEP}" in alerts
+    assert "Diagnosis: numerical instability" in alerts and "Next checks" in alerts
+    assert "latest_finite_loss" in alerts and "ckpt/25.pt" in alerts  # evidence, last good checkpoint
+    # The recorded run has evals and activation stats but no AMP: only that panel is empty.
+    assert "not recorded" in page.sections["loss-scale"]
+    for name in ("loss", "grad-norm", "layers", "ratio", "activations"):
+        assert "not recorded" not in page.sections[name], name
+    assert "0.weight" in page.sections["layers"] and "4.bias" in page.sections["layers"]
+    assert html.count("<svg") == 7
+    assert 'class="badge">A1<' in html  # the alert is marked on the charts
+
+
+def test_report_data_follows_the_trace(recorded_trace: Path) -> None:
+    data = load_report_data(recorded_trace)
+    assert data.job == JOB and list(data.steps) == list(range(1, STEPS + 1))
+    assert data.layer_norms.shape == (6, STEPS)
+    # The step-60 eval's loss is NaN (after the NaN input): the recorder keeps it as NaN.
+    assert list(data.eval_steps) == [20, 40, 60] and data.rank == 0
+    assert {s.kind for s in data.acts.values()} == {"tanh", "relu"}
+    ratio, first, last = data.first_last_ratio()
+    assert (first, last) == ("0", "4") and ratio[0] > 0
+    assert [a.rule for a in data.alerts] == ["NonFiniteGradients"]
+
+
+def write_trace(path: Path, records: list) -> Path:
+    path.write_text("".join(encode_record(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def test_a_trace_with_nothing_but_a_header_renders_every_panel_as_not_recorded(tmp_path: Path) -> None:
+    html = build_report(write_trace(tmp_path / "empty.jsonl", [TraceHeader(job="empty")]))
+    page = parse(html)
+    assert tuple(page.sections) == SECTIONS
+    for name in ("loss", "grad-norm", "layers", "ratio", "loss-scale"):
+        assert "not recorded" in page.sections[name], name
+    assert page.sections["activations"].count("not recorded") == 2
+    assert "none recorded" in page.sections["summary"] and "no alert fired" in page.sections["summary"]
+
+
+def test_amp_stats_other_ranks_and_bad_lines(tmp_path: Path) -> None:
+    layers = ("emb.weight", "out.weight")
+    records: list = [TraceHeader(job="amp", layers=layers, dtype_max=65504.0)]
+    for step in range(1, 41):
+        scale = 65536.0 / 2 ** (step // 10)
+        for rank in (1, 2):  # no rank 0: the curves follow rank 1
+            records.append(TraceStep(step=step, rank=rank, time=float(step), loss=2.0 - step / 40, lr=(0.1,),
+                                     grad_norm=1.0, layer_grad_norms=(1e-4, 1.0), loss_scale=scale))
+        if step % 10 == 0:
+            records.append(TraceStats(step=step, rank=1, time=float(step), act=(
+                TraceAct("act", "tanh", 0.0, 0.9, None, min(1.0, step / 40)),)))
+    records.append(TraceEval(step=40, rank=1, time=40.0, loss=1.5))
+    path = write_trace(tmp_path / "amp.jsonl", records)
+    with path.open("a", encoding="utf-8") as f:
+        f.write('{"type": "step", "step": "x"}\n')
+    page = parse(build_report(path))
+    assert "not recorded" not in page.sections["loss-scale"]
+    assert "not recorded" in page.sections["activations"]  # no ReLU: its dead-fraction panel
+    assert "act (tanh)" in page.sections["activations"]
+    assert "Curves follow rank 1" in page.sections["summary"]
+    assert "1 bad line(s) skipped" in page.sections["summary"]
+    assert "×100" in page.sections["ratio"]  # a 1e4 ratio: the vanishing-gradient alert's picture
+    assert "LayerGradNormRatioVanishing" in page.sections["alerts"]
+    assert "from step 5, rank 1" in page.sections["alerts"]
+
+
+def test_the_cli_writes_the_report_and_explains_failures(recorded_trace: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.html"
+    assert main(["report", str(recorded_trace), "-o", str(out)]) == 0
+    assert out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert f"wrote {out}" in capsys.readouterr().out
+    assert main(["report", str(tmp_path / "missing.jsonl"), "-o", str(out)]) == 2
+    assert "check the trace path" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"type": "step"}\n', encoding="utf-8")
+    assert main(["report", str(bad), "-o", str(out)]) == 2
+    assert "gradwatch collector --record" in capsys.readouterr().err
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("groups: [{bad: 1}]\n", encoding="utf-8")
+    assert main(["report", str(recorded_trace), "--rules", str(rules), "-o", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("gradwatch report:")
