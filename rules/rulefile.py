@@ -29,6 +29,7 @@ File shape::
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from importlib.resources import files
@@ -85,12 +86,12 @@ class RuleModel(_Model):
     @classmethod
     def _check_for(cls, value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, str)) or isinstance(value, int) and value < 0:
-            raise ValueError(f"{_FOR_HELP}; got {value!r}")
+            raise ValueError(f"{_FOR_HELP}; got {reprlib.repr(value)}")
         if isinstance(value, str):
             try:
                 parse_duration(value)
             except ValueError:
-                raise ValueError(f"{_FOR_HELP}; got {value!r}") from None
+                raise ValueError(f"{_FOR_HELP}; got {reprlib.repr(value)}") from None
         return value
 
 
@@ -147,6 +148,12 @@ def load_rules_text(text: str, source: str = "<string>") -> list[RuleSpec]:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = mark.line + 1 if mark is not None else 0
         raise RuleFileError(source, [(line, f"not valid YAML: {exc}")]) from exc
+    except RecursionError as exc:
+        message = "YAML nested too deeply to read; a rule file needs only a few levels"
+        raise RuleFileError(source, [(0, message)]) from exc
+    except ValueError as exc:  # a date like 2024-13-45, an integer of over 4300 digits
+        message = f"cannot read a value ({exc}); fix it or quote it to make it a string"
+        raise RuleFileError(source, [(0, message)]) from exc
     if node is None:
         raise RuleFileError(source, [(1, "the file is empty; expected a mapping with 'groups'")])
     lines, problems = _line_map(node)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -43,6 +44,7 @@ DATA_CHANGE: Final = "data_change"
 EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA_CHANGE})
 
 _PREAMBLE = struct.Struct("<2sBB")
+_FLOAT_MAX_INT: Final = int(sys.float_info.max)
 
 
 class WireError(ValueError):
@@ -293,9 +295,14 @@ def _int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
 
 def _float(body: Mapping[str, Any], key: str) -> float:
     value = body.get(key)
-    if type(value) not in (int, float) or not math.isfinite(value):
+    if type(value) not in (int, float) or not _finite(value):
         raise WireError(f"field {key!r} must be a finite number, got {value!r:.40}")
     return float(value)
+
+
+def _finite(value: float) -> bool:
+    # A JSON integer beyond float range would make isfinite() raise OverflowError.
+    return math.isfinite(value) if type(value) is float else abs(value) <= _FLOAT_MAX_INT
 
 
 def _str(body: Mapping[str, Any], key: str, max_chars: int) -> str:
@@ -330,7 +337,7 @@ def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...]:
 def _float_list(body: Mapping[str, Any], key: str) -> tuple[float, ...]:
     value = body.get(key)
     if not isinstance(value, list) or any(
-            type(v) not in (int, float) or not math.isfinite(v) for v in value):
+            type(v) not in (int, float) or not _finite(v) for v in value):
         raise WireError(f"field {key!r} must be a list of finite numbers")
     return tuple(float(v) for v in value)
 

@@ -244,8 +244,13 @@ def _float(obj: Mapping[str, Any], key: str, *, required: bool = False) -> float
 def _as_float(value: Any, what: str) -> float:
     if isinstance(value, bool):
         raise _Bad(f"{what}: expected a number, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, float):
+        return value
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond float range, like the literal 1e999
+            return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and value.strip().lower() in _NONFINITE:
         return _NONFINITE[value.strip().lower()]
     raise _Bad(f"{what}: expected a number or \"nan\"/\"inf\"/\"-inf\", got {value!r:.40}")
@@ -289,8 +294,8 @@ def _float_map(value: Any, what: str) -> dict[str, float]:
     return {str(k): _as_float(v, f"{what}.{k}") for k, v in value.items()}
 
 
-def _header(obj: Mapping[str, Any]) -> TraceHeader:
-    if obj.get("type") != "header":
+def _header(obj: Any) -> TraceHeader:
+    if not isinstance(obj, dict) or obj.get("type") != "header":
         raise _Bad("the first line must be the header {\"type\": \"header\", \"version\": 1, ...}")
     version = obj.get("version")
     if version != TRACE_VERSION:
@@ -477,6 +482,8 @@ class TraceReader:
             return json.loads(text)
         except ValueError as exc:
             raise _Bad(f"not valid JSON: {exc}") from None
+        except RecursionError:
+            raise _Bad("JSON nested too deeply to read") from None
 
     def _problem(self, message: str) -> None:
         if self.strict:

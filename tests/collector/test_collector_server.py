@@ -133,12 +133,16 @@ def test_oversized_messages_are_counted_and_the_server_survives(connect: Connect
         # Every frame under ZeroMQ's MAXMSGSIZE, the whole message over the cap.
         push.send_multipart([b"x" * 600] * 3)
         assert server.wait_for_messages(1, timeout=10)
-        # One frame over MAXMSGSIZE: ZeroMQ drops the connection without telling us.
+        # One frame over the cap but within ZeroMQ's MAXMSGSIZE headroom (4x): counted too.
         push.send(b"x" * 4096)
+        assert server.wait_for_messages(2, timeout=10)
+        # Beyond the headroom ZeroMQ drops the connection without telling us.
+        push.send(b"x" * 4097)
         fresh = connect(server)
         fresh.send_multipart(encode(Heartbeat("run-1", 0, 1, "inc-a", 1.0, 0, 0)))
-        assert server.wait_for_messages(2, timeout=10)
-        assert server.ingest.stats().rejected["oversized"] == 1
+        assert server.wait_for_messages(3, timeout=10)
+        assert server.ingest.stats().rejected["oversized"] == 2
+        assert server.ingest.stats().messages["heartbeat"] == 1
         assert server.ready
 
 
