@@ -20,6 +20,12 @@ privileged act, so:
 
 Every alert also gets ``last_good_checkpoint`` filled in (:meth:`Actions.annotate`).
 
+A store that cannot be written (disk full, data dir read-only) never stops
+ingest or alerting: the first failure is logged once, every one is counted
+(``store_errors``); a checkpoint that cannot be stored is not known to later
+rollbacks, and a rollback whose budget entry cannot be stored is refused
+(``store_error``) rather than sent unaccounted.
+
 Sending is injected (``send(frames)``): the server owns the ZeroMQ XPUB socket,
 tests pass a list's ``append``. The key only authenticates; it does not
 encrypt (CurveZMQ on the command socket comes with a later change).
@@ -204,6 +210,7 @@ class Actions:
         self._lock = threading.Lock()
         self._sent = 0
         self._refused: Counter[str] = Counter()
+        self.store_errors = 0
         self.enabled = settings.key is not None and send is not None
         stops = sorted(name for name, acts in rule_actions.items() if "stop" in acts)
         if stops:
@@ -221,7 +228,10 @@ class Actions:
             return
         path = event.fields.get("path")
         if isinstance(path, str) and path:
-            self.checkpoints.add(event.job, event.step, path, event.time, event.rank)
+            try:
+                self.checkpoints.add(event.job, event.step, path, event.time, event.rank)
+            except sqlite3.Error as exc:
+                self._store_failed(f"checkpoint {path} of job {event.job!r}", exc)
 
     def annotate(self, transition: Any) -> Any:
         """``transition`` with its alert's ``last_good_checkpoint`` filled in where one is known.
@@ -250,6 +260,10 @@ class Actions:
             return None
         try:
             return self._rollback(alert)
+        except sqlite3.Error as exc:
+            self._store_failed(f"the restart budget of job {alert.job!r}", exc)
+            self._count_refused("store_error")
+            return None
         except Exception:
             log.exception("rollback for alert %s (%s, job %r) failed; please report this "
                           "as a gradwatch bug", alert.id, alert.rule, alert.job)
@@ -287,8 +301,9 @@ class Actions:
             return None
         command = self._command(alert, found, now)
         assert self._send is not None and self.settings.key is not None
-        self._send(encode_command(command, self.settings.key))
+        # Recorded first: a restart the budget cannot keep track of is not sent.
         self.budget.record(alert.job, alert.id, now, None)
+        self._send(encode_command(command, self.settings.key))
         with self._lock:
             self._sent += 1
         log.warning("rollback sent to job %r for alert %s (%s at step %d): resume from %s "
@@ -308,6 +323,17 @@ class Actions:
                     detail)
         self.budget.record(alert.job, alert.id, now, reason)
         self._count_refused(reason)
+
+    def _store_failed(self, what: str, exc: sqlite3.Error) -> None:
+        with self._lock:
+            self.store_errors += 1
+            first = self.store_errors == 1
+        # Once: a full disk fails every write, and one clear line says all there is.
+        log.log(logging.ERROR if first else logging.DEBUG,
+                "cannot store %s in the actions store %s: %s. Ingest and alerts go on, but "
+                "checkpoints reported meanwhile are unknown to rollbacks and rollbacks are "
+                "refused; free disk space or fix the data dir's permissions, then restart "
+                "the collector", what, self.settings.path or "(in memory)", exc)
 
     def _count_refused(self, reason: str) -> None:
         with self._lock:

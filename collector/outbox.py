@@ -19,6 +19,12 @@ Bounded: at most ``max_pending`` pending rows per sink; past that the oldest is
 dropped and counted. Finished rows are kept for ``max_age`` (they remember what
 was sent) and then pruned.
 
+A full or unwritable disk does not stop alerting: the first failed write is
+logged once as an error and counted (``errors``), the rows are copied into
+memory and the outbox carries on there (``durable`` turns False), so alerts
+are still delivered, but no longer survive a restart until the collector is
+restarted on a writable data dir.
+
 Example::
 
     from gradwatch.collector.outbox import Outbox, OutboxSink
@@ -42,7 +48,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from gradwatch.collector.config import CollectorError
 from gradwatch.collector.routing import Router, TokenBucket
@@ -58,6 +64,8 @@ from gradwatch.collector.webhook import (
 )
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 OUTBOX_FILE = "outbox.sqlite3"
 DEFAULT_MAX_AGE_S = 24 * 3600.0
@@ -104,6 +112,8 @@ class Outbox:
     def __init__(self, path: Path | None = None, *, max_pending: int = DEFAULT_MAX_PENDING) -> None:
         self.path = path
         self.max_pending = max_pending
+        self.errors = 0  # failed writes to the file; the first one moves the rows to memory
+        self._in_memory = path is None
         self._lock = threading.Lock()
         try:
             # One connection shared under a lock: the ingest thread inserts, workers update.
@@ -132,26 +142,39 @@ class Outbox:
                               "choose a writable --data-dir") from exc
         return cls(data_dir / OUTBOX_FILE, max_pending=max_pending)
 
-    def put(self, sink: str, notification_id: str, body: str, now: float) -> tuple[bool, int]:
+    @property
+    def durable(self) -> bool:
+        """True while rows are written to the file: they survive a restart."""
+        return not self._in_memory
+
+    def put(self, sink: str, notification_id: str, body: str, now: float,
+            sending: str | None = None) -> tuple[bool, int]:
         """Store a new notification: (inserted, how many old pending rows were dropped).
 
         A notification already stored (pending or finished) is not stored again.
+        ``sending``, the id being sent right now, is never the one dropped: it
+        may well arrive, and must not be counted both dropped and delivered.
         """
-        with self._lock, self._db:
-            self._db.execute("BEGIN IMMEDIATE")
-            cur = self._db.execute(
-                "INSERT OR IGNORE INTO outbox (sink, id, body, created_at, next_attempt_at, "
-                "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (sink, notification_id, body, now, now, now))
-            if cur.rowcount == 0:
-                return False, 0
-            excess = self._count(sink) - self.max_pending
-            if excess > 0:
-                self._db.execute(
-                    "UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? AND id IN "
-                    "(SELECT id FROM outbox WHERE sink = ? AND state = 'pending' "
-                    "ORDER BY created_at, id LIMIT ?)", (now, sink, sink, excess))
-            return True, max(0, excess)
+        def insert() -> tuple[bool, int]:
+            with self._db:
+                self._db.execute("BEGIN IMMEDIATE")
+                cur = self._db.execute(
+                    "INSERT OR IGNORE INTO outbox (sink, id, body, created_at, next_attempt_at, "
+                    "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    (sink, notification_id, body, now, now, now))
+                if cur.rowcount == 0:
+                    return False, 0
+                excess = self._count(sink) - self.max_pending
+                if excess <= 0:
+                    return True, 0
+                cur = self._db.execute(
+                    "UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? AND "
+                    "id IN (SELECT id FROM outbox WHERE sink = ? AND state = 'pending' "
+                    "AND id IS NOT ? ORDER BY created_at, id LIMIT ?)",
+                    (now, sink, sink, sending, excess))
+                return True, cur.rowcount
+
+        return self._write(insert)
 
     def due(self, sink: str, now: float, limit: int = BATCH) -> list[Pending]:
         """Pending rows of ``sink`` whose time has come, oldest first."""
@@ -181,11 +204,9 @@ class Outbox:
 
     def resume(self, sink: str, now: float) -> int:
         """Make every pending row of ``sink`` due now (after a restart); return how many."""
-        with self._lock:
-            self._db.execute(
-                "UPDATE outbox SET next_attempt_at = ? WHERE sink = ? AND state = 'pending' "
-                "AND next_attempt_at > ?", (now, sink, now))
-            return self._count(sink)
+        self._update("UPDATE outbox SET next_attempt_at = ? WHERE sink = ? AND state = 'pending' "
+                     "AND next_attempt_at > ?", (now, sink, now))
+        return self.pending(sink)
 
     def pending(self, sink: str) -> int:
         with self._lock:
@@ -193,10 +214,8 @@ class Outbox:
 
     def prune(self, before: float) -> int:
         """Forget finished rows last touched before ``before``; return how many."""
-        with self._lock:
-            cur = self._db.execute(
-                "DELETE FROM outbox WHERE state != 'pending' AND updated_at < ?", (before,))
-        return cur.rowcount
+        return self._update(
+            "DELETE FROM outbox WHERE state != 'pending' AND updated_at < ?", (before,))
 
     def close(self) -> None:
         with self._lock:
@@ -207,9 +226,47 @@ class Outbox:
             "SELECT COUNT(*) FROM outbox WHERE sink = ? AND state = 'pending'", (sink,)).fetchone()
         return int(count)
 
-    def _update(self, sql: str, params: tuple[Any, ...]) -> None:
+    def _update(self, sql: str, params: tuple[Any, ...]) -> int:
+        return self._write(lambda: self._db.execute(sql, params).rowcount)
+
+    def _write(self, change: Callable[[], _T]) -> _T:
+        """Run ``change`` under the lock; if the file refuses it, move to memory and rerun it."""
         with self._lock:
-            self._db.execute(sql, params)
+            try:
+                return change()
+            except sqlite3.Error as exc:
+                if self._in_memory or getattr(exc, "sqlite_errorcode", None) in _BUSY:
+                    raise  # another connection holds the file: not a broken disk
+                self._move_to_memory(exc)
+            return change()
+
+    def _move_to_memory(self, exc: sqlite3.Error) -> None:
+        """Copy what the file holds into memory and continue there (called under the lock).
+
+        Losing durability beats losing alerts: a full disk or a data dir turned
+        read-only must not silence the collector. Reading usually still works,
+        so pending rows come along; if not, memory starts empty.
+        """
+        self.errors += 1
+        self._in_memory = True
+        memory = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
+        try:
+            if self._db.in_transaction:
+                self._db.rollback()
+            self._db.backup(memory)
+            copied = "its pending alerts were copied there"
+        except sqlite3.Error as copy_exc:
+            copied = f"its rows could not be read ({copy_exc}), so it starts empty"
+        memory.executescript(_SCHEMA)
+        old, self._db = self._db, memory
+        try:
+            old.close()
+        except sqlite3.Error:
+            pass  # the file is what failed; memory is what matters now
+        log.error("cannot write the alert outbox %s: %s. The outbox now lives in memory and "
+                  "%s: alerts are still delivered, but lost if the collector stops before "
+                  "sending them. Free disk space or fix the data dir's permissions, then restart the "
+                  "collector to make the outbox durable again", self.path, exc, copied)
 
 
 class Channel(Protocol):
@@ -253,6 +310,7 @@ class OutboxSink:
         self._counts = {"delivered": 0, "failed": 0, "dropped": 0, "retries": 0}
         self._next_prune = 0.0
         self._closed = False
+        self._sending: str | None = None  # the row id the worker is sending now
 
     # ---------------------------------------------------------------- Sink API
 
@@ -277,7 +335,8 @@ class OutboxSink:
         self._admitted(alert)
         body = json.dumps(alert_payload(alert), allow_nan=False, separators=(",", ":"))
         try:
-            inserted, dropped = self.outbox.put(self.name, idempotency_key(alert), body, now)
+            inserted, dropped = self.outbox.put(self.name, idempotency_key(alert), body, now,
+                                                sending=self._sending)
         except sqlite3.Error as exc:
             log.error("%s: cannot store alert %s in the outbox (%s); it is lost. Check the "
                       "data dir's disk space and permissions", self.name, alert.rule, exc)
@@ -305,13 +364,14 @@ class OutboxSink:
             return
         self._closed = True
         left = self.outbox.pending(self.name)
-        if left and self.outbox.path is not None:
+        if left and self.outbox.durable:
             log.warning("%s: %d notification(s) not yet delivered at shutdown; they are sent "
                         "when the collector starts again with the same data dir", self.name, left)
         elif left:
             self._count("dropped", left)
-            log.warning("%s: %d notification(s) not delivered at shutdown are lost; set "
-                        "data_dir to keep them across restarts", self.name, left)
+            log.warning("%s: %d notification(s) not delivered at shutdown are lost (the outbox "
+                        "was in memory); set a writable data_dir to keep them across restarts",
+                        self.name, left)
         self.outbox.close()
 
     def alive(self) -> bool:
@@ -393,12 +453,15 @@ class OutboxSink:
     def _attempt(self, row: Pending) -> None:
         now = self._clock()
         response: HttpResponse | None = None
+        self._sending = row.id
         try:
             request = self.channel.request(row.id, json.loads(row.body), now)
             response = self._transport(request)
             problem = f"HTTP {response.status}"
         except Exception as exc:  # any transport failure is a failed attempt
             problem = str(exc) or type(exc).__name__
+        finally:
+            self._sending = None
         now = self._clock()
         if response is not None and 200 <= response.status < 300:
             self.outbox.finish(row, "delivered", now)

@@ -10,9 +10,10 @@ than append a second header. Records that come before a job's first step
 (heartbeats, mostly) are held until it arrives, so the header can name the
 layers that every step line aligns with.
 
-Recording must never hurt the collector: the first write error is logged once
-and recording switches off for good; nothing raises to the caller. Called from
-the ingest thread only.
+Recording must never hurt the collector: the first write error (a full disk,
+a directory turned read-only) is logged once, counted in ``errors``, and
+recording switches off until the collector restarts; nothing raises to the
+caller. Called from the ingest thread only.
 
 Example::
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
 import re
 from collections import OrderedDict
 from pathlib import Path
@@ -59,6 +61,7 @@ class TraceRecorder:
     def __init__(self, directory: Path, max_open: int = MAX_OPEN_FILES) -> None:
         self.directory = Path(directory)
         self.enabled = True
+        self.errors = 0  # write failures: at most one, since the first switches recording off
         self._max_open = max_open
         self._paths: dict[str, Path] = {}
         self._headers: dict[str, tuple[str, ...]] = {}
@@ -167,18 +170,43 @@ class TraceRecorder:
 
     def _disable(self, job: str, exc: BaseException) -> None:
         self.enabled = False
+        self.errors += 1
         where = self._paths.get(job, self.directory)
         log.error("trace recording switched off: cannot write %s for job %r: %s; the collector "
-                  "keeps running without recording (check --record's directory and free space)",
+                  "keeps running without recording. Free disk space or fix the permissions of "
+                  "--record's directory, then restart the collector to record again",
                   where, job, exc)
         self.close()
+        for path in self._paths.values():
+            _drop_torn_line(path)
 
-    @staticmethod
-    def _close(handle: IO[str]) -> None:
+    def _close(self, handle: IO[str]) -> None:
         try:
             handle.close()
         except OSError as exc:
-            log.warning("closing a trace file failed: %s", exc)
+            # After a write error, the same failure again: it was already reported.
+            log.log(logging.WARNING if self.enabled else logging.DEBUG,
+                    "closing a trace file failed: %s", exc)
+
+
+def _drop_torn_line(path: Path, chunk: int = 1 << 16) -> None:
+    """Cut the line a full disk left half-written, so the trace still reads to its end."""
+    try:
+        with path.open("r+b") as handle:
+            end = handle.seek(0, os.SEEK_END)
+            keep, pos = 0, end
+            while pos > 0:
+                start = max(0, pos - chunk)
+                handle.seek(start)
+                newline = handle.read(pos - start).rfind(b"\n")
+                if newline >= 0:
+                    keep = start + newline + 1
+                    break
+                pos = start
+            if keep < end:
+                handle.truncate(keep)  # shrinking needs no space
+    except OSError as exc:
+        log.debug("cannot trim the last line of %s: %s", path, exc)
 
 
 def _event_record(event: Event) -> TraceRecord:
