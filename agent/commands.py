@@ -11,7 +11,9 @@ A command is three frames: the job (the SUB topic), a canonical JSON body and
 ``v1=<hex HMAC-SHA256(key, body)>``. It is refused, and counted, when the
 signature is missing or wrong, when ``issued_at`` is more than
 :data:`MAX_AGE_S` seconds from the agent's clock, or when its ``nonce`` was
-seen before. The key authenticates; it does not encrypt (CurveZMQ comes later).
+seen before. The key authenticates; it does not encrypt: with CurveZMQ keys
+(``curve=``, as the PUSH socket uses) the channel is also encrypted and only
+allow-listed agents may subscribe.
 
 Example (after a restart, before the loop)::
 
@@ -36,6 +38,7 @@ from typing import Any
 
 import zmq
 
+from gradwatch.agent.config import CurveKeys
 from gradwatch.wire.commands import MAX_COMMAND_BYTES, MIN_KEY_BYTES, signature_ok
 
 logger = logging.getLogger(__name__)
@@ -120,7 +123,7 @@ class CommandReceiver:
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, job: str, key: bytes,
                  on_command: Callable[[Rollback], None],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, curve: CurveKeys | None = None) -> None:
         self._job, self._key, self._on_command, self._clock = job, key, on_command, clock
         self._seen: dict[str, float] = {}
         self.accepted = 0
@@ -132,6 +135,8 @@ class CommandReceiver:
             self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_COMMAND_BYTES + 1024)
             self._sock.setsockopt(zmq.RCVHWM, 16)
             self._sock.setsockopt(zmq.SUBSCRIBE, job.encode("utf-8"))
+            if curve is not None:
+                curve.apply(self._sock)  # the collector's command socket is a CURVE server
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)

@@ -15,12 +15,20 @@ Example::
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradwatch.wire.messages import MAX_JOB_CHARS, MAX_RANK, MAX_ROWS
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+# Not GRADWATCH_CURVE_SECRET_KEY_FILE: that is the collector's own setting, and
+# both may live in one environment (a demo, a test, a sidecar pod).
+ENV_CURVE_SERVER_KEY = "GRADWATCH_CURVE_SERVER_KEY"
+ENV_CURVE_SERVER_KEY_FILE = "GRADWATCH_CURVE_SERVER_KEY_FILE"
+ENV_CURVE_SECRET_KEY_FILE = "GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE"
+_Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +78,12 @@ class AgentConfig:
     command_key: bytes | None = field(default=None, repr=False)
     on_rollback: str = "return"
     resume_file: str | None = None
+    # CurveZMQ (SECURITY.md): the collector's public key (a NAME.key file, or its
+    # 40-character Z85 text) and this agent's NAME.key_secret, which holds both
+    # halves of its pair. None: $GRADWATCH_CURVE_SERVER_KEY(_FILE) and
+    # $GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE, read when the shipper starts.
+    curve_server_public_key_file: str | None = None
+    curve_secret_key_file: str | None = None
 
     def __post_init__(self) -> None:
         if not (0 < len(self.job) <= MAX_JOB_CHARS and self.job.isprintable()):
@@ -100,6 +114,76 @@ class AgentConfig:
             raise ValueError(
                 f"endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT!r}, "
                 f"got {self.endpoint!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class CurveKeys:
+    """What a CURVE client socket needs (all Z85 bytes); see :func:`load_curve_keys`."""
+
+    server_public: bytes
+    public: bytes
+    secret: bytes = field(repr=False)
+
+    def apply(self, sock: Any) -> None:
+        """Make ``sock`` (a ``zmq.Socket``, before ``connect``) a CURVE client."""
+        import zmq
+
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.secret)
+
+
+class SetupError(ValueError):
+    """The user's agent settings are unusable (say which and how to fix); not a bug."""
+
+
+def load_curve_keys(config: AgentConfig,
+                    env: Mapping[str, str] | None = None) -> CurveKeys | None:
+    """The CURVE keys of ``config``, else of the environment; None when neither names any.
+
+    Reads the key files (the one place the agent does). Raises ``SetupError``
+    saying which setting is wrong when only half is set or a file is unusable.
+    """
+    env = os.environ if env is None else env
+    server = config.curve_server_public_key_file or env.get(ENV_CURVE_SERVER_KEY) or \
+        env.get(ENV_CURVE_SERVER_KEY_FILE) or None
+    secret_file = config.curve_secret_key_file or env.get(ENV_CURVE_SECRET_KEY_FILE) or None
+    if server is None and secret_file is None:
+        return None
+    if server is None or secret_file is None:
+        raise SetupError(
+            f"CurveZMQ needs both the collector's public key ({ENV_CURVE_SERVER_KEY} or "
+            f"{ENV_CURVE_SERVER_KEY_FILE}) and this agent's key pair "
+            f"({ENV_CURVE_SECRET_KEY_FILE}); only one is set")
+    if _Z85_KEY.match(server) and not os.path.exists(server):
+        server_public = server.encode("ascii")
+    else:
+        server_public, _ = _read_certificate(server, "the collector's public key")
+    public, secret = _read_certificate(secret_file, "this agent's secret key")
+    if secret is None:
+        raise SetupError(f"{secret_file} holds no secret key: point "
+                         f"{ENV_CURVE_SECRET_KEY_FILE} at NAME.key_secret, not NAME.key")
+    try:
+        mode = os.stat(secret_file).st_mode
+    except OSError as exc:
+        raise SetupError(f"cannot read {secret_file!r}: {exc.strerror or exc}") from exc
+    if mode & 0o077:
+        raise SetupError(f"{secret_file} is readable by other users (mode {mode & 0o777:o}); "
+                         f"run `chmod 600 {secret_file}`")
+    return CurveKeys(server_public, public, secret)
+
+
+def _read_certificate(path: str, what: str) -> tuple[bytes, bytes | None]:
+    from zmq.auth import load_certificate
+
+    try:
+        public, secret = load_certificate(path)
+    except (OSError, ValueError) as exc:
+        raise SetupError(f"cannot read {what} from {path!r}: {exc}; create key files with "
+                         "`gradwatch keys generate`") from exc
+    if not _Z85_KEY.match(public.decode("ascii", "replace")):
+        raise SetupError(f"{path!r}: {what} is not 40 Z85 characters")
+    return public, secret
 
 
 def resolve_rank_world(rank: int | None, world: int | None,

@@ -47,7 +47,7 @@ from gradwatch.agent.commands import (
     resume_file_path,
     write_resume_file,
 )
-from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
+from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, SetupError, resolve_rank_world
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, StatsItem
@@ -510,11 +510,15 @@ class Monitor:
                 return
             self._disabled = f"internal error while {what}: {type(exc).__name__}: {exc}"
             self._off = True
-        logger.error(
-            "gradwatch: internal error while %s (%s: %s). Monitoring is now switched off for "
-            "this run; training continues unaffected. Please report this with the traceback "
-            "below; watch(enabled=False) silences gradwatch entirely.",
-            what, type(exc).__name__, exc, exc_info=exc)
+        if isinstance(exc, SetupError):  # the user's settings, not a gradwatch bug
+            logger.error("gradwatch: %s: %s. Monitoring is switched off for this run; training "
+                         "continues unaffected.", what, exc)
+        else:
+            logger.error(
+                "gradwatch: internal error while %s (%s: %s). Monitoring is now switched off "
+                "for this run; training continues unaffected. Please report this with the "
+                "traceback below; watch(enabled=False) silences gradwatch entirely.",
+                what, type(exc).__name__, exc, exc_info=exc)
         shipper = getattr(self, "_shipper", None)
         if shipper is not None and not shipper.on_its_thread():
             if not self._in_hook:  # inside the pre-hook, log()/close() remove the hooks
@@ -548,7 +552,9 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True,
           activation_stats: bool = True, update_ratios: bool = True,
           command_endpoint: str | None = None, command_key: str | bytes | None = None,
-          on_rollback: str = "return", resume_file: str | None = None) -> Monitor:
+          on_rollback: str = "return", resume_file: str | None = None,
+          curve_server_public_key_file: str | None = None,
+          curve_secret_key_file: str | None = None) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
@@ -569,6 +575,9 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     ``resume_file`` (default ``$GRADWATCH_RESUME_FILE`` or
     ``./.gradwatch-resume.json``) and raises ``SystemExit(ROLLBACK_EXIT_CODE)``
     from the next ``log()``.
+    CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
+    ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
+    else the ``GRADWATCH_CURVE_*`` environment variables.
     Raises ``ValueError`` for invalid arguments (before training starts);
     after that, nothing the monitor does raises into the loop, except that
     deliberate ``SystemExit``.
@@ -586,7 +595,9 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
                          flush_every=flush_every, heartbeat_every=heartbeat_every,
                          stats_every=stats_every, activation_stats=activation_stats,
                          update_ratios=update_ratios, command_endpoint=cmd_endpoint,
-                         command_key=cmd_key, on_rollback=on_rollback, resume_file=resume_file)
+                         command_key=cmd_key, on_rollback=on_rollback, resume_file=resume_file,
+                         curve_server_public_key_file=curve_server_public_key_file,
+                         curve_secret_key_file=curve_secret_key_file)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
 

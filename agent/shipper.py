@@ -11,7 +11,9 @@ Schema resend policy: the schema frame rides on the first batch, on any batch
 whose schema id differs from the last one sent, on the first batch after each
 ZeroMQ handshake (a socket monitor reports ``EVENT_HANDSHAKE_SUCCEEDED``, so a
 restarted collector relearns the layer names at once), and on the first batch
-after ``schema_every_s`` seconds without one.
+after ``schema_every_s`` seconds without one. The same monitor reports a
+refused handshake (a CurveZMQ key the collector does not allow, or CURVE on
+one side only): logged once, since ZeroMQ retries it at every reconnect.
 
 Example (what ``watch()`` does; nothing needs to listen)::
 
@@ -42,7 +44,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from gradwatch.agent.commands import CommandReceiver, Rollback
-from gradwatch.agent.config import AgentConfig
+from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys
 from gradwatch.agent.layout import HostValue, Layout, fill_missing, merge_rows
 from gradwatch.wire import (
     Batch,
@@ -60,6 +62,7 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 # With a command socket, the thread looks at it at least this often.
 COMMAND_POLL_S = 0.1
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 @dataclass
@@ -153,26 +156,40 @@ class Shipper:
         self._counters = counters
         self._last_step = last_step
         self._on_failure = on_failure
+        # A bad key setup switches monitoring off (the thread reports it through
+        # on_failure); it never raises into training nor falls back to plain text.
+        self._key_error: ValueError | None = None
+        curve: CurveKeys | None = None
+        try:
+            curve = load_curve_keys(config)
+        except ValueError as exc:
+            self._key_error = exc
         self._ctx = zmq.Context(io_threads=1)
         try:
             self._sock = self._ctx.socket(zmq.PUSH)
             self._sock.setsockopt(zmq.SNDHWM, config.send_hwm)
             self._sock.setsockopt(zmq.IMMEDIATE, 1)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._events = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            self._sock.connect(config.endpoint)
+            if curve is not None:
+                curve.apply(self._sock)
+            self._events = self._sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+            if self._key_error is None:
+                self._sock.connect(config.endpoint)
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise ValueError(f"cannot connect to endpoint {config.endpoint!r}: {exc}") from exc
         self._commands: CommandReceiver | None = None
-        if on_command is not None and config.command_endpoint and config.command_key:
+        if on_command is not None and config.command_endpoint and config.command_key and \
+                self._key_error is None:
             try:
                 self._commands = CommandReceiver(self._ctx, config.command_endpoint, config.job,
-                                                 config.command_key, on_command)
+                                                 config.command_key, on_command, curve=curve)
             except ValueError as exc:  # a rollback feature problem never stops monitoring
                 logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         # Schema id -> when it last travelled; cleared on a (re)connection.
         self._schema_sent: dict[int, float] = {}
+        self._refusal_logged = False
         self._seq = 0  # batches of any schema sent by this incarnation
         self._stats_schema: Schema | None = None
         self._deadline = math.inf
@@ -210,10 +227,14 @@ class Shipper:
 
     def _run(self) -> None:
         try:
+            if self._key_error is not None:
+                raise self._key_error
             self._loop()
         except Exception as exc:  # never let a bug here go unseen or reach training
             if self._on_failure is not None:
-                self._on_failure("shipping batches (the shipper thread)", exc)
+                what = "loading the CurveZMQ keys (fix the key settings; nothing was sent)" \
+                    if exc is self._key_error else "shipping batches (the shipper thread)"
+                self._on_failure(what, exc)
         finally:
             self._discard_queued()
             self._shutdown()
@@ -276,14 +297,23 @@ class Shipper:
     def _watch_connections(self) -> None:
         """A new handshake means a (re)started peer that may not know our schema."""
         while self._events.poll(0):
-            recv_monitor_message(self._events, zmq.NOBLOCK)
-            self._schema_sent.clear()
+            event = recv_monitor_message(self._events, zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._schema_sent.clear()
+            elif not self._refusal_logged:  # retried every reconnect: say it once
+                self._refusal_logged = True
+                logger.error("gradwatch: the collector at %s refused this agent's connection "
+                             "(%s); steps are counted as dropped until it is fixed (SECURITY.md)",
+                             self._cfg.endpoint, _refusal_reason(event))
 
     def _send(self, frames: list[bytes]) -> bool:
         try:
             self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
             return True
         except zmq.Again:
+            # No peer, or a full pipe: the handshake event of a restarted collector may come
+            # after our next send, so the next batch that goes out carries the schema.
+            self._schema_sent.clear()
             return False
 
     def _ship_batch(self, item: FlushItem) -> None:
@@ -385,6 +415,16 @@ class Shipper:
             self._ctx.term()
         except zmq.ZMQError as exc:  # nothing left to protect; do not raise in a thread
             logger.debug("gradwatch: closing the ZeroMQ socket failed: %s", exc)
+
+
+def _refusal_reason(event: Mapping[str, Any]) -> str:
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "this agent's CurveZMQ key is not in the collector's allow-list"
+    if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return ("one side uses CurveZMQ and the other does not: set or unset "
+                "GRADWATCH_CURVE_SERVER_KEY(_FILE) and GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE")
+    return (f"handshake error {event['value']:#x}: check GRADWATCH_CURVE_SERVER_KEY(_FILE) "
+            "against the collector's public key")
 
 
 def _json_number(value: Any) -> Any:

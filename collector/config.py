@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import json
+import reprlib
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -25,8 +26,8 @@ from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, field_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from gradwatch.collector.routing import RoutePolicy
 
@@ -58,8 +59,10 @@ class ConfigError(CollectorError, ValueError):
 class CollectorConfig(BaseSettings):
     """Everything a collector needs to run. Pure data: no sockets, no files."""
 
+    # allow_inf_nan=False: an infinite timeout or window overflows thread and socket waits.
     model_config = SettingsConfigDict(
-        env_prefix="GRADWATCH_", extra="forbid", frozen=True, case_sensitive=False)
+        env_prefix="GRADWATCH_", extra="forbid", frozen=True, case_sensitive=False,
+        allow_inf_nan=False)
 
     listen: str = Field(
         default="tcp://127.0.0.1:5555",
@@ -72,7 +75,7 @@ class CollectorConfig(BaseSettings):
         default=None, description="Rule file (YAML); None uses the packaged default pack.")
     max_message_bytes: int = Field(
         default=16 * MiB, ge=1024,
-        description="Largest accepted message; also ZeroMQ MAXMSGSIZE.")
+        description="Largest accepted message; larger ones are counted as oversized (ZeroMQ MAXMSGSIZE is 4x this, so they reach the count).")
     receive_hwm: int = Field(
         default=1000, ge=1, description="ZeroMQ receive high-water mark, in messages.")
     history_steps: int = Field(
@@ -85,9 +88,10 @@ class CollectorConfig(BaseSettings):
         default=600.0, gt=0,
         description="Forget a job's state and series after this much silence.")
     shutdown_timeout: float = Field(
-        default=5.0, gt=0, description="Seconds a graceful stop may take before giving up.")
+        default=5.0, gt=0, le=3600,
+        description="Seconds a graceful stop may take before giving up.")
     webhook_timeout: float = Field(
-        default=5.0, gt=0, description="Seconds per webhook HTTP request.")
+        default=5.0, gt=0, le=3600, description="Seconds per webhook HTTP request.")
     webhook_queue_size: int = Field(
         default=1024, ge=1,
         description="In-memory queue of the Grafana annotation sink (annotations are not "
@@ -170,6 +174,30 @@ class CollectorConfig(BaseSettings):
         default=None,
         description="Attach annotations to this dashboard; None makes organization "
         "annotations that any dashboard shows through a tag filter.")
+    # Authenticated channels (SECURITY.md).
+    profile: Literal["dev", "production"] = Field(
+        default="dev",
+        description="'production' refuses to start without CURVE keys, without a command key "
+        "when a rule rolls back, with unsigned webhooks, or with /metrics on a non-loopback "
+        "address without basic auth and TLS.")
+    curve_secret_key_file: Path | None = Field(
+        default=None,
+        description="The collector's CurveZMQ NAME.key_secret (mode 0600, `gradwatch keys "
+        "generate`): ingest and command sockets then accept only allow-listed agents.")
+    curve_allow_file: Path | None = Field(
+        default=None,
+        description="YAML allow-list: agent public key -> job glob patterns it may report "
+        "(`gradwatch keys allow`); re-read when it changes.")
+    metrics_tls_cert_file: Path | None = Field(
+        default=None, description="PEM certificate (chain) for HTTPS on metrics_addr.")
+    metrics_tls_key_file: Path | None = Field(
+        default=None, description="PEM private key of metrics_tls_cert_file.")
+    metrics_basic_auth_user: str | None = Field(
+        default=None, description="Basic-auth user /metrics requires (/healthz, /readyz open).")
+    metrics_basic_auth_password: SecretStr | None = Field(
+        default=None, description="Basic-auth password of metrics_basic_auth_user.")
+    metrics_basic_auth_password_file: Path | None = Field(
+        default=None, description="File holding the basic-auth password (a mounted secret).")
 
     @field_validator("webhooks", "alertmanager_urls", mode="before")
     @classmethod
@@ -178,7 +206,11 @@ class CollectorConfig(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                return json.loads(text)
+                try:
+                    return json.loads(text)
+                except RecursionError:  # pydantic reports ValueError, not this
+                    raise ValueError("a JSON list nested too deeply; give a flat list "
+                                     "of URLs") from None
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
@@ -214,6 +246,21 @@ class CollectorConfig(BaseSettings):
         split_host_port(value)
         return value
 
+    @model_validator(mode="after")
+    def _check_pairs(self) -> CollectorConfig:
+        # Half a pair is a typo, never a choice: refuse it instead of running open.
+        pairs = (("curve_secret_key_file", "curve_allow_file"),
+                 ("metrics_tls_cert_file", "metrics_tls_key_file"))
+        for first, second in pairs:
+            if (getattr(self, first) is None) != (getattr(self, second) is None):
+                raise ValueError(f"{first} and {second} go together: set both or neither")
+        password = self.metrics_basic_auth_password is not None or \
+            self.metrics_basic_auth_password_file is not None
+        if (self.metrics_basic_auth_user is not None) == password:
+            return self
+        raise ValueError("metrics_basic_auth_user needs metrics_basic_auth_password or "
+                         "metrics_basic_auth_password_file (and the other way round)")
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper_level(cls, value: Any) -> Any:
@@ -228,7 +275,7 @@ class CollectorConfig(BaseSettings):
 def split_host_port(addr: str) -> tuple[str, int]:
     """``"127.0.0.1:9400"`` -> ``("127.0.0.1", 9400)``; ``"[::1]:0"`` and ``":9400"`` too."""
     host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise ValueError("must be HOST:PORT with a port from 0 to 65535, e.g. 127.0.0.1:9400")
     host = host.strip("[]") or "0.0.0.0"
     return host, int(port)
@@ -251,6 +298,14 @@ def load_config(path: Path | None = None,
         return CollectorConfig(**{**file_values, **env_values, **flags})
     except ValidationError as exc:
         raise ConfigError(_describe(exc, path)) from exc
+    except SettingsError as exc:  # a GRADWATCH_* value that is not the JSON it must be
+        raise ConfigError(
+            f"invalid collector configuration: {exc}: {exc.__cause__ or 'bad value'}; set "
+            "that GRADWATCH_<KEY> environment variable to a JSON object or unset it") from exc
+    except RecursionError as exc:  # pydantic-settings' JSON decoding of GRADWATCH_ROUTES
+        raise ConfigError(
+            "invalid collector configuration: a GRADWATCH_* value (routes, a JSON object) is "
+            "nested too deeply to read; give it the documented shape") from exc
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -260,8 +315,17 @@ def _read_file(path: Path) -> dict[str, Any]:
         raise ConfigError(
             f"cannot read config file {path}: {exc.strerror or exc}; "
             "check the --config path or leave it out to use defaults") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {path} is not UTF-8 text ({exc}); "
+                          "point --config at the YAML file") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise ConfigError(f"config file {path} is nested too deeply to read; "
+                          "a config file is a flat mapping of keys to values") from exc
+    except ValueError as exc:  # a date like 2024-13-45, an integer of over 4300 digits
+        raise ConfigError(f"config file {path} has a value YAML cannot read ({exc}); "
+                          "fix it or quote it") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -274,7 +338,12 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 # Keys whose values may be or embed secrets (tokens in URLs): never echoed in errors.
 _UNECHOED = ("webhook", "slack", "pagerduty_routing_key", "alertmanager_urls", "grafana_token",
-             "command_key")
+             "command_key", "metrics_basic_auth_password")
+
+
+# Bounded: the full repr of a YAML alias bomb would take minutes and gigabytes.
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 80
 
 
 def _describe(exc: ValidationError, path: Path | None) -> str:
@@ -286,8 +355,10 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
             lines.append(f"  {key}: unknown key; valid keys are {known}")
             continue
         message = error["msg"].removeprefix("Value error, ")
-        # Webhook URLs may embed tokens: never echo them back.
-        got = "" if key.startswith(_UNECHOED) else f" (got {error.get('input')!r:.80})"
+        # Webhook URLs may embed tokens: never echo them back, nor a whole-config
+        # input (a cross-field check's), which holds every secret that was set.
+        secret = key.startswith(_UNECHOED) or key == "(config)"
+        got = "" if secret else f" (got {_REPR.repr(error.get('input')):.80})"
         lines.append(f"  {key}: {message}{got}")
     where = f"the config file {path}, " if path is not None else ""
     return ("invalid collector configuration:\n" + "\n".join(lines) +

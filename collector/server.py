@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,9 +36,17 @@ from typing import Any, Protocol
 
 import zmq
 from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
 from gradwatch.collector.alertmanager import AlertmanagerSink
+from gradwatch.collector.auth import (
+    AuthCounters,
+    CurveAuth,
+    build_auth,
+    check_profile,
+    metrics_security,
+)
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
@@ -60,6 +69,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 100            # how long the ingest thread blocks before checking for stop
 EXPIRE_EVERY_S = 1.0     # how often silent jobs are looked for
 LIVENESS_EVERY_S = 1.0   # how often (injected clock) the liveness rules are ticked
+OVERSIZE_HEADROOM = 4   # ZeroMQ MAXMSGSIZE = this x max_message_bytes: see _bind
 DRAIN_BUDGET = 1000      # messages handled between stop/expiry checks
 TICK_S = 0.1             # run_until_signal's flag check period
 
@@ -166,11 +176,14 @@ class Server:
         self._wrote_ready_file = False
         self.actions: Actions | None = None
         self._actions_metrics: ActionsMetrics | None = None
+        self._store_metrics: StoreErrorMetrics | None = None
         self._commands: zmq.Socket[Any] | None = None  # XPUB; used under _commands_lock
         self._commands_lock = threading.Condition()
         self._listening: set[str] = set()  # jobs with an agent subscribed to commands
         self.command_endpoint: str | None = None
         self._exit_requested = False
+        self.auth_counters = AuthCounters()  # exposed only while CURVE is on
+        self._auth: CurveAuth | None = None
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -180,16 +193,23 @@ class Server:
             raise CollectorError("a Server starts once; build a new one to start again")
         if self._engine is None:
             self._engine = build_engine(self.config, self._clock)
+        check_profile(self.config, {r.name: r.actions for r in getattr(self._engine, "rules", ())})
         try:
             self._bind()
             self._start_actions()
+            if self._auth is not None:
+                self._auth.start_monitoring()
+                self.registry.register(self.auth_counters)
             host, port = self.config.metrics_host_port
-            self._http = MetricsHTTPServer(host, port, self.registry, lambda: self.ready)
+            self._http = MetricsHTTPServer(host, port, self.registry, lambda: self.ready,
+                                           **metrics_security(self.config))
             self.registry.register(self._exposition)
             self._registered = True
             assert self.actions is not None
             self._actions_metrics = ActionsMetrics(self.actions)
             self.registry.register(self._actions_metrics)
+            self._store_metrics = StoreErrorMetrics(self)
+            self.registry.register(self._store_metrics)
             for sink in self.sinks:
                 sink.start()
         except BaseException:
@@ -341,12 +361,15 @@ class Server:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self._handle([part.buffer for part in parts])
+            refused = self._auth is not None and not self._auth.permits(parts)
+            self._handle([part.buffer for part in parts], refused)
             handled += 1
 
-    def _handle(self, frames: Frames) -> None:
+    def _handle(self, frames: Frames, refused: bool = False) -> None:
         # Never raises: one bad message must not stop the ingest thread.
         try:
+            if refused:
+                return  # counted and logged by the CURVE allow-list check
             result = self.ingest.feed(frames)
             self._record(result)
             for heartbeat in result.heartbeats:
@@ -472,11 +495,18 @@ class Server:
 
     def _bind(self) -> None:
         self._context = zmq.Context()
+        # Keys are read before any socket exists: a bad key file leaves nothing to close.
+        self._auth = build_auth(self.config, self._context, self.auth_counters)
         sock = self._context.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
+        # libzmq drops the peer on a frame over MAXMSGSIZE before Ingest can count it (and
+        # loses what that peer queued after it): leave headroom, so frames up to 4x the
+        # limit reach Ingest and are counted as "oversized"; beyond that libzmq still bounds memory.
+        sock.setsockopt(zmq.MAXMSGSIZE, OVERSIZE_HEADROOM * self.config.max_message_bytes)
         self._socket = sock
+        if self._auth is not None:
+            self._auth.secure(sock)
         self._endpoint = _bind_socket(sock, self.config.listen, "--listen")
 
     def _start_actions(self) -> None:
@@ -490,6 +520,8 @@ class Server:
             # no agent listening is refused and logged instead of silently dropped.
             sock = self._context.socket(zmq.XPUB)
             sock.setsockopt(zmq.LINGER, 0)
+            if self._auth is not None:
+                self._auth.secure(sock)  # encrypted, and only allow-listed agents subscribe
             self._commands = sock
             self.command_endpoint = _bind_socket(sock, self.config.command_listen,
                                                  "command_listen")
@@ -553,6 +585,9 @@ class Server:
         if self._actions_metrics is not None:
             self.registry.unregister(self._actions_metrics)
             self._actions_metrics = None
+        if self._store_metrics is not None:
+            self.registry.unregister(self._store_metrics)
+            self._store_metrics = None
         if self._http is not None:
             self._http.close()
         if self._socket is not None and self._ingest_thread is None:
@@ -563,9 +598,40 @@ class Server:
                 self._commands = None
         if self.actions is not None:
             self.actions.close()
+        if self._auth is not None:
+            self._auth.close()
+            with contextlib.suppress(KeyError):  # start() may have failed before registering
+                self.registry.unregister(self.auth_counters)
         if self._context is not None and term:
             self._context.term()
         self._context = None
+
+
+class StoreErrorMetrics:
+    """``gradwatch_store_errors_total{store}``: failed writes to the on-disk stores.
+
+    ``outbox`` (alerts; they continue in memory), ``actions`` (checkpoints and
+    restart budget) and ``trace`` (``--record``; recording switches off). Read
+    from the stores at scrape time; each store logs its first failure once.
+    """
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def collect(self) -> Iterable[Metric]:
+        server = self._server
+        counts = {
+            "outbox": sum(getattr(getattr(sink, "outbox", None), "errors", 0)
+                          for sink in server.sinks),
+            "actions": server.actions.store_errors if server.actions is not None else 0,
+            "trace": server.recorder.errors if server.recorder is not None else 0,
+        }
+        family = CounterMetricFamily(
+            "gradwatch_store_errors", "Failed writes to the collector's files (disk full, "
+            "read-only); the log says what to fix.", labels=["store"])
+        for store, count in sorted(counts.items()):
+            family.add_metric([store], count)
+        return [family]
 
 
 def _bind_socket(sock: zmq.Socket[Any], endpoint: str, option: str) -> str:

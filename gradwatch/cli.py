@@ -18,6 +18,7 @@ commands:
   report TRACE  write a self-contained HTML post-mortem of a trace (-o report.html)
   grafana push  create or replace the gradwatch dashboard in Grafana
   restart-hook  run one allow-listed command when a signed alert arrives
+  keys          CurveZMQ key pairs and the collector's allow-list (SECURITY.md)
   demo          agent + collector + rules + alert on loopback; ends by itself
   version       print the version
 
@@ -55,6 +56,12 @@ def _restart_hook(argv: Sequence[str]) -> int:
     return restart_hook_main(argv)
 
 
+def _keys(argv: Sequence[str]) -> int:
+    from gradwatch.collector.keys import keys_main
+
+    return keys_main(argv)
+
+
 def _report(argv: Sequence[str]) -> int:
     from gradwatch.report.cli import report_main
 
@@ -81,6 +88,7 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
     "report": _report,
     "grafana": _grafana,
     "restart-hook": _restart_hook,
+    "keys": _keys,
     "demo": _demo,
     "version": _version,
 }
