@@ -1,0 +1,245 @@
+"""Sender processes for ``collector_load.py``: simulated agents on loopback.
+
+One ``sender_main`` process owns one PUSH socket per simulated rank, set up as
+the agent's shipper sets its own (``SNDHWM`` 16, ``IMMEDIATE`` 1, ``LINGER``
+0, every send ``NOBLOCK``; a send that would block drops the batch and counts
+its steps, as ``agent/shipper.py`` does). Ranks step in lockstep (one job,
+like DDP) at ``step_rate`` steps/s and flush every ``flush_every`` steps: a
+batch of ``flush_every`` rows, built with ``gradwatch.wire.encode`` exactly
+as an agent builds it (schema attached to the first batch, after a failed
+send and every ``schema_every_s``), plus a heartbeat per rank every
+``heartbeat_every`` s at a per-rank phase. On command it sends a *probe*: a
+one-row batch of a fresh job whose loss and first layers are NaN, on one of
+its rank sockets (so it queues behind that rank's own traffic), and reports
+the wall-clock time of the send.
+
+Protocol with the parent (multiprocessing queues):
+  parent -> cmd:  ("go", t0) | ("probe", job, local_rank_index) | ("exit",)
+  sender -> res:  ("ready", sid, n_connected) | ("probe", job, t_send, ok) |
+                  ("done", sid, stats_dict) | ("error", sid, text)
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import queue
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import zmq
+
+from gradwatch.wire import Batch, Heartbeat, Schema, encode
+
+COLUMNS = ("loss", "lr/0", "skipped")
+SEND_HWM = 16             # AgentConfig.send_hwm
+SCHEMA_EVERY_S = 30.0     # AgentConfig.schema_every_s
+WARMUP_TIMEOUT_S = 30.0
+
+
+def layer_names(layers: int) -> tuple[str, ...]:
+    return tuple(f"blocks.{i // 4}.{('attn.qkv', 'attn.proj', 'mlp.fc1', 'mlp.fc2')[i % 4]}.weight"
+                 for i in range(layers))
+
+
+def probe_values(layers: int) -> bytes:
+    row = np.full(len(COLUMNS) + layers, 0.5, dtype="<f4")
+    row[0] = np.nan                    # loss
+    row[1] = 1e-4                      # lr
+    row[2] = 0.0                       # not an AMP skip
+    row[len(COLUMNS):len(COLUMNS) + min(3, layers)] = np.nan  # first layers went bad
+    return row.tobytes()
+
+
+def sender_main(sid: int, endpoint: str, job: str, world: int, ranks: list[int], layers: int,
+                step_rate: float, flush_every: int, duration: float, heartbeat_every: float,
+                cmd: Any, res: Any) -> None:
+    try:
+        _Sender(sid, endpoint, job, world, ranks, layers, step_rate, flush_every, duration,
+                heartbeat_every, cmd, res).run()
+    except BaseException:  # noqa: BLE001 -- report it, never leave the parent waiting
+        res.put(("error", sid, traceback.format_exc()))
+
+
+class _Sender:
+    def __init__(self, sid: int, endpoint: str, job: str, world: int, ranks: list[int],
+                 layers: int, step_rate: float, flush_every: int, duration: float,
+                 heartbeat_every: float, cmd: Any, res: Any) -> None:
+        self.sid, self.endpoint, self.job, self.world = sid, endpoint, job, world
+        self.ranks, self.layers = ranks, layers
+        self.step_rate, self.flush_every, self.duration = step_rate, flush_every, duration
+        self.heartbeat_every = heartbeat_every
+        self.cmd, self.res = cmd, res
+        self.schema = Schema(id=0, columns=COLUMNS, layers=layer_names(layers))
+        self.width = self.schema.width
+        self.incs = [f"{os.getpid():x}-{r}" for r in ranks]
+        self.seq = [0] * len(ranks)
+        self.schema_sent = [-1e18] * len(ranks)  # monotonic time the schema last travelled
+        self.dropped = [0] * len(ranks)          # cumulative steps not shipped, per rank
+        rng = np.random.default_rng(1000 + sid)
+        # Healthy, stationary gradients: a per-layer level in [0.5, 2] times 5% noise.
+        self.base = rng.uniform(0.5, 2.0, size=(len(ranks), layers)).astype("<f4")
+        self.noise = (1.0 + 0.05 * rng.standard_normal((flush_every * 8, layers))).astype("<f4")
+        self.rng = rng
+        self.stats = {"batches_sent": 0, "steps_sent": 0, "values_sent": 0,
+                      "batches_eagain": 0, "steps_eagain": 0, "heartbeats_sent": 0,
+                      "heartbeats_eagain": 0, "probes_sent": 0, "probes_eagain": 0,
+                      "max_flush_lag_s": 0.0, "max_burst_send_s": 0.0, "last_step": -1}
+
+    # ------------------------------------------------------------ setup
+
+    def _connect(self) -> None:
+        self.ctx = zmq.Context(io_threads=1)
+        self.ctx.set(zmq.MAX_SOCKETS, len(self.ranks) + 64)
+        self.socks = []
+        for _ in self.ranks:
+            s = self.ctx.socket(zmq.PUSH)
+            s.setsockopt(zmq.SNDHWM, SEND_HWM)
+            s.setsockopt(zmq.IMMEDIATE, 1)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(self.endpoint)
+            self.socks.append(s)
+
+    def _warm_up(self) -> int:
+        """One heartbeat per rank, retried until its connection is up (IMMEDIATE=1)."""
+        pending = set(range(len(self.ranks)))
+        deadline = time.monotonic() + WARMUP_TIMEOUT_S
+        while pending and time.monotonic() < deadline:
+            for i in list(pending):
+                if self._heartbeat(i, step=-1, count=False):
+                    pending.discard(i)
+            if pending:
+                time.sleep(0.05)
+        return len(self.ranks) - len(pending)
+
+    # ------------------------------------------------------------ sends
+
+    def _send(self, i: int, frames: list[bytes]) -> bool:
+        try:
+            self.socks[i].send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.schema_sent[i] = -1e18  # as the shipper: the next batch carries the schema
+            return False
+
+    def _heartbeat(self, i: int, step: int, count: bool = True) -> bool:
+        hb = Heartbeat(job=self.job, rank=self.ranks[i], world=self.world,
+                       incarnation=self.incs[i], time=time.time(), step=step,
+                       dropped=self.dropped[i])
+        ok = self._send(i, encode(hb))
+        if count:
+            self.stats["heartbeats_sent" if ok else "heartbeats_eagain"] += 1
+        return ok
+
+    def _batch(self, i: int, first_step: int, t0: float) -> None:
+        fe, w = self.flush_every, self.width
+        steps = tuple(range(first_step, first_step + fe))
+        times = tuple(t0 + s / self.step_rate for s in steps)
+        vals = np.empty((fe, w), dtype="<f4")
+        vals[:, 0] = [2.0 * np.exp(-s / 5000.0) + 0.01 * self.rng.random() for s in steps]
+        vals[:, 1] = 1e-4
+        vals[:, 2] = 0.0
+        off = int(self.rng.integers(0, self.noise.shape[0] - fe + 1))
+        np.multiply(self.base[i], self.noise[off:off + fe], out=vals[:, len(COLUMNS):])
+        now = time.monotonic()
+        attach = now - self.schema_sent[i] >= SCHEMA_EVERY_S
+        batch = Batch(job=self.job, rank=self.ranks[i], world=self.world, schema_id=0,
+                      seq=self.seq[i], incarnation=self.incs[i], dropped=self.dropped[i],
+                      steps=steps, times=times, values=vals.tobytes(),
+                      schema=self.schema if attach else None)
+        if self._send(i, encode(batch)):
+            self.seq[i] += 1
+            if attach:
+                self.schema_sent[i] = now
+            self.stats["batches_sent"] += 1
+            self.stats["steps_sent"] += fe
+            self.stats["values_sent"] += fe * self.layers
+        else:
+            self.dropped[i] += fe
+            self.stats["batches_eagain"] += 1
+            self.stats["steps_eagain"] += fe
+
+    def _probe(self, job: str, i: int) -> None:
+        i = i % len(self.ranks)
+        schema = Schema(id=0, columns=COLUMNS, layers=self.schema.layers)
+        t = time.time()
+        batch = Batch(job=job, rank=0, world=1, schema_id=0, seq=0,
+                      incarnation=f"probe-{os.getpid():x}", dropped=0, steps=(1,), times=(t,),
+                      values=probe_values(self.layers), schema=schema)
+        frames = encode(batch)
+        t_send = time.time()
+        ok = self._send(i, frames)
+        self.stats["probes_sent" if ok else "probes_eagain"] += 1
+        self.res.put(("probe", job, t_send, ok))
+
+    # ------------------------------------------------------------ main loop
+
+    def run(self) -> None:
+        self._connect()
+        try:
+            connected = self._warm_up()
+            self.res.put(("ready", self.sid, connected))
+            msg = self.cmd.get()
+            if msg[0] != "go":
+                return
+            t0 = float(msg[1])
+            stop = self._loop(t0)
+            self.res.put(("done", self.sid, self.stats))
+            if stop:
+                return
+            # Keep the sockets open (what is queued in them still reaches the
+            # collector) until the parent has measured the drain.
+            while True:
+                msg = self.cmd.get()
+                if msg[0] == "exit":
+                    return
+                if msg[0] == "probe":
+                    self._probe(msg[1], msg[2])
+        finally:
+            for s in self.socks:
+                s.close(linger=0)
+            self.ctx.term()
+
+    def _loop(self, t0: float) -> bool:
+        """Run the schedule until ``duration`` is over; True if told to exit early."""
+        fe, rate = self.flush_every, self.step_rate
+        end = t0 + self.duration
+        flush_k = 0
+
+        def flush_time(k: int) -> float:  # the flush happens when its last step is logged
+            return t0 + ((k + 1) * fe - 1) / rate
+
+        n = len(self.ranks)
+        beats = [(t0 + self.heartbeat_every * (j + 0.5) / n, j) for j in range(n)]
+        heapq.heapify(beats)
+        while True:
+            now = time.time()
+            if flush_time(flush_k) <= min(now, end):
+                lag = now - flush_time(flush_k)
+                self.stats["max_flush_lag_s"] = max(self.stats["max_flush_lag_s"], lag)
+                started = time.monotonic()
+                for i in range(n):
+                    self._batch(i, flush_k * fe, t0)
+                self.stats["max_burst_send_s"] = max(self.stats["max_burst_send_s"],
+                                                     time.monotonic() - started)
+                self.stats["last_step"] = (flush_k + 1) * fe - 1
+                flush_k += 1
+                continue
+            if now >= end:
+                return False
+            while beats and beats[0][0] <= now:
+                due, j = heapq.heappop(beats)
+                self._heartbeat(j, step=max(-1, int((now - t0) * rate)))
+                heapq.heappush(beats, (due + self.heartbeat_every, j))
+            nxt = min(flush_time(flush_k), end, beats[0][0] if beats else end)
+            wait = max(0.0, min(nxt - time.time(), 0.05))
+            try:
+                msg = self.cmd.get(timeout=wait) if wait > 0 else self.cmd.get_nowait()
+            except queue.Empty:
+                continue
+            if msg[0] == "probe":
+                self._probe(msg[1], msg[2])
+            elif msg[0] == "exit":
+                return True
