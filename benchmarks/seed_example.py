@@ -22,54 +22,45 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import torch
 from torch import nn
 
+from gradwatch import seed_example
 from gradwatch.seed_example import SUBSET_STEPS as SEED_STEPS
-from scenarios.scenario_lib import BY_NAME, run_scenario, seed_worked_example
+from scenarios.scenario_lib import BY_NAME, run_scenario
 
 MARKS = (1, 20, 40, 100, 300, 301, 350, 450, 600)
 
 
 class Probe:
-    """Records layer grad norms and tanh saturation by hooking the model the example builds."""
+    """Layer grad norms (at each optimizer step) and tanh saturation of one run."""
 
     def __init__(self) -> None:
         self.ratio: dict[int, float] = {}
         self.saturated: dict[int, float] = {}
+        self.step = 0
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """``seed_example.run``'s watch hook: probe instead of a gradwatch Monitor."""
+        lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        optimizer.register_step_pre_hook(lambda *_: self._grads(lins))
+        for module in model.modules():
+            if isinstance(module, nn.Tanh):
+                module.register_forward_hook(self._saturation)
+
+    def _grads(self, lins: list[nn.Linear]) -> None:
+        self.step += 1
+        first, last = (float(lins[i].weight.grad.norm()) for i in (0, -1))
+        self.ratio[self.step] = first / last if last > 0 else math.inf
+
+    def _saturation(self, module: nn.Module, inputs: object, out: torch.Tensor) -> None:
+        share = float((out.detach().abs() > 0.99).float().mean())
+        step = self.step + 1  # the forward of the step about to be taken
+        self.saturated[step] = max(self.saturated.get(step, 0.0), share)
 
 
 def measure(init_scale: float) -> tuple[list[float], Probe]:
     probe = Probe()
-    real_backward = torch.Tensor.backward
-    step = [0]
-    model_box: list[nn.Module] = []
-    real_init = nn.Sequential.__init__
-
-    def capture_init(self: nn.Sequential, *args: object) -> None:
-        real_init(self, *args)
-        model_box.append(self)
-
-    def backward(self: torch.Tensor, *args: object, **kw: object) -> None:
-        real_backward(self, *args, **kw)
-        step[0] += 1
-        lins = [m for m in model_box[-1] if isinstance(m, nn.Linear)]
-        first, last = (float(lins[i].weight.grad.norm()) for i in (0, -1))
-        probe.ratio[step[0]] = first / last if last > 0 else math.inf
-
-    def saturation(module: nn.Module, inputs: object, out: torch.Tensor) -> None:
-        probe.saturated.setdefault(step[0] + 1, 0.0)
-        share = float((out.detach().abs() > 0.99).float().mean())
-        probe.saturated[step[0] + 1] = max(probe.saturated[step[0] + 1], share)
-
-    nn.Sequential.__init__ = capture_init  # type: ignore[method-assign]
-    torch.Tensor.backward = backward  # type: ignore[method-assign]
-    handle = nn.modules.module.register_module_forward_hook(
-        lambda m, i, o: saturation(m, i, o) if isinstance(m, nn.Tanh) else None)
-    try:
-        torch.manual_seed(0)
-        losses = seed_worked_example(None, init_scale)
-    finally:
-        nn.Sequential.__init__ = real_init  # type: ignore[method-assign]
-        torch.Tensor.backward = real_backward  # type: ignore[method-assign]
-        handle.remove()
+    torch.manual_seed(0)
+    x, y = seed_example.tabular()
+    losses = seed_example.run(seed_example.seed_model(init_scale), x, y, probe.watch)
     return losses, probe
 
 

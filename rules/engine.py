@@ -251,9 +251,9 @@ class Engine:
     @staticmethod
     def _rebase_history(job: _JobState, at_step: int) -> None:
         # Trends across a planned change compare two tasks: the diagnosis starts over.
-        due = [s for s in job.data_changes if job.history_from < s <= at_step]
-        if due:
-            job.history_from = due[-1]
+        due = _latest_change(job.data_changes, job.history_from, at_step)
+        if due is not None:
+            job.history_from = due
             job.history = JobHistory()
 
     @staticmethod
@@ -274,9 +274,9 @@ class Engine:
                 evals=[s for i, s in slots.items() if "observe_eval" in self._inputs[i]],
             )
             self._ranks[(job, rank)] = state
-        due = [s for s in owner.data_changes if state.baseline_from < s <= at_step]
-        if due:
-            state.baseline_from = due[-1]
+        due = _latest_change(owner.data_changes, state.baseline_from, at_step)
+        if due is not None:
+            state.baseline_from = due
             for slot, index in zip(state.all, self._rank_rules, strict=True):
                 slot.detector = self.rules[index].make_detector()
         return state
@@ -302,3 +302,9 @@ class Engine:
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
         transition = slot.lifecycle.update(step, finding)
         return [] if transition is None else [transition]
+
+
+def _latest_change(changes: list[int], applied: int, at_step: int) -> int | None:
+    """The newest announced change after ``applied`` that ``at_step`` has reached, if any."""
+    due = [s for s in changes if applied < s <= at_step]
+    return due[-1] if due else None

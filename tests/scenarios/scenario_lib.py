@@ -52,7 +52,6 @@ class CaptureSink:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.fired: list[Fired] = []
         self.alerts: list[Any] = []  # the firing Alert records, diagnosis included
 
     def start(self) -> None:
@@ -62,8 +61,12 @@ class CaptureSink:
         if transition.current == "firing":
             a = transition.alert
             with self._lock:
-                self.fired.append(Fired(a.rule, str(a.category), int(a.step)))
                 self.alerts.append(a)
+
+    @property
+    def fired(self) -> list[Fired]:
+        with self._lock:
+            return [Fired(a.rule, str(a.category), int(a.step)) for a in self.alerts]
 
     def close(self, timeout: float) -> None:
         pass
