@@ -42,6 +42,9 @@ class AgentConfig:
     job: str
     rank: int
     world: int
+    # Ranks one replica's gradients are split across (agent/topology.py):
+    # 1 replicated (DDP), world fully sharded (FSDP/ZeRO).
+    shards: int = 1
     endpoint: str = DEFAULT_ENDPOINT
     flush_every: int = 10
     heartbeat_every: float = 2.0
@@ -93,6 +96,8 @@ class AgentConfig:
             raise ValueError(
                 f"rank {self.rank} / world {self.world} is not a valid pair: need "
                 "0 <= rank < world; pass rank= and world= or set RANK and WORLD_SIZE")
+        if not 1 <= self.shards <= self.world or self.world % self.shards:
+            raise ValueError(f"shards={self.shards} must divide the world size {self.world}")
         if not 1 <= self.flush_every <= MAX_ROWS:
             raise ValueError(f"flush_every must be in [1, {MAX_ROWS}], got {self.flush_every}")
         if self.stats_every < 0:

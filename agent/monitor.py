@@ -47,10 +47,16 @@ from gradwatch.agent.commands import (
     resume_file_path,
     write_resume_file,
 )
-from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, SetupError, resolve_rank_world
+from gradwatch.agent.config import (
+    DEFAULT_ENDPOINT,
+    AgentConfig,
+    SetupError,
+    resolve_rank_world,
+)
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, StatsItem
+from gradwatch.agent.topology import resolve_shards
 from gradwatch.wire import columns as wc
 from gradwatch.wire.messages import DATA_CHANGE
 
@@ -138,12 +144,24 @@ class Monitor:
         self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
                                   config.pool_size, self._work, self._counters)
         self.incarnation = secrets.token_hex(8)
+        # Step phases (host clock), for stragglers and hangs: whether a training
+        # forward began since the last log(), when that log() ended, and the
+        # seconds spent waiting for data and in forward passes this step.
+        self._began = False
+        self._since = time.perf_counter()
+        self._forward_t0: float | None = None
+        self._data_s = self._forward_s = 0.0
+        self._phase_columns = (wc.scalar(wc.DATA_SECONDS_SCALAR),
+                               wc.scalar(wc.FORWARD_SECONDS_SCALAR))
         self._shipper = Shipper(config, self.incarnation, self._work, self._buffer.pool,
                                 self._counters, last_step=lambda: self._step,
                                 on_failure=self._fail,
-                                on_command=self._on_command if config.command_endpoint else None)
+                                on_command=self._on_command if config.command_endpoint else None,
+                                started=lambda: self._step + 1 if self._began else self._step)
         self._shipper.start()
         self._hooks.append(optimizer.register_step_pre_hook(self._pre_hook))
+        self._hooks.append(model.register_forward_pre_hook(self._forward_began))
+        self._hooks.append(model.register_forward_hook(self._forward_ended))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         if config.activation_stats and config.stats_every:
             self._acts = ActHooks.attach(model, self._device, on_error=self._fail,
@@ -326,9 +344,28 @@ class Monitor:
         finally:
             self._in_hook = False
 
+    def _forward_began(self, module: torch.nn.Module, args: Any) -> None:
+        # Evaluation forwards between steps are not part of the step.
+        if self._off or not module.training:
+            return
+        now = time.perf_counter()
+        if not self._began:
+            self._began = True
+            self._data_s = now - self._since
+        self._forward_t0 = now
+
+    def _forward_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._forward_t0 is not None:
+            self._forward_s += time.perf_counter() - self._forward_t0
+            self._forward_t0 = None
+
     def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
         dev: list[tuple[int, torch.Tensor]] = []
         host: list[tuple[int, HostValue]] = [(self._columns.host_slot(wc.SKIPPED), skipped)]
+        if self._began:
+            data, forward = self._phase_columns
+            host.append((self._columns.host_slot(data), self._data_s))
+            host.append((self._columns.host_slot(forward), self._forward_s))
         for name, value in scalars.items():
             column = self._column_of.get(name) or self._name_column(name)
             self._route(column, value, dev, host)
@@ -357,6 +394,8 @@ class Monitor:
         self._step += 1
         now = time.time()
         self._buffer.commit(self._step, now, host_row)
+        self._began, self._data_s, self._forward_s = False, 0.0, 0.0
+        self._since = time.perf_counter()
         self._counters.steps_logged += 1
         every = self.config.stats_every
         if every and self._step % every == 0:
@@ -554,7 +593,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           command_endpoint: str | None = None, command_key: str | bytes | None = None,
           on_rollback: str = "return", resume_file: str | None = None,
           curve_server_public_key_file: str | None = None,
-          curve_secret_key_file: str | None = None) -> Monitor:
+          curve_secret_key_file: str | None = None, shards: int | None = None) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
@@ -575,6 +614,10 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     ``resume_file`` (default ``$GRADWATCH_RESUME_FILE`` or
     ``./.gradwatch-resume.json``) and raises ``SystemExit(ROLLBACK_EXIT_CODE)``
     from the next ``log()``.
+    ``shards``: how many ranks one replica's gradients are split across, so
+    the collector can assemble exact global norms (1 for DDP, the world size for
+    FSDP/ZeRO); detected from DTensor/FSDP parameters when not given
+    (agent/topology.py; ``$GRADWATCH_SHARDS`` overrides the detection).
     CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
     ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
     else the ``GRADWATCH_CURVE_*`` environment variables.
@@ -583,6 +626,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     deliberate ``SystemExit``.
     """
     rank, world = resolve_rank_world(rank, world)
+    shards = resolve_shards(model, world, shards)
     try:
         cmd_endpoint, cmd_key = command_settings(command_endpoint, command_key)
     except ValueError as exc:
@@ -591,7 +635,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
         # Set up by the environment: a broken rollback setup must not stop training.
         logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         cmd_endpoint, cmd_key = None, None
-    config = AgentConfig(job=job, rank=rank, world=world, endpoint=endpoint,
+    config = AgentConfig(job=job, rank=rank, world=world, shards=shards, endpoint=endpoint,
                          flush_every=flush_every, heartbeat_every=heartbeat_every,
                          stats_every=stats_every, activation_stats=activation_stats,
                          update_ratios=update_ratios, command_endpoint=cmd_endpoint,

@@ -148,13 +148,15 @@ class Shipper:
                  pool: queue.Queue[torch.Tensor], counters: Counters,
                  last_step: Callable[[], int],
                  on_failure: Callable[[str, BaseException], None] | None = None,
-                 on_command: Callable[[Rollback], None] | None = None) -> None:
+                 on_command: Callable[[Rollback], None] | None = None,
+                 started: Callable[[], int] | None = None) -> None:
         self._cfg = config
         self._inc = incarnation
         self._work = work
         self._pool = pool
         self._counters = counters
         self._last_step = last_step
+        self._started = started  # the heartbeat's "started": see wire.Heartbeat
         self._on_failure = on_failure
         # A bad key setup switches monitoring off (the thread reports it through
         # on_failure); it never raises into training nor falls back to plain text.
@@ -356,7 +358,8 @@ class Shipper:
         batch = Batch(
             job=cfg.job, rank=cfg.rank, world=cfg.world, schema_id=schema.id, seq=self._seq,
             incarnation=self._inc, dropped=self._counters.steps_dropped, steps=tuple(steps),
-            times=tuple(times), values=values, schema=schema if attach else None)
+            times=tuple(times), values=values, schema=schema if attach else None,
+            shards=cfg.shards)
         if not self._send(encode_batch(batch)):
             return False
         self._seq += 1
@@ -393,7 +396,8 @@ class Shipper:
         cfg = self._cfg
         hb = Heartbeat(job=cfg.job, rank=cfg.rank, world=cfg.world, incarnation=self._inc,
                        time=time.time(), step=self._last_step(),
-                       dropped=self._counters.steps_dropped)
+                       dropped=self._counters.steps_dropped,
+                       started=self._started() if self._started is not None else None)
         if self._send(encode_heartbeat(hb)):
             self._counters.heartbeats_sent += 1
 

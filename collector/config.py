@@ -79,11 +79,24 @@ class CollectorConfig(BaseSettings):
     receive_hwm: int = Field(
         default=1000, ge=1, description="ZeroMQ receive high-water mark, in messages.")
     history_steps: int = Field(
-        default=2048, ge=1, description="Steps of history kept per rank (ring buffer).")
+        default=2048, ge=1,
+        description="Ignored since the collector stopped keeping per-rank step history "
+                    "(memory at scale); still accepted so existing config files load.")
+    assembly_deadline_seconds: float = Field(
+        default=5.0, gt=0, le=3600,
+        description="How long a multi-rank job's step waits for late ranks before it is "
+                    "judged without them (those ranks are then not waited for until they "
+                    "catch up).")
     per_layer_metrics: bool = Field(
         default=False, description="Expose gradwatch_layer_grad_norm{job,layer} series.")
     max_layer_series: int = Field(
         default=256, ge=1, description="Cap on per-layer series per job (top-K by norm).")
+    max_block_series: int = Field(
+        default=512, ge=1,
+        description="Cap on per-block grad-norm series per job (non-finite first, then largest).")
+    max_rank_series: int = Field(
+        default=64, ge=1,
+        description="Cap on per-rank last-seen series per job (the ranks silent longest).")
     job_ttl_seconds: float = Field(
         default=600.0, gt=0,
         description="Forget a job's state and series after this much silence.")

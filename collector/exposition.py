@@ -5,6 +5,14 @@ scrapes, from ``StateStore.snapshot()``, the ingest counters, the engine's
 firing alerts and the sinks' counters. Nothing is set ahead of time, so a job
 the state has forgotten simply has no series (no stale gauges).
 
+Cardinality is bounded per job whatever the model or world size: per-block
+gradient norms (always on, at most ``max_block_series``), per-layer norms
+(opt-in, at most ``max_layer_series``, top offenders), per-rank last-seen
+times (at most ``max_rank_series``, the ranks silent longest) and per-module
+activation shares (at most ``max_layer_series`` per family). The block,
+layer and rank families each have a ``*_series_capped`` flag so a dashboard
+can say it shows a part.
+
 Example::
 
     from prometheus_client import CollectorRegistry, generate_latest
@@ -26,6 +34,7 @@ import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gradwatch.collector.blocks import block_norms
 from gradwatch.collector.config import VERSION
 from gradwatch.collector.ingest import IngestStats
 from gradwatch.collector.sinks import Sink
@@ -41,13 +50,16 @@ class GradwatchCollector(Collector):
     def __init__(self, state: StateStore, ingest_stats: Callable[[], IngestStats],
                  firing: Callable[[], Iterable[AlertLike]] = tuple,
                  sinks: Sequence[Sink] = (), *, per_layer_metrics: bool = False,
-                 max_layer_series: int = 256, version: str = VERSION) -> None:
+                 max_layer_series: int = 256, max_block_series: int = 512,
+                 max_rank_series: int = 64, version: str = VERSION) -> None:
         self._state = state
         self._ingest_stats = ingest_stats
         self._firing = firing
         self._sinks = tuple(sinks)
         self._per_layer = per_layer_metrics
         self._max_layer_series = max_layer_series
+        self._max_block_series = max_block_series
+        self._max_rank_series = max_rank_series
         self._version = version
 
     def describe(self) -> Iterable[Metric]:
@@ -67,7 +79,9 @@ class GradwatchCollector(Collector):
         yield build
         yield from _ingest_families(ingest)
         yield from _job_families(jobs)
+        yield from _rank_families(jobs, self._max_rank_series)
         yield _ratio_family(jobs)
+        yield from _block_families(jobs, self._max_block_series)
         yield from _activation_families(jobs, self._max_layer_series)
         yield from _alert_families(jobs, firing)
         if self._per_layer:
@@ -77,12 +91,14 @@ class GradwatchCollector(Collector):
     def _layer_families(self, jobs: list[JobView]) -> Iterator[Metric]:
         norm = GaugeMetricFamily(
             "gradwatch_layer_grad_norm",
-            "Gradient L2 norm of each layer at the job's latest step (reporting rank); "
-            "top-K by norm when capped.", labels=["job", "layer"])
+            "Gradient L2 norm of each layer at the job's latest step (assembled across ranks "
+            "for a multi-rank job, else its reporting rank); "
+            "when capped, the top max_layer_series offenders: non-finite first, then the "
+            "largest norms.", labels=["job", "layer"])
         capped = GaugeMetricFamily(
             "gradwatch_layer_series_capped",
-            "1 when the job has more layers than max_layer_series and only the largest "
-            "norms are exposed.", labels=["job"])
+            "1 when the job has more layers than max_layer_series and only the top "
+            "offenders are exposed.", labels=["job"])
         for job in jobs:
             layers, norms = _top_layers(job.layers, job.layer_norms, self._max_layer_series)
             for name, value in zip(layers, norms, strict=True):
@@ -119,9 +135,11 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
         return GaugeMetricFamily(name, doc, labels=["job", *extra])
 
     step = gauge("gradwatch_job_step", "Latest step reported by any rank.")
-    loss = gauge("gradwatch_job_loss", "Latest training loss of the reporting rank.")
+    loss = gauge("gradwatch_job_loss", "Latest training loss: the mean over ranks of a multi-rank job's "
+                 "assembled step, else the reporting rank's.")
     grad = gauge("gradwatch_job_grad_norm",
-                 "Latest total gradient L2 norm (pre-clip when reported) of the reporting rank.")
+                 "Latest total gradient L2 norm (pre-clip when reported): assembled across "
+                 "ranks for a multi-rank job, else the reporting rank's.")
     lr = gauge("gradwatch_job_learning_rate",
                "Latest learning rate per optimizer param group.", ["group"])
     nonfinite = gauge("gradwatch_job_nonfinite_layers",
@@ -131,8 +149,6 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
                  "Unix time the collector last heard from the job.")
     val = gauge("gradwatch_job_eval_loss", "Latest validation loss (mon.log_eval).")
     scale = gauge("gradwatch_job_loss_scale", "Latest AMP loss scale of the reporting rank.")
-    rank_seen = gauge("gradwatch_rank_last_seen_timestamp_seconds",
-                      "Unix time the collector last heard from each rank.", ["rank"])
     for job in jobs:
         if job.step is not None:
             step.add_metric([job.job], job.step)
@@ -149,9 +165,60 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
             val.add_metric([job.job], job.eval_loss)
         if job.loss_scale is not None:
             scale.add_metric([job.job], job.loss_scale)
-        for r, when in job.rank_last_seen.items():
-            rank_seen.add_metric([job.job, str(r)], when)
-    yield from (step, loss, grad, lr, nonfinite, ranks, seen, val, scale, rank_seen)
+    yield from (step, loss, grad, lr, nonfinite, ranks, seen, val, scale)
+
+
+def _rank_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
+    """Per-rank last-seen times, only for the ``cap`` ranks silent longest, plus job aggregates.
+
+    Thousands of ranks would mean thousands of series per job; the ranks worth
+    a series are the stragglers, and the oldest time covers the rest.
+    """
+    seen = GaugeMetricFamily(
+        "gradwatch_rank_last_seen_timestamp_seconds",
+        "Unix time the collector last heard from each rank; when capped, only the "
+        "max_rank_series ranks silent longest (gradwatch_job_ranks counts them all).",
+        labels=["job", "rank"])
+    oldest = GaugeMetricFamily(
+        "gradwatch_job_oldest_rank_last_seen_timestamp_seconds",
+        "Unix time the collector last heard from the job's most silent rank "
+        "(time() minus this is the worst rank's silence).", labels=["job"])
+    capped = GaugeMetricFamily(
+        "gradwatch_rank_series_capped",
+        "1 when the job has more ranks than max_rank_series and only the ranks silent "
+        "longest are exposed.", labels=["job"])
+    for job in jobs:
+        if not job.rank_last_seen:
+            continue
+        by_silence = sorted(job.rank_last_seen.items(), key=lambda item: (item[1], item[0]))
+        for r, when in sorted(by_silence[:cap]):
+            seen.add_metric([job.job, str(r)], when)
+        oldest.add_metric([job.job], by_silence[0][1])
+        capped.add_metric([job.job], float(len(by_silence) > cap))
+    yield from (seen, oldest, capped)
+
+
+def _block_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
+    """Per-block gradient norms (see ``gradwatch.collector.blocks``), the top ``cap`` per job."""
+    norm = GaugeMetricFamily(
+        "gradwatch_block_grad_norm",
+        "Gradient L2 norm of each block (layer names cut after their first numeric part) at "
+        "the job's latest step (assembled across ranks, else the reporting rank): sqrt of the sum of its layers' squared "
+        "norms (NaN or +Inf when one of them is); when capped, the top max_block_series "
+        "offenders: non-finite first, then the largest norms.", labels=["job", "block"])
+    capped = GaugeMetricFamily(
+        "gradwatch_block_series_capped",
+        "1 when the job has more blocks than max_block_series and only the top offenders "
+        "are exposed.", labels=["job"])
+    for job in jobs:
+        if not job.layers or len(job.layers) != job.layer_norms.size:
+            continue
+        names, values = block_norms(job.layers, job.layer_norms)
+        shown, shown_values = _top_layers(names, values, cap)
+        for name, value in zip(shown, shown_values, strict=True):
+            norm.add_metric([job.job, name], value)
+        capped.add_metric([job.job], float(len(shown) < len(names)))
+    yield from (norm, capped)
 
 
 def _activation_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
@@ -229,7 +296,7 @@ def _sink_families(sinks: Sequence[Sink]) -> Iterator[Metric]:
 
 def _top_layers(layers: tuple[str, ...], norms: np.ndarray,
                 cap: int) -> tuple[list[str], list[float]]:
-    """Layers in model order, at most ``cap``: the largest norms, non-finite first."""
+    """Layers (or blocks) in model order, at most ``cap``: non-finite first, then the largest."""
     first: dict[str, int] = {}
     for i, name in enumerate(layers):
         first.setdefault(name, i)  # a repeated name would make duplicate series

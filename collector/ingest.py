@@ -394,7 +394,7 @@ def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
                 ratios.flags.writeable = False
         out.append(Stats(job=batch.job, step=batch.steps[r], time=batch.times[r],
                          rank=batch.rank, layers=layers, weight_norms=row, act=acts,
-                         update_ratios=ratios))
+                         update_ratios=ratios, world=batch.world, shards=batch.shards or 0))
     return tuple(out)
 
 
@@ -424,6 +424,7 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
             row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
             row_norms = norms[r][keep]
         grad_norm = _cell(values, gone, plan.grad_norm)
+        logged = grad_norm is not None
         if grad_norm is None and n_measured[r]:
             grad_norm = float(totals[r])
         lr = () if any(gone[i] for i in plan.lr) else tuple(values[i] for i in plan.lr)
@@ -434,7 +435,8 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
             layer_norms=row_norms, lr=lr, loss_scale=_cell(values, gone, plan.loss_scale),
             skipped=skipped is not None and skipped > 0.5,
             scalars={name: values[i] for name, i in plan.scalars if not gone[i]},
-            dtype_max=plan.dtype_max))
+            dtype_max=plan.dtype_max, grad_norm_logged=logged, world=batch.world,
+            shards=batch.shards or 0))
     return tuple(steps)
 
 

@@ -40,6 +40,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
 from gradwatch.collector.alertmanager import AlertmanagerSink
+from gradwatch.collector.assembly import Assembler, assembles
 from gradwatch.collector.auth import (
     AuthCounters,
     CurveAuth,
@@ -156,11 +157,13 @@ class Server:
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
         self.ingest = Ingest(config.max_message_bytes)
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
-        self.state = StateStore(config.history_steps, config.job_ttl_seconds, clock)
+        self.state = StateStore(config.job_ttl_seconds, clock)
+        self.assembler = Assembler(config.assembly_deadline_seconds, clock)
         self._exposition = GradwatchCollector(
             self.state, self.ingest.stats, self._firing, self.sinks,
             per_layer_metrics=config.per_layer_metrics,
-            max_layer_series=config.max_layer_series)
+            max_layer_series=config.max_layer_series,
+            max_block_series=config.max_block_series, max_rank_series=config.max_rank_series)
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._endpoint: str | None = None
@@ -342,6 +345,7 @@ class Server:
                 if time.monotonic() >= next_expiry:
                     next_expiry = time.monotonic() + EXPIRE_EVERY_S
                     self._expire()
+                self._expire_assembly()
                 now = self._clock()
                 # Also when the clock went back (a stepped one, or a test's).
                 if now >= self._next_liveness or self._next_liveness > now + LIVENESS_EVERY_S:
@@ -385,10 +389,15 @@ class Server:
                 self._observe(step)
             for stats in result.stats:
                 self.state.observe_stats(stats)
-                self._evaluate("the statistics", stats, self._engine_of().observe_stats)
+                if assembles(stats):
+                    self._judge_whole(self.assembler.add(stats))
+                else:
+                    self._evaluate("the statistics", stats, self._engine_of().observe_stats)
             for ev in result.evals:
                 self.state.observe_eval(ev)
-                self._evaluate("the eval", ev, self._engine_of().observe_eval)
+                judged = self.state.eval_to_judge(ev)
+                if judged is not None:
+                    self._evaluate("the eval", judged, self._engine_of().observe_eval)
         except Exception as exc:
             self.ingest.reject("internal", "failed to handle a message: %r; please report "
                                "this as a gradwatch bug", exc)
@@ -411,6 +420,17 @@ class Server:
             recorder.stats(stats)
 
     def _observe(self, step: Step) -> None:
+        if assembles(step):
+            try:
+                self.state.observe_step(step)  # per rank: liveness, timings, lag
+                wholes = self.assembler.add(step)
+            except Exception as exc:
+                self.ingest.reject("internal", "failed to assemble step %d of job %r: %r; "
+                                   "please report this as a gradwatch bug", step.step,
+                                   step.job, exc)
+                return
+            self._judge_whole(wholes)
+            return
         try:
             self.state.observe_step(step)
             with self._engine_lock:
@@ -422,11 +442,30 @@ class Server:
             return
         self._dispatch(transitions)
 
+    def _judge_whole(self, records: Iterable[Step | Stats]) -> None:
+        """Judge the job-wide records the assembler completed (steps and stats)."""
+        for record in records:
+            if isinstance(record, Step):
+                self.state.observe_assembled(record)
+                self._evaluate("the assembled step", record, self._engine_of().observe)
+            else:
+                self._evaluate("the assembled statistics", record,
+                               self._engine_of().observe_stats)
+
+    def _expire_assembly(self) -> None:
+        try:
+            wholes = self.assembler.expire()
+        except Exception as exc:
+            self.ingest.reject("internal", "failed to assemble overdue steps: %r; please "
+                               "report this as a gradwatch bug", exc)
+            return
+        self._judge_whole(wholes)
+
     def _engine_of(self) -> RulesEngine:
         assert self._engine is not None  # set in start(), before the ingest thread runs
         return self._engine
 
-    def _evaluate(self, what: str, record: Stats | Eval,
+    def _evaluate(self, what: str, record: Step | Stats | Eval,
                   observe: Callable[[Any], Sequence[Any]]) -> None:
         try:
             with self._engine_lock:
@@ -478,6 +517,7 @@ class Server:
             log.info("forgetting job %r after %.0fs of silence", job,
                      self.config.job_ttl_seconds)
             self.ingest.forget(job)
+            self.assembler.forget(job)
             if self.recorder is not None:
                 self.recorder.forget(job)
             with self._engine_lock:

@@ -1,9 +1,12 @@
 """What the collector remembers about each job, bounded in size and in time.
 
-Per job and rank: a ring buffer of recent ``Step``s, the last step, loss and
-total grad norm, heartbeats, when the rank was last heard from and when its
-step last advanced (``liveness()`` makes the rules' ``Liveness`` of these).
-Per job: checkpoints and evaluations (from events) and how many times each alert fired.
+Per job and rank: the last step, loss and total grad norm, heartbeats, when
+the rank was last heard from and when its step last advanced, and its recent
+step timings (``liveness()`` makes the rules' ``Liveness`` of these). No step
+history is kept per rank: at 1,024 ranks x 1,000 layers that alone was over a
+GiB. Per job: the latest assembled step of a multi-rank job
+(``observe_assembled``), checkpoints and evaluations (from events) and how many
+times each alert fired.
 A job silent for longer than ``job_ttl_seconds`` is forgotten entirely, so its
 metric series disappear with it (no stale gauges).
 
@@ -15,7 +18,7 @@ Example::
     from gradwatch.collector.state import StateStore
     from gradwatch.rules.step import Step
 
-    store = StateStore(history_steps=100, job_ttl_seconds=600, clock=lambda: 0.0)
+    store = StateStore(job_ttl_seconds=600, clock=lambda: 0.0)
     store.observe_step(Step(job="run-1", step=3, time=0.0, loss=2.0))
     assert store.snapshot()[0].step == 3
 """
@@ -27,17 +30,20 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
 
 from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
 from gradwatch.wire import Event, Heartbeat
+from gradwatch.wire import columns as col
 
 MAX_CHECKPOINTS = 64
 MAX_EVALS = 256
-STEP_INTERVALS = 32  # per-step intervals behind a rank's median step time
+STEP_INTERVALS = 32  # per-step intervals (and busy times) behind a rank's medians
+_BUSY = (col.scalar(col.DATA_SECONDS_SCALAR)[len(col.SCALAR_PREFIX):],
+         col.scalar(col.FORWARD_SECONDS_SCALAR)[len(col.SCALAR_PREFIX):])
 
 
 class AlertLike(Protocol):
@@ -67,9 +73,8 @@ class Checkpoint:
 
 @dataclass(slots=True)
 class RankState:
-    """One rank's recent history and latest signals."""
+    """One rank's latest signals and recent timings."""
 
-    history: deque[Step]
     last_seen: float
     latest: Step | None = None
     last_loss: float | None = None
@@ -78,12 +83,16 @@ class RankState:
     incarnation: str | None = None
     heartbeat_time: float | None = None
     heartbeat_step: int | None = None
+    started: int | None = None  # the heartbeat's: the step whose forward began
+    lag: float | None = None  # collector clock minus agent time of the newest step
     # Progress for liveness: the highest step known from steps or heartbeats,
     # when (collector clock) it last advanced, and recent seconds per step
     # measured on the agent's clock (a batch arrives all at once).
     progress: int | None = None
     progress_time: float = 0.0
     step_intervals: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
+    # Host seconds before the gradient sync per step (data wait + forward).
+    busy: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
 
     def advance(self, step: int, now: float) -> None:
         if self.progress is None or step > self.progress:
@@ -100,8 +109,8 @@ class JobState:
 
     job: str
     last_seen: float
-    history_steps: int
     ranks: dict[int, RankState] = field(default_factory=dict)
+    whole: Step | None = None  # the newest assembled step (multi-rank jobs)
     checkpoints: deque[Checkpoint] = field(default_factory=lambda: deque(maxlen=MAX_CHECKPOINTS))
     evals: deque[Event] = field(default_factory=lambda: deque(maxlen=MAX_EVALS))
     alerts_fired: Counter[tuple[str, str, str]] = field(default_factory=Counter)
@@ -113,7 +122,7 @@ class JobState:
     def rank(self, rank: int, now: float) -> RankState:
         state = self.ranks.get(rank)
         if state is None:
-            state = self.ranks[rank] = RankState(deque(maxlen=self.history_steps), now)
+            state = self.ranks[rank] = RankState(now)
         state.last_seen = now
         self.last_seen = now
         return state
@@ -148,14 +157,16 @@ class JobView:
     eval_loss: float | None = None
     rank_last_seen: Mapping[int, float] = field(default_factory=dict)
     act: tuple[ActStats, ...] = ()
+    world: int = 1
+    assembled: bool = False  # step, loss, norms are the job's assembled step
+    lag_seconds: float | None = None  # the largest per-rank ingest lag
 
 
 class StateStore:
     """All jobs' state; thread-safe; forgets silent jobs on ``expire()``."""
 
-    def __init__(self, history_steps: int = 2048, job_ttl_seconds: float = 600.0,
+    def __init__(self, job_ttl_seconds: float = 600.0,
                  clock: Callable[[], float] = time.time) -> None:
-        self.history_steps = history_steps
         self.job_ttl_seconds = job_ttl_seconds
         self._clock = clock
         self._jobs: dict[str, JobState] = {}
@@ -165,7 +176,10 @@ class StateStore:
         with self._lock:
             now = self._clock()
             rank = self._job(step.job).rank(step.rank, now)
-            rank.history.append(step)
+            rank.lag = now - step.time
+            busy = [step.scalars[name] for name in _BUSY if name in step.scalars]
+            if busy:
+                rank.busy.append(sum(busy))
             # Ranks may deliver out of order across batches; "latest" is by step.
             if rank.latest is None or step.step >= rank.latest.step:
                 previous = rank.latest
@@ -190,8 +204,16 @@ class StateStore:
             rank.incarnation = hb.incarnation
             rank.heartbeat_time = now
             rank.heartbeat_step = hb.step
+            rank.started = hb.started
             if hb.step > 0:  # 0 is "no step yet": a slow start (compile, data) is no hang
                 rank.advance(hb.step, now)
+
+    def observe_assembled(self, step: Step) -> None:
+        """Keep a multi-rank job's newest assembled step: its gauges report it."""
+        with self._lock:
+            job = self._job(step.job)
+            if job.whole is None or step.step >= job.whole.step:
+                job.whole = step
 
     def observe_event(self, event: Event) -> None:
         with self._lock:
@@ -212,6 +234,21 @@ class StateStore:
             job = self._job(ev.job)
             if job.eval_rank is None or ev.rank <= job.eval_rank:
                 job.eval_loss, job.eval_rank = ev.loss, ev.rank
+
+    def eval_to_judge(self, ev: Eval) -> Eval | None:
+        """``ev`` as the rules should judge it, or None to leave it to another rank.
+
+        A job judged per rank: as is. A multi-rank job is judged as a whole:
+        only the evals of its lowest eval-reporting rank count, marked job-wide.
+        Call after :meth:`observe_eval`.
+        """
+        with self._lock:
+            job = self._jobs.get(ev.job)
+            latest = job.whole if job is not None else None
+            if latest is None:
+                return ev
+            lead = job.eval_rank  # None when no finite eval loss arrived yet
+            return replace(ev, assembled=1) if lead is None or ev.rank <= lead else None
 
     def observe_stats(self, stats: Stats) -> None:
         """Keep the latest activation statistics (of the lowest-numbered rank)."""
@@ -244,7 +281,9 @@ class StateStore:
                 Liveness(job=name, rank=r, now=now, last_step=rank.progress,
                          last_step_time=rank.progress_time, last_heartbeat_time=rank.last_seen,
                          step_seconds=statistics.median(rank.step_intervals)
-                         if rank.step_intervals else None)
+                         if rank.step_intervals else None,
+                         started=rank.started,
+                         busy_seconds=statistics.median(rank.busy) if rank.busy else None)
                 for name, job in sorted(self._jobs.items())
                 for r, rank in sorted(job.ranks.items()) if rank.progress is not None
             ]
@@ -275,7 +314,7 @@ class StateStore:
     def _job(self, name: str) -> JobState:
         job = self._jobs.get(name)
         if job is None:
-            job = self._jobs[name] = JobState(name, self._clock(), self.history_steps)
+            job = self._jobs[name] = JobState(name, self._clock())
         return job
 
 
@@ -289,16 +328,26 @@ def _nonfinite(step: Step) -> frozenset[str]:
 
 def _view(job: JobState) -> JobView:
     lead = job.lead()
-    latest = lead.latest if lead is not None else None
+    whole = job.whole
+    latest = whole if whole is not None else lead.latest if lead is not None else None
     steps = [r.latest.step for r in job.ranks.values() if r.latest is not None]
     bad: set[str] = set()
-    for rank in job.ranks.values():
-        bad |= rank.nonfinite
+    if whole is not None:
+        bad = set(_nonfinite(whole))
+    else:
+        for rank in job.ranks.values():
+            bad |= rank.nonfinite
+    lags = [r.lag for r in job.ranks.values() if r.lag is not None]
+    if whole is not None:
+        loss, grad_norm = whole.loss, whole.grad_norm
+    else:
+        loss = lead.last_loss if lead is not None else None
+        grad_norm = lead.last_grad_norm if lead is not None else None
     return JobView(
         job=job.job,
         step=max(steps) if steps else None,
-        loss=lead.last_loss if lead is not None else None,
-        grad_norm=lead.last_grad_norm if lead is not None else None,
+        loss=loss,
+        grad_norm=grad_norm,
         lr=latest.lr if latest is not None else (),
         nonfinite_layers=len(bad),
         ranks=len(job.ranks),
@@ -310,5 +359,8 @@ def _view(job: JobState) -> JobView:
         eval_loss=job.eval_loss,
         rank_last_seen={r: rank.last_seen for r, rank in sorted(job.ranks.items())},
         act=job.act,
+        world=latest.world if latest is not None else 1,
+        assembled=whole is not None,
+        lag_seconds=max(lags) if lags else None,
     )
 

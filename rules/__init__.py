@@ -25,7 +25,12 @@ from gradwatch.rules.engine import Engine
 from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule, parse_duration
-from gradwatch.rules.liveness import LivenessTracker, SilentRankDetector, StalledDetector
+from gradwatch.rules.liveness import (
+    LivenessTracker,
+    SilentRankDetector,
+    StalledDetector,
+    StragglerDetector,
+)
 from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
@@ -72,6 +77,7 @@ __all__ = [
     "SaturationDetector",
     "Severity",
     "SilentRankDetector",
+    "StragglerDetector",
     "StalledDetector",
     "Stats",
     "Step",

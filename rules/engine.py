@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
@@ -136,28 +136,28 @@ class Engine:
     def observe(self, step: Step) -> list[Transition]:
         """Feed one step to every rule that reads steps; return the transitions it caused."""
         job = self._job(step.job)
-        if self._leads(job, step.rank):
+        if self._leads(job, step):
             self._rebase_history(job, step.step)
             job.history.observe_step(step)
-        state = self._rank(step.job, step.rank, step.step)
+        state = self._rank(step.job, _key(step), step.step)
         return self._run(state.steps, "observe", step, step.step)
 
     def observe_stats(self, stats: Stats) -> list[Transition]:
         """Feed one cadence sample to every rule that reads stats."""
         job = self._job(stats.job)
-        if self._leads(job, stats.rank):
+        if self._leads(job, stats):
             self._rebase_history(job, stats.step)
             job.history.observe_stats(stats)
-        state = self._rank(stats.job, stats.rank, stats.step)
+        state = self._rank(stats.job, _key(stats), stats.step)
         return self._run(state.stats, "observe_stats", stats, stats.step)
 
     def observe_eval(self, ev: Eval) -> list[Transition]:
         """Feed one evaluation to every rule that reads evals."""
         job = self._job(ev.job)
-        if self._leads(job, ev.rank):
+        if self._leads(job, ev):
             self._rebase_history(job, ev.step)
             job.history.observe_eval(ev)
-        state = self._rank(ev.job, ev.rank, ev.step)
+        state = self._rank(ev.job, _key(ev), ev.step)
         return self._run(state.evals, "observe_eval", ev, ev.step)
 
     def data_changed(self, job: str, step: int) -> None:
@@ -257,12 +257,14 @@ class Engine:
             job.history = JobHistory()
 
     @staticmethod
-    def _leads(job: _JobState, rank: int) -> bool:
+    def _leads(job: _JobState, record: Record) -> bool:
+        # An assembled record speaks for the whole job (lead -1) and outranks any rank's.
+        rank = -1 if record.assembled else record.rank
         if job.lead is None or rank < job.lead:
             job.lead = rank
         return rank == job.lead
 
-    def _rank(self, job: str, rank: int, at_step: int) -> _RankState:
+    def _rank(self, job: str, rank: int | None, at_step: int) -> _RankState:
         state = self._ranks.get((job, rank))
         owner = self._job(job)
         if state is None:
@@ -282,6 +284,7 @@ class Engine:
         return state
 
     def _slot(self, index: int, job: str, rank: int | None, owner: _JobState) -> _Slot:
+        # rank None: a job-wide slot (liveness rules, and rules over assembled records).
         spec, rule = self.rules[index], self._alert_rules[index]
         checks = tuple(rule.diagnosis["next_checks"]) if rule.diagnosis is not None else ()
         def explain(alert: Alert) -> Mapping[str, Any]:
@@ -292,9 +295,12 @@ class Engine:
 
     def _run(self, slots: list[_Slot], method: str, record: Record, step: int) -> list[Transition]:
         transitions: list[Transition] = []
+        blame = record.blame if isinstance(record, Step) else None
         for slot in slots:
             finding = getattr(slot.detector, method)(record)
             if finding is not None:
+                if blame and finding.active and finding.rank is None:
+                    finding = _blamed(finding, blame)
                 transitions += self._update(slot, step, finding)
         return transitions
 
@@ -302,6 +308,22 @@ class Engine:
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
         transition = slot.lifecycle.update(step, finding)
         return [] if transition is None else [transition]
+
+
+def _key(record: Record) -> int | None:
+    """The engine's per-rank key: None for an assembled (job-wide) record."""
+    return None if record.assembled else record.rank
+
+
+def _blamed(finding: Finding, blame: Mapping[str, int]) -> Finding:
+    """Name the rank where the finding's first non-finite layer (or the loss) went bad first."""
+    named = finding.evidence.get("first_nonfinite") or ()
+    first = next((blame[name] for name in named if name in blame), None)
+    rank = first if first is not None else blame.get("loss", min(blame.values()))
+    where = next((name for name in named if name in blame), "loss" if "loss" in blame else None)
+    evidence = {**finding.evidence, "first_bad_rank": rank}
+    summary = f"{finding.summary} (first on rank {rank}" + (f", {where})" if where else ")")
+    return replace(finding, rank=rank, summary=summary, evidence=evidence)
 
 
 def _latest_change(changes: list[int], applied: int, at_step: int) -> int | None:

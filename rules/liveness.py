@@ -1,4 +1,4 @@
-"""Liveness detectors (production practice): a hung job, a silent rank.
+"""Liveness detectors (production practice): a hung job, a silent rank, a straggler.
 
 They are per job, fed every rank's :class:`Liveness` about once a second by
 ``Engine.tick``, and name the bad rank in ``Finding.rank`` (the alert's rank).
@@ -10,10 +10,13 @@ collective, and the action (look at that rank, restart) is the same.
   least ``min_seconds`` (evaluation loops and checkpoint saves pause steps
   for minutes in healthy runs, and NCCL's own watchdog only fires after
   minutes). In a collective hang every rank stalls; the rank the alert names
-  is the one *behind* (lowest ``last_step``), which the others wait for.
+  is the one *behind* (lowest ``last_step``; among equals, one that has not
+  begun the next step while others have), which the others wait for.
 * :class:`SilentRankDetector` -- a rank sent no heartbeat for
   ``silent_seconds`` while other ranks of the job still do (the agent beats
   every 2 s by default). All ranks silent is a finished job, not this rule.
+* :class:`StragglerDetector` -- a rank's host time per step before the
+  gradient sync stays ``factor`` x the job's median (category ``straggler``).
 
 :class:`LivenessTracker` builds the :class:`Liveness` records from steps and
 heartbeats; ``gradwatch replay`` uses it, and a collector can.
@@ -70,14 +73,21 @@ class StalledDetector:
         ]
         if not stalled:
             return INACTIVE
-        # The rank behind the others is the one they wait for.
-        culprit = min(stalled, key=lambda live: (live.last_step, live.last_step_time))
+        # The rank behind the others is the one they wait for: the lowest step, and
+        # among equals one that has not begun the next step while others have
+        # (they sit in its gradient all-reduce).
+        culprit = min(stalled, key=lambda live: (live.last_step, _began_next(live),
+                                                 live.last_step_time, live.rank))
         since = culprit.now - culprit.last_step_time
         ranks = sorted(live.rank for live in stalled)
+        waiting = [live.rank for live in stalled
+                   if live.last_step == culprit.last_step and _began_next(live)]
+        behind = (f"; it has not started step {culprit.last_step + 1} while {len(waiting)} "
+                  "rank(s) already wait in it" if waiting and not _began_next(culprit) else "")
         summary = (
             f"rank {culprit.rank} is alive but stalled at step {culprit.last_step}: no new step for "
-            f"{since:.0f}s (limit {self.limit(culprit):.0f}s); {len(stalled)} of {len(liveness)} "
-            "rank(s) stalled -- a hung collective or data loader?"
+            f"{since:.0f}s (limit {self.limit(culprit):.0f}s){behind}; {len(stalled)} of "
+            f"{len(liveness)} rank(s) stalled -- a hung collective or data loader?"
         )
         evidence = {
             "rank": culprit.rank,
@@ -86,6 +96,7 @@ class StalledDetector:
             "limit_seconds": self.limit(culprit),
             "step_seconds": culprit.step_seconds,
             "stalled_ranks": ranks[: self.max_named],
+            "waiting_ranks": sorted(waiting)[: self.max_named],
             "stalled": len(stalled),
             "ranks": len(liveness),
         }
@@ -129,6 +140,81 @@ class SilentRankDetector:
             "ranks": len(liveness),
         }
         return Finding(True, summary, evidence, rank=culprit.rank)
+
+
+class StragglerDetector:
+    """Active while a rank needs ``factor`` times longer per step than the job's typical rank.
+
+    Synchronous ranks share one step time (each waits for the slowest at the
+    gradient all-reduce), so ranks are compared on ``busy_seconds``: the host
+    time each spends per step *before* the sync, waiting for data and in forward
+    passes (measured by the agent). The slow rank is the one that is busy while
+    the others wait. Where fewer than half the ranks report it (older agents),
+    the median step time is compared instead, which tells stragglers apart in
+    jobs whose ranks do not synchronise every step.
+
+    Example::
+
+        det = StragglerDetector(factor=2.0, min_excess_seconds=0.1)
+        det.observe_liveness(engine_liveness).rank
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        factor: Annotated[float, Field(gt=1.0)] = 2.0,
+        min_excess_seconds: Annotated[float, Field(ge=0.0)] = 0.1,
+        min_ranks: Annotated[int, Field(ge=2)] = 2,
+        max_named: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        self.factor, self.min_excess_seconds = factor, min_excess_seconds
+        self.min_ranks, self.max_named = min_ranks, max_named
+
+    def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding:
+        """Judge every rank of one job at once; see the class docstring."""
+        busy = {live.rank: live.busy_seconds for live in liveness if live.busy_seconds is not None}
+        measure = "busy_seconds"
+        if len(busy) * 2 < len(liveness):
+            busy = {live.rank: live.step_seconds for live in liveness
+                    if live.step_seconds is not None}
+            measure = "step_seconds"
+        if len(busy) < self.min_ranks:
+            return INACTIVE
+        values = sorted(busy.values())
+        typical = statistics.median(values)
+        slow = {}
+        for rank, seconds in busy.items():
+            # With two ranks the median includes the slow one: compare with the other.
+            other = values[0] if len(values) == 2 and seconds == values[1] else typical
+            if seconds >= self.factor * other and seconds - other >= self.min_excess_seconds:
+                slow[rank] = (seconds, other)
+        if not slow:
+            return INACTIVE
+        culprit = max(slow, key=lambda rank: (slow[rank][0], -rank))
+        seconds, other = slow[culprit]
+        what = "before the gradient sync (data + forward)" if measure == "busy_seconds" \
+            else "per step"
+        summary = (
+            f"rank {culprit} is a straggler: {seconds:.3f}s {what} against a typical "
+            f"{other:.3f}s across {len(busy)} ranks; {len(slow)} rank(s) slow -- the others "
+            "wait for it every step (slow data loading, a throttled or shared device?)"
+        )
+        evidence = {
+            "rank": culprit,
+            "measure": measure,
+            "seconds": seconds,
+            "typical_seconds": other,
+            "ratio": seconds / other if other > 0 else None,
+            "slow_ranks": sorted(slow)[: self.max_named],
+            "slow": len(slow),
+            "ranks": len(busy),
+        }
+        return Finding(True, summary, evidence, rank=culprit)
+
+
+def _began_next(live: Liveness) -> bool:
+    return live.started is not None and live.started > live.last_step
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.detector import Detector
 from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
-from gradwatch.rules.liveness import SilentRankDetector, StalledDetector
+from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
 from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
@@ -113,3 +113,4 @@ register_detector("update_ratio", UpdateRatioDetector)
 register_detector("loss_scale", LossScaleCollapseDetector)
 register_detector("stalled", StalledDetector)
 register_detector("silent_rank", SilentRankDetector)
+register_detector("straggler", StragglerDetector)

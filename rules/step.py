@@ -40,6 +40,17 @@ class Step:
     # Largest finite value of the gradients' dtype: the growth detector projects
     # how many steps remain until the total norm overflows it.
     dtype_max: float = FLOAT32_MAX
+    # True when ``grad_norm`` is what the loop logged, not the layers' total.
+    grad_norm_logged: bool = False
+    # Multi-rank jobs (gradwatch.collector.assembly): the world size and shard
+    # count the agent declared (``shards`` 0: not declared, each rank is judged
+    # alone). An assembled step combines ``assembled`` rank reports; ``blame``
+    # names, per non-finite layer (and "loss"), the rank where it went
+    # non-finite first in the current incident.
+    world: int = 1
+    shards: int = 0
+    assembled: int = 0
+    blame: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +88,10 @@ class Stats:
     weight_norms: np.ndarray | None = None
     update_ratios: np.ndarray | None = None
     act: tuple[ActStats, ...] = ()
+    # As on ``Step``: declared topology, and how many rank reports were combined.
+    world: int = 1
+    shards: int = 0
+    assembled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +109,7 @@ class Eval:
     loss: float | None = None
     metrics: Mapping[str, float] = field(default_factory=dict)
     train_mode_modules: tuple[str, ...] = ()
+    assembled: int = 0  # nonzero: judged as the job's, not as this rank's
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,3 +127,11 @@ class Liveness:
     last_step_time: float
     last_heartbeat_time: float
     step_seconds: float | None = None
+    # The step whose forward began (heartbeat ``started``), None if unknown: a
+    # rank stalled at ``last_step`` that has not started the next step is the one
+    # the others wait for.
+    started: int | None = None
+    # Median host seconds per step before the gradient sync (waiting for data
+    # plus forward passes, measured by the agent); the straggler detector
+    # compares ranks on it, since synchronous ranks share one step time.
+    busy_seconds: float | None = None

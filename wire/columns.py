@@ -16,6 +16,13 @@ LR_PREFIX: Final = "lr/"
 SCALAR_PREFIX: Final = "s/"
 # A scalar the loop logs under this name is the *pre-clip* total grad norm.
 GRAD_NORM_SCALAR: Final = "grad_norm"
+# Host seconds of a step before its gradient sync, measured by the agent: from
+# the previous log() to the first training forward (waiting for data), and in
+# training forward passes (on CUDA: launch time, unless the queue is full). In a
+# synchronous job every rank's step takes as long as the slowest, so these, not
+# the step time, tell which rank the others wait for.
+DATA_SECONDS_SCALAR: Final = "data_seconds"
+FORWARD_SECONDS_SCALAR: Final = "forward_seconds"
 # A schema naming this column is a cadence-statistics schema, not a step
 # schema: its layer values are the parameters' L2 norms (weights, not
 # gradients) and this cell itself holds MISSING. See docs/wire.md.

@@ -99,6 +99,12 @@ class Batch:
     times: tuple[float, ...]
     values: bytes
     schema: Schema | None = None
+    # How many ranks each replica's gradients are split across, so receivers
+    # can assemble a step: 1 replicated (DDP: any one rank holds the whole
+    # gradient), ``world`` fully sharded (FSDP/ZeRO: add every rank's sum of
+    # squares), in between hybrid (rank r holds shard ``r % shards``). None:
+    # not declared (an older agent); receivers then judge each rank alone.
+    shards: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +118,11 @@ class Heartbeat:
     time: float
     step: int
     dropped: int
+    # The step whose forward pass has begun (``step + 1``) or ``step`` when the
+    # rank sits between steps (its data loader, an eval); None if not tracked.
+    # In a hung collective every rank's ``step`` is equal: the ranks that
+    # already began the next step are waiting for the one that did not.
+    started: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +162,8 @@ def encode_batch(batch: Batch) -> list[bytes]:
         "schema": batch.schema_id, "seq": batch.seq, "inc": batch.incarnation,
         "dropped": batch.dropped, "steps": list(batch.steps), "times": list(batch.times),
     }
+    if batch.shards is not None:
+        body["shards"] = batch.shards
     frames = [_header(KIND_BATCH, body)]
     if batch.schema is not None:
         frames.append(encode_schema(batch.schema))
@@ -161,6 +174,8 @@ def encode_batch(batch: Batch) -> list[bytes]:
 def encode_heartbeat(hb: Heartbeat) -> list[bytes]:
     body = {"job": hb.job, "rank": hb.rank, "world": hb.world, "inc": hb.incarnation,
             "time": hb.time, "step": hb.step, "dropped": hb.dropped}
+    if hb.started is not None:
+        body["started"] = hb.started
     return [_header(KIND_HEARTBEAT, body)]
 
 
@@ -210,7 +225,8 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
         return Heartbeat(
             job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=_world(body),
             incarnation=_str(body, "inc", 64), time=_float(body, "time"),
-            step=_int(body, "step", -1, 2**62), dropped=_int(body, "dropped", 0, 2**62))
+            step=_int(body, "step", -1, 2**62), dropped=_int(body, "dropped", 0, 2**62),
+            started=_optional_int(body, "started", 0, 2**62))
     if kind == KIND_EVENT:
         ev_kind = _str(body, "kind", 32)
         if ev_kind not in EVENT_KINDS:
@@ -261,11 +277,15 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
         raise WireError(
             f"values frame holds {len(values) // 4} floats; schema {schema.id} needs "
             f"{len(steps)} x {schema.width}")
+    world = _world(body)
+    shards = _optional_int(body, "shards", 1, world)
+    if shards is not None and world % shards:
+        raise WireError(f"'shards' {shards} does not divide the world of {world} ranks")
     return Batch(
-        job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=_world(body),
+        job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=world,
         schema_id=schema_id, seq=_int(body, "seq", 0, 2**62), incarnation=_str(body, "inc", 64),
         dropped=_int(body, "dropped", 0, 2**62), steps=steps, times=times, values=values,
-        schema=schema)
+        schema=schema, shards=shards)
 
 
 def row_width(batch: Batch) -> int:
@@ -291,6 +311,11 @@ def _int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
     if type(value) is not int or not lo <= value <= hi:
         raise WireError(f"field {key!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
     return value
+
+
+def _optional_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
+    # Fields added within wire v1 are optional: older agents do not send them.
+    return None if body.get(key) is None else _int(body, key, lo, hi)
 
 
 def _float(body: Mapping[str, Any], key: str) -> float:

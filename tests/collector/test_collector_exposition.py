@@ -85,10 +85,10 @@ gradwatch_agent_dropped_steps_total{job="run-1"} 5.0
 # HELP gradwatch_job_step Latest step reported by any rank.
 # TYPE gradwatch_job_step gauge
 gradwatch_job_step{job="run-1"} 13.0
-# HELP gradwatch_job_loss Latest training loss of the reporting rank.
+# HELP gradwatch_job_loss Latest training loss: the mean over ranks of a multi-rank job's assembled step, else the reporting rank's.
 # TYPE gradwatch_job_loss gauge
 gradwatch_job_loss{job="run-1"} 2.5
-# HELP gradwatch_job_grad_norm Latest total gradient L2 norm (pre-clip when reported) of the reporting rank.
+# HELP gradwatch_job_grad_norm Latest total gradient L2 norm (pre-clip when reported): assembled across ranks for a multi-rank job, else the reporting rank's.
 # TYPE gradwatch_job_grad_norm gauge
 gradwatch_job_grad_norm{job="run-1"} 5.0
 # HELP gradwatch_job_learning_rate Latest learning rate per optimizer param group.
@@ -110,12 +110,27 @@ gradwatch_job_eval_loss{job="run-1"} 3.0
 # HELP gradwatch_job_loss_scale Latest AMP loss scale of the reporting rank.
 # TYPE gradwatch_job_loss_scale gauge
 gradwatch_job_loss_scale{job="run-1"} 1024.0
-# HELP gradwatch_rank_last_seen_timestamp_seconds Unix time the collector last heard from each rank.
+# HELP gradwatch_rank_last_seen_timestamp_seconds Unix time the collector last heard from each rank; when capped, only the max_rank_series ranks silent longest (gradwatch_job_ranks counts them all).
 # TYPE gradwatch_rank_last_seen_timestamp_seconds gauge
 gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="0"} 1.7e+09
 gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="1"} 1.7e+09
+# HELP gradwatch_job_oldest_rank_last_seen_timestamp_seconds Unix time the collector last heard from the job's most silent rank (time() minus this is the worst rank's silence).
+# TYPE gradwatch_job_oldest_rank_last_seen_timestamp_seconds gauge
+gradwatch_job_oldest_rank_last_seen_timestamp_seconds{job="run-1"} 1.7e+09
+# HELP gradwatch_rank_series_capped 1 when the job has more ranks than max_rank_series and only the ranks silent longest are exposed.
+# TYPE gradwatch_rank_series_capped gauge
+gradwatch_rank_series_capped{job="run-1"} 0.0
 # HELP gradwatch_job_first_last_grad_ratio Grad norm of the first module over the last at the job's latest step (<0.01 vanishing, >100 exploding by the default rules).
 # TYPE gradwatch_job_first_last_grad_ratio gauge
+# HELP gradwatch_block_grad_norm Gradient L2 norm of each block (layer names cut after their first numeric part) at the job's latest step (assembled across ranks, else the reporting rank): sqrt of the sum of its layers' squared norms (NaN or +Inf when one of them is); when capped, the top max_block_series offenders: non-finite first, then the largest norms.
+# TYPE gradwatch_block_grad_norm gauge
+gradwatch_block_grad_norm{block="a",job="run-1"} 3.0
+gradwatch_block_grad_norm{block="b",job="run-1"} NaN
+gradwatch_block_grad_norm{block="c",job="run-1"} 4.0
+gradwatch_block_grad_norm{block="d",job="run-1"} 0.5
+# HELP gradwatch_block_series_capped 1 when the job has more blocks than max_block_series and only the top offenders are exposed.
+# TYPE gradwatch_block_series_capped gauge
+gradwatch_block_series_capped{job="run-1"} 0.0
 # HELP gradwatch_activation_saturated_fraction Share of tanh/sigmoid outputs pinned near their bounds, per module, at the latest cadence step (top modules per job).
 # TYPE gradwatch_activation_saturated_fraction gauge
 gradwatch_activation_saturated_fraction{job="run-1",kind="tanh",module="tanh1"} 0.25
@@ -129,11 +144,11 @@ gradwatch_alerts_firing{category="numerical",job="run-1",rule="NonFiniteGradient
 # HELP gradwatch_alerts_total Transitions of alerts into firing.
 # TYPE gradwatch_alerts_total counter
 gradwatch_alerts_total{category="numerical",job="run-1",rule="NonFiniteGradients",severity="critical"} 1.0
-# HELP gradwatch_layer_grad_norm Gradient L2 norm of each layer at the job's latest step (reporting rank); top-K by norm when capped.
+# HELP gradwatch_layer_grad_norm Gradient L2 norm of each layer at the job's latest step (assembled across ranks for a multi-rank job, else its reporting rank); when capped, the top max_layer_series offenders: non-finite first, then the largest norms.
 # TYPE gradwatch_layer_grad_norm gauge
 gradwatch_layer_grad_norm{job="run-1",layer="b"} NaN
 gradwatch_layer_grad_norm{job="run-1",layer="c"} 4.0
-# HELP gradwatch_layer_series_capped 1 when the job has more layers than max_layer_series and only the largest norms are exposed.
+# HELP gradwatch_layer_series_capped 1 when the job has more layers than max_layer_series and only the top offenders are exposed.
 # TYPE gradwatch_layer_series_capped gauge
 gradwatch_layer_series_capped{job="run-1"} 1.0
 # HELP gradwatch_notifications_total Alert notifications by sink and final outcome.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from gradwatch.collector.state import StateStore
+from gradwatch.collector.state import STEP_INTERVALS, StateStore
 from gradwatch.rules import Alert, Transition
 from gradwatch.rules.step import Step
 from gradwatch.wire import Event, Heartbeat
@@ -31,13 +31,37 @@ def alert(state: str = "firing", job: str = "run-1") -> Alert:
                  job=job, state=state, step=3, summary="nan", started_at=0.0)  # type: ignore[arg-type]
 
 
-def test_history_is_a_bounded_ring_buffer() -> None:
-    store = StateStore(history_steps=3, clock=FakeClock())
-    for n in range(10):
-        store.observe_step(step(n))
+def test_per_rank_state_keeps_no_step_history() -> None:
+    # Memory at scale: a rank holds its latest step and bounded timings, whatever the run length.
+    store = StateStore(clock=FakeClock())
+    for n in range(1, 200):
+        store.observe_step(replace(step(n), scalars={"data_seconds": 0.5, "forward_seconds": 0.25}))
     rank = store.job("run-1").ranks[0]  # type: ignore[union-attr]
-    assert [s.step for s in rank.history] == [7, 8, 9]
-    assert rank.last_step == 9
+    assert not hasattr(rank, "history")
+    assert rank.last_step == 199
+    assert len(rank.busy) == STEP_INTERVALS and set(rank.busy) == {0.75}
+    (live,) = store.liveness()
+    assert live.busy_seconds == 0.75
+
+
+def test_heartbeat_started_reaches_liveness() -> None:
+    store = StateStore(clock=FakeClock())
+    store.observe_step(step(4))
+    store.observe_heartbeat(Heartbeat(job="run-1", rank=0, world=1, incarnation="i", time=0.0,
+                                      step=4, dropped=0, started=5))
+    (live,) = store.liveness()
+    assert (live.last_step, live.started) == (4, 5)
+
+
+def test_assembled_step_drives_the_job_view() -> None:
+    store = StateStore(clock=FakeClock())
+    store.observe_step(replace(step(3, loss=1.0, norms=(3.0, 4.0)), world=2, shards=2))
+    store.observe_step(replace(step(3, rank=1, loss=3.0, norms=(4.0, 3.0)), world=2, shards=2))
+    store.observe_assembled(replace(step(3, loss=2.0, grad_norm=50 ** 0.5, norms=(5.0, 5.0)),
+                                    world=2, shards=2, assembled=2))
+    (view,) = store.snapshot()
+    assert view.assembled and view.world == 2 and view.ranks == 2
+    assert (view.loss, view.layer_norms.tolist()) == (2.0, [5.0, 5.0])
 
 
 def test_latest_values_skip_unmeasured_and_out_of_order_steps() -> None:

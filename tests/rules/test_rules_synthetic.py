@@ -40,9 +40,10 @@ EXPECTED = {
 def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     assert set(EXPECTED) == set(FAULTS)
     covered = {rule for rule, _, _ in EXPECTED.values()}
-    # Gradient-norm rules are exercised in test_rules_engine; liveness in test_rules_liveness.
+    # Gradient-norm rules are exercised in test_rules_engine; liveness in test_rules_liveness
+    # and test_rules_straggler.
     elsewhere = {"GradientNormGrowingGeometrically", "LayerGradNormRatioVanishing", "LayerGradNormRatioExploding"}
-    assert {r.name for r in RULES if r.category != "stalled"} == covered | elsewhere
+    assert {r.name for r in RULES if r.category not in ("stalled", "straggler")} == covered | elsewhere
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,0 +1,1 @@
+"""Real multi-process ``torch.distributed`` (gloo, CPU) jobs that exercise the agent."""
