@@ -30,6 +30,7 @@ import numbers
 import os
 import queue
 import secrets
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -160,8 +161,13 @@ class Monitor:
                                 started=lambda: self._step + 1 if self._began else self._step)
         self._shipper.start()
         self._hooks.append(optimizer.register_step_pre_hook(self._pre_hook))
-        self._hooks.append(model.register_forward_pre_hook(self._forward_began))
-        self._hooks.append(model.register_forward_hook(self._forward_ended))
+        began, ended = self._forward_began, self._forward_ended
+        if "torch._dynamo" in sys.modules:
+            # A compiled model would trace these clock reads into its graph (and
+            # break it there); disabled, they run eagerly at the graph's edge.
+            began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
+        self._hooks.append(model.register_forward_pre_hook(began))
+        self._hooks.append(model.register_forward_hook(ended))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         if config.activation_stats and config.stats_every:
             self._acts = ActHooks.attach(model, self._device, on_error=self._fail,

@@ -3,20 +3,31 @@
 One ``sender_main`` process owns one PUSH socket per simulated rank, set up as
 the agent's shipper sets its own (``SNDHWM`` 16, ``IMMEDIATE`` 1, ``LINGER``
 0, every send ``NOBLOCK``; a send that would block drops the batch and counts
-its steps, as ``agent/shipper.py`` does). Ranks step in lockstep (one job,
-like DDP) at ``step_rate`` steps/s and flush every ``flush_every`` steps: a
-batch of ``flush_every`` rows, built with ``gradwatch.wire.encode`` exactly
-as an agent builds it (schema attached to the first batch, after a failed
-send and every ``schema_every_s``), plus a heartbeat per rank every
-``heartbeat_every`` s at a per-rank phase. On command it sends a *probe*: a
-one-row batch of a fresh job whose loss and first layers are NaN, on one of
-its rank sockets (so it queues behind that rank's own traffic), and reports
-the wall-clock time of the send.
+its steps, as ``agent/shipper.py`` does). Ranks step in lockstep (one job) at
+``step_rate`` steps/s and flush every ``flush_every`` steps: a batch of
+``flush_every`` rows, built with ``gradwatch.wire.encode`` exactly as an agent
+builds it (schema attached to the first batch, after a failed send and every
+``schema_every_s``; ``shards`` declared in every batch, so the collector
+assembles each step across ranks: ``world`` = FSDP, each rank one shard; 1 =
+DDP, any rank holds the whole gradient), plus a heartbeat per rank every
+``heartbeat_every`` s at a per-rank phase.
+
+*Probes* are NaNs in the job's own stream, planned by the parent before the
+start: for each ``(step, rank)`` in ``probes``, that rank's row of that step
+has a NaN loss and NaN first layers, as a rank whose forward pass blew up
+would log. When the batch carrying it has been handed to its socket, the
+sender reports the agent-side time of that step (its ``times`` entry) and the
+time of the send.
 
 Protocol with the parent (multiprocessing queues):
-  parent -> cmd:  ("go", t0) | ("probe", job, local_rank_index) | ("exit",)
-  sender -> res:  ("ready", sid, n_connected) | ("probe", job, t_send, ok) |
+  parent -> cmd:  ("go", t0) | ("exit",)
+  sender -> res:  ("ready", sid, n_connected) | ("probe", step, rank, t_agent, t_send, ok) |
                   ("done", sid, stats_dict) | ("error", sid, text)
+
+Example (what ``collector_load.py`` does per sender process)::
+
+    p = ctx.Process(target=sender_main, args=(0, "tcp://127.0.0.1:5555", "load", 8, 8,
+                    [0, 2, 4, 6], 100, 1.0, 10, 60.0, 2.0, [(23, 4)], cmd, res))
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ COLUMNS = ("loss", "lr/0", "skipped")
 SEND_HWM = 16             # AgentConfig.send_hwm
 SCHEMA_EVERY_S = 30.0     # AgentConfig.schema_every_s
 WARMUP_TIMEOUT_S = 30.0
+POISONED_LAYERS = 3       # a probe's NaN layers: the first ones, where a blow-up shows first
 
 
 def layer_names(layers: int) -> tuple[str, ...]:
@@ -44,33 +56,35 @@ def layer_names(layers: int) -> tuple[str, ...]:
                  for i in range(layers))
 
 
-def probe_values(layers: int) -> bytes:
-    row = np.full(len(COLUMNS) + layers, 0.5, dtype="<f4")
-    row[0] = np.nan                    # loss
-    row[1] = 1e-4                      # lr
-    row[2] = 0.0                       # not an AMP skip
-    row[len(COLUMNS):len(COLUMNS) + min(3, layers)] = np.nan  # first layers went bad
-    return row.tobytes()
+def poison(row: np.ndarray) -> None:
+    """Make one row (columns then layers) what a rank whose step went NaN logs."""
+    row[0] = np.nan                                                # loss
+    row[len(COLUMNS):len(COLUMNS) + POISONED_LAYERS] = np.nan     # first layers went bad
 
 
-def sender_main(sid: int, endpoint: str, job: str, world: int, ranks: list[int], layers: int,
-                step_rate: float, flush_every: int, duration: float, heartbeat_every: float,
-                cmd: Any, res: Any) -> None:
+def sender_main(sid: int, endpoint: str, job: str, world: int, shards: int, ranks: list[int],
+                layers: int, step_rate: float, flush_every: int, duration: float,
+                heartbeat_every: float, probes: list[tuple[int, int]], cmd: Any,
+                res: Any) -> None:
     try:
-        _Sender(sid, endpoint, job, world, ranks, layers, step_rate, flush_every, duration,
-                heartbeat_every, cmd, res).run()
+        _Sender(sid, endpoint, job, world, shards, ranks, layers, step_rate, flush_every,
+                duration, heartbeat_every, probes, cmd, res).run()
     except BaseException:  # noqa: BLE001 -- report it, never leave the parent waiting
         res.put(("error", sid, traceback.format_exc()))
 
 
 class _Sender:
-    def __init__(self, sid: int, endpoint: str, job: str, world: int, ranks: list[int],
-                 layers: int, step_rate: float, flush_every: int, duration: float,
-                 heartbeat_every: float, cmd: Any, res: Any) -> None:
-        self.sid, self.endpoint, self.job, self.world = sid, endpoint, job, world
+    def __init__(self, sid: int, endpoint: str, job: str, world: int, shards: int,
+                 ranks: list[int], layers: int, step_rate: float, flush_every: int,
+                 duration: float, heartbeat_every: float, probes: list[tuple[int, int]],
+                 cmd: Any, res: Any) -> None:
+        self.sid, self.endpoint, self.job, self.world, self.shards = sid, endpoint, job, world, shards
         self.ranks, self.layers = ranks, layers
         self.step_rate, self.flush_every, self.duration = step_rate, flush_every, duration
         self.heartbeat_every = heartbeat_every
+        local = {rank: i for i, rank in enumerate(ranks)}
+        # (local rank index, step) -> the probe's rank; only this sender's ranks.
+        self.probes = {(local[rank], step): rank for step, rank in probes if rank in local}
         self.cmd, self.res = cmd, res
         self.schema = Schema(id=0, columns=COLUMNS, layers=layer_names(layers))
         self.width = self.schema.width
@@ -143,13 +157,18 @@ class _Sender:
         vals[:, 2] = 0.0
         off = int(self.rng.integers(0, self.noise.shape[0] - fe + 1))
         np.multiply(self.base[i], self.noise[off:off + fe], out=vals[:, len(COLUMNS):])
+        probed = [(row, step) for row, step in enumerate(steps) if (i, step) in self.probes]
+        for row, _ in probed:
+            poison(vals[row])
         now = time.monotonic()
         attach = now - self.schema_sent[i] >= SCHEMA_EVERY_S
         batch = Batch(job=self.job, rank=self.ranks[i], world=self.world, schema_id=0,
                       seq=self.seq[i], incarnation=self.incs[i], dropped=self.dropped[i],
                       steps=steps, times=times, values=vals.tobytes(),
-                      schema=self.schema if attach else None)
-        if self._send(i, encode(batch)):
+                      schema=self.schema if attach else None, shards=self.shards)
+        ok = self._send(i, encode(batch))
+        t_send = time.time()
+        if ok:
             self.seq[i] += 1
             if attach:
                 self.schema_sent[i] = now
@@ -160,19 +179,9 @@ class _Sender:
             self.dropped[i] += fe
             self.stats["batches_eagain"] += 1
             self.stats["steps_eagain"] += fe
-
-    def _probe(self, job: str, i: int) -> None:
-        i = i % len(self.ranks)
-        schema = Schema(id=0, columns=COLUMNS, layers=self.schema.layers)
-        t = time.time()
-        batch = Batch(job=job, rank=0, world=1, schema_id=0, seq=0,
-                      incarnation=f"probe-{os.getpid():x}", dropped=0, steps=(1,), times=(t,),
-                      values=probe_values(self.layers), schema=schema)
-        frames = encode(batch)
-        t_send = time.time()
-        ok = self._send(i, frames)
-        self.stats["probes_sent" if ok else "probes_eagain"] += 1
-        self.res.put(("probe", job, t_send, ok))
+        for row, step in probed:
+            self.stats["probes_sent" if ok else "probes_eagain"] += 1
+            self.res.put(("probe", step, self.ranks[i], times[row], t_send, ok))
 
     # ------------------------------------------------------------ main loop
 
@@ -191,12 +200,8 @@ class _Sender:
                 return
             # Keep the sockets open (what is queued in them still reaches the
             # collector) until the parent has measured the drain.
-            while True:
-                msg = self.cmd.get()
-                if msg[0] == "exit":
-                    return
-                if msg[0] == "probe":
-                    self._probe(msg[1], msg[2])
+            while self.cmd.get()[0] != "exit":
+                pass
         finally:
             for s in self.socks:
                 s.close(linger=0)
@@ -239,7 +244,5 @@ class _Sender:
                 msg = self.cmd.get(timeout=wait) if wait > 0 else self.cmd.get_nowait()
             except queue.Empty:
                 continue
-            if msg[0] == "probe":
-                self._probe(msg[1], msg[2])
-            elif msg[0] == "exit":
+            if msg[0] == "exit":
                 return True

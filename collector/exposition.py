@@ -149,7 +149,15 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
                  "Unix time the collector last heard from the job.")
     val = gauge("gradwatch_job_eval_loss", "Latest validation loss (mon.log_eval).")
     scale = gauge("gradwatch_job_loss_scale", "Latest AMP loss scale of the reporting rank.")
+    world = gauge("gradwatch_job_world_size", "Ranks in the job, as its agents declare it.")
+    lag = gauge("gradwatch_job_ingest_lag_seconds",
+                "Largest, over the job's ranks, of the seconds from a rank logging its newest "
+                "step (agent clock) to the collector handling it; batching adds up to one "
+                "flush interval, more means the collector falls behind (or clocks disagree).")
     for job in jobs:
+        world.add_metric([job.job], job.world)
+        if job.lag_seconds is not None:
+            lag.add_metric([job.job], job.lag_seconds)
         if job.step is not None:
             step.add_metric([job.job], job.step)
         if job.loss is not None:
@@ -165,7 +173,7 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
             val.add_metric([job.job], job.eval_loss)
         if job.loss_scale is not None:
             scale.add_metric([job.job], job.loss_scale)
-    yield from (step, loss, grad, lr, nonfinite, ranks, seen, val, scale)
+    yield from (step, loss, grad, lr, nonfinite, ranks, seen, val, scale, world, lag)
 
 
 def _rank_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:

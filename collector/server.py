@@ -41,6 +41,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
 from gradwatch.collector.alertmanager import AlertmanagerSink
 from gradwatch.collector.assembly import Assembler, assembles
+from gradwatch.collector.assembly_metrics import AssemblyMetrics
 from gradwatch.collector.auth import (
     AuthCounters,
     CurveAuth,
@@ -159,6 +160,8 @@ class Server:
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
         self.state = StateStore(config.job_ttl_seconds, clock)
         self.assembler = Assembler(config.assembly_deadline_seconds, clock)
+        # The ingest thread assembles; a scrape reads the counters.
+        self.assembler_lock = threading.Lock()
         self._exposition = GradwatchCollector(
             self.state, self.ingest.stats, self._firing, self.sinks,
             per_layer_metrics=config.per_layer_metrics,
@@ -180,6 +183,7 @@ class Server:
         self.actions: Actions | None = None
         self._actions_metrics: ActionsMetrics | None = None
         self._store_metrics: StoreErrorMetrics | None = None
+        self._assembly_metrics: AssemblyMetrics | None = None
         self._commands: zmq.Socket[Any] | None = None  # XPUB; used under _commands_lock
         self._commands_lock = threading.Condition()
         self._listening: set[str] = set()  # jobs with an agent subscribed to commands
@@ -213,6 +217,8 @@ class Server:
             self.registry.register(self._actions_metrics)
             self._store_metrics = StoreErrorMetrics(self)
             self.registry.register(self._store_metrics)
+            self._assembly_metrics = AssemblyMetrics(self.assembler, self.assembler_lock)
+            self.registry.register(self._assembly_metrics)
             for sink in self.sinks:
                 sink.start()
         except BaseException:
@@ -390,7 +396,9 @@ class Server:
             for stats in result.stats:
                 self.state.observe_stats(stats)
                 if assembles(stats):
-                    self._judge_whole(self.assembler.add(stats))
+                    with self.assembler_lock:
+                        wholes = self.assembler.add(stats)
+                    self._judge_whole(wholes)
                 else:
                     self._evaluate("the statistics", stats, self._engine_of().observe_stats)
             for ev in result.evals:
@@ -423,7 +431,8 @@ class Server:
         if assembles(step):
             try:
                 self.state.observe_step(step)  # per rank: liveness, timings, lag
-                wholes = self.assembler.add(step)
+                with self.assembler_lock:
+                    wholes = self.assembler.add(step)
             except Exception as exc:
                 self.ingest.reject("internal", "failed to assemble step %d of job %r: %r; "
                                    "please report this as a gradwatch bug", step.step,
@@ -454,7 +463,8 @@ class Server:
 
     def _expire_assembly(self) -> None:
         try:
-            wholes = self.assembler.expire()
+            with self.assembler_lock:
+                wholes = self.assembler.expire()
         except Exception as exc:
             self.ingest.reject("internal", "failed to assemble overdue steps: %r; please "
                                "report this as a gradwatch bug", exc)
@@ -517,7 +527,8 @@ class Server:
             log.info("forgetting job %r after %.0fs of silence", job,
                      self.config.job_ttl_seconds)
             self.ingest.forget(job)
-            self.assembler.forget(job)
+            with self.assembler_lock:
+                self.assembler.forget(job)
             if self.recorder is not None:
                 self.recorder.forget(job)
             with self._engine_lock:
@@ -628,6 +639,9 @@ class Server:
         if self._store_metrics is not None:
             self.registry.unregister(self._store_metrics)
             self._store_metrics = None
+        if self._assembly_metrics is not None:
+            self.registry.unregister(self._assembly_metrics)
+            self._assembly_metrics = None
         if self._http is not None:
             self._http.close()
         if self._socket is not None and self._ingest_thread is None:

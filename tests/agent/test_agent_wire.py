@@ -312,3 +312,43 @@ def test_schema_is_resent_after_the_collector_restarts():
             second.close(linger=0)
         first.close(linger=0)
         ctx.term()
+
+
+def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, job="phases", endpoint=endpoint, flush_every=3,
+                         heartbeat_every=0.02) as mon:
+        for _ in range(3):
+            time.sleep(0.05)  # the data loader: the host waits before the forward
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            mon.log(loss=1.0)
+        model.eval()
+        with torch.no_grad():
+            model(torch.randn(2, 6))  # an eval forward between steps is not a step
+        model.train()
+        model(torch.randn(2, 6)).sum().backward()  # step 4 has begun: it waits in "backward"
+        seen: list[Message] = []
+        for _ in range(200):  # bounded: heartbeats arrive every 20 ms
+            seen.append(recv(sock))
+            if isinstance(seen[-1], Heartbeat) and seen[-1].step == 3 and seen[-1].started == 4:
+                break
+        else:
+            pytest.fail("no heartbeat said step 4 had started")
+        opt.step()
+        mon.log(loss=1.0)
+    got = rows([b for b in seen + _drain(sock) if isinstance(b, Batch)])
+    for step in (1, 2, 3):
+        cols, _ = got[step]
+        assert cols["s/data_seconds"][0] >= 0.045  # the 50 ms wait, measured on the host
+        assert 0.0 < cols["s/forward_seconds"][0] < 0.045
+    assert got[4][0]["s/data_seconds"][0] < 0.045  # no wait before step 4's forward
+
+
+def _drain(sock: zmq.Socket) -> list[Message]:
+    out = []
+    while sock.poll(500):
+        out.append(decode(sock.recv_multipart()))
+    return out

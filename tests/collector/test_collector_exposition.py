@@ -110,6 +110,12 @@ gradwatch_job_eval_loss{job="run-1"} 3.0
 # HELP gradwatch_job_loss_scale Latest AMP loss scale of the reporting rank.
 # TYPE gradwatch_job_loss_scale gauge
 gradwatch_job_loss_scale{job="run-1"} 1024.0
+# HELP gradwatch_job_world_size Ranks in the job, as its agents declare it.
+# TYPE gradwatch_job_world_size gauge
+gradwatch_job_world_size{job="run-1"} 1.0
+# HELP gradwatch_job_ingest_lag_seconds Largest, over the job's ranks, of the seconds from a rank logging its newest step (agent clock) to the collector handling it; batching adds up to one flush interval, more means the collector falls behind (or clocks disagree).
+# TYPE gradwatch_job_ingest_lag_seconds gauge
+gradwatch_job_ingest_lag_seconds{job="run-1"} 0.0
 # HELP gradwatch_rank_last_seen_timestamp_seconds Unix time the collector last heard from each rank; when capped, only the max_rank_series ranks silent longest (gradwatch_job_ranks counts them all).
 # TYPE gradwatch_rank_last_seen_timestamp_seconds gauge
 gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="0"} 1.7e+09

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -105,6 +106,7 @@ def test_assembled_norms_equal_the_norms_computed_in_the_job(
             job.wait(JOB_TIMEOUT_S)
         wait_until(lambda: len(engine.steps) >= steps, 10.0, "every assembled step")
         judged = list(engine.steps)
+        metrics = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
     direct = {int(k): v for k, v in json.loads((tmp_path / "direct.json").read_text()).items()}
     assert [s.step for s in judged] == list(range(1, steps + 1))  # once each, in order
     for whole in judged:
@@ -116,7 +118,11 @@ def test_assembled_norms_equal_the_norms_computed_in_the_job(
                                    atol=1e-7)
         total = math.sqrt(sum(v * v for v in expected.values()))
         assert whole.grad_norm == pytest.approx(total, rel=1e-5)
-    assert server.assembler.counts()[f"asm-{mode}"].incomplete == 0
+    job_label = f'{{job="asm-{mode}"}}'
+    assert f"gradwatch_assembly_steps_total{job_label} {float(steps)}" in metrics
+    assert f"gradwatch_assembly_incomplete_steps_total{job_label} 0.0" in metrics
+    assert f"gradwatch_job_world_size{job_label} {float(world)}" in metrics
+    assert f"gradwatch_job_absent_ranks{job_label} 0.0" in metrics
     assert not [t for t in sink.transitions if t.current == "firing"]
 
 
@@ -125,7 +131,8 @@ def test_a_stalled_rank_is_reported_as_hung_and_named(tmp_path: Path) -> None:
         # Rank 1 sticks in its data loader before step 3; rank 0 waits in the all-reduce.
         with launch(2, "ddp", server.bound_endpoint, "hang", 4, tmp_path,
                     stall_rank=1, stall_at=3, stall_seconds=6) as job:
-            alert = firing_alert(sink.wait_for(fired("RankStalled"), ALERT_TIMEOUT_S), "RankStalled")
+            alert = firing_alert(sink.wait_for(fired("RankStalled"), ALERT_TIMEOUT_S),
+                                 "RankStalled")
             job.wait(JOB_TIMEOUT_S)
     assert alert.rank == 1 and alert.category == "stalled"
     assert alert.evidence["last_step"] == 2 and alert.evidence["waiting_ranks"] == [0]
@@ -136,7 +143,8 @@ def test_a_straggler_is_named(tmp_path: Path) -> None:
     with collector() as (server, engine, sink):
         with launch(3, "ddp", server.bound_endpoint, "slow", 20, tmp_path,
                     slow_rank=2, slow_seconds=0.25) as job:
-            alert = firing_alert(sink.wait_for(fired("RankStraggling"), ALERT_TIMEOUT_S), "RankStraggling")
+            alert = firing_alert(sink.wait_for(fired("RankStraggling"), ALERT_TIMEOUT_S),
+                                 "RankStraggling")
             job.wait(JOB_TIMEOUT_S)
     assert alert.rank == 2 and alert.category == "straggler"
     assert alert.evidence["measure"] == "busy_seconds" and alert.evidence["seconds"] >= 0.25
@@ -149,7 +157,8 @@ def test_a_nan_born_on_one_rank_is_blamed_on_it(tmp_path: Path) -> None:
         with launch(3, "ddp", server.bound_endpoint, "nan", 5, tmp_path,
                     nan_rank=1, nan_at=4) as job:
             job.wait(JOB_TIMEOUT_S)
-            alert = firing_alert(sink.wait_for(fired("NonFiniteGradients"), ALERT_TIMEOUT_S), "NonFiniteGradients")
+            alert = firing_alert(sink.wait_for(fired("NonFiniteGradients"), ALERT_TIMEOUT_S),
+                                 "NonFiniteGradients")
     assert alert.rank == 1 and alert.step == 4
     assert alert.evidence["first_bad_rank"] == 1
     assert "first on rank 1" in alert.summary
