@@ -4,36 +4,60 @@ For each configuration of a small ladder it starts a REAL collector
 subprocess (``python -m gradwatch collector`` on ``127.0.0.1``, random ports,
 a loopback webhook receiver), then a few sender processes (``loadgen.py``)
 that simulate the ranks of one job exactly as agents send them: one PUSH
-socket per rank with the shipper's options, lockstep steps at ``--step-rate``
-steps/s per rank, a batch of ``--flush-every`` rows per flush (the agent's
-default 10), heartbeats every 2 s. It measures:
+socket per rank with the shipper's options, lockstep steps at the config's
+rate (steps/s per rank), a batch of ``--flush-every`` rows per flush (the
+agent's default 10), ``shards`` declared in every batch (``--shards``, default
+the world: FSDP-style, the collector adds every rank's squares; 1: DDP), and
+heartbeats every 2 s. The collector assembles each step across all ranks and
+runs the rules once per assembled step. It measures:
 
-* offered vs sustained ingest, in layer values per second. Offered is what the
-  senders sent over the run; sustained is what the collector processed
+* offered vs sustained ingest, in layer values per second. Offered is ranks x
+  layers x rate; sustained is what the collector processed
   (``gradwatch_ingest_messages_total{kind="batch"}``) divided by the time from
   the start until it had processed it all (polled after the senders stop).
   ``lost`` = batches sent but never processed + batches the senders could not
   send (EAGAIN, the agent's drop) + rejected + lost-in-transit counters;
   ``gradwatch_job_step`` must reach the last step sent.
-* alert latency: at spread-out times a sender sends, on one of its rank
-  sockets (so it queues behind that rank's traffic), a one-row batch of a fresh
-  job (a fresh incident) with a NaN loss and NaN first layers; latency is from
-  that send to the webhook receiving the ``numerical`` alert. p99 of a handful
-  of probes is close to their max.
+* assembly: ``gradwatch_assembly_steps_total`` (every step sent must be
+  assembled once), ``..._incomplete_steps_total``, ``..._late_reports_total``
+  and ``..._inexact_steps_total`` (all 0 in a healthy run), the most
+  ``gradwatch_job_absent_ranks`` seen, and the largest
+  ``gradwatch_job_ingest_lag_seconds`` seen (agent logging a rank's newest
+  step -> collector handling it; a flush's last row, so pure queueing).
+* alert latency, "from a NaN at the agent to the webhook": at ``--probes``
+  spread-out steps (none in the first 20 s, so after warm-up), one rank's row
+  of that step carries a NaN loss and NaN first layers, inside the job's
+  normal batches. Latency = the webhook's arrival time of the ``numerical``
+  alert of that job whose ``step`` is the probe step, minus the agent-side
+  time of the step (the row's ``times`` entry). It includes the batching
+  delay (a row waits up to one flush interval for its batch), hence the
+  target of one flush interval + 1 s; the part after the batch was sent
+  (send -> webhook) is shown too. Each probe is its own incident (a clean
+  assembled step in between resolves it; the resolve must arrive too) on its
+  own rank (the alert's ``rank`` must name it; distinct ranks also keep the
+  routes' flapping guard, 3 firings per job, rule and rank in 10 min, out of
+  the measurement). p99 of a handful of probes is their max.
 * the collector's CPU (user+sys from /proc/PID/stat, as a share of one core
-  over the run and drain) and RSS (/proc/PID/status VmRSS; peak = VmHWM).
+  over the run and drain) and RSS (/proc/PID/status VmRSS; peak = VmHWM),
+  and how much RSS grew over the second half of the run: about 0 once the
+  collector's memory no longer depends on run length. The ladder ends with a
+  *fill* config, 64 x 1,000 at 50 steps/s for 60 s: 3,000 steps per rank,
+  past the 2,048-step per-rank history that used to take 1.17 GiB.
 * ``/metrics`` scrape time, median and max over scrapes every 2 s under load.
 
-It "breaks" at the first configuration with any loss, p99 alert latency over
-(flush interval + 1 s), peak RSS over 1 GiB, or a median scrape over 100 ms.
+It "breaks" at the first configuration with any loss, an incomplete or late
+assembly, a missing probe alert, p99 alert latency over (flush interval +
+1 s), peak RSS over 1 GiB, or a median scrape over 100 ms.
 
-    python benchmarks/collector_load.py                       # ladder, ~4-5 min
+    python benchmarks/collector_load.py                       # ladder, ~6-7 min
     python benchmarks/collector_load.py --quick               # ~1 min
-    python benchmarks/collector_load.py --ranks 256 --layers 1000 --duration 30
+    python benchmarks/collector_load.py --ranks 2048 --layers 1000
+    python benchmarks/collector_load.py --ranks 64 --layers 1000 --step-rate 50 --shards 1
 
 Everything binds 127.0.0.1 only; every process it starts is stopped at exit.
 The senders share the machine with the collector: on a small machine (2
-cores) they compete for CPU, which the table's ``sender lag`` column shows.
+cores) they compete for CPU, which the table's ``sender lag`` column shows
+(and the 1-minute load average printed per config).
 """
 
 from __future__ import annotations
@@ -62,14 +86,19 @@ from loadgen import sender_main  # benchmarks/ is on sys.path when run as a scri
 
 from gradwatch.collector.receiver import WebhookReceiver
 
-DEFAULT_LADDER = ((8, 100), (64, 1000), (256, 1000), (1024, 1000))
-QUICK_LADDER = ((8, 100), (256, 1000))
+# (ranks, layers, steps/s per rank); the last one fills what used to be per-rank history.
+DEFAULT_LADDER = ((8, 100, 1.0), (64, 1000, 1.0), (256, 1000, 1.0), (1024, 1000, 1.0),
+                  (64, 1000, 50.0))
+QUICK_LADDER = ((8, 100, 1.0), (256, 1000, 1.0))
 READY_TIMEOUT_S = 30.0
 GiB = 1 << 30
 SCRAPE_EVERY_S = 2.0
 SAMPLE_EVERY_S = 0.5
+PROBE_WARMUP_S = 20.0  # no probe before this: schemas travel, every rank reports once
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-HISTORY_STEPS = 2048  # CollectorConfig.history_steps default
+OLD_HISTORY_STEPS = 2048  # the per-rank history the collector used to keep
+ASSEMBLY_DEADLINE_S = 5.0  # CollectorConfig.assembly_deadline_seconds default
+FLAP_MAX = 3  # RoutePolicy.flap_max: firings per job, rule and rank before it holds back
 BATCHES = 'gradwatch_ingest_messages_total{kind="batch"}'
 
 
@@ -77,10 +106,15 @@ BATCHES = 'gradwatch_ingest_messages_total{kind="batch"}'
 
 
 class TimedReceiver(WebhookReceiver):
-    """The test receiver, plus the wall-clock arrival time of each firing alert per job."""
+    """The test receiver, plus arrival times of alerts keyed by (job, category, step, state).
+
+    ``step`` in the payload is the step where the incident began, so a probe's
+    alert is the one whose step is the probe step.
+    """
 
     def __init__(self) -> None:
-        self.arrivals: dict[tuple[str, str], float] = {}
+        self.arrivals: dict[tuple[str, str, int, str], tuple[float, Any]] = {}
+        self.firing_rules: dict[str, dict[str, int]] = {}  # job -> rule -> firings
         super().__init__()
 
     def _record(self, path: str, headers: Any, raw: bytes) -> int:
@@ -89,15 +123,27 @@ class TimedReceiver(WebhookReceiver):
             body = json.loads(raw)
         except ValueError:
             body = None
-        if isinstance(body, dict) and body.get("state") == "firing":
-            key = (str(body.get("job")), str(body.get("category")))
+        if isinstance(body, dict) and isinstance(body.get("step"), int):
+            key = (str(body.get("job")), str(body.get("category")), body["step"],
+                   str(body.get("state")))
             with self._cond:
-                self.arrivals.setdefault(key, now)
+                if key not in self.arrivals:
+                    self.arrivals[key] = (now, body.get("rank"))
+                    if key[3] == "firing":
+                        rules = self.firing_rules.setdefault(key[0], {})
+                        rule = str(body.get("rule"))
+                        rules[rule] = rules.get(rule, 0) + 1
         return super()._record(path, headers, raw)
 
-    def arrival(self, job: str, category: str) -> float | None:
+    def arrival(self, job: str, category: str, step: int,
+                state: str = "firing") -> tuple[float, Any] | None:
+        """(arrival time, the alert's rank), or None if it has not arrived."""
         with self._cond:
-            return self.arrivals.get((job, category))
+            return self.arrivals.get((job, category, step, state))
+
+    def rules_fired(self, job: str) -> dict[str, int]:
+        with self._cond:
+            return dict(self.firing_rules.get(job, {}))
 
 
 # ---------------------------------------------------------------- collector process
@@ -171,18 +217,23 @@ def total(samples: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in samples.items() if k == prefix or k.startswith(prefix + "{"))
 
 
-class Monitor(threading.Thread):
-    """Samples the collector's RSS every 0.5 s and times a /metrics scrape every 2 s."""
+def of_job(samples: dict[str, float], name: str, job: str) -> float:
+    return samples.get(f'{name}{{job="{job}"}}', math.nan)
 
-    def __init__(self, pid: int, url: str) -> None:
+
+class Monitor(threading.Thread):
+    """Samples the collector's RSS every 0.5 s; every 2 s times a scrape and reads job gauges."""
+
+    def __init__(self, pid: int, url: str, job: str) -> None:
         super().__init__(name="load-monitor", daemon=True)
-        self.pid, self.url = pid, url
+        self.pid, self.url, self.job = pid, url, job
         self.stop_event = threading.Event()
         self.scrapes: list[float] = []
         self.scrape_errors = 0
         self.peak_rss_kib = 0
         self.rss_trace: list[tuple[float, int]] = []  # (unix time, VmRSS KiB)
-        self.growth: list[tuple[float, int]] = []     # (batches processed, VmRSS KiB) per scrape
+        self.max_lag_s = math.nan      # gradwatch_job_ingest_lag_seconds
+        self.max_absent = 0.0          # gradwatch_job_absent_ranks
 
     def run(self) -> None:
         next_scrape = time.monotonic() + SCRAPE_EVERY_S / 2
@@ -201,7 +252,61 @@ class Monitor(threading.Thread):
                     self.scrape_errors += 1
                     continue
                 self.scrapes.append(took)
-                self.growth.append((total(samples, BATCHES), mem_kib(self.pid).get("VmRSS", 0)))
+                self.observe(samples)
+
+    def observe(self, samples: dict[str, float]) -> None:
+        lag = of_job(samples, "gradwatch_job_ingest_lag_seconds", self.job)
+        if not math.isnan(lag):
+            self.max_lag_s = lag if math.isnan(self.max_lag_s) else max(self.max_lag_s, lag)
+        absent = of_job(samples, "gradwatch_job_absent_ranks", self.job)
+        if not math.isnan(absent):
+            self.max_absent = max(self.max_absent, absent)
+
+
+# ---------------------------------------------------------------- probes
+
+
+def steps_sent(duration: float, rate: float, flush_every: int) -> int:
+    """Steps each rank ships: flushes happen while their last step's time is within the run."""
+    return int((duration * rate + 1) // flush_every) * flush_every
+
+
+def probe_plan(ranks: int, steps: int, rate: float, n: int, warmup_s: float,
+               flush_every: int) -> list[tuple[int, int]]:
+    """``n`` (step, rank) NaN probes, spread over the run after ``warmup_s``, on spread ranks.
+
+    The first probe is a flush's first row, which waits longest for its batch
+    (the worst case the target allows for); the others are evenly spaced, so
+    they fall at varied positions within a flush. At least one clean step
+    separates two probes, which ends the first incident. Ranks are distinct
+    where there are enough, so the routes' flapping guard never holds an
+    alert back.
+
+    Example::
+
+        probe_plan(ranks=1024, steps=60, rate=1.0, n=8, warmup_s=20.0, flush_every=10)
+        # [(20, 64), (24, 192), (29, 320), (34, 448), (39, 576), (43, 704), ...]
+    """
+    if n <= 0:
+        return []
+    first = math.ceil(warmup_s * rate / flush_every) * flush_every
+    last = steps - 2  # a clean step after the last probe resolves it within the run
+    gap = (last - first) / n
+    if gap < 2:
+        raise ValueError(f"{n} probes do not fit in steps {first}..{last} with a clean step "
+                         "between them; lengthen --duration or lower --probes")
+    if n > FLAP_MAX * ranks:
+        raise ValueError(f"{n} probes on {ranks} ranks would trip the flapping guard "
+                         f"({FLAP_MAX} firings per rank); lower --probes")
+    return [(first + int(gap * i), ((2 * i + 1) * ranks // (2 * n)) % ranks) for i in range(n)]
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    step: int
+    rank: int
+    t_agent: float  # the row's times entry: when the simulated agent logged the step
+    t_send: float   # when the batch carrying it was handed to the rank's socket
 
 
 # ---------------------------------------------------------------- one configuration
@@ -211,6 +316,11 @@ class Monitor(threading.Thread):
 class Result:
     ranks: int
     layers: int
+    rate: float
+    shards: int
+    duration: float
+    flush_every: int
+    load_avg: float = math.nan      # 1-min load average before the collector started
     offered_vps: float = 0.0        # nominal: ranks x layers x step rate
     sent_vps: float = 0.0           # what the senders actually sent, over the run
     sustained_vps: float = 0.0
@@ -223,38 +333,67 @@ class Result:
     last_step: int = -1
     drain_s: float = math.nan       # after the last send, until all was processed
     caught_up: bool = False
-    latencies: list[float] = field(default_factory=list)
+    asm_steps: float = math.nan
+    asm_incomplete: float = math.nan
+    asm_inexact: float = math.nan
+    asm_late: float = math.nan
+    max_absent: float = 0.0
+    max_lag_s: float = math.nan
+    latencies: list[float] = field(default_factory=list)       # agent -> webhook
+    send_latencies: list[float] = field(default_factory=list)  # batch sent -> webhook
+    probes_planned: int = 0
     probes_missing: int = 0
+    wrong_rank: list[str] = field(default_factory=list)
+    unresolved: int = 0
+    other_alerts: dict[str, int] = field(default_factory=dict)
     cpu_pct: float = 0.0
     cpu_s: float = 0.0
     peak_rss_mib: float = 0.0
     rss_start_mib: float = 0.0
+    rss_growth_mib: float = math.nan  # RSS at the end of the run minus at its middle
     scrape_med_ms: float = math.nan
     scrape_max_ms: float = math.nan
     scrape_errors: int = 0
     sender_lag_s: float = 0.0
     burst_send_s: float = 0.0
-    values_per_cpu_s: float = 0.0
-    kib_per_step: float = math.nan  # RSS growth per rank-step processed
     log_lines: list[str] = field(default_factory=list)
     rss_trace: list[tuple[float, float]] = field(default_factory=list)  # (s since start, MiB)
+
+    @property
+    def name(self) -> str:
+        return f"{self.ranks}x{self.layers}" + (f"@{self.rate:g}" if self.rate != 1.0 else "")
+
+    @property
+    def flush_interval(self) -> float:
+        return self.flush_every / self.rate
 
     @property
     def lost(self) -> int:
         return self.lost_batches + self.eagain_batches + self.rejected + self.transit_lost
 
-    def pct(self, q: float) -> float:
-        if not self.latencies and not self.probes_missing:
+    def pct(self, q: float, values: list[float] | None = None) -> float:
+        values = self.latencies if values is None else values
+        if not values and not self.probes_missing:
             return math.nan
-        values = sorted(self.latencies) + [math.inf] * self.probes_missing
-        # nearest-rank percentile
-        return values[max(0, math.ceil(q / 100 * len(values)) - 1)]
+        ordered = sorted(values) + [math.inf] * self.probes_missing
+        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]  # nearest rank
 
 
-def run_config(ranks: int, layers: int, args: argparse.Namespace, receiver: TimedReceiver,
-               tag: str) -> Result:
-    res = Result(ranks, layers)
-    flush_interval = args.flush_every / args.step_rate
+def _rss_at(trace: list[tuple[float, int]], when: float) -> float:
+    """VmRSS (KiB) of the last sample at or before ``when`` (the first if none)."""
+    before = [kib for t, kib in trace if t <= when]
+    return float(before[-1] if before else trace[0][1]) if trace else math.nan
+
+
+def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
+               receiver: TimedReceiver, tag: str) -> Result:
+    shards = args.shards or ranks
+    res = Result(ranks, layers, rate, shards, args.duration, args.flush_every)
+    res.load_avg = os.getloadavg()[0]
+    flush_interval = res.flush_interval
+    plan = probe_plan(ranks, steps_sent(args.duration, rate, args.flush_every), rate,
+                      args.probes, min(PROBE_WARMUP_S, args.duration / 3), args.flush_every)
+    res.probes_planned = len(plan)
     job = f"load-{tag}"
     tmp = Path(tempfile.mkdtemp(prefix="gw-load-"))
     proc = None
@@ -271,8 +410,8 @@ def run_config(ranks: int, layers: int, args: argparse.Namespace, receiver: Time
         for sid, share in enumerate(shares):
             cq = ctx.Queue()
             p = ctx.Process(target=sender_main, daemon=True, args=(
-                sid, info["listen"], job, ranks, share, layers, args.step_rate,
-                args.flush_every, args.duration, 2.0, cq, results))
+                sid, info["listen"], job, ranks, shards, share, layers, rate,
+                args.flush_every, args.duration, 2.0, plan, cq, results))
             p.start()
             senders.append(p)
             cmds.append(cq)
@@ -287,58 +426,43 @@ def run_config(ranks: int, layers: int, args: argparse.Namespace, receiver: Time
                                        "sockets connected")
                 ready += 1
         _, base = scrape(url)
-        base_batches = total(base, 'gradwatch_ingest_messages_total{kind="batch"}')
+        base_batches = total(base, BATCHES)
         res.rss_start_mib = mem_kib(pid)["VmRSS"] / 1024
         t0 = time.time() + 0.5
         cpu0 = cpu_seconds(pid)
         for cq in cmds:
             cq.put(("go", t0))
-        monitor = Monitor(pid, url)
+        monitor = Monitor(pid, url, job)
         monitor.start()
 
-        # Probes, spread over the run; each is a fresh job, i.e. a fresh incident.
-        n_probes = args.probes
-        span = args.duration - 2.0
-        probe_at = [t0 + 1.0 + span * (i + 0.5) / n_probes for i in range(n_probes)]
-        probe_jobs = [f"probe-{tag}-{i}" for i in range(n_probes)]
-        sent_at: dict[str, float] = {}
+        probes: list[Probe] = []
         done: dict[int, dict[str, Any]] = {}
-
-        def handle(msg: tuple[Any, ...]) -> None:
+        while len(done) < n_senders:
+            try:
+                msg = results.get(timeout=1.0)
+            except queue.Empty:
+                if time.time() > t0 + args.duration + 120:
+                    raise RuntimeError("senders did not finish") from None
+                continue
             if msg[0] == "probe":
-                if msg[3]:
-                    sent_at[msg[1]] = msg[2]
+                if msg[5]:
+                    probes.append(Probe(msg[1], msg[2], msg[3], msg[4]))
                 else:
-                    res.probes_missing += 1  # could not even be sent
+                    res.probes_missing += 1  # its batch could not even be sent
             elif msg[0] == "done":
                 done[msg[1]] = msg[2]
             elif msg[0] == "error":
                 raise RuntimeError(f"sender {msg[1]} failed:\n{msg[2]}")
-
-        for i, (at, pjob) in enumerate(zip(probe_at, probe_jobs, strict=True)):
-            while time.time() < at:
-                try:
-                    handle(results.get(timeout=max(0.001, min(0.1, at - time.time()))))
-                except queue.Empty:
-                    pass
-            cmds[i % n_senders].put(("probe", pjob, (i * 7919) % len(shares[i % n_senders])))
-        while len(done) < n_senders:
-            try:
-                handle(results.get(timeout=1.0))
-            except queue.Empty:
-                if time.time() > t0 + args.duration + 120:
-                    raise RuntimeError("senders did not finish") from None
         t_end = time.time()
 
-        # Drain: wait until every batch sent (load and probes) was processed.
-        sent_batches = sum(d["batches_sent"] for d in done.values())
-        expected = sent_batches + len(sent_at)
+        # Drain: wait until every batch sent was processed.
+        expected = sum(d["batches_sent"] for d in done.values())
         drain_limit = max(args.drain_timeout, flush_interval + 5)
         processed, last_change, last_value = 0.0, time.time(), -1.0
         samples: dict[str, float] = {}
         while True:
             _, samples = scrape(url)
-            processed = total(samples, 'gradwatch_ingest_messages_total{kind="batch"}') - base_batches
+            processed = total(samples, BATCHES) - base_batches
             now = time.time()
             if processed != last_value:
                 last_value, last_change = processed, now
@@ -352,21 +476,39 @@ def run_config(ranks: int, layers: int, args: argparse.Namespace, receiver: Time
         cpu1 = cpu_seconds(pid)
         monitor.stop_event.set()
         monitor.join()
-        # Probe alerts still on their way.
-        wait_until = time.time() + flush_interval + 5
-        while time.time() < wait_until and any(
-                receiver.arrival(j, "numerical") is None for j in sent_at):
-            time.sleep(0.1)
-        for pjob, t_send in sent_at.items():
-            arrived = receiver.arrival(pjob, "numerical")
+        res.last_step = max(d["last_step"] for d in done.values())
+
+        # Probe alerts (and their resolves), and the last assembled steps, still on their way.
+        wait_until = time.time() + ASSEMBLY_DEADLINE_S + 5
+        while time.time() < wait_until:
+            _, samples = scrape(url)
+            if of_job(samples, "gradwatch_assembly_steps_total", job) >= res.last_step + 1 \
+                    and all(receiver.arrival(job, "numerical", probe.step, state) is not None
+                            for probe in probes for state in ("firing", "resolved")):
+                break
+            time.sleep(0.2)
+        monitor.observe(samples)
+        for probe in probes:
+            arrived = receiver.arrival(job, "numerical", probe.step)
             if arrived is None:
                 res.probes_missing += 1
-            else:
-                res.latencies.append(arrived - t_send)
+                continue
+            res.latencies.append(arrived[0] - probe.t_agent)
+            res.send_latencies.append(arrived[0] - probe.t_send)
+            if arrived[1] != probe.rank:
+                res.wrong_rank.append(f"step {probe.step}: rank {arrived[1]}, "
+                                      f"NaN on {probe.rank}")
+            if receiver.arrival(job, "numerical", probe.step, "resolved") is None:
+                res.unresolved += 1
+        fired = receiver.rules_fired(job)
+        extra = fired.pop("NonFiniteGradients", 0) - len(res.latencies)
+        if extra > 0:
+            fired["NonFiniteGradients not at a probe"] = extra
+        res.other_alerts = fired
 
         mem = mem_kib(pid)
-        values_processed = (processed - len(sent_at)) * args.flush_every * layers
-        res.offered_vps = ranks * layers * args.step_rate
+        values_processed = processed * args.flush_every * layers
+        res.offered_vps = ranks * layers * rate
         res.sent_vps = sum(d["values_sent"] for d in done.values()) / args.duration
         res.sustained_vps = max(0.0, values_processed) / max(1e-9, t_done - t0)
         res.lost_batches = max(0, int(expected - processed))
@@ -374,25 +516,24 @@ def run_config(ranks: int, layers: int, args: argparse.Namespace, receiver: Time
         res.rejected = int(total(samples, "gradwatch_ingest_rejected_total"))
         res.transit_lost = int(total(samples, "gradwatch_ingest_lost_batches_total"))
         res.agent_dropped = int(total(samples, "gradwatch_agent_dropped_steps_total"))
-        res.job_step = samples.get(f'gradwatch_job_step{{job="{job}"}}', math.nan)
-        res.last_step = max(d["last_step"] for d in done.values())
+        res.job_step = of_job(samples, "gradwatch_job_step", job)
+        res.asm_steps = of_job(samples, "gradwatch_assembly_steps_total", job)
+        res.asm_incomplete = of_job(samples, "gradwatch_assembly_incomplete_steps_total", job)
+        res.asm_inexact = of_job(samples, "gradwatch_assembly_inexact_steps_total", job)
+        res.asm_late = of_job(samples, "gradwatch_assembly_late_reports_total", job)
+        res.max_absent = monitor.max_absent
+        res.max_lag_s = monitor.max_lag_s
         res.drain_s = t_done - t_end if res.caught_up else math.inf
         res.cpu_s = cpu1 - cpu0
         res.cpu_pct = 100.0 * res.cpu_s / max(1e-9, t_done - t0)
-        res.values_per_cpu_s = max(0.0, values_processed) / max(1e-9, res.cpu_s)
         res.peak_rss_mib = max(mem["VmHWM"], monitor.peak_rss_kib) / 1024
+        res.rss_growth_mib = (_rss_at(monitor.rss_trace, t_end)
+                              - _rss_at(monitor.rss_trace, t0 + args.duration / 2)) / 1024
         if monitor.scrapes:
             res.scrape_med_ms = statistics.median(monitor.scrapes) * 1000
             res.scrape_max_ms = max(monitor.scrapes) * 1000
         res.scrape_errors = monitor.scrape_errors
         res.rss_trace = [(t - t0, kib / 1024) for t, kib in monitor.rss_trace]
-        # RSS growth per rank-step, measured from the first scrape after the first flush
-        # of every rank was processed (its one-off allocations excluded) to the end.
-        first = next(((b, kib) for b, kib in monitor.growth
-                      if b >= base_batches + ranks + len(sent_at)), None)
-        if first is not None and processed + base_batches > first[0]:
-            steps_between = (processed + base_batches - first[0]) * args.flush_every
-            res.kib_per_step = (mem["VmRSS"] - first[1]) / steps_between
         res.sender_lag_s = max(d["max_flush_lag_s"] for d in done.values())
         res.burst_send_s = max(d["max_burst_send_s"] for d in done.values())
     finally:
@@ -437,13 +578,23 @@ def fmt_ms(v: float) -> str:
     return "miss" if math.isinf(v) else ("-" if math.isnan(v) else f"{v * 1000:.0f}")
 
 
-def breaks(r: Result, flush_interval: float) -> list[str]:
+def fmt_n(v: float) -> str:
+    return "-" if math.isnan(v) else f"{v:.0f}"
+
+
+def breaks(r: Result) -> list[str]:
     why = []
     if r.lost:
         why.append(f"loss ({r.lost_batches} unprocessed, {r.eagain_batches} EAGAIN, "
                    f"{r.rejected} rejected, {r.transit_lost} lost in transit)")
-    if not r.pct(99) <= flush_interval + 1.0:
-        why.append(f"alert p99 {fmt_s(r.pct(99))} s > flush interval + 1 = {flush_interval + 1:.0f} s")
+    if not (r.asm_incomplete == 0 and r.asm_late == 0 and r.asm_steps >= r.last_step + 1):
+        why.append(f"assembly ({fmt_n(r.asm_steps)} of {r.last_step + 1} steps assembled, "
+                   f"{fmt_n(r.asm_incomplete)} incomplete, {fmt_n(r.asm_late)} late reports)")
+    if r.probes_missing:
+        why.append(f"{r.probes_missing} of {r.probes_planned} probe alerts missing")
+    limit = r.flush_interval + 1.0
+    if not r.pct(99) <= limit:
+        why.append(f"alert p99 {fmt_s(r.pct(99))} s > flush interval + 1 = {limit:g} s")
     if r.peak_rss_mib * (1 << 20) > GiB:
         why.append(f"peak RSS {r.peak_rss_mib:.0f} MiB > 1 GiB")
     if r.scrape_med_ms > 100:
@@ -452,20 +603,20 @@ def breaks(r: Result, flush_interval: float) -> list[str]:
 
 
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
-    flush_interval = args.flush_every / args.step_rate
-    head = ("config", "offered v/s", "sent v/s", "sustained v/s", "lost", "drain s",
-            "step", "alert p50 ms", "alert p99 ms", "n", "cpu %", "v/cpu-s", "RSS MiB", "KiB/step",
-            "scrape med/max ms", "sender lag s")
+    head = ("config", "offered v/s", "sustained v/s", "lost", "drain s", "asm steps",
+            "incompl/late", "lag max s", "alert p50/p99 s", "send->hook p50/p99 ms", "n",
+            "cpu %", "RSS MiB", "2nd half MiB", "scrape med/max ms", "sender lag s")
     rows = []
     for r in results:
         rows.append((
-            f"{r.ranks}x{r.layers}", fmt_rate(r.offered_vps), fmt_rate(r.sent_vps),
-            fmt_rate(r.sustained_vps),
+            r.name, fmt_rate(r.offered_vps), fmt_rate(r.sustained_vps),
             f"{r.lost}" + (f" (+{r.eagain_batches} EAGAIN)" if r.eagain_batches else ""),
-            fmt_s(r.drain_s), f"{r.job_step:.0f}/{r.last_step}", fmt_ms(r.pct(50)),
-            fmt_ms(r.pct(99)), f"{len(r.latencies)}/{len(r.latencies) + r.probes_missing}",
-            f"{r.cpu_pct:.0f}", fmt_rate(r.values_per_cpu_s),
-            f"{r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f}", f"{r.kib_per_step:.1f}",
+            fmt_s(r.drain_s), f"{fmt_n(r.asm_steps)}/{r.last_step + 1}",
+            f"{fmt_n(r.asm_incomplete)}/{fmt_n(r.asm_late)}", fmt_s(r.max_lag_s),
+            f"{fmt_s(r.pct(50))}/{fmt_s(r.pct(99))}",
+            f"{fmt_ms(r.pct(50, r.send_latencies))}/{fmt_ms(r.pct(99, r.send_latencies))}",
+            f"{len(r.latencies)}/{r.probes_planned}", f"{r.cpu_pct:.0f}",
+            f"{r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f}", f"{r.rss_growth_mib:+.1f}",
             f"{r.scrape_med_ms:.1f}/{r.scrape_max_ms:.1f}", f"{r.sender_lag_s:.2f}"))
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))
@@ -473,62 +624,75 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
     print("-" * len(line))
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-    print(f"\n(values = per-layer gradient norms; {args.step_rate:g} step/s/rank, flush every "
-          f"{args.flush_every} steps = {flush_interval:g} s; {args.duration:g} s per config; "
-          f"{args.senders} sender processes on {os.cpu_count()} CPUs; cpu % of one core over "
-          "run + drain; lost = unprocessed + EAGAIN + rejected + lost in transit; "
-          "step = gradwatch_job_step / last step sent; alert latency = probe send -> webhook; "
-          "p99 of n probes is nearly their max; RSS = start->peak (VmHWM); KiB/step = RSS "
-          "growth per rank-step processed after the first flush)")
-    broke = None
-    for r in results:
-        why = breaks(r, flush_interval)
-        if why and broke is None:
-            broke = (r, why)
+    shards = "shards = world (FSDP)" if args.shards is None else f"shards = {args.shards}"
+    print(f"\n(values = per-layer gradient norms; config = ranks x layers[@steps/s, default 1]; "
+          f"flush every {args.flush_every} steps; {shards}; {args.duration:g} s per config; "
+          f"{args.senders} sender processes on {os.cpu_count()} CPUs; lost = unprocessed + "
+          "EAGAIN + rejected + lost in transit; asm steps = steps assembled / steps sent; "
+          "incompl/late = assembly incomplete steps / late reports; lag max = largest "
+          "gradwatch_job_ingest_lag_seconds seen; alert = NaN logged at the agent -> "
+          "webhook, incl. batching (target p99 < flush interval + 1 s); send->hook = from "
+          "the batch's send; p99 of n probes is their max; cpu % of one core over run + "
+          "drain; RSS = start->peak (VmHWM); 2nd half = RSS growth over the run's second "
+          "half)")
+    broke = next(((r, why) for r in results if (why := breaks(r))), None)
     if broke is None:
-        print("\nno configuration broke (loss, alert p99 > flush interval + 1 s, RSS > 1 GiB, "
-              "median scrape > 100 ms)")
+        print("\nno configuration broke (loss, incomplete/late assembly, missing alert, alert "
+              "p99 > flush interval + 1 s, RSS > 1 GiB, median scrape > 100 ms)")
     else:
         r, why = broke
-        print(f"\nBREAKS at {r.ranks}x{r.layers}: " + "; ".join(why))
+        print(f"\nBREAKS at {r.name}: " + "; ".join(why))
     for r in results:
-        over = [f"max scrape {r.scrape_max_ms:.0f} ms"] if r.scrape_max_ms > 100 else []
+        notes = [f"load avg {r.load_avg:.2f} before the run"]
+        later = breaks(r)
+        if later and broke is not None and r is not broke[0]:
+            notes.append("also over: " + "; ".join(later))
+        if r.scrape_max_ms > 100:
+            notes.append(f"max scrape {r.scrape_max_ms:.0f} ms")
+        if r.asm_inexact:
+            notes.append(f"{fmt_n(r.asm_inexact)} inexact assembled steps")
+        if r.max_absent:
+            notes.append(f"up to {r.max_absent:.0f} ranks absent")
+        if r.job_step != r.last_step:
+            notes.append(f"gradwatch_job_step {fmt_n(r.job_step)}, last step sent {r.last_step}")
+        if r.wrong_rank:
+            notes.append(f"alert rank is not the NaN's rank: {', '.join(r.wrong_rank[:3])}")
+        if r.unresolved:
+            notes.append(f"{r.unresolved} probe incidents never resolved")
+        if r.other_alerts:
+            notes.append("other alerts fired: " + ", ".join(
+                f"{rule} x{n}" for rule, n in sorted(r.other_alerts.items())))
         if r.agent_dropped:
-            over.append(f"collector counted {r.agent_dropped} agent-dropped steps")
-        if r.kib_per_step > 0:
-            steady = r.rss_start_mib + r.kib_per_step * r.ranks * HISTORY_STEPS / 1024
-            over.append(f"RSS grew {r.kib_per_step:.1f} KiB per rank-step; if that held until "
-                        f"the default history_steps={HISTORY_STEPS} per rank fills, about "
-                        f"{steady / 1024:.1f} GiB (extrapolated from a short run, which "
-                        "includes transient allocations; measure the plateau directly with "
-                        "--step-rate 100 --rss-trace)")
+            notes.append(f"collector counted {r.agent_dropped} agent-dropped steps")
         if r.scrape_errors:
-            over.append(f"{r.scrape_errors} failed scrapes")
+            notes.append(f"{r.scrape_errors} failed scrapes")
         warnings = [ln for ln in r.log_lines if "WARNING" in ln or "ERROR" in ln]
         if warnings:
-            over.append(f"{len(warnings)} collector log warning/error lines, first: "
-                        f"{warnings[0][:200]}")
-        if over:
-            print(f"  {r.ranks}x{r.layers}: " + "; ".join(over))
+            notes.append(f"{len(warnings)} collector log warning/error lines, first: "
+                         f"{warnings[0][:200]}")
+        print(f"  {r.name}: " + "; ".join(notes))
         if args.rss_trace and r.rss_trace:
             every = max(1, len(r.rss_trace) // 12)
-            print(f"  {r.ranks}x{r.layers} RSS MiB over time: " + ", ".join(
+            print(f"  {r.name} RSS MiB over time: " + ", ".join(
                 f"{t:.0f}s {m:.0f}" for t, m in r.rss_trace[::every]))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 configs x 20 s (~1 min)")
+    parser.add_argument("--quick", action="store_true", help="2 configs x 30 s (~1 min)")
     parser.add_argument("--ranks", type=int, help="one config: ranks (with --layers)")
     parser.add_argument("--layers", type=int, help="one config: layers per rank")
+    parser.add_argument("--step-rate", type=float,
+                        help="one config: steps/s per rank (default 1; the ladder sets its own)")
     parser.add_argument("--duration", type=float, help="seconds of load per config "
-                        "(default 30, --quick 20)")
-    parser.add_argument("--step-rate", type=float, default=1.0, help="steps/s per rank")
+                        "(default 60, --quick 30)")
     parser.add_argument("--flush-every", type=int, default=10,
                         help="rows per batch, as AgentConfig.flush_every (default 10)")
+    parser.add_argument("--shards", type=int, help="shards declared in every batch: "
+                        "default the world (FSDP), 1 = DDP; must divide every config's ranks")
     parser.add_argument("--senders", type=int, default=2, help="sender processes")
-    parser.add_argument("--probes", type=int, help="NaN probes per config (default 8, quick 5)")
+    parser.add_argument("--probes", type=int, help="NaN probes per config (default 8, quick 3)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds to wait after the run for the collector to catch up")
     parser.add_argument("--rss-trace", action="store_true",
@@ -537,14 +701,26 @@ def main(argv: list[str] | None = None) -> int:
     if (args.ranks is None) != (args.layers is None):
         parser.error("--ranks and --layers go together")
     if args.ranks is not None:
-        ladder: tuple[tuple[int, int], ...] = ((args.ranks, args.layers),)
+        ladder: tuple[tuple[int, int, float], ...] = (
+            (args.ranks, args.layers, args.step_rate or 1.0),)
+    elif args.step_rate is not None:
+        parser.error("--step-rate goes with --ranks and --layers (the ladder sets its own)")
     else:
         ladder = QUICK_LADDER if args.quick else DEFAULT_LADDER
-    args.duration = args.duration or (20.0 if args.quick else 30.0)
-    args.probes = args.probes or (5 if args.quick else 8)
-    flush_interval = args.flush_every / args.step_rate
-    if args.duration < flush_interval:
-        parser.error(f"--duration must cover at least one flush ({flush_interval:g} s)")
+    args.duration = args.duration or (30.0 if args.quick else 60.0)
+    args.probes = args.probes if args.probes is not None else (3 if args.quick else 8)
+    for ranks, _, rate in ladder:
+        if args.shards is not None and (args.shards < 1 or ranks % args.shards):
+            parser.error(f"--shards {args.shards} does not divide {ranks} ranks; use 1 (DDP), "
+                         "the world (FSDP, the default) or a divisor")
+        if args.duration < args.flush_every / rate:
+            parser.error(f"--duration must cover at least one flush "
+                         f"({args.flush_every / rate:g} s at {rate:g} steps/s)")
+        try:
+            probe_plan(ranks, steps_sent(args.duration, rate, args.flush_every), rate,
+                       args.probes, min(PROBE_WARMUP_S, args.duration / 3), args.flush_every)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     def on_term(signum: int, frame: Any) -> None:
         raise SystemExit(128 + signum)
@@ -553,16 +729,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     started = time.monotonic()
     with TimedReceiver() as receiver:
-        for ranks, layers in ladder:
-            tag = f"{ranks}x{layers}"
-            print(f"== {tag}: {ranks} ranks x {layers} layers, {args.duration:g} s ...",
-                  flush=True)
-            r = run_config(ranks, layers, args, receiver, tag)
+        for ranks, layers, rate in ladder:
+            tag = f"{ranks}x{layers}@{rate:g}"
+            print(f"== {tag}: {ranks} ranks x {layers} layers at {rate:g} steps/s, "
+                  f"{args.duration:g} s ...", flush=True)
+            r = run_config(ranks, layers, rate, args, receiver, tag)
             results.append(r)
             print(f"   sustained {fmt_rate(r.sustained_vps)} v/s of {fmt_rate(r.offered_vps)} "
-                  f"offered, lost {r.lost}, alert p50/p99 {fmt_ms(r.pct(50))}/{fmt_ms(r.pct(99))}"
-                  f" ms, cpu {r.cpu_pct:.0f}%, RSS {r.peak_rss_mib:.0f} MiB, scrape med "
-                  f"{r.scrape_med_ms:.1f} ms, burst send {r.burst_send_s:.2f} s", flush=True)
+                  f"offered, lost {r.lost}, assembled {fmt_n(r.asm_steps)}/{r.last_step + 1} "
+                  f"(incomplete {fmt_n(r.asm_incomplete)}, late {fmt_n(r.asm_late)}), alert "
+                  f"p50/p99 {fmt_s(r.pct(50))}/{fmt_s(r.pct(99))} s, cpu {r.cpu_pct:.0f}%, "
+                  f"RSS {r.peak_rss_mib:.0f} MiB, scrape med {r.scrape_med_ms:.1f} ms, burst "
+                  f"send {r.burst_send_s:.2f} s", flush=True)
     print(f"\ncollector load benchmark, {time.monotonic() - started:.0f} s total\n")
     print_table(results, args)
     return 0

@@ -1,6 +1,6 @@
 """``gradwatch_assembly_*``: how well each multi-rank job's steps come together.
 
-Read from the :class:`~gradwatch.collector.assembly.Assembler` at scrape time,
+Read from the :class:`~gradwatch.rules.assembly.Assembler` at scrape time,
 so a forgotten job has no series. One series per job and counter, never per
 rank: ``gradwatch_job_absent_ranks`` counts the ranks steps stopped waiting for.
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from gradwatch.collector.assembly import Assembler
+from gradwatch.rules.assembly import Assembler
 
 _COUNTERS = (
     ("steps", "gradwatch_assembly_steps", "Steps assembled across ranks and judged by the rules."),

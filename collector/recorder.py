@@ -37,6 +37,7 @@ from typing import IO
 from gradwatch.rules.replay import trace_eval, trace_stats, trace_step
 from gradwatch.rules.step import FLOAT32_MAX, Eval, Stats, Step
 from gradwatch.wire import Event, Heartbeat
+from gradwatch.rules.assembly import assembles
 from gradwatch.collector.ingest import eval_of
 from gradwatch.wire.trace import TraceEvent, TraceHeader, TraceHeartbeat, TraceRecord, encode_record
 
@@ -75,7 +76,8 @@ class TraceRecorder:
     def step(self, step: Step) -> None:
         """Record one step (the first step of a job fixes its header's layers)."""
         self._write(step.job, lambda header: trace_step(step, header), step.layers,
-                    None if step.dtype_max == FLOAT32_MAX else step.dtype_max, first_step=True)
+                    None if step.dtype_max == FLOAT32_MAX else step.dtype_max, first_step=True,
+                    topology=(step.world, step.shards) if assembles(step) else None)
 
     def stats(self, stats: Stats) -> None:
         """Record one cadence sample."""
@@ -91,7 +93,8 @@ class TraceRecorder:
 
     def heartbeat(self, hb: Heartbeat) -> None:
         """Record a heartbeat (replay rebuilds liveness from them)."""
-        self._write(hb.job, lambda header: TraceHeartbeat(rank=hb.rank, time=hb.time, step=hb.step))
+        self._write(hb.job, lambda header: TraceHeartbeat(rank=hb.rank, time=hb.time, step=hb.step,
+                                                                   started=hb.started))
 
     def forget(self, job: str) -> None:
         """Close a finished job's file; a later record of it starts a new file."""
@@ -113,7 +116,8 @@ class TraceRecorder:
     # ------------------------------------------------------------ internals
 
     def _write(self, job: str, build: Callable[[tuple[str, ...]], TraceRecord], layers: tuple[str, ...] = (),
-               dtype_max: float | None = None, first_step: bool = False) -> None:
+               dtype_max: float | None = None, first_step: bool = False,
+               topology: tuple[int, int] | None = None) -> None:
         if not self.enabled:
             return
         if job not in self._headers and not first_step:
@@ -123,7 +127,7 @@ class TraceRecorder:
                 self._flush_pending(job)
             return
         try:
-            handle = self._handle(job, layers, dtype_max)
+            handle = self._handle(job, layers, dtype_max, topology)
             for held in self._pending.pop(job, ()):
                 handle.write(encode_record(held(self._headers[job])) + "\n")
             handle.write(encode_record(build(self._headers[job])) + "\n")
@@ -138,7 +142,8 @@ class TraceRecorder:
         self._pending[job] = held[:-1]
         self._write(job, held[-1], first_step=True)  # writes the rest first, in order
 
-    def _handle(self, job: str, layers: tuple[str, ...], dtype_max: float | None) -> IO[str]:
+    def _handle(self, job: str, layers: tuple[str, ...], dtype_max: float | None,
+                topology: tuple[int, int] | None = None) -> IO[str]:
         handle = self._open.get(job)
         if handle is not None:
             self._open.move_to_end(job)
@@ -150,7 +155,9 @@ class TraceRecorder:
             handle = path.open("x", encoding="utf-8", buffering=1)
             self._paths[job] = path
             self._headers[job] = tuple(layers)
-            handle.write(encode_record(TraceHeader(job=job, layers=tuple(layers), dtype_max=dtype_max)) + "\n")
+            world, shards = topology if topology is not None else (None, None)
+            handle.write(encode_record(TraceHeader(job=job, layers=tuple(layers), dtype_max=dtype_max,
+                                                   world=world, shards=shards)) + "\n")
         else:
             handle = path.open("a", encoding="utf-8", buffering=1)  # reopened after LRU eviction
         self._open[job] = handle

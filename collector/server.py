@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
 from gradwatch.collector.alertmanager import AlertmanagerSink
-from gradwatch.collector.assembly import Assembler, assembles
+from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.collector.assembly_metrics import AssemblyMetrics
 from gradwatch.collector.auth import (
     AuthCounters,

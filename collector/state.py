@@ -35,15 +35,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gradwatch.rules.liveness import busy_seconds
 from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
 from gradwatch.wire import Event, Heartbeat
-from gradwatch.wire import columns as col
 
 MAX_CHECKPOINTS = 64
 MAX_EVALS = 256
 STEP_INTERVALS = 32  # per-step intervals (and busy times) behind a rank's medians
-_BUSY = (col.scalar(col.DATA_SECONDS_SCALAR)[len(col.SCALAR_PREFIX):],
-         col.scalar(col.FORWARD_SECONDS_SCALAR)[len(col.SCALAR_PREFIX):])
 
 
 class AlertLike(Protocol):
@@ -177,9 +175,9 @@ class StateStore:
             now = self._clock()
             rank = self._job(step.job).rank(step.rank, now)
             rank.lag = now - step.time
-            busy = [step.scalars[name] for name in _BUSY if name in step.scalars]
-            if busy:
-                rank.busy.append(sum(busy))
+            busy = busy_seconds(step)
+            if busy is not None:
+                rank.busy.append(busy)
             # Ranks may deliver out of order across batches; "latest" is by step.
             if rank.latest is None or step.step >= rank.latest.step:
                 previous = rank.latest

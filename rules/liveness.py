@@ -33,7 +33,8 @@ from typing import Annotated
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
-from gradwatch.rules.step import Liveness
+from gradwatch.rules.step import Liveness, Step
+from gradwatch.wire import columns as col
 
 
 class StalledDetector:
@@ -213,6 +214,15 @@ class StragglerDetector:
         return Finding(True, summary, evidence, rank=culprit)
 
 
+_PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
+
+
+def busy_seconds(step: Step) -> float | None:
+    """A rank's host seconds before the gradient sync this step (data wait + forward), if measured."""
+    phases = [step.scalars[name] for name in _PHASES if name in step.scalars]
+    return sum(phases) if phases else None
+
+
 def _began_next(live: Liveness) -> bool:
     return live.started is not None and live.started > live.last_step
 
@@ -223,6 +233,8 @@ class _Rank:
     last_step_time: float = 0.0
     last_heartbeat_time: float = 0.0
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    busy: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    started: int | None = None
 
 
 class LivenessTracker:
@@ -242,18 +254,21 @@ class LivenessTracker:
         self.job = job
         self._ranks: dict[int, _Rank] = {}
 
-    def step(self, rank: int, step: int, time: float) -> None:
-        """A step record of ``rank`` arrived at ``time``."""
+    def step(self, rank: int, step: int, time: float, busy: float | None = None) -> None:
+        """A step record of ``rank`` arrived at ``time`` (``busy``: its seconds before the sync)."""
         state = self._ranks.setdefault(rank, _Rank(last_step_time=time))
+        if busy is not None:
+            state.busy.append(busy)
         if step > state.last_step:
             if state.last_step >= 0 and time > state.last_step_time:
                 state.intervals.append((time - state.last_step_time) / (step - state.last_step))
             state.last_step, state.last_step_time = step, time
         state.last_heartbeat_time = max(state.last_heartbeat_time, time)
 
-    def heartbeat(self, rank: int, step: int, time: float) -> None:
+    def heartbeat(self, rank: int, step: int, time: float, started: int | None = None) -> None:
         """A heartbeat of ``rank`` arrived at ``time`` (``step``: its latest step then)."""
         state = self._ranks.setdefault(rank, _Rank(last_step_time=time))
+        state.started = started
         state.last_heartbeat_time = max(state.last_heartbeat_time, time)
         if step > state.last_step:
             state.last_step, state.last_step_time = step, time
@@ -263,6 +278,8 @@ class LivenessTracker:
         return [
             Liveness(job=self.job, rank=rank, now=now, last_step=s.last_step,
                      last_step_time=s.last_step_time, last_heartbeat_time=s.last_heartbeat_time,
-                     step_seconds=statistics.median(s.intervals) if s.intervals else None)
+                     step_seconds=statistics.median(s.intervals) if s.intervals else None,
+                     started=s.started,
+                     busy_seconds=statistics.median(s.busy) if s.busy else None)
             for rank, s in sorted(self._ranks.items())
         ]

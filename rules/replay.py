@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
 
 import numpy as np
 
 from gradwatch.rules.alert import Transition
+from gradwatch.rules.assembly import Assembler
 from gradwatch.rules.engine import Engine
-from gradwatch.rules.liveness import LivenessTracker
+from gradwatch.rules.liveness import LivenessTracker, busy_seconds
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
 from gradwatch.wire.messages import DATA_CHANGE
@@ -168,6 +169,9 @@ class Replay:
     skipped: int = 0
     problems: list[tuple[int, str]] = field(default_factory=list)
     checkpoints: list[Checkpoint] = field(default_factory=list)
+    deadline_seconds: float = 5.0  # the collector's assembly_deadline_seconds default
+    _assembler: Assembler | None = None
+    _eval_rank: int | None = None
 
     def run(self, source: Source) -> list[Transition]:
         """Replay ``source`` (a path, or an iterable of lines); raises ``TraceError`` on a bad trace."""
@@ -188,6 +192,10 @@ class Replay:
         now = 0.0
         engine = Engine(self.rules, clock=lambda: now)
         tracker = LivenessTracker(header.job)
+        # A multi-rank trace is judged as the collector judged it: assembled steps.
+        self._assembler = Assembler(self.deadline_seconds, clock=lambda: now) \
+            if header.world is not None and header.world > 1 else None
+        self._eval_rank = None
         last_tick: float | None = None
         out: list[Transition] = []
         for rec in reader:
@@ -198,30 +206,58 @@ class Replay:
                 # the replay clock only moves forward, as the collector's did.
                 now = max(now, stamp)
             out += self._feed(engine, tracker, header, rec, now)
+            if self._assembler is not None:
+                out += self._judge(engine, self._assembler.expire())
             if last_tick is None or now - last_tick >= self.tick_seconds:
                 last_tick = now
                 out += engine.tick(tracker.snapshot(now))
+        if self._assembler is not None:
+            out += self._judge(engine, self._assembler.flush())
         self.skipped, self.problems = reader.skipped, list(reader.problems)
         return out
 
     def _feed(self, engine: Engine, tracker: LivenessTracker, header: TraceHeader,
               rec: TraceRecord, now: float) -> list[Transition]:
+        asm = self._assembler
         if isinstance(rec, TraceStep):
             time = now if rec.time is None else rec.time
-            tracker.step(rec.rank, rec.step, time)
-            return engine.observe(step_of(rec, header, time))
+            step = step_of(rec, header, time)
+            tracker.step(rec.rank, rec.step, time, busy_seconds(step))
+            if asm is None:
+                return engine.observe(step)
+            return self._judge(engine, asm.add(replace(step, world=header.world or 1,
+                                                       shards=header.shards or 0)))
         if isinstance(rec, TraceStats):
-            return engine.observe_stats(stats_of(rec, header, now if rec.time is None else rec.time))
+            stats = stats_of(rec, header, now if rec.time is None else rec.time)
+            if asm is None:
+                return engine.observe_stats(stats)
+            return self._judge(engine, asm.add(replace(stats, world=header.world or 1,
+                                                       shards=header.shards or 0)))
         if isinstance(rec, TraceEval):
-            return engine.observe_eval(eval_of(rec, header, now if rec.time is None else rec.time))
+            ev = eval_of(rec, header, now if rec.time is None else rec.time)
+            if asm is None:
+                return engine.observe_eval(ev)
+            # As the collector: the lowest eval-reporting rank's evals speak for the job.
+            if self._eval_rank is not None and ev.rank > self._eval_rank:
+                return []
+            self._eval_rank = ev.rank
+            return engine.observe_eval(replace(ev, assembled=1))
         if isinstance(rec, TraceHeartbeat):
-            tracker.heartbeat(rec.rank, rec.step, rec.time)
+            tracker.heartbeat(rec.rank, rec.step, rec.time, rec.started)
         elif isinstance(rec, TraceEvent) and rec.kind == "checkpoint":
             path = rec.fields.get("path")
             self.checkpoints.append(Checkpoint(rec.step, path if isinstance(path, str) else ""))
         elif isinstance(rec, TraceEvent) and rec.kind == DATA_CHANGE:
             engine.data_changed(header.job, rec.step)
         return []
+
+
+    @staticmethod
+    def _judge(engine: Engine, records: Iterable[Step | Stats]) -> list[Transition]:
+        out: list[Transition] = []
+        for record in records:
+            out += engine.feed(record)
+        return out
 
 
 def replay(source: Source, rules: Sequence[RuleSpec] | None = None, *, strict: bool = True) -> list[Transition]:

@@ -42,7 +42,7 @@ class Step:
     dtype_max: float = FLOAT32_MAX
     # True when ``grad_norm`` is what the loop logged, not the layers' total.
     grad_norm_logged: bool = False
-    # Multi-rank jobs (gradwatch.collector.assembly): the world size and shard
+    # Multi-rank jobs (gradwatch.rules.assembly): the world size and shard
     # count the agent declared (``shards`` 0: not declared, each rank is judged
     # alone). An assembled step combines ``assembled`` rank reports; ``blame``
     # names, per non-finite layer (and "loss"), the rank where it went

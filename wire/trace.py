@@ -53,6 +53,10 @@ class TraceHeader:
     layers: tuple[str, ...] = ()
     version: int = TRACE_VERSION
     dtype_max: float | None = None
+    # A multi-rank job's declared topology (docs/wire.md ``shards``): replay
+    # assembles its ranks' steps as the collector did. None: judged per rank.
+    world: int | None = None
+    shards: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +131,7 @@ class TraceHeartbeat:
     rank: int
     time: float
     step: int
+    started: int | None = None  # the step whose forward had begun (wire Heartbeat.started)
 
 
 TraceRecord = TraceHeader | TraceStep | TraceStats | TraceEval | TraceEvent | TraceHeartbeat
@@ -177,9 +182,14 @@ def record_body(rec: TraceRecord) -> dict[str, Any]:
         body: dict[str, Any] = {"type": "header", "version": rec.version, "job": rec.job,
                                 "layers": list(rec.layers)}
         _put(body, "dtype_max", rec.dtype_max)
+        if rec.world is not None and rec.shards is not None:
+            body["world"], body["shards"] = rec.world, rec.shards
         return body
     if isinstance(rec, TraceHeartbeat):
-        return {"type": "heartbeat", "rank": rec.rank, "time": _num(rec.time), "step": rec.step}
+        beat = {"type": "heartbeat", "rank": rec.rank, "time": _num(rec.time), "step": rec.step}
+        if rec.started is not None:
+            beat["started"] = rec.started
+        return beat
     body = {"type": _TYPE_OF[type(rec)], "step": rec.step, "rank": rec.rank}
     _put(body, "time", rec.time)
     if isinstance(rec, TraceStep):
@@ -300,8 +310,15 @@ def _header(obj: Any) -> TraceHeader:
     version = obj.get("version")
     if version != TRACE_VERSION:
         raise _Bad(f"unsupported trace version {version!r}; this gradwatch reads version {TRACE_VERSION}")
+    world, shards = obj.get("world"), obj.get("shards")
+    if (world is None) != (shards is None):
+        raise _Bad("world and shards come together in a header, or neither")
+    if world is not None:
+        world, shards = _int(obj, "world"), _int(obj, "shards")
+        if not 1 <= shards <= world or world % shards:
+            raise _Bad(f"shards {shards} must divide world {world}")
     return TraceHeader(job=_str(obj, "job"), layers=_names(obj.get("layers", []), "layers"),
-                       dtype_max=_float(obj, "dtype_max"))
+                       dtype_max=_float(obj, "dtype_max"), world=world, shards=shards)
 
 
 def _common(obj: Mapping[str, Any]) -> tuple[int, int, float | None]:
@@ -395,7 +412,9 @@ def _event(obj: Mapping[str, Any]) -> TraceEvent:
 def _heartbeat(obj: Mapping[str, Any]) -> TraceHeartbeat:
     time = _float(obj, "time", required=True)
     assert time is not None
-    return TraceHeartbeat(rank=_int(obj, "rank", 0), time=time, step=_int(obj, "step"))
+    started = _int(obj, "started") if obj.get("started") is not None else None
+    return TraceHeartbeat(rank=_int(obj, "rank", 0), time=time, step=_int(obj, "step"),
+                          started=started)
 
 
 def decode_record(obj: Any, header: TraceHeader) -> list[TraceRecord]:

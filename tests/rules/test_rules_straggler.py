@@ -83,3 +83,23 @@ def test_default_rule_fires_after_a_minute_of_straggling_and_resolves() -> None:
     clock.now = 80.0
     healed = engine.tick([live(r, now=80.0, step_time=80.0, busy=0.15) for r in range(4)])
     assert [(e.alert.rule, e.current) for e in healed] == [("RankStraggling", "resolved")]
+
+
+def test_replay_of_a_recorded_trace_finds_the_straggler(tmp_path) -> None:
+    import numpy as np
+
+    from gradwatch.collector.recorder import TraceRecorder
+    from gradwatch.rules.replay import replay
+    from gradwatch.rules.step import Step
+
+    recorder = TraceRecorder(tmp_path)
+    for n in range(1, 91):  # 90 s at one step per second: past the rule's "for: 60s"
+        for r in range(3):
+            recorder.step(Step(job="j", step=n, time=float(n), rank=r, loss=1.0,
+                               layers=("w",), layer_norms=np.array([1.0]), world=3, shards=3,
+                               scalars={"data_seconds": 0.4 if r == 2 else 0.05,
+                                        "forward_seconds": 0.01}))
+    recorder.close()
+    (trace,) = tmp_path.glob("*.jsonl")
+    fired = [t.alert for t in replay(trace) if t.current == "firing"]
+    assert [(a.rule, a.rank) for a in fired] == [("RankStraggling", 2)]

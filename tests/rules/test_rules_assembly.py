@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from gradwatch.collector.assembly import Assembler, assembles
+from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules import Engine, load_default_rules
 from gradwatch.rules.step import Stats, Step
 
@@ -195,3 +195,24 @@ def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
     dw = np.sqrt(((ratio * w) ** 2).sum(axis=0))
     np.testing.assert_allclose(whole.update_ratios, dw / whole.weight_norms)
     assert whole.assembled == 2
+
+
+def test_a_recorded_multi_rank_trace_replays_assembled(tmp_path) -> None:
+    from gradwatch.collector.recorder import TraceRecorder
+    from gradwatch.rules.replay import Replay
+
+    recorder = TraceRecorder(tmp_path)
+    for n in range(1, 9):
+        for r in range(4):
+            norms = (1.0, math.nan, 1.0) if (n >= 5 and r == 3) else (1.0, 0.5, 2.0)
+            recorder.step(report(n, r, norms, world=4, shards=4, time=100.0 + n))
+    recorder.close()
+    (trace,) = tmp_path.glob("*.jsonl")
+    header = trace.read_text().splitlines()[0]
+    assert '"world":4' in header.replace(" ", "") and '"shards":4' in header.replace(" ", "")
+    run = Replay(load_default_rules())
+    fired = [t.alert for t in run.run(trace) if t.current == "firing"]
+    (alert,) = [a for a in fired if a.rule == "NonFiniteGradients"]
+    # Judged once per assembled step, as the collector did: rank 3 named, step 5.
+    assert (alert.rank, alert.step) == (3, 5) and "first on rank 3, b" in alert.summary
+    assert len([a for a in fired if a.rule == "NonFiniteGradients"]) == 1

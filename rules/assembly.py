@@ -27,7 +27,9 @@ time), for the alert's ``rank``.
 Cadence statistics are assembled the same way: weight norms add as sums of
 squares, and update ratios through ||dw||^2 = (ratio * ||w||)^2 per shard.
 
-Called from the collector's ingest thread only (not thread-safe).
+Pure (no I/O; the clock is injected), so ``gradwatch replay`` assembles a
+recorded trace exactly as the collector did live. Not thread-safe: the
+collector calls it from its ingest thread.
 
 Example::
 
@@ -150,6 +152,13 @@ class Assembler:
         out: list[Record] = []
         for stream in self._streams.values():
             out += self._ready(stream)
+        return out
+
+    def flush(self) -> list[Record]:
+        """Emit everything still pending, as is (the end of a replayed trace)."""
+        out: list[Record] = []
+        for stream in self._streams.values():
+            out += [self._emit(stream, pending) for pending in self._drain(stream)]
         return out
 
     def counts(self) -> dict[str, AssemblyCounts]:
