@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 _STOP = object()
 # With a command socket, the thread looks at it at least this often.
 COMMAND_POLL_S = 0.1
+FIRST_BEAT_RETRY_S = 0.05  # until the first heartbeat gets through
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
@@ -246,8 +247,13 @@ class Shipper:
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                self._heartbeat()
-                next_beat = now + self._cfg.heartbeat_every
+                sent = self._heartbeat()
+                # Until the first heartbeat is through (the connection is still being
+                # made), retry soon: the collector learns which ranks run before their
+                # first steps arrive, and waits for each of them when assembling.
+                first = not sent and self._counters.heartbeats_sent == 0
+                next_beat = now + (min(FIRST_BEAT_RETRY_S, self._cfg.heartbeat_every) if first
+                                   else self._cfg.heartbeat_every)
             if now >= self._deadline:
                 return
             wait = min(next_beat, self._deadline) - now
@@ -392,7 +398,7 @@ class Shipper:
             with self._counters.lock:
                 self._counters.events_dropped += 1
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self) -> bool:
         cfg = self._cfg
         hb = Heartbeat(job=cfg.job, rank=cfg.rank, world=cfg.world, incarnation=self._inc,
                        time=time.time(), step=self._last_step(),
@@ -400,6 +406,8 @@ class Shipper:
                        started=self._started() if self._started is not None else None)
         if self._send(encode_heartbeat(hb)):
             self._counters.heartbeats_sent += 1
+            return True
+        return False
 
     def _shutdown(self) -> None:
         """Close with a linger bounded by the close deadline, then terminate.

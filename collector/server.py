@@ -384,6 +384,9 @@ class Server:
             self._record(result)
             for heartbeat in result.heartbeats:
                 self.state.observe_heartbeat(heartbeat)
+                if heartbeat.world > 1:
+                    with self.assembler_lock:
+                        self.assembler.heard(heartbeat.job, heartbeat.rank)
             for event in result.events:
                 self.state.observe_event(event)
                 if self.actions is not None:

@@ -8,10 +8,13 @@ shard, so a layer's assembled norm is the global norm the job would compute
 with an all-reduce. Rank ``r`` holds shard ``r % shards`` (DDP: every rank
 holds shard 0, so any one rank suffices).
 
-A step is emitted, in step order per job, as soon as every rank expected to
-report has; a rank that misses ``deadline_seconds`` (counted from the step's
-first report) is marked absent, and steps stop waiting for it until it reports
-a step that is still being assembled. A layer whose shards did not all arrive
+A step is emitted, in step order per job, as soon as every rank heard from
+(a step or a heartbeat, :meth:`Assembler.heard`) has reported it and every
+shard is in; the job's first step waits for the whole world. Ranks never heard
+from by then are not waited for (a DDP job may run the agent on one rank only).
+A known rank that misses ``deadline_seconds`` (counted from the step's first
+report) is marked absent, and steps stop waiting for it until it reports a step
+that is still being assembled. A layer whose shards did not all arrive
 is left out of the emitted step -- a partial sum would look like vanishing
 gradients -- unless it is already non-finite, which one shard proves. Reports
 of a step already emitted are counted as late and dropped. A rank whose step
@@ -106,6 +109,8 @@ class _Stream:
     pending: dict[int, _Pending] = field(default_factory=dict)
     emitted: int = -1
     absent: set[int] = field(default_factory=set)
+    known: set[int] = field(default_factory=set)  # ranks heard from (steps or heartbeats)
+    started: bool = False  # a step was emitted: from now on, wait only for known ranks
     rank_step: dict[int, int] = field(default_factory=dict)
     first_bad: dict[str, int] = field(default_factory=dict)
     counts: AssemblyCounts = field(default_factory=AssemblyCounts)
@@ -119,6 +124,7 @@ class Assembler:
         self.deadline_seconds = deadline_seconds
         self._clock = clock
         self._streams: dict[tuple[str, str], _Stream] = {}
+        self._heard: dict[str, set[int]] = {}
 
     def add(self, record: Record) -> list[Record]:
         """Take one rank's step or stats; return the records that became whole (maybe none)."""
@@ -136,6 +142,7 @@ class Assembler:
         else:
             out = []
         stream.rank_step[record.rank] = record.step
+        stream.known.add(record.rank)
         if record.step <= stream.emitted:
             stream.counts = replace(stream.counts, late=stream.counts.late + 1)
             return out
@@ -146,6 +153,20 @@ class Assembler:
         _add(pending, record, stream.shards)
         out += self._ready(stream)
         return out
+
+    def heard(self, job: str, rank: int) -> None:
+        """``rank`` of ``job`` is alive (a heartbeat): its steps are waited for from now on.
+
+        Agents heartbeat before their first step, so a job's first steps wait
+        for every running rank rather than being judged on whichever came first.
+        """
+        heard = self._heard.setdefault(job, set())
+        if rank not in heard:
+            heard.add(rank)
+            for kind in ("step", "stats"):
+                stream = self._streams.get((job, kind))
+                if stream is not None:
+                    stream.known.add(rank)
 
     def expire(self) -> list[Record]:
         """Emit the steps whose deadline passed; call about once a second."""
@@ -174,6 +195,7 @@ class Assembler:
     def forget(self, job: str) -> None:
         for kind in ("step", "stats"):
             self._streams.pop((job, kind), None)
+        self._heard.pop(job, None)
 
     # ------------------------------------------------------------ internals
 
@@ -183,6 +205,7 @@ class Assembler:
         if stream is None or (stream.world, stream.shards) != (record.world, record.shards):
             # A new job, or one relaunched at another scale: start over.
             stream = self._streams[key] = _Stream(record.world, record.shards)
+            stream.known |= {r for r in self._heard.get(record.job, ()) if r < record.world}
         return stream
 
     def _ready(self, stream: _Stream) -> list[Record]:
@@ -191,15 +214,18 @@ class Assembler:
         while stream.pending:
             low = min(stream.pending)
             pending = stream.pending[low]
-            expected = stream.world - len(stream.absent - pending.ranks)
-            overdue = now - pending.first >= self.deadline_seconds
-            if len(pending.ranks) < expected and not overdue \
+            complete = _complete(stream, pending)
+            if not complete and now - pending.first < self.deadline_seconds \
                     and len(stream.pending) <= MAX_PENDING_STEPS:
                 break
             del stream.pending[low]
-            if len(pending.ranks) < expected:
-                stream.absent |= set(range(stream.world)) - pending.ranks
+            if not complete:
+                # Stop waiting for known ranks that did not make it. Ranks never heard
+                # from are not waited for after the first step either: not running an
+                # agent is a choice (DDP on rank 0 only), not an outage.
+                stream.absent |= stream.known - pending.ranks
                 stream.counts = replace(stream.counts, incomplete=stream.counts.incomplete + 1)
+            stream.started = True
             out.append(self._emit(stream, pending))
         return out
 
@@ -234,6 +260,26 @@ class Assembler:
         return replace(lowest, layers=layers, layer_norms=kept, loss=loss, grad_norm=grad_norm,
                        skipped=pending.skipped, assembled=len(pending.ranks),
                        time=pending.last_time, blame=_blame(stream, pending, norms, loss))
+
+
+def _complete(stream: _Stream, pending: _Pending) -> bool:
+    """Whether nobody is left to wait for.
+
+    The job's first step waits for the whole world (agents may connect after
+    another rank's first batch). After it: every rank heard from and not absent
+    has reported, and every shard is in unless only absent or never-heard-from
+    ranks hold it.
+    """
+    if not stream.started:
+        return len(pending.ranks) >= stream.world
+    # Reporting ranks are all known; absent ones are not waited for (O(absent), not O(world)).
+    gone = sum(1 for r in stream.absent if r in stream.known and r not in pending.ranks)
+    if len(pending.ranks) < len(stream.known) - gone:
+        return False
+    if len(pending.shards_seen) == stream.shards:
+        return True
+    return all(r in stream.absent or r not in stream.known for r in range(stream.world)
+               if r % stream.shards not in pending.shards_seen)
 
 
 def _new(record: Record, now: float) -> _Pending:

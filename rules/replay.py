@@ -244,6 +244,8 @@ class Replay:
             return engine.observe_eval(replace(ev, assembled=1))
         if isinstance(rec, TraceHeartbeat):
             tracker.heartbeat(rec.rank, rec.step, rec.time, rec.started)
+            if asm is not None:
+                asm.heard(header.job, rec.rank)
         elif isinstance(rec, TraceEvent) and rec.kind == "checkpoint":
             path = rec.fields.get("path")
             self.checkpoints.append(Checkpoint(rec.step, path if isinstance(path, str) else ""))

@@ -64,19 +64,38 @@ def test_a_later_complete_step_waits_for_an_earlier_one() -> None:
     assert [w.step for w in out] == [1, 2]
 
 
-def test_ddp_needs_one_report_per_replica_and_waits_for_the_others() -> None:
+def test_ddp_needs_one_report_per_replica_and_waits_for_every_rank_it_knows() -> None:
     asm = Assembler(clock=FakeClock())
     norms = (0.5, 2.0, 1.5)
+    # The first step waits for the whole world (agents connect at different times).
     assert asm.add(report(1, 1, norms, world=3, shards=1)) == []
     assert asm.add(report(1, 0, norms, world=3, shards=1)) == []
     (whole,) = asm.add(report(1, 2, norms, world=3, shards=1))
     np.testing.assert_allclose(whole.layer_norms, norms)  # replicas are not added up
     assert whole.rank == 0 and whole.assembled == 3
+    # Later steps wait for every rank heard from.
+    assert asm.add(report(2, 2, norms, world=3, shards=1)) == []
+    assert asm.add(report(2, 0, norms, world=3, shards=1)) == []
+    assert [w.assembled for w in asm.add(report(2, 1, norms, world=3, shards=1))] == [3]
+
+
+def test_an_agent_on_one_rank_of_a_ddp_job_waits_once_then_is_judged_at_once() -> None:
+    clock = FakeClock()
+    asm = Assembler(deadline_seconds=5.0, clock=clock)
+    assert asm.add(report(1, 0, (1, 1, 1), world=8, shards=1)) == []
+    clock.now += 5.0
+    assert [w.step for w in asm.expire()] == [1]
+    out = [w for n in range(2, 6) for w in asm.add(report(n, 0, (1, 1, 1), world=8, shards=1))]
+    assert [w.step for w in out] == [2, 3, 4, 5]
+    # Ranks never heard from are not running an agent: not "absent".
+    assert asm.absent("j") == set() and asm.counts()["j"].incomplete == 1
 
 
 def test_a_missing_rank_is_waited_for_until_the_deadline_then_not_any_more() -> None:
     clock = FakeClock()
     asm = Assembler(deadline_seconds=5.0, clock=clock)
+    for r in range(3):
+        asm.heard("j", r)  # every rank's agent heartbeats
     asm.add(report(1, 0, (3.0, 4.0, 1.0), world=3, shards=3))
     asm.add(report(1, 1, (4.0, 3.0, 1.0), world=3, shards=3))
     assert asm.expire() == []
@@ -89,10 +108,13 @@ def test_a_missing_rank_is_waited_for_until_the_deadline_then_not_any_more() -> 
     # The next step does not wait for the absent rank again...
     asm.add(report(2, 0, (1.0, 1.0, 1.0), world=3, shards=3))
     (nxt,) = asm.add(report(2, 1, (1.0, 1.0, 1.0), world=3, shards=3))
-    assert nxt.step == 2
+    assert nxt.step == 2 and nxt.layers == ()
     # ...and a rank that reports a step still being assembled is expected again.
     asm.add(report(3, 2, (1.0, 1.0, 1.0), world=3, shards=3))
     assert asm.absent("j") == set()
+    asm.add(report(3, 0, (1.0, 1.0, 1.0), world=3, shards=3))
+    (back,) = asm.add(report(3, 1, (1.0, 1.0, 1.0), world=3, shards=3))
+    assert back.layers == LAYERS and back.assembled == 3
 
 
 def test_a_nonfinite_shard_is_kept_even_when_the_step_is_incomplete() -> None:
@@ -176,10 +198,10 @@ def test_pending_steps_are_bounded_per_job() -> None:
     out: list[Step] = []
     for n in range(1, 300):
         out += asm.add(report(n, 0, (1, 1, 1), world=2, shards=2))
-    # Past the bound the oldest step goes out as is, which marks rank 1 absent:
-    # from then on nothing waits for it (a rank silent for 256 steps is gone).
+    # Past the bound the oldest step goes out as is; rank 1 was never heard from,
+    # so from then on nothing waits for it.
     assert [w.step for w in out] == list(range(1, 300))
-    assert asm.absent("j") == {1} and asm.counts()["j"].incomplete == 1
+    assert asm.absent("j") == set() and asm.counts()["j"].incomplete == 1
 
 
 def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
@@ -216,3 +238,13 @@ def test_a_recorded_multi_rank_trace_replays_assembled(tmp_path) -> None:
     # Judged once per assembled step, as the collector did: rank 3 named, step 5.
     assert (alert.rank, alert.step) == (3, 5) and "first on rank 3, b" in alert.summary
     assert len([a for a in fired if a.rule == "NonFiniteGradients"]) == 1
+
+
+def test_ranks_that_heartbeat_are_waited_for_from_the_first_step() -> None:
+    asm = Assembler(clock=FakeClock())
+    for r in range(3):
+        asm.heard("j", r)  # agents heartbeat before their first step
+    assert asm.add(report(1, 0, (1, 1, 1), world=3, shards=1)) == []
+    assert asm.add(report(1, 2, (1, 1, 1), world=3, shards=1)) == []
+    (whole,) = asm.add(report(1, 1, (1, 1, 1), world=3, shards=1))
+    assert whole.assembled == 3
