@@ -59,7 +59,7 @@ from gradwatch.agent.layout import Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, StatsItem
 from gradwatch.agent.topology import resolve_shards
 from gradwatch.wire import columns as wc
-from gradwatch.wire.messages import DATA_CHANGE
+from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
 
 logger = logging.getLogger(__name__)
 
@@ -315,6 +315,8 @@ class Monitor:
                 self._buffer.flush()
             except Exception as exc:
                 self._fail("flushing the last steps in Monitor.close()", exc)
+            # After the last batch: the collector forgets a job soon once every rank closed.
+            self._event("note", self._step, {"note": CLOSED_NOTE})
         self._off = True
         self._drop_hooks()
         if hasattr(self, "_shipper"):

@@ -100,6 +100,10 @@ class CollectorConfig(BaseSettings):
     job_ttl_seconds: float = Field(
         default=600.0, gt=0,
         description="Forget a job's state and series after this much silence.")
+    finished_grace_seconds: float = Field(
+        default=60.0, ge=0,
+        description="Forget a job this long after every rank's agent closed (its final "
+                    "values stay long enough for Prometheus to scrape them).")
     shutdown_timeout: float = Field(
         default=5.0, gt=0, le=3600,
         description="Seconds a graceful stop may take before giving up.")

@@ -158,7 +158,7 @@ class Server:
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
         self.ingest = Ingest(config.max_message_bytes)
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
-        self.state = StateStore(config.job_ttl_seconds, clock)
+        self.state = StateStore(config.job_ttl_seconds, clock, config.finished_grace_seconds)
         self.assembler = Assembler(config.assembly_deadline_seconds, clock)
         # The ingest thread assembles; a scrape reads the counters.
         self.assembler_lock = threading.Lock()
@@ -527,8 +527,8 @@ class Server:
 
     def _expire(self) -> None:
         for job in self.state.expire():
-            log.info("forgetting job %r after %.0fs of silence", job,
-                     self.config.job_ttl_seconds)
+            log.info("forgetting job %r: every agent closed %.0fs ago, or silent for %.0fs",
+                     job, self.config.finished_grace_seconds, self.config.job_ttl_seconds)
             self.ingest.forget(job)
             with self.assembler_lock:
                 self.assembler.forget(job)

@@ -38,6 +38,7 @@ import numpy as np
 from gradwatch.rules.liveness import busy_seconds
 from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
 from gradwatch.wire import Event, Heartbeat
+from gradwatch.wire.messages import CLOSED_NOTE
 
 MAX_CHECKPOINTS = 64
 MAX_EVALS = 256
@@ -83,6 +84,7 @@ class RankState:
     heartbeat_step: int | None = None
     started: int | None = None  # the heartbeat's: the step whose forward began
     lag: float | None = None  # collector clock minus agent time of the newest step
+    closed: bool = False  # the agent said it closed (and has not reported since)
     # Progress for liveness: the highest step known from steps or heartbeats,
     # when (collector clock) it last advanced, and recent seconds per step
     # measured on the agent's clock (a batch arrives all at once).
@@ -122,6 +124,7 @@ class JobState:
         if state is None:
             state = self.ranks[rank] = RankState(now)
         state.last_seen = now
+        state.closed = False  # anything after a "closed" note: the rank is back
         self.last_seen = now
         return state
 
@@ -164,8 +167,10 @@ class StateStore:
     """All jobs' state; thread-safe; forgets silent jobs on ``expire()``."""
 
     def __init__(self, job_ttl_seconds: float = 600.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 finished_grace_seconds: float = 60.0) -> None:
         self.job_ttl_seconds = job_ttl_seconds
+        self.finished_grace_seconds = finished_grace_seconds
         self._clock = clock
         self._jobs: dict[str, JobState] = {}
         self._lock = threading.Lock()
@@ -216,7 +221,8 @@ class StateStore:
     def observe_event(self, event: Event) -> None:
         with self._lock:
             job = self._job(event.job)
-            job.rank(event.rank, self._clock())
+            rank = job.rank(event.rank, self._clock())
+            rank.closed = event.kind == "note" and event.fields.get("note") == CLOSED_NOTE
             if event.kind == "checkpoint":
                 path = event.fields.get("path")
                 job.checkpoints.append(Checkpoint(
@@ -287,10 +293,18 @@ class StateStore:
             ]
 
     def expire(self) -> list[str]:
-        """Forget jobs silent for longer than the TTL; return their names."""
+        """Forget finished and silent jobs; return their names.
+
+        Finished: every rank's agent closed and ``finished_grace_seconds`` passed
+        (long enough for Prometheus to scrape the final values). Silent: nothing
+        heard for ``job_ttl_seconds`` (a crash, or agents that never close).
+        """
         with self._lock:
-            cutoff = self._clock() - self.job_ttl_seconds
-            gone = [name for name, job in self._jobs.items() if job.last_seen < cutoff]
+            now = self._clock()
+            cutoff, finished = now - self.job_ttl_seconds, now - self.finished_grace_seconds
+            gone = [name for name, job in self._jobs.items()
+                    if job.last_seen < cutoff or (job.last_seen < finished and job.ranks
+                                                  and all(r.closed for r in job.ranks.values()))]
             for name in gone:
                 del self._jobs[name]
         return gone

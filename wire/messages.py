@@ -42,6 +42,8 @@ MAX_RANK: Final = 1 << 20
 # "data_change": the job changed its data or task on purpose; rules re-baseline from its step.
 DATA_CHANGE: Final = "data_change"
 EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA_CHANGE})
+# A "note" event with this ``fields.note``: the agent closed (the job ended on this rank).
+CLOSED_NOTE: Final = "closed"
 
 _PREAMBLE = struct.Struct("<2sBB")
 _FLOAT_MAX_INT: Final = int(sys.float_info.max)

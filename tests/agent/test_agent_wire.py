@@ -352,3 +352,18 @@ def _drain(sock: zmq.Socket) -> list[Message]:
     while sock.poll(500):
         out.append(decode(sock.recv_multipart()))
     return out
+
+
+def test_close_says_so_after_the_last_batch(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = gradwatch.watch(model, opt, job="bye", endpoint=endpoint, flush_every=100)
+    wait_connected(sock)
+    model(torch.randn(2, 6)).sum().backward()
+    opt.step()
+    mon.log(loss=1.0)
+    mon.close()
+    sent = [m for m in _drain(sock) if not isinstance(m, Heartbeat)]
+    assert isinstance(sent[0], Batch) and sent[0].steps == (1,)
+    assert isinstance(sent[-1], Event) and (sent[-1].kind, sent[-1].fields) == ("note", {"note": "closed"})

@@ -121,3 +121,30 @@ def test_alert_counts_only_transitions_into_firing() -> None:
     store.record_transition(Transition(alert(job="unknown"), "pending", "firing"))
     (view,) = store.snapshot()
     assert view.alerts_fired == {("NonFiniteGradients", "numerical", "critical"): 1}
+
+
+def test_a_job_whose_agents_all_closed_is_forgotten_after_the_grace() -> None:
+    clock = FakeClock()
+    store = StateStore(job_ttl_seconds=600, clock=clock, finished_grace_seconds=60)
+    for r in (0, 1):
+        store.observe_step(step(5, rank=r))
+    closed = Event(job="run-1", rank=0, incarnation="i", time=0.0, kind="note", step=5,
+                   fields={"note": "closed"})
+    store.observe_event(closed)
+    clock.now += 61
+    assert store.expire() == []  # rank 1 has not closed: still running (or crashed: TTL)
+    store.observe_event(replace(closed, rank=1))
+    clock.now += 30
+    assert store.expire() == []  # within the grace: the final values can still be scraped
+    clock.now += 31
+    assert store.expire() == ["run-1"] and store.snapshot() == []
+
+
+def test_a_rank_that_reports_after_closing_is_running_again() -> None:
+    clock = FakeClock()
+    store = StateStore(clock=clock, finished_grace_seconds=60)
+    store.observe_event(Event(job="run-1", rank=0, incarnation="i", time=0.0, kind="note",
+                              step=5, fields={"note": "closed"}))
+    store.observe_step(step(6))  # a restarted process, same rank
+    clock.now += 61
+    assert store.expire() == []
