@@ -166,7 +166,9 @@ class Monitor:
             # A compiled model would trace these clock reads into its graph (and
             # break it there); disabled, they run eagerly at the graph's edge.
             began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
-        self._hooks.append(model.register_forward_pre_hook(began))
+        # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
+        # parameters, which waits for the slowest rank; that wait is not "data".
+        self._hooks.append(model.register_forward_pre_hook(began, prepend=True))
         self._hooks.append(model.register_forward_hook(ended))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         if config.activation_stats and config.stats_every:

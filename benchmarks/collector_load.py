@@ -650,6 +650,11 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         print(f"\nBREAKS at {r.name}: " + "; ".join(why))
     for r in results:
         notes = [f"load avg {r.load_avg:.2f} before the run"]
+        if r.last_step + 1 > OLD_HISTORY_STEPS:
+            notes.append(f"{r.last_step + 1} steps per rank, past the {OLD_HISTORY_STEPS} of "
+                         "per-rank history the collector used to keep (1.17 GiB at 64x1000): "
+                         f"RSS {r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f} MiB, "
+                         f"{r.rss_growth_mib:+.1f} MiB over the second half")
         later = breaks(r)
         if later and broke is not None and r is not broke[0]:
             notes.append("also over: " + "; ".join(later))

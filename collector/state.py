@@ -35,7 +35,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gradwatch.rules.liveness import busy_seconds
+from gradwatch.rules.liveness import step_phases
 from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
 from gradwatch.wire import Event, Heartbeat
 from gradwatch.wire.messages import CLOSED_NOTE
@@ -91,7 +91,8 @@ class RankState:
     progress: int | None = None
     progress_time: float = 0.0
     step_intervals: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
-    # Host seconds before the gradient sync per step (data wait + forward).
+    # Host seconds per step waiting for data, and before the gradient sync (data + forward).
+    data: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
     busy: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
 
     def advance(self, step: int, now: float) -> None:
@@ -180,7 +181,9 @@ class StateStore:
             now = self._clock()
             rank = self._job(step.job).rank(step.rank, now)
             rank.lag = now - step.time
-            busy = busy_seconds(step)
+            data, busy = step_phases(step)
+            if data is not None:
+                rank.data.append(data)
             if busy is not None:
                 rank.busy.append(busy)
             # Ranks may deliver out of order across batches; "latest" is by step.
@@ -287,6 +290,7 @@ class StateStore:
                          step_seconds=statistics.median(rank.step_intervals)
                          if rank.step_intervals else None,
                          started=rank.started,
+                         data_seconds=statistics.median(rank.data) if rank.data else None,
                          busy_seconds=statistics.median(rank.busy) if rank.busy else None)
                 for name, job in sorted(self._jobs.items())
                 for r, rank in sorted(job.ranks.items()) if rank.progress is not None

@@ -147,12 +147,20 @@ class StragglerDetector:
     """Active while a rank needs ``factor`` times longer per step than the job's typical rank.
 
     Synchronous ranks share one step time (each waits for the slowest at the
-    gradient all-reduce), so ranks are compared on ``busy_seconds``: the host
-    time each spends per step *before* the sync, waiting for data and in forward
-    passes (measured by the agent). The slow rank is the one that is busy while
-    the others wait. Where fewer than half the ranks report it (older agents),
-    the median step time is compared instead, which tells stragglers apart in
-    jobs whose ranks do not synchronise every step.
+    gradient sync), so ranks are compared on the agent's host timings of the
+    part of the step *before* they wait for each other, in this order:
+
+    * ``data_seconds`` -- from the previous ``log()`` to the first training
+      forward (waiting for data). No collective runs there under DDP or FSDP,
+      so a slow data loader shows on its own rank only.
+    * ``busy_seconds`` -- data plus forward passes. Under DDP the forward has
+      no collective, so a slow *compute* rank shows here; under FSDP the
+      forward's all-gathers make every rank wait for the slowest, so a compute
+      straggler there is not visible to host timing.
+
+    Where fewer than half the ranks report a measure (older agents), the median
+    step time is compared instead, which tells stragglers apart in jobs whose
+    ranks do not synchronise every step.
 
     Example::
 
@@ -174,31 +182,45 @@ class StragglerDetector:
 
     def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding:
         """Judge every rank of one job at once; see the class docstring."""
-        busy = {live.rank: live.busy_seconds for live in liveness if live.busy_seconds is not None}
-        measure = "busy_seconds"
-        if len(busy) * 2 < len(liveness):
-            busy = {live.rank: live.step_seconds for live in liveness
-                    if live.step_seconds is not None}
-            measure = "step_seconds"
-        if len(busy) < self.min_ranks:
+        measured = False
+        for measure in ("data_seconds", "busy_seconds"):
+            values = {live.rank: getattr(live, measure) for live in liveness
+                      if getattr(live, measure) is not None}
+            if len(values) * 2 < len(liveness) or len(values) < self.min_ranks:
+                continue
+            measured = True
+            slow = self._slow(values)
+            if slow:
+                return self._finding(measure, values, slow)
+        if measured:
             return INACTIVE
-        values = sorted(busy.values())
-        typical = statistics.median(values)
+        steps = {live.rank: live.step_seconds for live in liveness if live.step_seconds is not None}
+        if len(steps) < self.min_ranks:
+            return INACTIVE
+        slow = self._slow(steps)
+        return self._finding("step_seconds", steps, slow) if slow else INACTIVE
+
+    def _slow(self, values: dict[int, float]) -> dict[int, tuple[float, float]]:
+        """Ranks ``factor`` x and ``min_excess_seconds`` above the typical: (seconds, typical)."""
+        ordered = sorted(values.values())
+        typical = statistics.median(ordered)
         slow = {}
-        for rank, seconds in busy.items():
+        for rank, seconds in values.items():
             # With two ranks the median includes the slow one: compare with the other.
-            other = values[0] if len(values) == 2 and seconds == values[1] else typical
+            other = ordered[0] if len(ordered) == 2 and seconds == ordered[1] else typical
             if seconds >= self.factor * other and seconds - other >= self.min_excess_seconds:
                 slow[rank] = (seconds, other)
-        if not slow:
-            return INACTIVE
+        return slow
+
+    def _finding(self, measure: str, values: dict[int, float],
+                 slow: dict[int, tuple[float, float]]) -> Finding:
         culprit = max(slow, key=lambda rank: (slow[rank][0], -rank))
         seconds, other = slow[culprit]
-        what = "before the gradient sync (data + forward)" if measure == "busy_seconds" \
-            else "per step"
+        what = {"data_seconds": "waiting for data before its forward",
+                "busy_seconds": "before the gradient sync (data + forward)"}.get(measure, "per step")
         summary = (
-            f"rank {culprit} is a straggler: {seconds:.3f}s {what} against a typical "
-            f"{other:.3f}s across {len(busy)} ranks; {len(slow)} rank(s) slow -- the others "
+            f"rank {culprit} is a straggler: {seconds:.3f}s per step {what} against a typical "
+            f"{other:.3f}s across {len(values)} ranks; {len(slow)} rank(s) slow -- the others "
             "wait for it every step (slow data loading, a throttled or shared device?)"
         )
         evidence = {
@@ -209,7 +231,7 @@ class StragglerDetector:
             "ratio": seconds / other if other > 0 else None,
             "slow_ranks": sorted(slow)[: self.max_named],
             "slow": len(slow),
-            "ranks": len(busy),
+            "ranks": len(values),
         }
         return Finding(True, summary, evidence, rank=culprit)
 
@@ -217,10 +239,12 @@ class StragglerDetector:
 _PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
 
 
-def busy_seconds(step: Step) -> float | None:
-    """A rank's host seconds before the gradient sync this step (data wait + forward), if measured."""
+def step_phases(step: Step) -> tuple[float | None, float | None]:
+    """A rank's host seconds this step waiting for data, and before the gradient sync
+    (data wait + forward), as the agent measured them; None where not measured."""
+    data = step.scalars.get(col.DATA_SECONDS_SCALAR)
     phases = [step.scalars[name] for name in _PHASES if name in step.scalars]
-    return sum(phases) if phases else None
+    return data, (sum(phases) if phases else None)
 
 
 def _began_next(live: Liveness) -> bool:
@@ -233,6 +257,7 @@ class _Rank:
     last_step_time: float = 0.0
     last_heartbeat_time: float = 0.0
     intervals: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    data: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     busy: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     started: int | None = None
 
@@ -254,9 +279,13 @@ class LivenessTracker:
         self.job = job
         self._ranks: dict[int, _Rank] = {}
 
-    def step(self, rank: int, step: int, time: float, busy: float | None = None) -> None:
-        """A step record of ``rank`` arrived at ``time`` (``busy``: its seconds before the sync)."""
+    def step(self, rank: int, step: int, time: float,
+             phases: tuple[float | None, float | None] = (None, None)) -> None:
+        """A step record of ``rank`` arrived at ``time`` (``phases``: see :func:`step_phases`)."""
         state = self._ranks.setdefault(rank, _Rank(last_step_time=time))
+        data, busy = phases
+        if data is not None:
+            state.data.append(data)
         if busy is not None:
             state.busy.append(busy)
         if step > state.last_step:
@@ -280,6 +309,7 @@ class LivenessTracker:
                      last_step_time=s.last_step_time, last_heartbeat_time=s.last_heartbeat_time,
                      step_seconds=statistics.median(s.intervals) if s.intervals else None,
                      started=s.started,
+                     data_seconds=statistics.median(s.data) if s.data else None,
                      busy_seconds=statistics.median(s.busy) if s.busy else None)
             for rank, s in sorted(self._ranks.items())
         ]

@@ -33,7 +33,7 @@ import numpy as np
 from gradwatch.rules.alert import Transition
 from gradwatch.rules.assembly import Assembler
 from gradwatch.rules.engine import Engine
-from gradwatch.rules.liveness import LivenessTracker, busy_seconds
+from gradwatch.rules.liveness import LivenessTracker, step_phases
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
 from gradwatch.wire.messages import DATA_CHANGE
@@ -222,7 +222,7 @@ class Replay:
         if isinstance(rec, TraceStep):
             time = now if rec.time is None else rec.time
             step = step_of(rec, header, time)
-            tracker.step(rec.rank, rec.step, time, busy_seconds(step))
+            tracker.step(rec.rank, rec.step, time, step_phases(step))
             if asm is None:
                 return engine.observe(step)
             return self._judge(engine, asm.add(replace(step, world=header.world or 1,

@@ -131,7 +131,9 @@ class Liveness:
     # rank stalled at ``last_step`` that has not started the next step is the one
     # the others wait for.
     started: int | None = None
-    # Median host seconds per step before the gradient sync (waiting for data
-    # plus forward passes, measured by the agent); the straggler detector
-    # compares ranks on it, since synchronous ranks share one step time.
+    # Median host seconds per step waiting for data, and before the gradient
+    # sync (data plus forward passes), as the agent measured them; the
+    # straggler detector compares ranks on these, since synchronous ranks
+    # share one step time.
+    data_seconds: float | None = None
     busy_seconds: float | None = None

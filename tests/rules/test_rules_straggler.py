@@ -9,12 +9,12 @@ from gradwatch.rules.liveness import StalledDetector, StragglerDetector
 from gradwatch.rules.step import Liveness
 
 
-def live(rank: int, *, busy: float | None = None, step_seconds: float | None = 1.0,
-         now: float = 1000.0, last_step: int = 50, step_time: float = 999.0,
-         started: int | None = None) -> Liveness:
+def live(rank: int, *, busy: float | None = None, data: float | None = None,
+         step_seconds: float | None = 1.0, now: float = 1000.0, last_step: int = 50,
+         step_time: float = 999.0, started: int | None = None) -> Liveness:
     return Liveness(job="j", rank=rank, now=now, last_step=last_step, last_step_time=step_time,
                     last_heartbeat_time=now, step_seconds=step_seconds, started=started,
-                    busy_seconds=busy)
+                    data_seconds=data, busy_seconds=busy)
 
 
 def test_a_rank_busy_much_longer_before_the_sync_is_named() -> None:
@@ -26,6 +26,21 @@ def test_a_rank_busy_much_longer_before_the_sync_is_named() -> None:
     assert found.evidence["measure"] == "busy_seconds"
     assert (found.evidence["seconds"], found.evidence["typical_seconds"]) == (0.5, 0.1)
     assert found.evidence["slow_ranks"] == [5] and "rank 5 is a straggler" in found.summary
+
+
+def test_under_fsdp_a_slow_data_loader_shows_in_data_time_only() -> None:
+    # FSDP's forward all-gathers make the fast ranks wait inside their forward, so
+    # data + forward is the same everywhere; the wait for data is not.
+    ranks = [live(r, data=0.4 if r == 2 else 0.001, busy=0.45) for r in range(4)]
+    found = StragglerDetector().observe_liveness(ranks)
+    assert found.active and found.rank == 2 and found.evidence["measure"] == "data_seconds"
+    assert "waiting for data" in found.summary
+
+
+def test_under_ddp_a_slow_compute_rank_shows_in_data_plus_forward() -> None:
+    ranks = [live(r, data=0.001, busy=0.6 if r == 1 else 0.2) for r in range(4)]
+    found = StragglerDetector().observe_liveness(ranks)
+    assert found.active and found.rank == 1 and found.evidence["measure"] == "busy_seconds"
 
 
 def test_two_ranks_compare_with_the_other() -> None:
