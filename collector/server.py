@@ -396,6 +396,8 @@ class Server:
                         self._engine_of().data_changed(event.job, event.step)
             for step in result.steps:
                 self._observe(step)
+            if result.steps:
+                self.state.observe_lag(max(result.steps, key=lambda s: s.time))
             for stats in result.stats:
                 self.state.observe_stats(stats)
                 if assembles(stats):

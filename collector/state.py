@@ -180,7 +180,6 @@ class StateStore:
         with self._lock:
             now = self._clock()
             rank = self._job(step.job).rank(step.rank, now)
-            rank.lag = now - step.time
             data, busy = step_phases(step)
             if data is not None:
                 rank.data.append(data)
@@ -213,6 +212,18 @@ class StateStore:
             rank.started = hb.started
             if hb.step > 0:  # 0 is "no step yet": a slow start (compile, data) is no hang
                 rank.advance(hb.step, now)
+
+    def observe_lag(self, newest: Step) -> None:
+        """A batch was handled: its newest row's age is the rank's ingest lag.
+
+        Set once per batch, from its newest row: the older rows of a batch are
+        older by design (the agent batches), not because the collector is behind.
+        """
+        with self._lock:
+            job = self._jobs.get(newest.job)
+            rank = job.ranks.get(newest.rank) if job is not None else None
+            if rank is not None:
+                rank.lag = self._clock() - newest.time
 
     def observe_assembled(self, step: Step) -> None:
         """Keep a multi-rank job's newest assembled step: its gauges report it."""

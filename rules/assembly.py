@@ -16,8 +16,11 @@ A known rank that misses ``deadline_seconds`` (counted from the step's first
 report) is marked absent, and steps stop waiting for it until it reports a step
 that is still being assembled. A layer whose shards did not all arrive
 is left out of the emitted step -- a partial sum would look like vanishing
-gradients -- unless it is already non-finite, which one shard proves. Reports
-of a step already emitted are counted as late and dropped. A rank whose step
+gradients -- unless it is already non-finite, which one shard proves. A
+replica whose values are non-finite while another replica's are not (a faulty
+device) makes those layers non-finite. Reports of a step already emitted are
+counted as late and dropped, except their non-finite values, which go out as
+a step of their own (a NaN is never lost). A rank whose step
 goes backwards (a restart or rollback) restarts the job's assembly.
 
 The loss is the mean over the reporting ranks (each rank's own batch); lr,
@@ -145,7 +148,8 @@ class Assembler:
         stream.known.add(record.rank)
         if record.step <= stream.emitted:
             stream.counts = replace(stream.counts, late=stream.counts.late + 1)
-            return out
+            late = _late_nonfinite(stream, record)
+            return out + ([late] if late is not None else [])
         pending = stream.pending.get(record.step)
         if pending is None:
             pending = stream.pending[record.step] = _new(record, self._clock())
@@ -282,6 +286,29 @@ def _complete(stream: _Stream, pending: _Pending) -> bool:
                if r % stream.shards not in pending.shards_seen)
 
 
+def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:
+    """A late report's non-finite values, as a step of their own: a NaN is never dropped.
+
+    Only those layers (and the loss) travel: the step was already judged
+    without this rank, and re-judging its finite values would count them twice.
+    """
+    if not isinstance(record, Step):
+        return None
+    bad = ~np.isfinite(record.layer_norms)
+    loss_bad = record.loss is not None and not math.isfinite(record.loss)
+    if not (loss_bad or bad.any()):
+        return None
+    layers = tuple(name for name, b in zip(record.layers, bad.tolist(), strict=True) if b)
+    norms = record.layer_norms[bad]
+    norms.flags.writeable = False
+    blame = {name: record.rank for name in layers[:MAX_BLAMED]}
+    if loss_bad:
+        blame["loss"] = record.rank
+    return replace(record, layers=layers, layer_norms=norms,
+                   loss=record.loss if loss_bad else None, grad_norm=None,
+                   grad_norm_logged=False, assembled=1, blame=blame)
+
+
 def _new(record: Record, now: float) -> _Pending:
     layers = record.layers
     n = len(layers)
@@ -312,8 +339,13 @@ def _add(pending: _Pending, record: Record, shards: int) -> None:
             names = frozenset(name for name, b in zip(record.layers, bad.tolist(), strict=True) if b)
             pending.bad.append((record.time, record.rank, names, loss_bad))
     shard = record.rank % shards
-    if values is None or shard in pending.shards_seen:
-        return  # another replica of a shard already added: replicas hold the same gradient
+    if values is None:
+        return
+    if shard in pending.shards_seen:
+        # Another replica of this shard was added: replicas hold the same gradient,
+        # unless one went bad on its own (a faulty device): its non-finite values count.
+        _poison(pending, record.layers, np.asarray(values, np.float64))
+        return
     pending.shards_seen.add(shard)
     squares = np.square(np.asarray(values, np.float64))
     known: np.ndarray | None = None
@@ -336,6 +368,17 @@ def _add(pending: _Pending, record: Record, shards: int) -> None:
         dw = np.where(measured, ratios, 0.0) ** 2 * squares
         pending.updates[rows] += dw
         pending.updates_seen[rows] += measured
+
+
+def _poison(pending: _Pending, layers: tuple[str, ...], values: np.ndarray) -> None:
+    """Make the layers where ``values`` is non-finite non-finite in the sum too."""
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        return
+    for name, value in zip(layers, values.tolist(), strict=True):
+        i = pending.index.get(name)
+        if i is not None and not math.isfinite(value):
+            pending.acc[i] += value * value  # nan stays nan; inf makes the sum inf
 
 
 def _ratios(pending: _Pending, keep: np.ndarray, norms: np.ndarray,

@@ -45,6 +45,7 @@ def fixed_state() -> StateStore:
         layers=("a", "b", "c", "d"), layer_norms=np.array([3.0, np.nan, 4.0, 0.5]),
         lr=(0.1, 0.01), loss_scale=1024.0))
     store.observe_step(Step(job="run-1", step=13, time=NOW, rank=1, loss=2.75))
+    store.observe_lag(Step(job="run-1", step=13, time=NOW, rank=1))  # handled at once: lag 0
     store.observe_eval(Eval(job="run-1", step=12, time=NOW, rank=1, loss=3.0))
     store.observe_eval(Eval(job="run-1", step=12, time=NOW, rank=0, loss=float("nan")))  # kept out
     store.observe_stats(Stats(job="run-1", step=10, time=NOW, rank=0, act=(

@@ -148,3 +148,14 @@ def test_a_rank_that_reports_after_closing_is_running_again() -> None:
     store.observe_step(step(6))  # a restarted process, same rank
     clock.now += 61
     assert store.expire() == []
+
+
+def test_ingest_lag_is_the_age_of_a_batch_newest_row() -> None:
+    clock = FakeClock(now=1010.0)
+    store = StateStore(clock=clock)
+    rows = [replace(step(n), time=1000.0 + n) for n in range(1, 10)]  # logged at 1001..1009
+    for row in rows:
+        store.observe_step(row)
+    store.observe_lag(rows[-1])
+    (view,) = store.snapshot()
+    assert view.lag_seconds == 1.0  # not 9 s: the older rows waited in the agent's batch

@@ -248,3 +248,34 @@ def test_ranks_that_heartbeat_are_waited_for_from_the_first_step() -> None:
     assert asm.add(report(1, 2, (1, 1, 1), world=3, shards=1)) == []
     (whole,) = asm.add(report(1, 1, (1, 1, 1), world=3, shards=1))
     assert whole.assembled == 3
+
+
+def test_a_replica_that_goes_nonfinite_alone_is_not_hidden_by_the_others() -> None:
+    # DDP replicas hold the same gradient, unless one device goes bad on its own.
+    for order in ([0, 1, 2, 3], [2, 0, 1, 3]):
+        asm = Assembler(clock=FakeClock())
+        out: list[Step] = []
+        for r in order:
+            norms = (math.nan, 1.0, 1.0) if r == 2 else (1.0, 1.0, 1.0)
+            out += asm.add(report(5, r, norms, world=4, shards=1))
+        (whole,) = out
+        assert math.isnan(whole.layer_norms[0]) and whole.layer_norms[1:].tolist() == [1.0, 1.0]
+        assert whole.blame == {"a": 2}
+
+
+def test_a_late_nonfinite_report_is_judged_not_dropped() -> None:
+    clock = FakeClock()
+    asm = Assembler(deadline_seconds=1.0, clock=clock)
+    engine = Engine(load_default_rules(), clock=lambda: 0.0)
+    for r in range(3):
+        asm.heard("j", r)
+    asm.add(report(7, 0, (1.0, 1.0, 1.0), world=3, shards=3))
+    asm.add(report(7, 1, (1.0, 1.0, 1.0), world=3, shards=3))
+    clock.now += 1.0
+    for whole in asm.expire():
+        engine.observe(whole)
+    (late,) = asm.add(report(7, 2, (1.0, math.inf, 1.0), world=3, shards=3, loss=2.0))
+    assert late.layers == ("b",) and late.loss is None and late.blame == {"b": 2}
+    fired = [t.alert for t in engine.observe(late) if t.current == "firing"]
+    assert [(a.rule, a.rank) for a in fired] == [("NonFiniteGradients", 2)]
+    assert asm.add(report(7, 2, (1.0, 1.0, 1.0), world=3, shards=3)) == []  # finite: dropped
