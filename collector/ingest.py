@@ -54,6 +54,7 @@ REASONS = ("malformed", "oversized", "unknown_schema", "version", "internal")
 LOG_EVERY = 1000
 MAX_STREAMS = 65_536
 MAX_SCHEMAS_PER_STREAM = 16
+MAX_SHARED_PLANS = 1024  # distinct schemas across all streams
 MAX_TRAIN_MODE_MODULES = 256  # names kept from one eval event; the rest are counted, not named
 # JSON has no NaN/Inf: agents send non-finite event numbers as these strings.
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -146,6 +147,7 @@ class Ingest:
         self.max_message_bytes = max_message_bytes
         self._max_streams = max_streams
         self._streams: OrderedDict[tuple[str, int, str], _Stream] = OrderedDict()
+        self._plans: OrderedDict[Schema, _Plan] = OrderedDict()  # LRU, see _shared_plan
         self._lock = threading.Lock()
         self._messages: Counter[str] = Counter({kind: 0 for kind in KINDS})
         self._rejected: Counter[str] = Counter({reason: 0 for reason in REASONS})
@@ -240,13 +242,28 @@ class Ingest:
             plan = plans.get(batch.schema.id)
             # Agents resend schemas periodically: recompile only when one changed.
             if plan is None or plan.schema != batch.schema:
-                plan = _compile(batch.schema)
-                plans[batch.schema.id] = plan
+                plan = plans[batch.schema.id] = self._shared_plan(batch.schema)
         if plan is not None:
             plans.move_to_end(plan.schema.id)
             while len(plans) > MAX_SCHEMAS_PER_STREAM:
                 plans.popitem(last=False)
         return plan
+
+    def _shared_plan(self, schema: Schema) -> _Plan:
+        """One compiled plan per distinct schema, shared by every rank that sends it.
+
+        Every rank of a job sends the same layer names; sharing them saves a copy
+        of ~1,000 strings per rank (tens of MiB at thousands of ranks).
+        """
+        with self._lock:
+            plan = self._plans.get(schema)
+            if plan is None:
+                plan = self._plans[schema] = _compile(schema)
+                while len(self._plans) > MAX_SHARED_PLANS:
+                    self._plans.popitem(last=False)
+            else:
+                self._plans.move_to_end(schema)
+            return plan
 
     # ------------------------------------------------------------ bookkeeping
 
@@ -407,7 +424,6 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
     named = raw[:, :first].astype(np.float64).tolist()
     named_missing = missing[:, :first].tolist()
     norms = raw[:, first:].astype(np.float64)
-    norms.flags.writeable = False
     layer_missing = missing[:, first:]
     measured = ~layer_missing
     n_measured = measured.sum(axis=1)
@@ -418,11 +434,14 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
     for r in range(rows):
         values, gone = named[r], named_missing[r]
         if n_measured[r] == len(layers):
-            row_layers, row_norms = layers, norms[r]
+            # A copy, not a view: the state keeps each rank's latest step, and a
+            # view would keep the whole batch (flush_every rows) alive per rank.
+            row_layers, row_norms = layers, norms[r].copy()
         else:
             keep = measured[r]
             row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
             row_norms = norms[r][keep]
+        row_norms.flags.writeable = False
         grad_norm = _cell(values, gone, plan.grad_norm)
         logged = grad_norm is not None
         if grad_norm is None and n_measured[r]:
