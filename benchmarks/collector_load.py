@@ -77,12 +77,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from loadgen import sender_main  # benchmarks/ is on sys.path when run as a script
+from load_report import Result, fmt_n, fmt_rate, fmt_s, print_table, rss_at  # noqa: E402
 
 from gradwatch.collector.receiver import WebhookReceiver
 
@@ -91,12 +92,10 @@ DEFAULT_LADDER = ((8, 100, 1.0), (64, 1000, 1.0), (256, 1000, 1.0), (1024, 1000,
                   (64, 1000, 50.0))
 QUICK_LADDER = ((8, 100, 1.0), (256, 1000, 1.0))
 READY_TIMEOUT_S = 30.0
-GiB = 1 << 30
 SCRAPE_EVERY_S = 2.0
 SAMPLE_EVERY_S = 0.5
 PROBE_WARMUP_S = 20.0  # no probe before this: schemas travel, every rank reports once
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-OLD_HISTORY_STEPS = 2048  # the per-rank history the collector used to keep
 ASSEMBLY_DEADLINE_S = 5.0  # CollectorConfig.assembly_deadline_seconds default
 FLAP_MAX = 3  # RoutePolicy.flap_max: firings per job, rule and rank before it holds back
 BATCHES = 'gradwatch_ingest_messages_total{kind="batch"}'
@@ -312,80 +311,6 @@ class Probe:
 # ---------------------------------------------------------------- one configuration
 
 
-@dataclass
-class Result:
-    ranks: int
-    layers: int
-    rate: float
-    shards: int
-    duration: float
-    flush_every: int
-    load_avg: float = math.nan      # 1-min load average before the collector started
-    offered_vps: float = 0.0        # nominal: ranks x layers x step rate
-    sent_vps: float = 0.0           # what the senders actually sent, over the run
-    sustained_vps: float = 0.0
-    lost_batches: int = 0           # sent, never processed
-    eagain_batches: int = 0
-    rejected: int = 0
-    transit_lost: int = 0
-    agent_dropped: int = 0
-    job_step: float = math.nan
-    last_step: int = -1
-    drain_s: float = math.nan       # after the last send, until all was processed
-    caught_up: bool = False
-    asm_steps: float = math.nan
-    asm_incomplete: float = math.nan
-    asm_inexact: float = math.nan
-    asm_late: float = math.nan
-    max_absent: float = 0.0
-    max_lag_s: float = math.nan
-    max_lag_warm_s: float = math.nan  # after the probes' warm-up: without the schema flush
-    latencies: list[float] = field(default_factory=list)       # agent -> webhook
-    send_latencies: list[float] = field(default_factory=list)  # batch sent -> webhook
-    probes_planned: int = 0
-    probes_missing: int = 0
-    wrong_rank: list[str] = field(default_factory=list)
-    unresolved: int = 0
-    other_alerts: dict[str, int] = field(default_factory=dict)
-    cpu_pct: float = 0.0
-    cpu_s: float = 0.0
-    peak_rss_mib: float = 0.0
-    rss_start_mib: float = 0.0
-    rss_growth_mib: float = math.nan  # RSS at the end of the run minus at its middle
-    scrape_med_ms: float = math.nan
-    scrape_max_ms: float = math.nan
-    scrape_errors: int = 0
-    sender_lag_s: float = 0.0
-    burst_send_s: float = 0.0
-    log_lines: list[str] = field(default_factory=list)
-    rss_trace: list[tuple[float, float]] = field(default_factory=list)  # (s since start, MiB)
-
-    @property
-    def name(self) -> str:
-        return f"{self.ranks}x{self.layers}" + (f"@{self.rate:g}" if self.rate != 1.0 else "")
-
-    @property
-    def flush_interval(self) -> float:
-        return self.flush_every / self.rate
-
-    @property
-    def lost(self) -> int:
-        return self.lost_batches + self.eagain_batches + self.rejected + self.transit_lost
-
-    def pct(self, q: float, values: list[float] | None = None) -> float:
-        values = self.latencies if values is None else values
-        if not values and not self.probes_missing:
-            return math.nan
-        ordered = sorted(values) + [math.inf] * self.probes_missing
-        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]  # nearest rank
-
-
-def _rss_at(trace: list[tuple[float, int]], when: float) -> float:
-    """VmRSS (KiB) of the last sample at or before ``when`` (the first if none)."""
-    before = [kib for t, kib in trace if t <= when]
-    return float(before[-1] if before else trace[0][1]) if trace else math.nan
-
-
 def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
                receiver: TimedReceiver, tag: str) -> Result:
     shards = args.shards or ranks
@@ -531,8 +456,8 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
         res.cpu_s = cpu1 - cpu0
         res.cpu_pct = 100.0 * res.cpu_s / max(1e-9, t_done - t0)
         res.peak_rss_mib = max(mem["VmHWM"], monitor.peak_rss_kib) / 1024
-        res.rss_growth_mib = (_rss_at(monitor.rss_trace, t_end)
-                              - _rss_at(monitor.rss_trace, t0 + args.duration / 2)) / 1024
+        res.rss_growth_mib = (rss_at(monitor.rss_trace, t_end)
+                              - rss_at(monitor.rss_trace, t0 + args.duration / 2)) / 1024
         if monitor.scrapes:
             res.scrape_med_ms = statistics.median(monitor.scrapes) * 1000
             res.scrape_max_ms = max(monitor.scrapes) * 1000
@@ -561,131 +486,6 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
             pass
         shutil.rmtree(tmp, ignore_errors=True)
     return res
-
-
-# ---------------------------------------------------------------- report
-
-
-def fmt_rate(v: float) -> str:
-    if v >= 1e6:
-        return f"{v / 1e6:.2f}M"
-    if v >= 1e3:
-        return f"{v / 1e3:.1f}k"
-    return f"{v:.0f}"
-
-
-def fmt_s(v: float) -> str:
-    return "miss" if math.isinf(v) else ("-" if math.isnan(v) else f"{v:.2f}")
-
-
-def fmt_ms(v: float) -> str:
-    return "miss" if math.isinf(v) else ("-" if math.isnan(v) else f"{v * 1000:.0f}")
-
-
-def fmt_n(v: float) -> str:
-    return "-" if math.isnan(v) else f"{v:.0f}"
-
-
-def breaks(r: Result) -> list[str]:
-    why = []
-    if r.lost:
-        why.append(f"loss ({r.lost_batches} unprocessed, {r.eagain_batches} EAGAIN, "
-                   f"{r.rejected} rejected, {r.transit_lost} lost in transit)")
-    if not (r.asm_incomplete == 0 and r.asm_late == 0 and r.asm_steps >= r.last_step + 1):
-        why.append(f"assembly ({fmt_n(r.asm_steps)} of {r.last_step + 1} steps assembled, "
-                   f"{fmt_n(r.asm_incomplete)} incomplete, {fmt_n(r.asm_late)} late reports)")
-    if r.probes_missing:
-        why.append(f"{r.probes_missing} of {r.probes_planned} probe alerts missing")
-    limit = r.flush_interval + 1.0
-    if not r.pct(99) <= limit:
-        why.append(f"alert p99 {fmt_s(r.pct(99))} s > flush interval + 1 = {limit:g} s")
-    if r.peak_rss_mib * (1 << 20) > GiB:
-        why.append(f"peak RSS {r.peak_rss_mib:.0f} MiB > 1 GiB")
-    if r.scrape_med_ms > 100:
-        why.append(f"median scrape {r.scrape_med_ms:.0f} ms > 100 ms")
-    return why
-
-
-def print_table(results: list[Result], args: argparse.Namespace) -> None:
-    head = ("config", "offered v/s", "sustained v/s", "lost", "drain s", "asm steps",
-            "incompl/late", "lag max s (warm)", "alert p50/p99 s", "send->hook p50/p99 ms", "n",
-            "cpu %", "RSS MiB", "2nd half MiB", "scrape med/max ms", "sender lag s")
-    rows = []
-    for r in results:
-        rows.append((
-            r.name, fmt_rate(r.offered_vps), fmt_rate(r.sustained_vps),
-            f"{r.lost}" + (f" (+{r.eagain_batches} EAGAIN)" if r.eagain_batches else ""),
-            fmt_s(r.drain_s), f"{fmt_n(r.asm_steps)}/{r.last_step + 1}",
-            f"{fmt_n(r.asm_incomplete)}/{fmt_n(r.asm_late)}",
-            f"{fmt_s(r.max_lag_s)} ({fmt_s(r.max_lag_warm_s)})",
-            f"{fmt_s(r.pct(50))}/{fmt_s(r.pct(99))}",
-            f"{fmt_ms(r.pct(50, r.send_latencies))}/{fmt_ms(r.pct(99, r.send_latencies))}",
-            f"{len(r.latencies)}/{r.probes_planned}", f"{r.cpu_pct:.0f}",
-            f"{r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f}", f"{r.rss_growth_mib:+.1f}",
-            f"{r.scrape_med_ms:.1f}/{r.scrape_max_ms:.1f}", f"{r.sender_lag_s:.2f}"))
-    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    line = "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-    shards = "shards = world (FSDP)" if args.shards is None else f"shards = {args.shards}"
-    print(f"\n(values = per-layer gradient norms; config = ranks x layers[@steps/s, default 1]; "
-          f"flush every {args.flush_every} steps; {shards}; {args.duration:g} s per config; "
-          f"{args.senders} sender processes on {os.cpu_count()} CPUs; lost = unprocessed + "
-          "EAGAIN + rejected + lost in transit; asm steps = steps assembled / steps sent; "
-          "incompl/late = assembly incomplete steps / late reports; lag max = largest "
-          "gradwatch_job_ingest_lag_seconds seen (warm: after the first 20 s, i.e. without "
-          "the first flush, which carries every rank's schema); alert = NaN logged at the agent -> "
-          "webhook, incl. batching (target p99 < flush interval + 1 s); send->hook = from "
-          "the batch's send; p99 of n probes is their max; cpu % of one core over run + "
-          "drain; RSS = start->peak (VmHWM); 2nd half = RSS growth over the run's second "
-          "half)")
-    broke = next(((r, why) for r in results if (why := breaks(r))), None)
-    if broke is None:
-        print("\nno configuration broke (loss, incomplete/late assembly, missing alert, alert "
-              "p99 > flush interval + 1 s, RSS > 1 GiB, median scrape > 100 ms)")
-    else:
-        r, why = broke
-        print(f"\nBREAKS at {r.name}: " + "; ".join(why))
-    for r in results:
-        notes = [f"load avg {r.load_avg:.2f} before the run"]
-        if r.last_step + 1 > OLD_HISTORY_STEPS:
-            notes.append(f"{r.last_step + 1} steps per rank, past the {OLD_HISTORY_STEPS} of "
-                         "per-rank history the collector used to keep (1.17 GiB at 64x1000): "
-                         f"RSS {r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f} MiB, "
-                         f"{r.rss_growth_mib:+.1f} MiB over the second half")
-        later = breaks(r)
-        if later and broke is not None and r is not broke[0]:
-            notes.append("also over: " + "; ".join(later))
-        if r.scrape_max_ms > 100:
-            notes.append(f"max scrape {r.scrape_max_ms:.0f} ms")
-        if r.asm_inexact:
-            notes.append(f"{fmt_n(r.asm_inexact)} inexact assembled steps")
-        if r.max_absent:
-            notes.append(f"up to {r.max_absent:.0f} ranks absent")
-        if r.job_step != r.last_step:
-            notes.append(f"gradwatch_job_step {fmt_n(r.job_step)}, last step sent {r.last_step}")
-        if r.wrong_rank:
-            notes.append(f"alert rank is not the NaN's rank: {', '.join(r.wrong_rank[:3])}")
-        if r.unresolved:
-            notes.append(f"{r.unresolved} probe incidents never resolved")
-        if r.other_alerts:
-            notes.append("other alerts fired: " + ", ".join(
-                f"{rule} x{n}" for rule, n in sorted(r.other_alerts.items())))
-        if r.agent_dropped:
-            notes.append(f"collector counted {r.agent_dropped} agent-dropped steps")
-        if r.scrape_errors:
-            notes.append(f"{r.scrape_errors} failed scrapes")
-        warnings = [ln for ln in r.log_lines if "WARNING" in ln or "ERROR" in ln]
-        if warnings:
-            notes.append(f"{len(warnings)} collector log warning/error lines, first: "
-                         f"{warnings[0][:200]}")
-        print(f"  {r.name}: " + "; ".join(notes))
-        if args.rss_trace and r.rss_trace:
-            every = max(1, len(r.rss_trace) // 12)
-            print(f"  {r.name} RSS MiB over time: " + ", ".join(
-                f"{t:.0f}s {m:.0f}" for t, m in r.rss_trace[::every]))
 
 
 def main(argv: list[str] | None = None) -> int:
