@@ -118,6 +118,12 @@ def _train(model: Any, job: str, endpoint: str, steps: int, inputs: Any) -> None
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = gradwatch.watch(model, optimizer, job=job, endpoint=endpoint, flush_every=FLUSH_EVERY,
                           stats_every=STATS_EVERY)
+    # Until its socket connects the agent drops what it sends (by design: training never
+    # waits); the first heartbeat through means connected. On a busy machine that can
+    # take longer than the first cadence steps, whose statistics the test counts on.
+    deadline = time.monotonic() + 10.0
+    while mon.stats.heartbeats_sent == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)  # polling a condition with a deadline
     try:
         for _ in range(steps):
             x = inputs()
