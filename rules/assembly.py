@@ -271,19 +271,15 @@ def _complete(stream: _Stream, pending: _Pending) -> bool:
 
     The job's first step waits for the whole world (agents may connect after
     another rank's first batch). After it: every rank heard from and not absent
-    has reported, and every shard is in unless only absent or never-heard-from
-    ranks hold it.
+    has reported. A shard still missing then is held only by absent ranks or
+    ranks never heard from, which are not waited for (and the check stays
+    O(absent ranks), never O(world): a hostile header may claim a huge world).
     """
     if not stream.started:
         return len(pending.ranks) >= stream.world
-    # Reporting ranks are all known; absent ones are not waited for (O(absent), not O(world)).
+    # Reporting ranks are all known; absent ones are not waited for.
     gone = sum(1 for r in stream.absent if r in stream.known and r not in pending.ranks)
-    if len(pending.ranks) < len(stream.known) - gone:
-        return False
-    if len(pending.shards_seen) == stream.shards:
-        return True
-    return all(r in stream.absent or r not in stream.known for r in range(stream.world)
-               if r % stream.shards not in pending.shards_seen)
+    return len(pending.ranks) >= len(stream.known) - gone
 
 
 def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:

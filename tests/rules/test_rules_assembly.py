@@ -279,3 +279,18 @@ def test_a_late_nonfinite_report_is_judged_not_dropped() -> None:
     fired = [t.alert for t in engine.observe(late) if t.current == "firing"]
     assert [(a.rule, a.rank) for a in fired] == [("NonFiniteGradients", 2)]
     assert asm.add(report(7, 2, (1.0, 1.0, 1.0), world=3, shards=3)) == []  # finite: dropped
+
+
+def test_a_huge_claimed_world_is_waited_for_once_then_judged_on_the_ranks_that_report() -> None:
+    clock = FakeClock()
+    asm = Assembler(deadline_seconds=1.0, clock=clock)
+    world = 1 << 20  # the wire's largest: one (hostile or misconfigured) rank claims it
+    asm.add(report(1, 0, (1, 1, 1), world=world, shards=world))
+    clock.now += 1.0
+    assert [w.step for w in asm.expire()] == [1]  # the first step waited its deadline once
+    out = [w for n in range(2, 202) for w in asm.add(report(n, 0, (1, 1, 1), world=world,
+                                                              shards=world))]
+    # Each at once: nothing waits for a million ranks that never spoke (_complete
+    # looks at the ranks heard from and the absent ones, never at range(world)).
+    assert [w.step for w in out] == list(range(2, 202))
+    assert asm.absent("j") == set()
