@@ -25,8 +25,8 @@ _COUNTERS = (
     ("inexact", "gradwatch_assembly_inexact_steps",
      "Steps judged with some layers left out because a shard of them never arrived."),
     ("late", "gradwatch_assembly_late_reports",
-     "Rank reports that arrived after their step was judged (dropped); a rank that is "
-     "often late needs a longer assembly_deadline_seconds or a look at its network."),
+     ("Rank reports that arrived after their step was judged (dropped); a rank that is "
+      "often late needs a longer assembly_deadline_seconds or a look at its network.")),
     ("restarts", "gradwatch_assembly_restarts",
      "Times a rank's steps went backwards (a restart or rollback) and assembly began anew."),
 )

@@ -130,7 +130,7 @@ def test_assembled_norms_equal_the_norms_computed_in_the_job(
 
 
 def test_a_stalled_rank_is_reported_as_hung_and_named(tmp_path: Path) -> None:
-    with collector() as (server, engine, sink):
+    with collector() as (server, _engine, sink):
         # Rank 1 sticks in its data loader before step 3; rank 0 waits in the all-reduce.
         with launch(2, "ddp", server.bound_endpoint, "hang", 4, tmp_path,
                     stall_rank=1, stall_at=3, stall_seconds=6) as job:
@@ -144,7 +144,7 @@ def test_a_stalled_rank_is_reported_as_hung_and_named(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_a_straggler_is_named(tmp_path: Path, mode: str) -> None:
-    with collector() as (server, engine, sink):
+    with collector() as (server, _engine, sink):
         with launch(3, mode, server.bound_endpoint, f"slow-{mode}", 20, tmp_path,
                     slow_rank=2, slow_seconds=0.25) as job:
             alert = firing_alert(sink.wait_for(fired("RankStraggling"), ALERT_TIMEOUT_S),
@@ -158,7 +158,7 @@ def test_a_straggler_is_named(tmp_path: Path, mode: str) -> None:
 
 
 def test_a_nan_born_on_one_rank_is_blamed_on_it(tmp_path: Path) -> None:
-    with collector() as (server, engine, sink):
+    with collector() as (server, _engine, sink):
         # Rank 1's batch at step 4 is NaN; the all-reduce spreads it to every rank's gradients.
         with launch(3, "ddp", server.bound_endpoint, "nan", 5, tmp_path,
                     nan_rank=1, nan_at=4) as job:

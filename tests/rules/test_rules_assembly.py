@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules import Engine, load_default_rules
+from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules.step import Stats, Step
 
 LAYERS = ("a", "b", "c")
