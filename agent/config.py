@@ -97,7 +97,10 @@ class AgentConfig:
                 f"rank {self.rank} / world {self.world} is not a valid pair: need "
                 "0 <= rank < world; pass rank= and world= or set RANK and WORLD_SIZE")
         if not 1 <= self.shards <= self.world or self.world % self.shards:
-            raise ValueError(f"shards={self.shards} must divide the world size {self.world}")
+            raise ValueError(
+                f"shards={self.shards} must divide the world size {self.world}: 1 for DDP "
+                f"(replicated gradients), {self.world} for FSDP/ZeRO, the shard group size "
+                "for hybrid sharding")
         if not 1 <= self.flush_every <= MAX_ROWS:
             raise ValueError(f"flush_every must be in [1, {MAX_ROWS}], got {self.flush_every}")
         if self.stats_every < 0:

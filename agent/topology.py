@@ -37,7 +37,10 @@ ENV_SHARDS = "GRADWATCH_SHARDS"
 
 def resolve_shards(model: torch.nn.Module, world: int, shards: int | None,
                    env: Mapping[str, str] | None = None) -> int:
-    """The number of ranks one replica's gradients are split across; see the module docstring."""
+    """The number of ranks one replica's gradients are split across; see the module docstring.
+
+    Raises ``ValueError`` for a ``$GRADWATCH_SHARDS`` that is not an integer.
+    """
     env = os.environ if env is None else env
     if shards is None and env.get(ENV_SHARDS):
         raw = env[ENV_SHARDS]
@@ -45,13 +48,8 @@ def resolve_shards(model: torch.nn.Module, world: int, shards: int | None,
             shards = int(raw)
         except ValueError:
             raise ValueError(f"environment variable {ENV_SHARDS}={raw!r} is not an integer") from None
-    if shards is None:
-        shards = _detect(model, world)
-    if not 1 <= shards <= world or world % shards:
-        raise ValueError(
-            f"shards={shards} must divide the world size {world}: 1 for DDP (replicated "
-            f"gradients), {world} for FSDP/ZeRO, the shard group size for hybrid sharding")
-    return shards
+    # AgentConfig checks that the result divides the world size.
+    return _detect(model, world) if shards is None else shards
 
 
 def _detect(model: torch.nn.Module, world: int) -> int:

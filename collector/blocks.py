@@ -24,6 +24,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from gradwatch.rules.ratio import group_layers, group_norms, module_of
+
 
 def block_of(layer: str) -> str:
     """The block a parameter belongs to: its name cut after the first numeric component.
@@ -50,7 +52,7 @@ def block_of(layer: str) -> str:
         # isascii: str.isdigit also accepts characters like "²", never a module index.
         if part.isascii() and part.isdigit():
             return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1]) or layer
+    return module_of(layer) or layer
 
 
 @lru_cache(maxsize=64)
@@ -60,11 +62,9 @@ def group_blocks(layers: tuple[str, ...]) -> tuple[np.ndarray, tuple[str, ...]]:
     Cached: a job's layer names are the same tuple scrape after scrape, and
     splitting hundreds of names on every scrape would be wasted work.
     """
-    index: dict[str, int] = {}
-    inverse = np.fromiter((index.setdefault(block_of(name), len(index)) for name in layers),
-                          dtype=np.int64, count=len(layers))
+    inverse, names, _ = group_layers(layers, key=block_of)
     inverse.setflags(write=False)  # shared between scrapes through the cache
-    return inverse, tuple(index)
+    return inverse, tuple(names)
 
 
 def block_norms(layers: tuple[str, ...], norms: np.ndarray) -> tuple[tuple[str, ...], np.ndarray]:
@@ -76,9 +76,4 @@ def block_norms(layers: tuple[str, ...], norms: np.ndarray) -> tuple[tuple[str, 
         raise ValueError(f"{len(layers)} layer names but {norms.size} norms; "
                          "pass the norms of the same step as the names")
     inverse, names = group_blocks(layers)
-    # Squares of fp32-range norms stay far below float64's limit; a float64
-    # gradient huge enough to overflow is reported as +Inf, which it nearly is.
-    with np.errstate(over="ignore", invalid="ignore"):
-        values = np.sqrt(np.bincount(inverse, weights=np.asarray(norms, dtype=np.float64) ** 2,
-                                     minlength=len(names)))
-    return names, values
+    return names, group_norms(inverse, norms, len(names))

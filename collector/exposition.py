@@ -39,7 +39,7 @@ from gradwatch.collector.config import VERSION
 from gradwatch.collector.ingest import IngestStats
 from gradwatch.collector.sinks import Sink
 from gradwatch.collector.state import AlertLike, JobView, StateStore
-from gradwatch.rules.ratio import group_layers
+from gradwatch.rules.ratio import group_layers, group_norms
 
 ALERT_LABELS = ["job", "rule", "category", "severity"]
 
@@ -258,11 +258,10 @@ def _ratio_family(jobs: list[JobView]) -> Metric:
         if len(job.layers) != job.layer_norms.size or job.layer_norms.size < 2:
             continue
         inverse, names, _ = group_layers(job.layers)
-        with np.errstate(over="ignore", invalid="ignore"):  # inf is a fine answer here
-            modules = np.sqrt(np.bincount(inverse, weights=job.layer_norms ** 2,
-                                          minlength=len(names)))
-            usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0))
-            if usable.size >= 2:
+        modules = group_norms(inverse, job.layer_norms, len(names))
+        usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0))
+        if usable.size >= 2:
+            with np.errstate(over="ignore"):  # inf is a fine answer here
                 ratio.add_metric([job.job], float(modules[usable[0]] / modules[usable[-1]]))
     return ratio
 

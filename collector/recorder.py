@@ -36,8 +36,8 @@ from typing import IO
 
 from gradwatch.rules.replay import trace_eval, trace_stats, trace_step
 from gradwatch.rules.step import FLOAT32_MAX, Eval, Stats, Step
-from gradwatch.wire import Event, Heartbeat
 from gradwatch.rules.assembly import assembles
+from gradwatch.wire import Event, Heartbeat
 from gradwatch.collector.ingest import eval_of
 from gradwatch.wire.trace import TraceEvent, TraceHeader, TraceHeartbeat, TraceRecord, encode_record
 
@@ -93,8 +93,8 @@ class TraceRecorder:
 
     def heartbeat(self, hb: Heartbeat) -> None:
         """Record a heartbeat (replay rebuilds liveness from them)."""
-        self._write(hb.job, lambda header: TraceHeartbeat(rank=hb.rank, time=hb.time, step=hb.step,
-                                                                   started=hb.started))
+        self._write(hb.job, lambda header: TraceHeartbeat(
+            rank=hb.rank, time=hb.time, step=hb.step, started=hb.started))
 
     def forget(self, job: str) -> None:
         """Close a finished job's file; a later record of it starts a new file."""

@@ -40,7 +40,6 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
 from gradwatch.collector.alertmanager import AlertmanagerSink
-from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.collector.assembly_metrics import AssemblyMetrics
 from gradwatch.collector.auth import (
     AuthCounters,
@@ -63,6 +62,7 @@ from gradwatch.collector.slack import SlackChannel
 from gradwatch.collector.state import StateStore
 from gradwatch.collector.webhook import WebhookChannel
 from gradwatch.rules import Engine, Step, load_default_rules, load_rules
+from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules.step import Eval, Liveness, Stats
 from gradwatch.wire.messages import DATA_CHANGE
 
@@ -400,12 +400,7 @@ class Server:
                 self.state.observe_lag(max(result.steps, key=lambda s: s.time))
             for stats in result.stats:
                 self.state.observe_stats(stats)
-                if assembles(stats):
-                    with self.assembler_lock:
-                        wholes = self.assembler.add(stats)
-                    self._judge_whole(wholes)
-                else:
-                    self._evaluate("the statistics", stats, self._engine_of().observe_stats)
+                self._judge("the statistics", stats, self._engine_of().observe_stats)
             for ev in result.evals:
                 self.state.observe_eval(ev)
                 judged = self.state.eval_to_judge(ev)
@@ -433,28 +428,29 @@ class Server:
             recorder.stats(stats)
 
     def _observe(self, step: Step) -> None:
-        if assembles(step):
-            try:
-                self.state.observe_step(step)  # per rank: liveness, timings, lag
-                with self.assembler_lock:
-                    wholes = self.assembler.add(step)
-            except Exception as exc:
-                self.ingest.reject("internal", "failed to assemble step %d of job %r: %r; "
-                                   "please report this as a gradwatch bug", step.step,
-                                   step.job, exc)
-                return
-            self._judge_whole(wholes)
-            return
         try:
-            self.state.observe_step(step)
-            with self._engine_lock:
-                assert self._engine is not None
-                transitions = self._engine.observe(step)
+            self.state.observe_step(step)  # per rank: liveness, timings, latest values
         except Exception as exc:
-            self.ingest.reject("internal", "failed to evaluate step %d of job %r: %r; please "
+            self.ingest.reject("internal", "failed to record step %d of job %r: %r; please "
                                "report this as a gradwatch bug", step.step, step.job, exc)
             return
-        self._dispatch(transitions)
+        self._judge("the step", step, self._engine_of().observe)
+
+    def _judge(self, what: str, record: Step | Stats,
+               observe: Callable[[Any], Sequence[Any]]) -> None:
+        """Judge one rank's record: alone, or within its job's assembled step."""
+        if not assembles(record):
+            self._evaluate(what, record, observe)
+            return
+        try:
+            with self.assembler_lock:
+                wholes = self.assembler.add(record)
+        except Exception as exc:
+            self.ingest.reject("internal", "failed to assemble %s at step %d of job %r: %r; "
+                               "please report this as a gradwatch bug", what, record.step,
+                               record.job, exc)
+            return
+        self._judge_whole(wholes)
 
     def _judge_whole(self, records: Iterable[Step | Stats]) -> None:
         """Judge the job-wide records the assembler completed (steps and stats)."""

@@ -35,14 +35,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gradwatch.rules.liveness import step_phases
-from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
+from gradwatch.rules.liveness import PhaseTimes
+from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step, nonfinite_layers
 from gradwatch.wire import Event, Heartbeat
 from gradwatch.wire.messages import CLOSED_NOTE
 
 MAX_CHECKPOINTS = 64
 MAX_EVALS = 256
-STEP_INTERVALS = 32  # per-step intervals (and busy times) behind a rank's medians
+STEP_INTERVALS = 32  # per-step intervals behind a rank's median step time
 
 
 class AlertLike(Protocol):
@@ -91,9 +91,7 @@ class RankState:
     progress: int | None = None
     progress_time: float = 0.0
     step_intervals: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
-    # Host seconds per step waiting for data, and before the gradient sync (data + forward).
-    data: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
-    busy: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_INTERVALS))
+    phases: PhaseTimes = field(default_factory=PhaseTimes)  # the agent's step timings
 
     def advance(self, step: int, now: float) -> None:
         if self.progress is None or step > self.progress:
@@ -180,18 +178,14 @@ class StateStore:
         with self._lock:
             now = self._clock()
             rank = self._job(step.job).rank(step.rank, now)
-            data, busy = step_phases(step)
-            if data is not None:
-                rank.data.append(data)
-            if busy is not None:
-                rank.busy.append(busy)
+            rank.phases.observe(step)
             # Ranks may deliver out of order across batches; "latest" is by step.
             if rank.latest is None or step.step >= rank.latest.step:
                 previous = rank.latest
                 if previous is not None and step.step > previous.step and step.time > previous.time:
                     rank.step_intervals.append((step.time - previous.time) / (step.step - previous.step))
                 rank.latest = step
-                rank.nonfinite = _nonfinite(step)
+                rank.nonfinite = nonfinite_layers(step)
             if step.loss is not None:
                 rank.last_loss = step.loss
             if step.grad_norm is not None:
@@ -262,8 +256,7 @@ class StateStore:
         """
         with self._lock:
             job = self._jobs.get(ev.job)
-            latest = job.whole if job is not None else None
-            if latest is None:
+            if job is None or job.whole is None:
                 return ev
             lead = job.eval_rank  # None when no finite eval loss arrived yet
             return replace(ev, assembled=1) if lead is None or ev.rank <= lead else None
@@ -300,9 +293,8 @@ class StateStore:
                          last_step_time=rank.progress_time, last_heartbeat_time=rank.last_seen,
                          step_seconds=statistics.median(rank.step_intervals)
                          if rank.step_intervals else None,
-                         started=rank.started,
-                         data_seconds=statistics.median(rank.data) if rank.data else None,
-                         busy_seconds=statistics.median(rank.busy) if rank.busy else None)
+                         started=rank.started, data_seconds=rank.phases.data_seconds,
+                         busy_seconds=rank.phases.busy_seconds)
                 for name, job in sorted(self._jobs.items())
                 for r, rank in sorted(job.ranks.items()) if rank.progress is not None
             ]
@@ -345,31 +337,18 @@ class StateStore:
         return job
 
 
-def _nonfinite(step: Step) -> frozenset[str]:
-    norms = step.layer_norms
-    if norms.size == 0 or np.isfinite(norms).all():
-        return frozenset()
-    bad = (~np.isfinite(norms)).tolist()
-    return frozenset(name for name, is_bad in zip(step.layers, bad, strict=True) if is_bad)
-
-
 def _view(job: JobState) -> JobView:
     lead = job.lead()
     whole = job.whole
     latest = whole if whole is not None else lead.latest if lead is not None else None
     steps = [r.latest.step for r in job.ranks.values() if r.latest is not None]
-    bad: set[str] = set()
     if whole is not None:
-        bad = set(_nonfinite(whole))
+        bad, loss, grad_norm = nonfinite_layers(whole), whole.loss, whole.grad_norm
     else:
-        for rank in job.ranks.values():
-            bad |= rank.nonfinite
-    lags = [r.lag for r in job.ranks.values() if r.lag is not None]
-    if whole is not None:
-        loss, grad_norm = whole.loss, whole.grad_norm
-    else:
+        bad = frozenset().union(*(rank.nonfinite for rank in job.ranks.values()))
         loss = lead.last_loss if lead is not None else None
         grad_norm = lead.last_grad_norm if lead is not None else None
+    lags = [r.lag for r in job.ranks.values() if r.lag is not None]
     return JobView(
         job=job.job,
         step=max(steps) if steps else None,

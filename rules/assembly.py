@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from gradwatch.rules.step import Stats, Step
+from gradwatch.rules.step import Stats, Step, nonfinite_layers
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
 MAX_BLAMED = 64  # layers named in one step's blame
@@ -69,9 +69,9 @@ def assembles(record: Record) -> bool:
     return record.shards > 0 and record.world > 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class AssemblyCounts:
-    """Cumulative counters of one job, for exposition."""
+    """Cumulative counters of one job, for exposition (``Assembler.counts`` hands out copies)."""
 
     steps: int = 0        # steps emitted
     incomplete: int = 0   # emitted at the deadline without every expected rank
@@ -113,7 +113,6 @@ class _Stream:
     emitted: int = -1
     absent: set[int] = field(default_factory=set)
     known: set[int] = field(default_factory=set)  # ranks heard from (steps or heartbeats)
-    started: bool = False  # a step was emitted: from now on, wait only for known ranks
     rank_step: dict[int, int] = field(default_factory=dict)
     first_bad: dict[str, int] = field(default_factory=dict)
     counts: AssemblyCounts = field(default_factory=AssemblyCounts)
@@ -141,13 +140,13 @@ class Assembler:
             stream.emitted = record.step - 1
             stream.absent.clear()
             stream.first_bad.clear()
-            stream.counts = replace(stream.counts, restarts=stream.counts.restarts + 1)
+            stream.counts.restarts += 1
         else:
             out = []
         stream.rank_step[record.rank] = record.step
         stream.known.add(record.rank)
         if record.step <= stream.emitted:
-            stream.counts = replace(stream.counts, late=stream.counts.late + 1)
+            stream.counts.late += 1
             late = _late_nonfinite(stream, record)
             return out + ([late] if late is not None else [])
         pending = stream.pending.get(record.step)
@@ -188,7 +187,7 @@ class Assembler:
 
     def counts(self) -> dict[str, AssemblyCounts]:
         """Per job, the step stream's counters (for ``gradwatch_assembly_*``)."""
-        return {job: stream.counts for (job, kind), stream in self._streams.items()
+        return {job: replace(stream.counts) for (job, kind), stream in self._streams.items()
                 if kind == "step"}
 
     def absent(self, job: str) -> frozenset[int]:
@@ -228,8 +227,7 @@ class Assembler:
                 # from are not waited for after the first step either: not running an
                 # agent is a choice (DDP on rank 0 only), not an outage.
                 stream.absent |= stream.known - pending.ranks
-                stream.counts = replace(stream.counts, incomplete=stream.counts.incomplete + 1)
-            stream.started = True
+                stream.counts.incomplete += 1
             out.append(self._emit(stream, pending))
         return out
 
@@ -243,9 +241,8 @@ class Assembler:
         exact = pending.seen >= stream.shards
         norms = np.sqrt(pending.acc)
         keep = exact | ~np.isfinite(norms)
-        if not keep.all():
-            stream.counts = replace(stream.counts, inexact=stream.counts.inexact + 1)
-        stream.counts = replace(stream.counts, steps=stream.counts.steps + 1)
+        stream.counts.inexact += not keep.all()
+        stream.counts.steps += 1
         layers = pending.layers if keep.all() else tuple(
             name for name, k in zip(pending.layers, keep.tolist(), strict=True) if k)
         kept = norms if keep.all() else norms[keep]
@@ -275,7 +272,7 @@ def _complete(stream: _Stream, pending: _Pending) -> bool:
     ranks never heard from, which are not waited for (and the check stays
     O(absent ranks), never O(world): a hostile header may claim a huge world).
     """
-    if not stream.started:
+    if not stream.counts.steps:  # nothing emitted yet: this is the job's first step
         return len(pending.ranks) >= stream.world
     # Reporting ranks are all known; absent ones are not waited for.
     gone = sum(1 for r in stream.absent if r in stream.known and r not in pending.ranks)
@@ -290,11 +287,11 @@ def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:
     """
     if not isinstance(record, Step):
         return None
-    bad = ~np.isfinite(record.layer_norms)
-    loss_bad = record.loss is not None and not math.isfinite(record.loss)
-    if not (loss_bad or bad.any()):
+    if not (nonfinite_layers(record) or _loss_bad(record)):
         return None
+    bad = ~np.isfinite(record.layer_norms)
     layers = tuple(name for name, b in zip(record.layers, bad.tolist(), strict=True) if b)
+    loss_bad = _loss_bad(record)
     norms = record.layer_norms[bad]
     norms.flags.writeable = False
     blame = {name: record.rank for name in layers[:MAX_BLAMED]}
@@ -329,14 +326,12 @@ def _add(pending: _Pending, record: Record, shards: int) -> None:
             pending.loss_sum += record.loss
             pending.loss_n += 1
         pending.skipped |= record.skipped
-        bad = ~np.isfinite(values) if values.size else np.zeros(0, bool)
-        loss_bad = record.loss is not None and not math.isfinite(record.loss)
-        if loss_bad or bad.any():
-            names = frozenset(name for name, b in zip(record.layers, bad.tolist(), strict=True) if b)
+        names, loss_bad = nonfinite_layers(record), _loss_bad(record)
+        if names or loss_bad:
             pending.bad.append((record.time, record.rank, names, loss_bad))
-    shard = record.rank % shards
     if values is None:
         return
+    shard = record.rank % shards
     if shard in pending.shards_seen:
         # Another replica of this shard was added: replicas hold the same gradient,
         # unless one went bad on its own (a faulty device): its non-finite values count.
@@ -368,13 +363,14 @@ def _add(pending: _Pending, record: Record, shards: int) -> None:
 
 def _poison(pending: _Pending, layers: tuple[str, ...], values: np.ndarray) -> None:
     """Make the layers where ``values`` is non-finite non-finite in the sum too."""
-    bad = ~np.isfinite(values)
-    if not bad.any():
-        return
-    for name, value in zip(layers, values.tolist(), strict=True):
-        i = pending.index.get(name)
-        if i is not None and not math.isfinite(value):
-            pending.acc[i] += value * value  # nan stays nan; inf makes the sum inf
+    for j in np.flatnonzero(~np.isfinite(values)).tolist():
+        i = pending.index.get(layers[j])
+        if i is not None:
+            pending.acc[i] += values[j] * values[j]  # nan stays nan; inf makes the sum inf
+
+
+def _loss_bad(step: Step) -> bool:
+    return step.loss is not None and not math.isfinite(step.loss)
 
 
 def _ratios(pending: _Pending, keep: np.ndarray, norms: np.ndarray,
@@ -394,7 +390,7 @@ def _blame(stream: _Stream, pending: _Pending, norms: np.ndarray,
     """Per non-finite layer (and "loss"), the rank where it first went non-finite."""
     bad_layers = [name for name, ok in zip(pending.layers, np.isfinite(norms).tolist(), strict=True)
                   if not ok]
-    loss_bad = loss is not None and not math.isfinite(loss)
+    loss_bad = loss is not None and not math.isfinite(loss)  # the mean over ranks
     if not bad_layers and not loss_bad:
         stream.first_bad.clear()  # a clean step ends the incident
         return {}

@@ -318,9 +318,8 @@ def _key(record: Record) -> int | None:
 def _blamed(finding: Finding, blame: Mapping[str, int]) -> Finding:
     """Name the rank where the finding's first non-finite layer (or the loss) went bad first."""
     named = finding.evidence.get("first_nonfinite") or ()
-    first = next((blame[name] for name in named if name in blame), None)
-    rank = first if first is not None else blame.get("loss", min(blame.values()))
     where = next((name for name in named if name in blame), "loss" if "loss" in blame else None)
+    rank = blame[where] if where is not None else min(blame.values())
     evidence = {**finding.evidence, "first_bad_rank": rank}
     summary = f"{finding.summary} (first on rank {rank}" + (f", {where})" if where else ")")
     return replace(finding, rank=rank, summary=summary, evidence=evidence)

@@ -237,14 +237,39 @@ class StragglerDetector:
 
 
 _PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
+RECENT_STEPS = 32  # steps behind a rank's median timings
 
 
-def step_phases(step: Step) -> tuple[float | None, float | None]:
-    """A rank's host seconds this step waiting for data, and before the gradient sync
-    (data wait + forward), as the agent measured them; None where not measured."""
-    data = step.scalars.get(col.DATA_SECONDS_SCALAR)
-    phases = [step.scalars[name] for name in _PHASES if name in step.scalars]
-    return data, (sum(phases) if phases else None)
+@dataclass(slots=True)
+class PhaseTimes:
+    """A rank's recent host seconds per step waiting for data, and before the gradient
+    sync (data wait + forward), as its agent measured them; medians for ``Liveness``.
+
+    Example::
+
+        phases = PhaseTimes()
+        phases.observe(step)  # reads the data_seconds / forward_seconds scalars
+        phases.data_seconds, phases.busy_seconds
+    """
+
+    data: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    busy: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+
+    def observe(self, step: Step) -> None:
+        data = step.scalars.get(col.DATA_SECONDS_SCALAR)
+        if data is not None:
+            self.data.append(data)
+        phases = [step.scalars[name] for name in _PHASES if name in step.scalars]
+        if phases:
+            self.busy.append(sum(phases))
+
+    @property
+    def data_seconds(self) -> float | None:
+        return statistics.median(self.data) if self.data else None
+
+    @property
+    def busy_seconds(self) -> float | None:
+        return statistics.median(self.busy) if self.busy else None
 
 
 def _began_next(live: Liveness) -> bool:
@@ -256,9 +281,8 @@ class _Rank:
     last_step: int = -1
     last_step_time: float = 0.0
     last_heartbeat_time: float = 0.0
-    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    data: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    busy: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    intervals: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    phases: PhaseTimes = field(default_factory=PhaseTimes)
     started: int | None = None
 
 
@@ -279,15 +303,11 @@ class LivenessTracker:
         self.job = job
         self._ranks: dict[int, _Rank] = {}
 
-    def step(self, rank: int, step: int, time: float,
-             phases: tuple[float | None, float | None] = (None, None)) -> None:
-        """A step record of ``rank`` arrived at ``time`` (``phases``: see :func:`step_phases`)."""
+    def step(self, rank: int, step: int, time: float, record: Step | None = None) -> None:
+        """A step record of ``rank`` arrived at ``time`` (``record``: its step phases)."""
         state = self._ranks.setdefault(rank, _Rank(last_step_time=time))
-        data, busy = phases
-        if data is not None:
-            state.data.append(data)
-        if busy is not None:
-            state.busy.append(busy)
+        if record is not None:
+            state.phases.observe(record)
         if step > state.last_step:
             if state.last_step >= 0 and time > state.last_step_time:
                 state.intervals.append((time - state.last_step_time) / (step - state.last_step))
@@ -308,8 +328,7 @@ class LivenessTracker:
             Liveness(job=self.job, rank=rank, now=now, last_step=s.last_step,
                      last_step_time=s.last_step_time, last_heartbeat_time=s.last_heartbeat_time,
                      step_seconds=statistics.median(s.intervals) if s.intervals else None,
-                     started=s.started,
-                     data_seconds=statistics.median(s.data) if s.data else None,
-                     busy_seconds=statistics.median(s.busy) if s.busy else None)
+                     started=s.started, data_seconds=s.phases.data_seconds,
+                     busy_seconds=s.phases.busy_seconds)
             for rank, s in sorted(self._ranks.items())
         ]

@@ -21,6 +21,7 @@ import math
 import statistics
 from collections import deque
 from fnmatch import fnmatchcase
+from collections.abc import Callable
 from typing import Annotated, Literal
 
 import numpy as np
@@ -37,19 +38,31 @@ def module_of(layer: str) -> str:
     return layer.rpartition(".")[0]
 
 
-def group_layers(layers: tuple[str, ...], ignore: tuple[str, ...] = ()) -> tuple[np.ndarray, list[str], np.ndarray]:
-    """Map each layer to a module index in model order.
+def group_layers(layers: tuple[str, ...], ignore: tuple[str, ...] = (),
+                 key: Callable[[str], str] = module_of) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """Map each layer to a group index in model order (groups: modules, or ``key``'s).
 
-    Returns the per-layer module index, the module names, and a per-module mask
-    of modules to skip (names matching one of the ``ignore`` glob patterns).
+    Returns the per-layer group index, the group names, and a per-group mask
+    of groups to skip (names matching one of the ``ignore`` glob patterns).
     """
     index: dict[str, int] = {}
     inverse = np.empty(len(layers), dtype=np.int64)
     for i, layer in enumerate(layers):
-        inverse[i] = index.setdefault(module_of(layer), len(index))
+        inverse[i] = index.setdefault(key(layer), len(index))
     names = list(index)
     skip = np.array([any(fnmatchcase(n, p) for p in ignore) for n in names], dtype=bool)
     return inverse, names, skip
+
+
+def group_norms(inverse: np.ndarray, norms: np.ndarray, groups: int) -> np.ndarray:
+    """Each group's L2 norm, sqrt of the sum of its layers' squared norms (see ``group_layers``).
+
+    A non-finite layer makes its group non-finite; a square too large for
+    float64 is reported as +Inf, which it nearly is.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.sqrt(np.bincount(inverse, weights=np.asarray(norms, np.float64) ** 2,
+                                   minlength=groups))
 
 
 class LayerRatioDetector:

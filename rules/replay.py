@@ -33,7 +33,7 @@ import numpy as np
 from gradwatch.rules.alert import Transition
 from gradwatch.rules.assembly import Assembler
 from gradwatch.rules.engine import Engine
-from gradwatch.rules.liveness import LivenessTracker, step_phases
+from gradwatch.rules.liveness import LivenessTracker
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
 from gradwatch.wire.messages import DATA_CHANGE
@@ -222,17 +222,15 @@ class Replay:
         if isinstance(rec, TraceStep):
             time = now if rec.time is None else rec.time
             step = step_of(rec, header, time)
-            tracker.step(rec.rank, rec.step, time, step_phases(step))
+            tracker.step(rec.rank, rec.step, time, step)
             if asm is None:
                 return engine.observe(step)
-            return self._judge(engine, asm.add(replace(step, world=header.world or 1,
-                                                       shards=header.shards or 0)))
+            return self._judge(engine, asm.add(_declared(step, header)))
         if isinstance(rec, TraceStats):
             stats = stats_of(rec, header, now if rec.time is None else rec.time)
             if asm is None:
                 return engine.observe_stats(stats)
-            return self._judge(engine, asm.add(replace(stats, world=header.world or 1,
-                                                       shards=header.shards or 0)))
+            return self._judge(engine, asm.add(_declared(stats, header)))
         if isinstance(rec, TraceEval):
             ev = eval_of(rec, header, now if rec.time is None else rec.time)
             if asm is None:
@@ -253,13 +251,17 @@ class Replay:
             engine.data_changed(header.job, rec.step)
         return []
 
-
     @staticmethod
     def _judge(engine: Engine, records: Iterable[Step | Stats]) -> list[Transition]:
         out: list[Transition] = []
         for record in records:
             out += engine.feed(record)
         return out
+
+
+def _declared(record: Step | Stats, header: TraceHeader) -> Step | Stats:
+    """``record`` with the topology its trace header declares, as the collector saw it."""
+    return replace(record, world=header.world or 1, shards=header.shards or 0)
 
 
 def replay(source: Source, rules: Sequence[RuleSpec] | None = None, *, strict: bool = True) -> list[Transition]:

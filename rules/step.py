@@ -137,3 +137,12 @@ class Liveness:
     # share one step time.
     data_seconds: float | None = None
     busy_seconds: float | None = None
+
+
+def nonfinite_layers(step: Step) -> frozenset[str]:
+    """Names of the layers whose gradient norm is NaN or Inf at ``step``."""
+    norms = step.layer_norms
+    if norms.size == 0 or np.isfinite(norms).all():
+        return frozenset()
+    bad = (~np.isfinite(norms)).tolist()
+    return frozenset(name for name, is_bad in zip(step.layers, bad, strict=True) if is_bad)

@@ -57,6 +57,14 @@ def collect(sock: zmq.Socket, n_steps: int, n_events: int = 0
     return batches, events
 
 
+def _drain(sock: zmq.Socket) -> list[Message]:
+    """Everything the agent still sends, until it has been quiet for half a second."""
+    out = []
+    while sock.poll(500):
+        out.append(decode(sock.recv_multipart()))
+    return out
+
+
 def rows(batches: list[Batch]) -> dict[int, tuple[dict[str, tuple[float, int]], list[float]]]:
     """step -> ({column: (value, bits)}, layer values), resolving schema by id."""
     schemas: dict[int, Schema] = {}
@@ -345,13 +353,6 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
         assert cols["s/data_seconds"][0] >= 0.045  # the 50 ms wait, measured on the host
         assert 0.0 < cols["s/forward_seconds"][0] < 0.045
     assert got[4][0]["s/data_seconds"][0] < 0.045  # no wait before step 4's forward
-
-
-def _drain(sock: zmq.Socket) -> list[Message]:
-    out = []
-    while sock.poll(500):
-        out.append(decode(sock.recv_multipart()))
-    return out
 
 
 def test_close_says_so_after_the_last_batch(pull):

@@ -39,7 +39,7 @@ def test_per_rank_state_keeps_no_step_history() -> None:
     rank = store.job("run-1").ranks[0]  # type: ignore[union-attr]
     assert not hasattr(rank, "history")
     assert rank.last_step == 199
-    assert len(rank.busy) == STEP_INTERVALS and set(rank.busy) == {0.75}
+    assert len(rank.phases.busy) == STEP_INTERVALS and set(rank.phases.busy) == {0.75}
     (live,) = store.liveness()
     assert live.busy_seconds == 0.75
 
