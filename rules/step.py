@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from gradwatch.wire.census import ROLES, Census
+
+__all__ = ["FLOAT32_MAX", "ROLES", "ActStats", "Census", "Eval", "Liveness", "Stats", "Step", "nonfinite_layers"]
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -51,6 +55,11 @@ class Step:
     shards: int = 0
     assembled: int = 0
     blame: Mapping[str, int] = field(default_factory=dict)
+    # Contract C1: each layer's role, aligned with ``layers`` ("weight",
+    # "embedding", "tied", "norm", "bias", "other"; see gradwatch.wire.census).
+    # Empty: unknown (an older agent, an imported log), so rules fall back to
+    # name and shape heuristics.
+    layer_roles: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +101,11 @@ class Stats:
     world: int = 1
     shards: int = 0
     assembled: int = 0
+    # Contract C2: the model's census on this cadence step (frozen and
+    # optimizer-less parameters, tied groups, modules in eval mode while
+    # training). The agent sends one on every cadence sample; None: not
+    # measured (an older agent, an imported log, or stats from before attach).
+    census: Census | None = None
 
 
 @dataclass(frozen=True, slots=True)
