@@ -411,7 +411,8 @@ def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
                 ratios.flags.writeable = False
         out.append(Stats(job=batch.job, step=batch.steps[r], time=batch.times[r],
                          rank=batch.rank, layers=layers, weight_norms=row, act=acts,
-                         update_ratios=ratios, world=batch.world, shards=batch.shards or 0))
+                         update_ratios=ratios, world=batch.world, shards=batch.shards or 0,
+                         census=batch.census if r == rows - 1 else None))
     return tuple(out)
 
 
@@ -429,6 +430,7 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
     n_measured = measured.sum(axis=1)
     totals = np.sqrt(np.square(np.where(measured, norms, 0.0)).sum(axis=1))
     layers = plan.schema.layers
+    roles = plan.schema.layer_roles
 
     steps = []
     for r in range(rows):
@@ -436,11 +438,13 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
         if n_measured[r] == len(layers):
             # A copy, not a view: the state keeps each rank's latest step, and a
             # view would keep the whole batch (flush_every rows) alive per rank.
-            row_layers, row_norms = layers, norms[r].copy()
+            row_layers, row_norms, row_roles = layers, norms[r].copy(), roles
         else:
             keep = measured[r]
             row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
             row_norms = norms[r][keep]
+            row_roles = tuple(role for role, k in zip(roles, keep.tolist(), strict=True) if k) \
+                if roles else ()
         row_norms.flags.writeable = False
         grad_norm = _cell(values, gone, plan.grad_norm)
         logged = grad_norm is not None
@@ -455,7 +459,7 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
             skipped=skipped is not None and skipped > 0.5,
             scalars={name: values[i] for name, i in plan.scalars if not gone[i]},
             dtype_max=plan.dtype_max, grad_norm_logged=logged, world=batch.world,
-            shards=batch.shards or 0))
+            shards=batch.shards or 0, layer_roles=row_roles))
     return tuple(steps)
 
 

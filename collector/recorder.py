@@ -77,7 +77,8 @@ class TraceRecorder:
         """Record one step (the first step of a job fixes its header's layers)."""
         self._write(step.job, lambda header: trace_step(step, header), step.layers,
                     None if step.dtype_max == FLOAT32_MAX else step.dtype_max, first_step=True,
-                    topology=(step.world, step.shards) if assembles(step) else None)
+                    topology=(step.world, step.shards) if assembles(step) else None,
+                    roles=step.layer_roles)
 
     def stats(self, stats: Stats) -> None:
         """Record one cadence sample."""
@@ -117,7 +118,7 @@ class TraceRecorder:
 
     def _write(self, job: str, build: Callable[[tuple[str, ...]], TraceRecord], layers: tuple[str, ...] = (),
                dtype_max: float | None = None, first_step: bool = False,
-               topology: tuple[int, int] | None = None) -> None:
+               topology: tuple[int, int] | None = None, roles: tuple[str, ...] = ()) -> None:
         if not self.enabled:
             return
         if job not in self._headers and not first_step:
@@ -127,7 +128,7 @@ class TraceRecorder:
                 self._flush_pending(job)
             return
         try:
-            handle = self._handle(job, layers, dtype_max, topology)
+            handle = self._handle(job, layers, dtype_max, topology, roles)
             for held in self._pending.pop(job, ()):
                 handle.write(encode_record(held(self._headers[job])) + "\n")
             handle.write(encode_record(build(self._headers[job])) + "\n")
@@ -143,7 +144,7 @@ class TraceRecorder:
         self._write(job, held[-1], first_step=True)  # writes the rest first, in order
 
     def _handle(self, job: str, layers: tuple[str, ...], dtype_max: float | None,
-                topology: tuple[int, int] | None = None) -> IO[str]:
+                topology: tuple[int, int] | None = None, roles: tuple[str, ...] = ()) -> IO[str]:
         handle = self._open.get(job)
         if handle is not None:
             self._open.move_to_end(job)
@@ -157,7 +158,7 @@ class TraceRecorder:
             self._headers[job] = tuple(layers)
             world, shards = topology if topology is not None else (None, None)
             handle.write(encode_record(TraceHeader(job=job, layers=tuple(layers), dtype_max=dtype_max,
-                                                   world=world, shards=shards)) + "\n")
+                                                   world=world, shards=shards, layer_roles=roles)) + "\n")
         else:
             handle = path.open("a", encoding="utf-8", buffering=1)  # reopened after LRU eviction
         self._open[job] = handle

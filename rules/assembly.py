@@ -57,6 +57,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from gradwatch.rules.step import Stats, Step, nonfinite_layers
+from gradwatch.wire.census import roles_for
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
 MAX_BLAMED = 64  # layers named in one step's blame
@@ -259,6 +260,7 @@ class Assembler:
             pending.acc).all() else None
         grad_norm = lowest.grad_norm if lowest.grad_norm_logged else total
         return replace(lowest, layers=layers, layer_norms=kept, loss=loss, grad_norm=grad_norm,
+                       layer_roles=roles_for(layers, lowest.layers, lowest.layer_roles),
                        skipped=pending.skipped, assembled=len(pending.ranks),
                        time=pending.last_time, blame=_blame(stream, pending, norms, loss))
 
@@ -298,6 +300,7 @@ def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:
     if loss_bad:
         blame["loss"] = record.rank
     return replace(record, layers=layers, layer_norms=norms,
+                   layer_roles=roles_for(layers, record.layers, record.layer_roles),
                    loss=record.loss if loss_bad else None, grad_norm=None,
                    grad_norm_logged=False, assembled=1, blame=blame)
 

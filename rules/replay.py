@@ -36,6 +36,7 @@ from gradwatch.rules.engine import Engine
 from gradwatch.rules.liveness import LivenessTracker
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
+from gradwatch.wire.census import roles_for
 from gradwatch.wire.messages import DATA_CHANGE
 from gradwatch.wire.trace import (
     TraceAct,
@@ -89,7 +90,8 @@ def trace_stats(stats: Stats, header: tuple[str, ...]) -> TraceStats:
         layers, ratios = _aligned(stats.layers, np.asarray(stats.update_ratios), header)
     acts = tuple(TraceAct(a.module, a.kind, a.mean, a.std, a.zero_frac, a.sat_frac) for a in stats.act)
     return TraceStats(step=stats.step, rank=stats.rank, time=stats.time, layers=layers,
-                      layer_weight_norms=weights, update_ratios=ratios, act=acts)
+                      layer_weight_norms=weights, update_ratios=ratios, act=acts,
+                      census=stats.census)
 
 
 def trace_eval(ev: Eval) -> TraceEval:
@@ -116,7 +118,8 @@ def step_of(rec: TraceStep, header: TraceHeader, time: float) -> Step:
     return Step(job=header.job, step=rec.step, time=time, rank=rec.rank, loss=rec.loss,
                 grad_norm=rec.grad_norm, layers=layers, layer_norms=norms, lr=rec.lr,
                 loss_scale=rec.loss_scale, skipped=rec.skipped, scalars=dict(rec.scalars),
-                dtype_max=header.dtype_max if header.dtype_max is not None else FLOAT32_MAX)
+                dtype_max=header.dtype_max if header.dtype_max is not None else FLOAT32_MAX,
+                layer_roles=roles_for(layers, header.layers, header.layer_roles))
 
 
 def stats_of(rec: TraceStats, header: TraceHeader, time: float) -> Stats:
@@ -130,7 +133,8 @@ def stats_of(rec: TraceStats, header: TraceHeader, time: float) -> Stats:
 
     acts = tuple(ActStats(a.module, a.kind, a.mean, a.std, a.zero_frac, a.sat_frac) for a in rec.act)
     return Stats(job=header.job, step=rec.step, time=time, rank=rec.rank, layers=names,
-                 weight_norms=array(rec.layer_weight_norms), update_ratios=array(rec.update_ratios), act=acts)
+                 weight_norms=array(rec.layer_weight_norms), update_ratios=array(rec.update_ratios), act=acts,
+                 census=rec.census)
 
 
 def eval_of(rec: TraceEval, header: TraceHeader, time: float) -> Eval:

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gradwatch.wire.census import Census, CensusError, census_body, census_of, roles_of
+
 MAGIC: Final = b"GW"
 VERSION: Final = 1
 
@@ -75,6 +77,9 @@ class Schema:
     columns: tuple[str, ...]
     layers: tuple[str, ...]
     dtype: str = "float32"
+    # Each layer's role (gradwatch.wire.census.ROLES), aligned with ``layers``;
+    # empty when the agent did not say (older agents).
+    layer_roles: tuple[str, ...] = ()
 
     @property
     def width(self) -> int:
@@ -107,6 +112,8 @@ class Batch:
     # squares), in between hybrid (rank r holds shard ``r % shards``). None:
     # not declared (an older agent); receivers then judge each rank alone.
     shards: int | None = None
+    # A cadence-statistics batch's model census (docs/wire.md); None: not sent.
+    census: Census | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +159,10 @@ def _header(kind: int, body: Mapping[str, Any]) -> bytes:
 
 
 def encode_schema(schema: Schema) -> bytes:
-    body = {"id": schema.id, "columns": list(schema.columns), "layers": list(schema.layers),
-            "dtype": schema.dtype}
+    body: dict[str, Any] = {"id": schema.id, "columns": list(schema.columns),
+                            "layers": list(schema.layers), "dtype": schema.dtype}
+    if schema.layer_roles:
+        body["layer_roles"] = list(schema.layer_roles)
     return json.dumps(body, separators=(",", ":")).encode()
 
 
@@ -166,6 +175,8 @@ def encode_batch(batch: Batch) -> list[bytes]:
     }
     if batch.shards is not None:
         body["shards"] = batch.shards
+    if batch.census is not None:
+        body["census"] = census_body(batch.census)
     frames = [_header(KIND_BATCH, body)]
     if batch.schema is not None:
         frames.append(encode_schema(batch.schema))
@@ -256,7 +267,14 @@ def decode_schema(raw: bytes | memoryview) -> Schema:
     dtype = body.get("dtype", "float32")
     if not isinstance(dtype, str) or len(dtype) > 32:
         raise WireError("schema 'dtype' must be a short string")
-    return Schema(id=_int(body, "id", 0, 2**31), columns=columns, layers=layers, dtype=dtype)
+    roles: tuple[str, ...] = ()
+    if body.get("layer_roles") is not None:
+        try:
+            roles = roles_of(body["layer_roles"], len(layers))
+        except CensusError as exc:
+            raise WireError(f"schema {exc}") from None
+    return Schema(id=_int(body, "id", 0, 2**31), columns=columns, layers=layers, dtype=dtype,
+                  layer_roles=roles)
 
 
 def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> Batch:
@@ -283,11 +301,17 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
     shards = _optional_int(body, "shards", 1, world)
     if shards is not None and world % shards:
         raise WireError(f"'shards' {shards} does not divide the world of {world} ranks")
+    census = None
+    if body.get("census") is not None:
+        try:
+            census = census_of(body["census"])
+        except CensusError as exc:
+            raise WireError(str(exc)) from None
     return Batch(
         job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=world,
         schema_id=schema_id, seq=_int(body, "seq", 0, 2**62), incarnation=_str(body, "inc", 64),
         dropped=_int(body, "dropped", 0, 2**62), steps=steps, times=times, values=values,
-        schema=schema, shards=shards)
+        schema=schema, shards=shards, census=census)
 
 
 def row_width(batch: Batch) -> int:

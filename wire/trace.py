@@ -24,6 +24,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from gradwatch.wire.census import Census, CensusError, census_body, census_of, roles_of
+
 TRACE_VERSION: Final = 1
 MAX_LINE_CHARS: Final = 64 * 1024 * 1024
 MAX_PROBLEMS_KEPT: Final = 100
@@ -57,6 +59,8 @@ class TraceHeader:
     # assembles its ranks' steps as the collector did. None: judged per rank.
     world: int | None = None
     shards: int | None = None
+    # Each header layer's role (gradwatch.wire.census.ROLES); () = unknown.
+    layer_roles: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +103,7 @@ class TraceStats:
     layer_weight_norms: tuple[float | None, ...] | None = None
     update_ratios: tuple[float | None, ...] | None = None
     act: tuple[TraceAct, ...] = ()
+    census: Census | None = None  # the model census sent with this sample, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +172,8 @@ def _stats_body(rec: TraceStats, body: dict[str, Any]) -> None:
         body["update_ratios"] = _nums(rec.update_ratios)
     if rec.act:
         body["act"] = {a.module: _act_body(a) for a in rec.act}
+    if rec.census is not None:
+        body["census"] = census_body(rec.census)
 
 
 def _act_body(a: TraceAct) -> dict[str, Any]:
@@ -184,6 +191,8 @@ def record_body(rec: TraceRecord) -> dict[str, Any]:
         _put(body, "dtype_max", rec.dtype_max)
         if rec.world is not None and rec.shards is not None:
             body["world"], body["shards"] = rec.world, rec.shards
+        if rec.layer_roles:
+            body["layer_roles"] = list(rec.layer_roles)
         return body
     if isinstance(rec, TraceHeartbeat):
         beat = {"type": "heartbeat", "rank": rec.rank, "time": _num(rec.time), "step": rec.step}
@@ -317,8 +326,15 @@ def _header(obj: Any) -> TraceHeader:
         world, shards = _int(obj, "world"), _int(obj, "shards")
         if not 1 <= shards <= world or world % shards:
             raise _Bad(f"shards {shards} must divide world {world}")
-    return TraceHeader(job=_str(obj, "job"), layers=_names(obj.get("layers", []), "layers"),
-                       dtype_max=_float(obj, "dtype_max"), world=world, shards=shards)
+    layers = _names(obj.get("layers", []), "layers")
+    roles: tuple[str, ...] = ()
+    if obj.get("layer_roles") is not None:
+        try:
+            roles = roles_of(obj["layer_roles"], len(layers))
+        except CensusError as exc:
+            raise _Bad(str(exc)) from None
+    return TraceHeader(job=_str(obj, "job"), layers=layers, dtype_max=_float(obj, "dtype_max"),
+                       world=world, shards=shards, layer_roles=roles)
 
 
 def _common(obj: Mapping[str, Any]) -> tuple[int, int, float | None]:
@@ -353,7 +369,7 @@ def _step(obj: Mapping[str, Any], header: TraceHeader) -> list[TraceRecord]:
         loss_scale=_float(obj, "loss_scale"), skipped=skipped,
         scalars=_float_map(obj.get("scalars", {}), "scalars"))]
     # DESIGN's folded form: cadence statistics on the step line itself.
-    if any(k in obj for k in ("layer_weight_norms", "update_ratios", "act")):
+    if any(k in obj for k in ("layer_weight_norms", "update_ratios", "act", "census")):
         out.append(_stats(obj, header))
     return out
 
@@ -367,7 +383,16 @@ def _stats(obj: Mapping[str, Any], header: TraceHeader) -> TraceStats:
         step=step, rank=rank, time=time, layers=own,
         layer_weight_norms=None if weights is None else _float_list(weights, "layer_weight_norms", len(names)),
         update_ratios=None if ratios is None else _float_list(ratios, "update_ratios", len(names)),
-        act=_acts(obj.get("act", {})))
+        act=_acts(obj.get("act", {})), census=_census(obj.get("census")))
+
+
+def _census(value: Any) -> Census | None:
+    if value is None:
+        return None
+    try:
+        return census_of(value)
+    except CensusError as exc:
+        raise _Bad(str(exc)) from None
 
 
 def _acts(value: Any) -> tuple[TraceAct, ...]:
