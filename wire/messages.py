@@ -43,7 +43,9 @@ MAX_JOB_CHARS: Final = 128
 MAX_RANK: Final = 1 << 20
 # "data_change": the job changed its data or task on purpose; rules re-baseline from its step.
 DATA_CHANGE: Final = "data_change"
-EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA_CHANGE})
+# "degraded": the agent switched part of itself off (contract C3); fields say why and what.
+DEGRADED: Final = "degraded"
+EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA_CHANGE, DEGRADED})
 # A "note" event with this ``fields.note``: the agent closed (the job ended on this rank).
 CLOSED_NOTE: Final = "closed"
 
