@@ -22,6 +22,8 @@ from typing import Any
 
 from gradwatch.wire.messages import MAX_JOB_CHARS, MAX_RANK, MAX_ROWS
 
+MAX_STEP = 2**62  # the wire's bound on step numbers
+
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
 # Not GRADWATCH_CURVE_SECRET_KEY_FILE: that is the collector's own setting, and
 # both may live in one environment (a demo, a test, a sidecar pod).
@@ -87,6 +89,8 @@ class AgentConfig:
     # $GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE, read when the shipper starts.
     curve_server_public_key_file: str | None = None
     curve_secret_key_file: str | None = None
+    # The number of the first logged step (agent/steps.py); 1 unless resuming.
+    start_step: int = 1
 
     def __post_init__(self) -> None:
         if not (0 < len(self.job) <= MAX_JOB_CHARS and self.job.isprintable()):
@@ -103,6 +107,8 @@ class AgentConfig:
                 "for hybrid sharding")
         if not 1 <= self.flush_every <= MAX_ROWS:
             raise ValueError(f"flush_every must be in [1, {MAX_ROWS}], got {self.flush_every}")
+        if not 0 <= self.start_step < MAX_STEP:
+            raise ValueError(f"start_step must be in [0, {MAX_STEP}), got {self.start_step}")
         if self.stats_every < 0:
             raise ValueError(f"stats_every must be >= 0 (0: no cadence statistics), "
                              f"got {self.stats_every}")
