@@ -80,6 +80,8 @@ class Columns:
 
     def __init__(self, layers: Sequence[str], base: Sequence[str], device_capacity: int) -> None:
         self.layers = tuple(layers)
+        # Each layer's role (contract C1, from gradwatch.agent.census), sent in the schema.
+        self.layer_roles: tuple[str, ...] = ()
         self.names: list[str] = []
         self._dev: dict[str, int] = {}
         self._host: dict[str, int] = {}
@@ -132,7 +134,8 @@ class Columns:
         dev = sorted((index[n], s) for n, s in self._dev.items())
         host = sorted((index[n], s) for n, s in self._host.items())
         return Layout(
-            schema=Schema(id=self.schema_id, columns=tuple(self.names), layers=self.layers),
+            schema=Schema(id=self.schema_id, columns=tuple(self.names), layers=self.layers,
+                          layer_roles=self.layer_roles),
             n_layers=len(self.layers), device_width=self.device_width,
             dev_cols=torch.tensor([c for c, _ in dev], dtype=torch.long),
             dev_src=torch.tensor([s for _, s in dev], dtype=torch.long),

@@ -41,6 +41,7 @@ import torch
 
 from gradwatch.agent.activations import ActHooks
 from gradwatch.agent.buffer import StepBuffer
+from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
 from gradwatch.agent.commands import (
     ROLLBACK_EXIT_CODE,
     Rollback,
@@ -64,8 +65,9 @@ from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
 logger = logging.getLogger(__name__)
 
 Scalar = torch.Tensor | float | int
-# BatchNorm and Dropout behave differently in training mode; an eval that runs
-# them so is wrong. (LayerNorm/GroupNorm do not depend on the mode.)
+# BatchNorm and Dropout behave differently in training mode (preflight's wiring
+# check); the agent itself reports only those whose mode changes the output
+# (gradwatch.agent.census.mode_matters: not Dropout(p=0.0)).
 MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
@@ -130,8 +132,13 @@ class Monitor:
             return
         self._reader = GradReader.attach(model, optimizer)
         # Found once: walking a large model's modules on every eval is wasted work.
-        self._mode_sensitive = tuple((name or type(m).__name__, m) for name, m
-                                     in model.named_modules() if isinstance(m, MODE_SENSITIVE))
+        self._mode_sensitive = mode_modules(model)
+        # Contract C2: the census rides on every cadence sample. The root's mode is
+        # checked per step (one attribute read); a change forces the next sample.
+        self._census = ModelCensus.attach(model, optimizer)
+        self._root = model
+        self._was_training = True  # a model in eval mode at step 1 forces a sample there
+        self._force_stats = False
         self._device = self._reader.device
         self._optimizer = optimizer
         self._scaler = scaler
@@ -140,6 +147,7 @@ class Monitor:
         if scaler is not None:
             base.append(wc.LOSS_SCALE)
         self._columns = Columns(self._reader.names, base, config.device_columns)
+        self._columns.layer_roles = self._census.roles(self._reader.params)
         self._column_of: dict[str, str] = {wc.LOSS: wc.LOSS}
         self._work: queue.Queue[Any] = queue.Queue(config.pool_size + config.max_pending_events)
         self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
@@ -234,7 +242,8 @@ class Monitor:
             return
         extra: dict[str, Any] = {}
         if self._mode_sensitive:
-            training = [name for name, module in self._mode_sensitive if module.training]
+            training = [name for name, module in self._mode_sensitive
+                        if module.training and mode_matters(module)]
             extra["train_mode_modules"] = training[:MAX_TRAIN_MODE_NAMES]
         self._event("eval", self._step, values, extra)
 
@@ -346,8 +355,12 @@ class Monitor:
             self._reader.read_into(self._buffer.current_layers)
             self._step_lrs = [group["lr"] for group in optimizer.param_groups]
             self._open = True
+            if self._root.training is not self._was_training:
+                self._was_training = self._root.training  # model.eval() left on, or back
+                self._force_stats = True
             every = self.config.stats_every
-            if self.config.update_ratios and every and (self._step + 1) % every == 0:
+            if self.config.update_ratios and every and (
+                    (self._step + 1) % every == 0 or self._force_stats):
                 self._before = self._reader.snapshot_weights()  # a cadence step's update
         except Exception as exc:
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
@@ -408,7 +421,8 @@ class Monitor:
         self._since = time.perf_counter()
         self._counters.steps_logged += 1
         every = self.config.stats_every
-        if every and self._step % every == 0:
+        if every and (self._step % every == 0 or self._force_stats):
+            self._force_stats = False
             self._queue_stats(now)
         acts = self._acts
         if acts is not None:
@@ -445,7 +459,7 @@ class Monitor:
         norms, ready = _to_host_async(norms)
         try:
             self._work.put_nowait(StatsItem(self._step, now, self._reader.names, norms, ready,
-                                            columns))
+                                            columns, self._census.take()))
         except queue.Full:
             with self._counters.lock:
                 self._counters.stats_dropped += 1

@@ -56,6 +56,7 @@ from gradwatch.wire import (
     encode_heartbeat,
 )
 from gradwatch.wire import columns as wc
+from gradwatch.wire.census import Census
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class StatsItem:
     values: torch.Tensor  # float32; on the host once ``ready`` (if any) completes
     ready: Any = None
     columns: tuple[str, ...] = ()
+    census: Census | None = None  # sent in the batch header (contract C2)
 
 
 class Shipper:
@@ -348,14 +350,15 @@ class Shipper:
         row = torch.empty(1 + values.numel(), dtype=torch.float32)
         fill_missing(row[:1])  # the marker column carries no value
         row[1:] = values
-        if self._send_batch(schema, [item.step], [item.time], row.numpy().astype("<f4").tobytes()):
+        if self._send_batch(schema, [item.step], [item.time], row.numpy().astype("<f4").tobytes(),
+                            census=item.census):
             self._counters.stats_sent += 1
         else:
             with self._counters.lock:
                 self._counters.stats_dropped += 1
 
     def _send_batch(self, schema: Schema, steps: list[int], times: list[float],
-                    values: bytes) -> bool:
+                    values: bytes, census: Census | None = None) -> bool:
         """Send one batch, attaching ``schema`` when the peer may not know it; True if sent."""
         now = time.monotonic()
         last = self._schema_sent.get(schema.id)
@@ -365,7 +368,7 @@ class Shipper:
             job=cfg.job, rank=cfg.rank, world=cfg.world, schema_id=schema.id, seq=self._seq,
             incarnation=self._inc, dropped=self._counters.steps_dropped, steps=tuple(steps),
             times=tuple(times), values=values, schema=schema if attach else None,
-            shards=cfg.shards)
+            shards=cfg.shards, census=census)
         if not self._send(encode_batch(batch)):
             return False
         self._seq += 1
