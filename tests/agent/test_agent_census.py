@@ -1,0 +1,188 @@
+"""Layer roles (contract C1) and the model census (contract C2), from the agent to the rules' records."""
+
+from __future__ import annotations
+
+import torch
+import zmq
+from torch import nn
+
+import gradwatch
+from gradwatch.agent.census import ModelCensus, is_norm, mode_matters
+from gradwatch.collector.ingest import Ingest
+from gradwatch.rules.step import Stats, Step
+from gradwatch.wire import Heartbeat, decode, encode
+
+WAIT_MS = 5000
+
+
+class RMSNorm(nn.Module):
+    """A custom normalisation module, as LLaMA code writes one: known by its class name."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class MiniGPT(nn.Module):
+    """nanoGPT's shape: token embedding tied to the head, LayerNorms, Dropout(p=0.0)."""
+
+    def __init__(self, vocab: int = 16, d: int = 8) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(4, d), drop=nn.Dropout(0.0),
+            h=nn.ModuleList(nn.ModuleDict(dict(ln_1=nn.LayerNorm(d), c_fc=nn.Linear(d, 4 * d),
+                                               c_proj=nn.Linear(4 * d, d), drop=nn.Dropout(0.0)))
+                            for _ in range(2)),
+            ln_f=RMSNorm(d)))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        x = t.drop(t.wte(idx) + t.wpe(torch.arange(idx.shape[1])))
+        for block in t.h:
+            x = x + block.drop(block.c_proj(torch.relu(block.c_fc(block.ln_1(x)))))
+        return self.lm_head(t.ln_f(x))
+
+
+def test_roles_of_a_gpt_with_tied_embeddings() -> None:
+    model = MiniGPT()
+    census = ModelCensus.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    names = [name for name, _ in model.named_parameters()]
+    roles = dict(zip(names, census.roles(p for _, p in model.named_parameters()), strict=True))
+    assert roles["transformer.wte.weight"] == "tied"  # named once: named_parameters() dedups
+    assert roles["transformer.wpe.weight"] == "embedding"
+    assert roles["transformer.h.0.ln_1.weight"] == roles["transformer.h.0.ln_1.bias"] == "norm"
+    assert roles["transformer.ln_f.weight"] == "norm"  # custom class ending in Norm
+    assert roles["transformer.h.1.c_fc.weight"] == "weight"
+    assert roles["transformer.h.1.c_fc.bias"] == "bias"
+    c = census.take()
+    assert c.tied == (("transformer.wte.weight", "lm_head.weight"),)
+    total = sum(p.numel() for p in model.parameters())  # tied tensor once
+    assert (c.params_total, c.params_trainable, c.params_frozen, c.params_not_in_optimizer) == \
+        (total, total, 0, 0)
+    model.eval()  # only Dropout(p=0.0): nothing whose mode changes the output
+    c = census.take()
+    assert c.eval_modules == () and c.model_training is False
+
+
+def test_frozen_backbone_and_parameters_outside_the_optimizer() -> None:
+    model = nn.Sequential()
+    model.add_module("backbone", nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    model.add_module("neck", nn.Linear(4, 4))
+    model.add_module("head", nn.Linear(4, 2))
+    model.backbone.requires_grad_(False)
+    model.neck.bias.requires_grad_(False)
+    opt = torch.optim.SGD(model.head.parameters(), lr=0.1)  # neck.weight forgotten
+    census = ModelCensus.attach(model, opt)
+    c = census.take()
+    backbone = sum(p.numel() for p in model.backbone.parameters())
+    assert c.frozen_modules == (("backbone", backbone), ("neck.bias", 4))
+    assert c.params_frozen == backbone + 4
+    assert c.not_in_optimizer == ("neck.weight",) and c.params_not_in_optimizer == 16
+    assert c.params_trainable == 10
+    assert 0 < c.frozen_share < 1
+    assert census.take() is c  # nothing changed: the cached census
+    model.backbone.requires_grad_(True)
+    opt.add_param_group({"params": list(model.backbone.parameters()) + [model.neck.weight]})
+    c = census.take()
+    assert (c.params_frozen, c.frozen_modules, c.not_in_optimizer) == (4, (("neck.bias", 4),), ())
+
+
+def test_only_modules_whose_mode_changes_the_output_count() -> None:
+    assert mode_matters(nn.BatchNorm1d(3)) and mode_matters(nn.Dropout(0.1))
+    assert not mode_matters(nn.Dropout(0.0))
+    assert not mode_matters(nn.BatchNorm1d(3, track_running_stats=False))
+    assert mode_matters(nn.MultiheadAttention(4, 2, dropout=0.1))
+    assert not mode_matters(nn.MultiheadAttention(4, 2))
+    assert not mode_matters(nn.LSTM(3, 3, num_layers=1, dropout=0.0))
+    assert not mode_matters(nn.LayerNorm(3))
+    assert is_norm(nn.GroupNorm(1, 4)) and is_norm(RMSNorm(3)) and not is_norm(nn.Linear(2, 2))
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(0.2), nn.Dropout(0.0))
+    census = ModelCensus.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    model[1].eval()  # a frozen-BN fine-tune: the root keeps training
+    c = census.take()
+    assert (c.eval_modules, c.model_training) == (("1",), True)
+    model.eval()
+    assert census.take().eval_modules == ("1", "2")
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def connected(sock: zmq.Socket, mon: gradwatch.Monitor) -> None:
+    for _ in range(100):
+        assert sock.poll(WAIT_MS), "the agent did not connect in time"
+        msg = decode(sock.recv_multipart())
+        if isinstance(msg, Heartbeat) and msg.incarnation == mon.incarnation:
+            return
+    raise AssertionError("no heartbeat from the monitor")
+
+
+def collect(sock: zmq.Socket, mon: gradwatch.Monitor) -> tuple[list[Step], list[Stats]]:
+    """Everything the monitor sent up to its close, as the collector decodes it."""
+    ingest, steps, stats = Ingest(), [], []
+    while True:
+        assert sock.poll(WAIT_MS), "the agent's 'closed' note did not arrive in time"
+        msg = decode(sock.recv_multipart())
+        out = ingest.feed(encode(msg))
+        steps += out.steps
+        stats += out.stats
+        if any(e.kind == "note" and e.fields.get("note") == "closed" for e in out.events):
+            return steps, stats
+
+
+def train(model: nn.Module, mon: gradwatch.Monitor, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+
+
+def test_roles_and_census_reach_the_collector_and_eval_mode_is_noticed_at_once(pull) -> None:
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = MiniGPT()
+    model.transformer.h[0].drop.p = 0.1  # one dropout whose mode matters
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, flush_every=2,
+                          stats_every=50, heartbeat_every=0.05)
+    connected(sock, mon)
+    train(model, mon, opt, 3)
+    model.eval()  # left on by mistake: training continues in eval mode
+    train(model, mon, opt, 3)
+    mon.close()
+    steps, stats = collect(sock, mon)
+    assert steps and all(s.layer_roles[s.layers.index("transformer.wte.weight")] == "tied"
+                         for s in steps)
+    assert all(len(s.layer_roles) == len(s.layers) for s in steps)
+    forced = [s for s in stats if s.census is not None and not s.census.model_training]
+    assert [s.step for s in forced] == [4]  # the first step trained in eval mode
+    census = forced[0].census
+    assert census is not None and census.eval_modules == ("transformer.h.0.drop",)
+    assert census.tied == (("transformer.wte.weight", "lm_head.weight"),)
+
+
+def test_a_model_in_eval_mode_from_the_start_is_sampled_at_step_1(pull) -> None:
+    sock, endpoint = pull
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, flush_every=2,
+                          stats_every=50, heartbeat_every=0.05)
+    connected(sock, mon)
+    for _ in range(3):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    mon.close()
+    _, stats = collect(sock, mon)
+    assert [s.step for s in stats] == [1]
+    census = stats[0].census
+    assert census is not None and census.model_training is False
+    assert census.eval_modules == ("1",) and stats[0].layers == tuple(
+        name for name, _ in model.named_parameters())
