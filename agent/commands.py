@@ -15,6 +15,14 @@ seen before. The key authenticates; it does not encrypt: with CurveZMQ keys
 (``curve=``, as the PUSH socket uses) the channel is also encrypted and only
 allow-listed agents may subscribe.
 
+A signature says the collector sent the command, not that the checkpoint it
+names is the job's own: the collector learns of checkpoints from its ingest
+socket. So an authentic command is then checked against this process's
+:class:`~gradwatch.agent.checkpoints.CheckpointLedger` (saves it vouched for,
+with content digests, under the checkpoint root) before the loop sees it; a
+refusal is logged, counted and reported to the collector as a
+``rollback_refused`` note.
+
 Example (after a restart, before the loop)::
 
     >>> from gradwatch.agent import resume_plan
@@ -38,6 +46,7 @@ from typing import Any
 
 import zmq
 
+from gradwatch.agent.checkpoints import CheckpointLedger, checkpoint_root, full_hash_max_bytes
 from gradwatch.agent.config import CurveKeys
 from gradwatch.wire.commands import MAX_COMMAND_BYTES, MIN_KEY_BYTES, signature_ok
 
@@ -52,6 +61,8 @@ ENV_ENDPOINT = "GRADWATCH_COMMAND_ENDPOINT"
 ENV_KEY = "GRADWATCH_COMMAND_KEY"
 ENV_KEY_FILE = "GRADWATCH_COMMAND_KEY_FILE"
 ENV_RESUME_FILE = "GRADWATCH_RESUME_FILE"
+# The "note" event that tells the collector a rollback was refused here.
+REFUSED_NOTE = "rollback_refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,12 +134,19 @@ class CommandReceiver:
 
     def __init__(self, context: zmq.Context[Any], endpoint: str, job: str, key: bytes,
                  on_command: Callable[[Rollback], None],
-                 clock: Callable[[], float] = time.time, curve: CurveKeys | None = None) -> None:
+                 clock: Callable[[], float] = time.time, curve: CurveKeys | None = None,
+                 report: Callable[[int, dict[str, Any]], None] | None = None,
+                 root: Path | None = None) -> None:
         self._job, self._key, self._on_command, self._clock = job, key, on_command, clock
+        self._report = report  # sends a note event to the collector; shipper thread only
         self._seen: dict[str, float] = {}
         self.accepted = 0
         self.refused: dict[str, int] = {}
         self._lock = threading.Lock()
+        # Refusals decided on the ledger's thread, reported from poll() (the socket's thread).
+        self._refusals: list[tuple[Rollback, str, str]] = []
+        self.ledger = CheckpointLedger(root or checkpoint_root(), self._vouched,
+                                       self._unvouched, full_hash_max_bytes())
         self._sock: zmq.Socket[Any] | None = context.socket(zmq.SUB)
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -149,6 +167,7 @@ class CommandReceiver:
         if sock is None:
             return
         try:
+            self._report_refusals()
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -162,9 +181,15 @@ class CommandReceiver:
             self.close()
 
     def close(self) -> None:
+        self.ledger.close()
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None
+
+    def vouch(self, step: int, path: str) -> None:
+        """Record a checkpoint this process saved (hashed off this thread); never raises."""
+        if isinstance(path, str) and path:
+            self.ledger.record(step, path)
 
     def _handle(self, frames: list[bytes]) -> None:
         try:
@@ -176,12 +201,39 @@ class CommandReceiver:
             return
         if rollback is None:
             return
+        self.ledger.check(rollback, rollback.checkpoint, rollback.step)
+
+    def _vouched(self, item: object) -> None:
+        # The ledger's thread: the checkpoint is one this process saved, unchanged.
+        assert isinstance(item, Rollback)
         with self._lock:
             self.accepted += 1
         logger.warning("gradwatch: rollback command accepted (alert %s, rule %s): resume from "
-                       "%s (step %d), skip %d batches", rollback.alert_id, rollback.rule,
-                       rollback.checkpoint, rollback.step, rollback.skip_batches)
-        self._on_command(rollback)
+                       "%s (step %d), skip %d batches", item.alert_id, item.rule,
+                       item.checkpoint, item.step, item.skip_batches)
+        self._on_command(item)
+
+    def _unvouched(self, item: object, reason: str, detail: str) -> None:
+        assert isinstance(item, Rollback)
+        with self._lock:
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+            self._refusals.append((item, reason, detail))
+            del self._refusals[:-16]  # reported at the next poll; a flood keeps the newest
+        logger.error("gradwatch: REFUSED a signed rollback of job %r to %s (step %d, alert %s): "
+                     "%s: %s. Training continues from where it is; if this checkpoint is "
+                     "yours, report it with mon.checkpoint_saved(step, path) under %s",
+                     self._job, item.checkpoint, item.step, item.alert_id, reason, detail,
+                     self.ledger.root)
+
+    def _report_refusals(self) -> None:
+        with self._lock:
+            refusals, self._refusals = self._refusals, []
+        if self._report is None:
+            return
+        for item, reason, detail in refusals:
+            self._report(item.step, {"note": REFUSED_NOTE, "reason": reason,
+                                     "checkpoint": item.checkpoint[:512],
+                                     "alert_id": item.alert_id[:64], "detail": detail[:512]})
 
 
 def command_settings(endpoint: str | None, key: str | bytes | None,

@@ -189,7 +189,8 @@ class Shipper:
                 self._key_error is None:
             try:
                 self._commands = CommandReceiver(self._ctx, config.command_endpoint, config.job,
-                                                 config.command_key, on_command, curve=curve)
+                                                 config.command_key, on_command, curve=curve,
+                                                 report=self._report_note)
             except ValueError as exc:  # a rollback feature problem never stops monitoring
                 logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         # Schema id -> when it last travelled; cleared on a (re)connection.
@@ -384,7 +385,12 @@ class Shipper:
         assert item.buf is not None
         return item.buf[: item.rows * item.width].view(item.rows, item.width)
 
+    def _report_note(self, step: int, fields: dict[str, Any]) -> None:
+        self._ship_event(EventItem("note", step, fields))  # e.g. a refused rollback
+
     def _ship_event(self, item: EventItem) -> None:
+        if item.kind == "checkpoint" and self._commands is not None:
+            self._commands.vouch(item.step, item.fields.get("path"))  # rollback targets
         fields = dict(item.fields)
         if item.tensor_values is not None:
             if item.ready is not None:

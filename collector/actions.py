@@ -58,11 +58,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gradwatch.collector.checkpoints import CheckpointStore, SavedCheckpoint, connect
 from gradwatch.collector.config import CollectorConfig, ConfigError
+from gradwatch.collector.ingest import RateLimitedLog
 from gradwatch.wire.commands import MIN_KEY_BYTES, encode_command
 
 log = logging.getLogger(__name__)
 
 COMMAND_VERSION = 1
+# The agent's note when it refuses a signed rollback (gradwatch.agent.commands.REFUSED_NOTE;
+# the collector does not import the agent) and the reasons it gives.
+REFUSED_NOTE = "rollback_refused"
+AGENT_REASONS = frozenset({"unvouched", "outside_root", "changed", "unreadable", "busy"})
 ACTIONS_FILE = "actions.sqlite3"
 
 BUDGET_SCHEMA = """
@@ -97,6 +102,9 @@ class ActionSettings:
     window_s: float = 6 * 3600.0
     cooldown_s: float = 600.0
     path: Path | None = None
+    max_checkpoints_per_job: int = 100
+    max_checkpoint_rows: int = 100_000
+    checkpoint_max_age_s: float = 7 * 24 * 3600.0
 
 
 def action_settings(config: CollectorConfig) -> ActionSettings:
@@ -119,7 +127,10 @@ def action_settings(config: CollectorConfig) -> ActionSettings:
         key=key, skip_batches=config.rollback_skip_batches,
         margin_steps=config.rollback_margin_steps, max_rollbacks=config.rollback_budget,
         window_s=config.rollback_budget_window_s, cooldown_s=config.rollback_cooldown_s,
-        path=None if config.data_dir is None else config.data_dir / ACTIONS_FILE)
+        path=None if config.data_dir is None else config.data_dir / ACTIONS_FILE,
+        max_checkpoints_per_job=config.max_checkpoints_per_job,
+        max_checkpoint_rows=config.max_checkpoint_rows,
+        checkpoint_max_age_s=config.checkpoint_max_age_seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +140,8 @@ class ActionStats:
     sent: int
     refused: Mapping[str, int]
     enabled: bool
+    agent_refused: Mapping[str, int] = field(default_factory=dict)
+    checkpoints_refused: int = 0  # reports of a (job, step, rank) already known
 
 
 class Budget:
@@ -204,12 +217,18 @@ class Actions:
         self._db = connect(settings.path)
         # One lock for everything on the shared connection.
         self._db_lock = threading.Lock()
-        self.checkpoints = CheckpointStore(None, db=self._db, lock=self._db_lock)
+        self.checkpoints = CheckpointStore(
+            None, db=self._db, lock=self._db_lock,
+            max_per_job=settings.max_checkpoints_per_job,
+            max_rows=settings.max_checkpoint_rows, max_age_s=settings.checkpoint_max_age_s)
         self.budget = Budget(self._db, settings.max_rollbacks, settings.window_s,
                              settings.cooldown_s, lock=self._db_lock)
         self._lock = threading.Lock()
         self._sent = 0
         self._refused: Counter[str] = Counter()
+        self._agent_refused: Counter[str] = Counter()
+        self._overwrites = 0
+        self._log = RateLimitedLog(log)
         self.store_errors = 0
         self.enabled = settings.key is not None and send is not None
         stops = sorted(name for name, acts in rule_actions.items() if "stop" in acts)
@@ -223,15 +242,44 @@ class Actions:
                 "These alerts still notify.", ", ".join(sorted(self._rollback_rules)))
 
     def observe_event(self, event: Any) -> None:
-        """Keep ``checkpoint`` events (a wire ``Event``); other kinds are ignored."""
+        """Keep ``checkpoint`` events (a wire ``Event``) and agents' rollback refusals."""
+        if event.kind == "note" and event.fields.get("note") == REFUSED_NOTE:
+            self._agent_refusal(event)
+            return
         if event.kind != "checkpoint":
             return
         path = event.fields.get("path")
         if isinstance(path, str) and path:
+            now = self.clock()
             try:
-                self.checkpoints.add(event.job, event.step, path, event.time, event.rank)
+                added = self.checkpoints.add(event.job, event.step, path, now, event.rank, now)
             except sqlite3.Error as exc:
                 self._store_failed(f"checkpoint {path} of job {event.job!r}", exc)
+                return
+            if not added:
+                with self._lock:
+                    self._overwrites += 1
+                self._log.warning("checkpoint_overwrite", "refused a second report of the "
+                                  "checkpoint of job %r step %d rank %d (%s): entries are "
+                                  "immutable; if a sender other than the job reports its "
+                                  "checkpoints, use profile: production (SECURITY.md)",
+                                  event.job, event.step, event.rank, path[:256])
+
+    def _agent_refusal(self, event: Any) -> None:
+        """An agent refused a signed rollback (its checkpoint was not one it saved)."""
+        fields = event.fields
+        reason = str(fields.get("reason", "unknown"))[:32]
+        if reason not in AGENT_REASONS:
+            reason = "other"
+        with self._lock:
+            self._agent_refused[reason] += 1
+        self._log.warning("agent_refused", "the agent of job %r (rank %d) REFUSED "
+                          "the rollback to %r for alert %s: %s: %s. The checkpoint this "
+                          "collector was told of is not one the job saved: someone other than "
+                          "the job may be reporting to this collector (SECURITY.md)",
+                          event.job, event.rank, str(fields.get("checkpoint", ""))[:256],
+                          str(fields.get("alert_id", ""))[:64], reason,
+                          str(fields.get("detail", ""))[:256])
 
     def annotate(self, transition: Any) -> Any:
         """``transition`` with its alert's ``last_good_checkpoint`` filled in where one is known.
@@ -272,7 +320,8 @@ class Actions:
 
     def stats(self) -> ActionStats:
         with self._lock:
-            return ActionStats(self._sent, dict(self._refused), self.enabled)
+            return ActionStats(self._sent, dict(self._refused), self.enabled,
+                               dict(self._agent_refused), self._overwrites)
 
     def close(self) -> None:
         with self._db_lock:
@@ -354,14 +403,30 @@ class ActionsMetrics:
     def describe(self) -> Iterable[Metric]:
         return list(self._families({}, 0, False, {}))
 
-    def collect(self) -> Iterable[Metric]:
+    def collect(self) -> Iterator[Metric]:
         actions = self._actions
         stats = actions.stats()
         now = actions.clock()
         budget = actions.budget
         remaining = {job: max(0, budget.max_count - budget.used(job, now))
                      for job in budget.jobs(now)}
-        return list(self._families(stats.refused, stats.sent, stats.enabled, remaining))
+        yield from self._families(stats.refused, stats.sent, stats.enabled, remaining)
+        by_agent = CounterMetricFamily(
+            "gradwatch_rollbacks_refused_by_agent", "Signed rollbacks an agent refused because "
+            "the checkpoint was not one it saved (or changed since); see SECURITY.md.",
+            labels=["reason"])
+        for reason, count in sorted(stats.agent_refused.items()):
+            by_agent.add_metric([reason], count)
+        yield by_agent
+        overwrite = CounterMetricFamily(
+            "gradwatch_checkpoint_overwrites_refused", "Checkpoint reports refused because "
+            "their (job, step, rank) was already recorded (entries are immutable).")
+        overwrite.add_metric([], stats.checkpoints_refused)
+        yield overwrite
+        rows = GaugeMetricFamily("gradwatch_checkpoint_rows",
+                                 "Checkpoint entries kept for rollbacks, all jobs.")
+        rows.add_metric([], actions.checkpoints.rows())
+        yield rows
 
     @staticmethod
     def _families(refused: Mapping[str, int], sent: int, enabled: bool,

@@ -184,7 +184,7 @@ class CurveAuth:
             self.counters.refuse("unknown_key", key, "dropped a message from key %r, which is "
                                  "no longer in %s", key, self._allow_file)
             return False
-        job = _job_of(frames[0].bytes)
+        job = job_of(frames[0].bytes)
         if job is None:
             self.counters.refuse("malformed", key, "dropped a message from %s whose job cannot "
                                  "be read", allow.name_of(key))
@@ -253,7 +253,8 @@ class CurveAuth:
                                  "gradwatch agent", where, event["event"], event["value"])
 
 
-def _job_of(header: bytes) -> str | None:
+def job_of(header: bytes) -> str | None:
+    """The job a message's header frame names, or None; one JSON parse, no full decode."""
     if len(header) > MAX_HEADER_BYTES:
         return None  # the wire decoder refuses it too
     try:

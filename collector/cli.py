@@ -78,6 +78,8 @@ def collector_main(argv: Sequence[str] | None = None) -> int:
     except RuleFileError as exc:
         return _fail(f"{exc}\nFix the rule file (check it with `gradwatch rules check FILE`) "
                      "or leave out --rules to use the default pack.", 2)
+    except ConfigError as exc:  # found at start: a profile refusal, a key, a file limit
+        return _fail(str(exc), 2)
     except CollectorError as exc:
         return _fail(str(exc), 1)
 

@@ -32,6 +32,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, Settin
 from gradwatch.collector.routing import RoutePolicy
 
 MiB = 1024 * 1024
+# Upper bound of durations: larger ones overflow thread and socket waits (OverflowError).
+YEAR = 365 * 24 * 3600.0
 
 
 def _installed_version() -> str:
@@ -74,10 +76,56 @@ class CollectorConfig(BaseSettings):
     rules: Path | None = Field(
         default=None, description="Rule file (YAML); None uses the packaged default pack.")
     max_message_bytes: int = Field(
-        default=16 * MiB, ge=1024,
+        default=16 * MiB, ge=1024, le=1024 * MiB,
         description="Largest accepted message; larger ones are counted as oversized (ZeroMQ MAXMSGSIZE is 4x this, so they reach the count).")
     receive_hwm: int = Field(
-        default=1000, ge=1, description="ZeroMQ receive high-water mark, in messages.")
+        default=1000, ge=1, le=1_000_000,
+        description="ZeroMQ receive high-water mark, in messages (ZeroMQ takes an int32; "
+                    "each queued message may be max_message_bytes, so keep it small).")
+    # Hard bounds on hostile but well-formed input (collector/limits.py, SECURITY.md).
+    max_jobs: int = Field(
+        default=256, ge=1, le=1_000_000,
+        description="Jobs tracked at once; messages of further jobs are refused and counted.")
+    max_jobs_per_key: int = Field(
+        default=64, ge=1, le=1_000_000,
+        description="Jobs one CurveZMQ key may have tracked at once.")
+    max_ranks_per_job: int = Field(
+        default=16_384, ge=1, le=1 << 20, description="Ranks tracked per job.")
+    max_layers_per_schema: int = Field(
+        default=16_384, ge=1, le=1 << 20,
+        description="Layers (parameter tensors) one schema may name.")
+    max_rows_per_batch: int = Field(
+        default=1024, ge=1, le=65_536,
+        description="Steps one batch may carry (the agent's flush_every); bounds the work "
+                    "per message.")
+    max_memory_bytes: int = Field(
+        default=1536 * MiB, ge=64 * MiB, le=1 << 44,
+        description="Resident memory above which no new job or rank is admitted; keep the "
+                    "container limit ~25% above it.")
+    ingest_share: float = Field(
+        default=0.8, gt=0, le=1.0,
+        description="Share of the ingest thread's time that senders split evenly (a sender "
+                    "is a job, or a CurveZMQ key); one over its share is refused until it "
+                    "slows down.")
+    ingest_burst_seconds: float = Field(
+        default=0.5, gt=0, le=60,
+        description="Ingest time a sender may use at once before its share applies.")
+    max_checkpoints_per_job: int = Field(
+        default=100, ge=1, le=1_000_000,
+        description="Checkpoint entries kept per job (the newest steps).")
+    max_checkpoint_rows: int = Field(
+        default=100_000, ge=1, le=100_000_000,
+        description="Checkpoint entries kept in all; the oldest go first.")
+    checkpoint_max_age_seconds: float = Field(
+        default=7 * 24 * 3600.0, gt=0, le=10 * YEAR,
+        description="Checkpoint entries older than this are pruned.")
+    http_max_connections: int = Field(
+        default=64, ge=1, le=65_536,
+        description="Open connections to /metrics, /healthz and /readyz; more are refused "
+                    "and counted.")
+    http_read_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=3600,
+        description="A client that sends nothing for this long is disconnected.")
     history_steps: int = Field(
         default=2048, ge=1,
         description="Ignored since the collector stopped keeping per-rank step history "
@@ -98,10 +146,10 @@ class CollectorConfig(BaseSettings):
         default=64, ge=1,
         description="Cap on per-rank last-seen series per job (the ranks silent longest).")
     job_ttl_seconds: float = Field(
-        default=600.0, gt=0,
+        default=600.0, gt=0, le=YEAR,
         description="Forget a job's state and series after this much silence.")
     finished_grace_seconds: float = Field(
-        default=60.0, ge=0,
+        default=60.0, ge=0, le=YEAR,
         description="Forget a job this long after every rank's agent closed (its final "
                     "values stay long enough for Prometheus to scrape them).")
     shutdown_timeout: float = Field(
@@ -110,7 +158,7 @@ class CollectorConfig(BaseSettings):
     webhook_timeout: float = Field(
         default=5.0, gt=0, le=3600, description="Seconds per webhook HTTP request.")
     webhook_queue_size: int = Field(
-        default=1024, ge=1,
+        default=1024, ge=1, le=1_000_000,
         description="In-memory queue of the Grafana annotation sink (annotations are not "
         "pages: best effort); alert sinks are bounded by outbox_max_pending instead.")
     webhook_secret: SecretStr | None = Field(
@@ -134,17 +182,18 @@ class CollectorConfig(BaseSettings):
         description="Alertmanager base URLs (http://host:9093); alerts are POSTed to "
         "/api/v2/alerts and re-posted while firing.")
     alertmanager_resend_seconds: float = Field(
-        default=60.0, gt=0, description="Re-post firing alerts to Alertmanager this often.")
+        default=60.0, gt=0, le=YEAR, description="Re-post firing alerts to Alertmanager this often.")
     routes: dict[Literal["webhook", "slack", "pagerduty", "alertmanager"], RoutePolicy] = Field(
         default_factory=dict,
         description="Per sink kind: min_severity, categories, exclude_categories, "
         "rate_per_minute (e.g. {pagerduty: {min_severity: critical}}).")
     outbox_max_age_seconds: float = Field(
-        default=24 * 3600.0, gt=0,
+        default=24 * 3600.0, gt=0, le=YEAR,
         description="Keep retrying an undelivered alert this long, then give up (counted).")
     outbox_max_pending: int = Field(
-        default=10_000, ge=1,
-        description="Undelivered notifications kept per sink before the oldest is dropped.")
+        default=10_000, ge=1, le=10_000_000,
+        description="Undelivered notifications kept per sink; past it the least important "
+                    "of the job holding the most is dropped (collector/outbox.py).")
     ready_file: Path | None = Field(
         default=None,
         description="Once ready, write {listen, metrics_url, pid} as JSON here (random ports "
@@ -176,9 +225,9 @@ class CollectorConfig(BaseSettings):
     rollback_budget: int = Field(
         default=3, ge=0, description="Rollbacks allowed per job per rollback_budget_window_s.")
     rollback_budget_window_s: float = Field(
-        default=6 * 3600.0, gt=0, description="Window of the rollback budget, in seconds.")
+        default=6 * 3600.0, gt=0, le=YEAR, description="Window of the rollback budget, in seconds.")
     rollback_cooldown_s: float = Field(
-        default=600.0, ge=0, description="Least time between two rollbacks of one job.")
+        default=600.0, ge=0, le=YEAR, description="Least time between two rollbacks of one job.")
     log_level: LogLevel = "INFO"
     grafana_url: str | None = Field(
         default=None,

@@ -12,6 +12,14 @@ password)``; a wrong or missing one gets 401) and the whole server speaks TLS
 credentials. The TLS handshake runs in the request's thread, so a slow or
 silent client never blocks the accept loop.
 
+Bounded against slow or idle clients (slowloris): at most ``max_connections``
+are open; a client that sends nothing for ``read_timeout`` seconds is
+disconnected; when the cap is reached, the oldest connection that has not yet
+sent a whole request is closed to make room (an idle flood cannot lock
+Prometheus or the kubelet out), and only when every open connection is busy
+with a request is the new one refused. Both are logged (rate-limited) and
+counted in ``gradwatch_http_connections_refused_total{reason}``.
+
 Example::
 
     from prometheus_client import CollectorRegistry
@@ -25,21 +33,30 @@ Example::
 from __future__ import annotations
 
 import base64
+import contextlib
 import hmac
+import logging
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gradwatch.collector.config import CollectorError, ConfigError
+from gradwatch.collector.ingest import RateLimitedLog
+
+log = logging.getLogger(__name__)
 
 TLS_HANDSHAKE_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_READ_TIMEOUT_S = 10.0
 
 
 def _text() -> list[tuple[str, str]]:
@@ -52,7 +69,9 @@ class MetricsHTTPServer:
 
     def __init__(self, host: str, port: int, registry: CollectorRegistry,
                  ready: Callable[[], bool], *, tls: ssl.SSLContext | None = None,
-                 basic_auth: tuple[str, str] | None = None) -> None:
+                 basic_auth: tuple[str, str] | None = None,
+                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> None:
         self._metrics: Callable[..., Iterable[bytes]] = make_wsgi_app(registry)
         self._ready = ready
         self._authorization = None if basic_auth is None else \
@@ -62,9 +81,12 @@ class MetricsHTTPServer:
         if tls is not None:
             server_class = type("TLS" + server_class.__name__, (_TLSMixin, server_class),
                                 {"ssl_context": tls})
+        self.connections = Connections(max_connections)
+        handler = type("Handler", (_QuietHandler,), {"timeout": read_timeout})
         try:
             self._server = make_server(host, port, self._app, server_class=server_class,
-                                       handler_class=_QuietHandler)
+                                       handler_class=handler)
+            self._server.connections = self.connections  # type: ignore[attr-defined]
         except OSError as exc:
             raise CollectorError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; "
@@ -129,8 +151,81 @@ def tls_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     return context
 
 
+class Connections:
+    """The open connections: idle ones (no whole request yet), oldest first, and busy ones."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._idle: OrderedDict[int, socket.socket] = OrderedDict()
+        self._busy: set[int] = set()
+        self._lock = threading.Lock()
+        self.refused: dict[str, int] = {"evicted_idle": 0, "full": 0}
+        self._log = RateLimitedLog(log, every=100)
+
+    def admit(self, sock: socket.socket, peer: Any) -> bool:
+        """Track ``sock``; False (counted, logged) when it must be closed at once."""
+        evict: socket.socket | None = None
+        with self._lock:
+            if len(self._idle) + len(self._busy) >= self.limit:
+                if not self._idle:
+                    self.refused["full"] += 1
+                    self._log.warning("http_full", "refused an HTTP connection from %s: all "
+                                      "%d connections are busy with requests; raise "
+                                      "http_max_connections if scrapes are this many", peer,
+                                      self.limit)
+                    return False
+                _, evict = self._idle.popitem(last=False)
+                self.refused["evicted_idle"] += 1
+            self._idle[id(sock)] = sock
+        if evict is not None:
+            self._log.warning("http_idle", "closed the oldest idle HTTP connection to admit "
+                              "%s: %d are open (http_max_connections), and idle connections "
+                              "(slow or silent clients) go first", peer, self.limit)
+            with contextlib.suppress(OSError):
+                evict.shutdown(socket.SHUT_RDWR)  # its thread's read returns and it ends
+        return True
+
+    def busy(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._idle.pop(id(sock), None) is not None:
+                self._busy.add(id(sock))
+
+    def release(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._idle.pop(id(sock), None)
+            self._busy.discard(id(sock))
+
+    def open(self) -> int:
+        with self._lock:
+            return len(self._idle) + len(self._busy)
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            refused, open_now = dict(self.refused), len(self._idle) + len(self._busy)
+        family = CounterMetricFamily(
+            "gradwatch_http_connections_refused", "HTTP connections closed by the "
+            "connection cap: 'evicted_idle' (an idle one closed for a new one) or 'full'.",
+            labels=["reason"])
+        for reason, count in sorted(refused.items()):
+            family.add_metric([reason], count)
+        yield family
+        yield GaugeMetricFamily("gradwatch_http_connections_open", "Open HTTP connections "
+                                "(bounded by http_max_connections).", value=open_now)
+
+
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    connections: Connections
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.connections.admit(request, client_address):
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def close_request(self, request: Any) -> None:
+        self.connections.release(request)
+        super().close_request(request)
 
 
 class _IPv6WSGIServer(_ThreadingWSGIServer):
@@ -159,5 +254,11 @@ class _TLSMixin:
 
 
 class _QuietHandler(WSGIRequestHandler):
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if ok:  # a whole request arrived: no longer an idle connection
+            self.server.connections.busy(self.connection)  # type: ignore[attr-defined]
+        return ok
+
     def log_message(self, format: str, *args: Any) -> None:
         pass  # an access log line per scrape would drown the collector's own logs

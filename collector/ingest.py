@@ -28,7 +28,7 @@ import logging
 import math
 import threading
 from collections import Counter, OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -143,8 +143,12 @@ class Ingest:
     """Turns multipart frames into steps; counts and logs whatever it rejects."""
 
     def __init__(self, max_message_bytes: int = 16 * 1024 * 1024,
-                 max_streams: int = MAX_STREAMS) -> None:
+                 max_streams: int = MAX_STREAMS,
+                 admit: Callable[[Batch | Heartbeat | Event], str | None] | None = None) -> None:
         self.max_message_bytes = max_message_bytes
+        # Bounds checked after decoding, before any cache or state grows
+        # (collector/limits.py); it counts and logs what it refuses.
+        self.admit = admit
         self._max_streams = max_streams
         self._streams: OrderedDict[tuple[str, int, str], _Stream] = OrderedDict()
         self._plans: OrderedDict[Schema, _Plan] = OrderedDict()  # LRU, see _shared_plan
@@ -173,6 +177,8 @@ class Ingest:
                         "of a matching version should send to this endpoint)", exc)
             return NOTHING
         try:
+            if self.admit is not None and self.admit(message) is not None:
+                return NOTHING
             return self._dispatch(message)
         except Exception as exc:
             self.reject("internal", "failed to decode a valid %s message: %r; please report "

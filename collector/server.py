@@ -46,12 +46,15 @@ from gradwatch.collector.auth import (
     CurveAuth,
     build_auth,
     check_profile,
+    job_of,
     metrics_security,
 )
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Frames, Ingest, Ingested
+from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds
+from gradwatch.collector.startup import check_open_files, warn_exposure
 from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.outbox import Outbox, OutboxSink
 from gradwatch.collector.pagerduty import PagerDutyChannel
@@ -62,9 +65,10 @@ from gradwatch.collector.slack import SlackChannel
 from gradwatch.collector.state import StateStore
 from gradwatch.collector.webhook import WebhookChannel
 from gradwatch.rules import Engine, Step, load_default_rules, load_rules
+from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules.step import Eval, Liveness, Stats
-from gradwatch.wire.messages import DATA_CHANGE
+from gradwatch.wire.messages import DATA_CHANGE, DEGRADED
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +160,11 @@ class Server:
         self._engine = engine
         self._engine_lock = threading.Lock()
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
-        self.ingest = Ingest(config.max_message_bytes)
+        self.admission = Admission(Bounds.of(config))
+        self._sender = ""  # the CurveZMQ key of the message being handled ("" without CURVE)
+        self.ingest = Ingest(config.max_message_bytes,
+                             admit=lambda message: self.admission.admit(message, self._sender))
+        self._admission_metrics = AdmissionMetrics(self.admission)
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
         self.state = StateStore(config.job_ttl_seconds, clock, config.finished_grace_seconds)
         self.assembler = Assembler(config.assembly_deadline_seconds, clock)
@@ -201,6 +209,8 @@ class Server:
         if self._engine is None:
             self._engine = build_engine(self.config, self._clock)
         check_profile(self.config, {r.name: r.actions for r in getattr(self._engine, "rules", ())})
+        check_open_files(self.config)
+        warn_exposure(self.config)
         try:
             self._bind()
             self._start_actions()
@@ -208,10 +218,15 @@ class Server:
                 self._auth.start_monitoring()
                 self.registry.register(self.auth_counters)
             host, port = self.config.metrics_host_port
-            self._http = MetricsHTTPServer(host, port, self.registry, lambda: self.ready,
-                                           **metrics_security(self.config))
+            self._http = MetricsHTTPServer(
+                host, port, self.registry, lambda: self.ready,
+                max_connections=self.config.http_max_connections,
+                read_timeout=self.config.http_read_timeout_seconds,
+                **metrics_security(self.config))
+            self.registry.register(self._http.connections)
             self.registry.register(self._exposition)
             self._registered = True
+            self.registry.register(self._admission_metrics)
             assert self.actions is not None
             self._actions_metrics = ActionsMetrics(self.actions)
             self.registry.register(self._actions_metrics)
@@ -371,9 +386,21 @@ class Server:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            refused = self._auth is not None and not self._auth.permits(parts)
-            self._handle([part.buffer for part in parts], refused)
             handled += 1
+            if self._auth is not None:
+                if not self._auth.permits(parts):
+                    self._handle((), refused=True)  # counted by the allow-list check
+                    continue
+                self._sender = _sender_of(parts[0])
+            # Who pays for this message's ingest time (collector/limits.py): a sender over
+            # its share is refused here, after one header parse, before any decoding.
+            unit = self.admission.unit(job_of(parts[0].bytes), self._sender)
+            if not self.admission.allow(unit):
+                self._handle((), refused=True)
+                continue
+            began = time.perf_counter()
+            self._handle([part.buffer for part in parts])
+            self.admission.charge(unit, time.perf_counter() - began)
 
     def _handle(self, frames: Frames, refused: bool = False) -> None:
         # Never raises: one bad message must not stop the ingest thread.
@@ -394,6 +421,12 @@ class Server:
                 if event.kind == DATA_CHANGE:
                     with self._engine_lock:
                         self._engine_of().data_changed(event.job, event.step)
+                elif event.kind == DEGRADED:  # contract C3: the agent switched a part off
+                    notice = AgentNotice.of_fields(event.job, event.rank, max(event.step, 0),
+                                                   dict(event.fields))
+                    if notice is not None:
+                        self._evaluate("the agent's notice", notice,
+                                       self._engine_of().observe_notice)
             for step in result.steps:
                 self._observe(step)
             if result.steps:
@@ -476,7 +509,7 @@ class Server:
         assert self._engine is not None  # set in start(), before the ingest thread runs
         return self._engine
 
-    def _evaluate(self, what: str, record: Step | Stats | Eval,
+    def _evaluate(self, what: str, record: Step | Stats | Eval | AgentNotice,
                   observe: Callable[[Any], Sequence[Any]]) -> None:
         try:
             with self._engine_lock:
@@ -528,6 +561,7 @@ class Server:
             log.info("forgetting job %r: every agent closed %.0fs ago, or silent for %.0fs",
                      job, self.config.finished_grace_seconds, self.config.job_ttl_seconds)
             self.ingest.forget(job)
+            self.admission.forget(job)
             with self.assembler_lock:
                 self.assembler.forget(job)
             if self.recorder is not None:
@@ -633,6 +667,7 @@ class Server:
             self.config.ready_file.unlink(missing_ok=True)
         if self._registered:
             self.registry.unregister(self._exposition)
+            self.registry.unregister(self._admission_metrics)
             self._registered = False
         if self._actions_metrics is not None:
             self.registry.unregister(self._actions_metrics)
@@ -644,6 +679,8 @@ class Server:
             self.registry.unregister(self._assembly_metrics)
             self._assembly_metrics = None
         if self._http is not None:
+            with contextlib.suppress(KeyError):
+                self.registry.unregister(self._http.connections)
             self._http.close()
         if self._socket is not None and self._ingest_thread is None:
             self._socket.close(linger=0)  # never handed to the ingest thread
@@ -687,6 +724,14 @@ class StoreErrorMetrics:
         for store, count in sorted(counts.items()):
             family.add_metric([store], count)
         return [family]
+
+
+def _sender_of(frame: zmq.Frame) -> str:
+    """The ZAP User-Id (the agent's CurveZMQ public key) of a received frame."""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:
+        return ""
 
 
 def _bind_socket(sock: zmq.Socket[Any], endpoint: str, option: str) -> str:

@@ -27,14 +27,29 @@ def test_last_good_is_before_onset_not_newest() -> None:
     store.close()
 
 
-def test_ranks_and_resaves() -> None:
+def test_ranks_and_entries_are_immutable() -> None:
     store = CheckpointStore(None)
-    store.add("run-1", 100, "rank1/100.pt", time=1.0, rank=1)
-    store.add("run-1", 100, "rank0/100.pt", time=1.0, rank=0)
-    store.add("run-1", 100, "rank0/100-again.pt", time=2.0, rank=0)
+    assert store.add("run-1", 100, "rank1/100.pt", time=1.0, rank=1)
+    assert store.add("run-1", 100, "rank0/100.pt", time=1.0, rank=0)
+    # A second report of (job, step, rank) (a forged one, say) never replaces the first.
+    assert not store.add("run-1", 100, "/tmp/attacker-controlled.pt", time=2.0, rank=0)
     found = store.last_good("run-1", 150)
-    assert found is not None and found.path == "rank0/100-again.pt"  # rank 0 wins, latest save
-    assert len(store.of("run-1")) == 2
+    assert found is not None and found.path == "rank0/100.pt"  # rank 0 wins
+    assert len(store.of("run-1")) == 2 and store.rows() == 2
+    store.close()
+
+
+def test_bounded_per_job_in_all_and_by_age() -> None:
+    store = CheckpointStore(None, max_per_job=3, max_rows=10, max_age_s=100.0)
+    for step in range(1, 6):
+        store.add("run-1", step, f"{step}.pt", time=0.0, now=0.0)
+    assert [c.step for c in store.of("run-1")] == [3, 4, 5]  # the newest steps per job
+    for job in range(20):  # a job-name bomb: one save each
+        store.add(f"bomb-{job}", 1, "x.pt", time=50.0, now=50.0)
+    assert store.rows() <= 10
+    # Past max_age_s (by the collector's clock) everything older is pruned at the next report.
+    store.add("late", 1, "l.pt", time=500.0, now=500.0)
+    assert store.rows() == 1 and store.of("run-1") == []
     store.close()
 
 

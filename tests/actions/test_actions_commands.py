@@ -100,6 +100,27 @@ def subscribed(sock: zmq.Socket[Any], job: str) -> None:
     assert sock.recv() == b"\x01" + job.encode()
 
 
+@pytest.fixture
+def ckpt_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A checkpoint root holding ckpt/200.pt, the working directory (the path is relative)."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "200.pt").write_bytes(b"step 200 weights")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GRADWATCH_CHECKPOINT_ROOT", str(tmp_path))
+    return tmp_path
+
+
+def saved(mon: Any, step: int, path: str) -> None:
+    """Report a save and wait (bounded) until the shipper has taken it: in a real run the
+    collector only learns of a checkpoint from that send, so it never names one earlier."""
+    before = mon.stats.events_sent + mon.stats.events_dropped
+    mon.checkpoint_saved(step, path)
+    deadline = time.monotonic() + WAIT_S
+    while mon.stats.events_sent + mon.stats.events_dropped == before:
+        assert time.monotonic() < deadline, "the shipper never took the checkpoint event"
+        time.sleep(0.01)
+
+
 def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -114,12 +135,14 @@ def train_step(mon: Any, model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
     opt.zero_grad()
 
 
-def test_agent_takes_only_authentic_commands(xpub: tuple[zmq.Socket[Any], str]) -> None:
+def test_agent_takes_only_authentic_commands(xpub: tuple[zmq.Socket[Any], str],
+                                            ckpt_root: Path) -> None:
     sock, endpoint = xpub
     model, opt = tiny()
     with gradwatch.watch(model, opt, job="run-1", endpoint="tcp://127.0.0.1:1",
                          command_endpoint=endpoint, command_key=KEY) as mon:
         subscribed(sock, "run-1")
+        saved(mon, 200, "ckpt/200.pt")
         now = time.time()
         bad = [encode_command(command(issued_at=now, nonce="a"), KEY)[:2],        # unsigned
                encode_command(command(issued_at=now, nonce="b"), b"w" * 32),      # wrong key
@@ -142,7 +165,7 @@ def test_agent_takes_only_authentic_commands(xpub: tuple[zmq.Socket[Any], str]) 
 
 
 def test_exit_mode_writes_the_plan_and_exits_75(xpub: tuple[zmq.Socket[Any], str],
-                                                tmp_path: Path) -> None:
+                                                tmp_path: Path, ckpt_root: Path) -> None:
     sock, endpoint = xpub
     resume = tmp_path / "resume.json"
     model, opt = tiny()
@@ -150,6 +173,7 @@ def test_exit_mode_writes_the_plan_and_exits_75(xpub: tuple[zmq.Socket[Any], str
                           command_endpoint=endpoint, command_key=KEY, on_rollback="exit",
                           resume_file=str(resume))
     subscribed(sock, "run-1")
+    saved(mon, 200, "ckpt/200.pt")
     train_step(mon, model, opt)
     sock.send_multipart(encode_command(command(issued_at=time.time()), KEY))
     assert mon.wait_for_command(WAIT_S)

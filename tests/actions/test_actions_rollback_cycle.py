@@ -15,6 +15,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
@@ -80,7 +81,8 @@ def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: i
                 "next_batch": next_batch}, path)
 
 
-def test_fault_rollback_resume(tmp_path: Path) -> None:
+def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GRADWATCH_CHECKPOINT_ROOT", str(tmp_path))  # where the loop saves
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
     config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",

@@ -1,0 +1,309 @@
+"""Hard bounds on what senders can make the collector keep or do, and a fair share of its time.
+
+Everything the collector keeps from its input has a bound, and what would
+exceed it is refused, counted by reason (``gradwatch_ingest_refused_total``)
+and by the job or key that caused it (``gradwatch_ingest_refused_by_sender_total``,
+the worst :data:`TOP_SENDERS` offenders), and logged, rate-limited. Defaults
+are in :class:`Bounds` and documented in SECURITY.md.
+
+Two checks per message, both before the costly part:
+
+* :meth:`Admission.allow`, before decoding, from the job read off the header:
+  a **fair share of the ingest thread's time**. Each sender (the job; under
+  CurveZMQ the key) has a token bucket in seconds of ingest work, refilled at
+  ``ingest_share / active senders`` per second and charged with the time its
+  messages actually took (:meth:`Admission.charge`). A light job (a real one:
+  one small batch per flush) never runs dry; a flooding one does, and its
+  messages are then dropped after a header read (~tens of microseconds)
+  instead of costing rules evaluation. Messages of jobs not admitted yet share
+  one bucket (``(new)``), so a job-name bomb costs one sender's share.
+* :meth:`Admission.admit`, after decoding and before any state is touched:
+  jobs (in all, and per CurveZMQ key), ranks per job, rows per batch, layers
+  per schema, and the process's resident memory (no new jobs or ranks above
+  ``max_memory_bytes``).
+
+Example::
+
+    >>> admission = Admission(Bounds(max_jobs=1), clock=lambda: 0.0, rss=lambda: 0)
+    >>> from gradwatch.wire import Heartbeat
+    >>> admission.admit(Heartbeat("a", 0, 1, "i", 0.0, 0, 0))
+    >>> admission.admit(Heartbeat("b", 0, 1, "i", 0.0, 0, 0))
+    'jobs'
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from gradwatch.collector.ingest import RateLimitedLog
+from gradwatch.wire import Batch, Event, Heartbeat
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+NEW = "(new)"             # the shared bucket of senders not admitted yet
+TOP_SENDERS = 20          # senders named in the per-sender refusal metric
+MAX_OFFENDERS = 1024      # senders whose refusals are counted by name (the rest as "other")
+ACTIVE_S = 5.0            # a sender is active (takes a share) this long after its last message
+RSS_EVERY_S = 1.0
+REASONS = ("jobs", "jobs_per_key", "ranks", "rows", "layers", "memory", "share")
+
+
+@dataclass(frozen=True, slots=True)
+class Bounds:
+    """The limits; each has a ``CollectorConfig`` field of the same name."""
+
+    max_jobs: int = 256
+    max_jobs_per_key: int = 64
+    max_ranks_per_job: int = 16_384
+    max_layers_per_schema: int = 16_384
+    max_rows_per_batch: int = 1024
+    max_memory_bytes: int = 1536 * MiB
+    ingest_share: float = 0.8     # of the ingest thread's time, split among active senders
+    ingest_burst_seconds: float = 0.5
+
+    @classmethod
+    def of(cls, config: Any) -> Bounds:
+        return cls(**{name: getattr(config, name) for name in cls.__dataclass_fields__})
+
+
+@dataclass(slots=True)
+class _Job:
+    key: str
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: float
+    at: float
+    last: float
+
+
+def current_rss() -> int:
+    """Resident memory of this process now (Linux), else its peak; bytes."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024
+
+
+class Admission:
+    """The bounds and the fair share; see the module doc. Thread-safe."""
+
+    def __init__(self, bounds: Bounds, clock: Callable[[], float] = time.monotonic,
+                 rss: Callable[[], int] = current_rss) -> None:
+        self.bounds = bounds
+        self._clock, self._rss_of = clock, rss
+        self._lock = threading.Lock()
+        self._jobs: dict[str, _Job] = {}
+        self._per_key: Counter[str] = Counter()
+        self._buckets: dict[str, _Bucket] = {}
+        self._refused: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self._by_sender: Counter[tuple[str, str]] = Counter()
+        self._rss, self._rss_at = 0, -float("inf")
+        self._log = RateLimitedLog(log)
+
+    # ------------------------------------------------------------ the share
+
+    def unit(self, job: str | None, key: str = "") -> str:
+        """Who pays for a message: its key under CURVE, else its job (``(new)`` if unknown)."""
+        if key:
+            return key
+        with self._lock:
+            return job if job is not None and job in self._jobs else NEW
+
+    def allow(self, unit: str) -> bool:
+        """False (counted) when ``unit`` used up its share of the ingest thread's time."""
+        now = self._clock()
+        with self._lock:
+            bucket = self._bucket(unit, now)
+            if bucket.tokens > 0:
+                return True
+        self._count("share", unit, "dropped messages of %s: it used more than its share of "
+                    "the collector's time (%.0f%% split among %d active senders); it is "
+                    "sending faster than the collector can judge", unit,
+                    100 * self.bounds.ingest_share, self.active())
+        return False
+
+    def charge(self, unit: str, seconds: float) -> None:
+        """Take the ingest time one message of ``unit`` cost from its bucket."""
+        now = self._clock()
+        with self._lock:
+            bucket = self._bucket(unit, now)
+            bucket.tokens -= seconds
+            bucket.last = now
+
+    def active(self) -> int:
+        now = self._clock()
+        with self._lock:
+            return self._active(now)
+
+    def _active(self, now: float) -> int:
+        return max(1, sum(1 for b in self._buckets.values() if now - b.last < ACTIVE_S))
+
+    def _bucket(self, unit: str, now: float) -> _Bucket:
+        bucket = self._buckets.get(unit)
+        burst = self.bounds.ingest_burst_seconds
+        if bucket is None:
+            if len(self._buckets) > self.bounds.max_jobs + 1:
+                self._prune(now)
+            bucket = self._buckets[unit] = _Bucket(burst, now, now)
+            return bucket
+        rate = self.bounds.ingest_share / self._active(now)
+        bucket.tokens = min(burst, bucket.tokens + (now - bucket.at) * rate)
+        bucket.at = now
+        return bucket
+
+    def _prune(self, now: float) -> None:
+        for unit in [u for u, b in self._buckets.items() if now - b.last >= ACTIVE_S]:
+            del self._buckets[unit]
+
+    # ------------------------------------------------------------ the bounds
+
+    def admit(self, message: Batch | Heartbeat | Event, key: str = "") -> str | None:
+        """The reason ``message`` must be refused (counted and logged), or ``None``."""
+        b = self.bounds
+        job, rank = message.job, message.rank
+        if isinstance(message, Batch):
+            if len(message.steps) > b.max_rows_per_batch:
+                return self._refuse("rows", job, "dropped a batch of %d rows from job %r "
+                                    "(max_rows_per_batch %d); lower the agent's flush_every",
+                                    len(message.steps), job, b.max_rows_per_batch)
+            schema = message.schema
+            if schema is not None and len(schema.layers) > b.max_layers_per_schema:
+                return self._refuse("layers", job, "dropped a schema of %d layers from job %r "
+                                    "(max_layers_per_schema %d); raise it if the model really "
+                                    "has that many parameter tensors", len(schema.layers), job,
+                                    b.max_layers_per_schema)
+        with self._lock:
+            known = self._jobs.get(job)
+            if known is not None and rank in known.ranks:
+                return None
+            full = self._memory_full()
+            if known is None:
+                reason = "memory" if full else "jobs" if len(self._jobs) >= b.max_jobs else \
+                    "jobs_per_key" if key and self._per_key[key] >= b.max_jobs_per_key else None
+                if reason is None:
+                    known = self._jobs[job] = _Job(key)
+                    self._per_key[key] += 1
+            else:
+                reason = "memory" if full else "ranks" \
+                    if len(known.ranks) >= b.max_ranks_per_job else None
+            if reason is None:
+                assert known is not None
+                known.ranks.add(rank)
+                return None
+        return self._refuse(reason, key or job, _WHY[reason], job, rank, key or "-",
+                            self._limit(reason))
+
+    def forget(self, job: str) -> None:
+        """The collector forgot ``job`` (silent or finished): its slot is free again."""
+        with self._lock:
+            known = self._jobs.pop(job, None)
+            if known is not None:
+                self._per_key[known.key] -= 1
+                if self._per_key[known.key] <= 0:
+                    del self._per_key[known.key]
+            self._buckets.pop(job, None)
+
+    def jobs(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def rss(self) -> int:
+        with self._lock:
+            self._memory_full()
+            return self._rss
+
+    def refused(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._refused)
+
+    def offenders(self, n: int = TOP_SENDERS) -> list[tuple[str, str, int]]:
+        """The ``n`` (sender, reason) pairs refused most, as (sender, reason, count)."""
+        with self._lock:
+            return [(who, reason, count) for (who, reason), count
+                    in self._by_sender.most_common(n)]
+
+    def _memory_full(self) -> bool:
+        now = self._clock()
+        if now - self._rss_at >= RSS_EVERY_S:
+            self._rss, self._rss_at = self._rss_of(), now
+        return self._rss > self.bounds.max_memory_bytes
+
+    def _limit(self, reason: str) -> int:
+        b = self.bounds
+        return {"jobs": b.max_jobs, "jobs_per_key": b.max_jobs_per_key,
+                "ranks": b.max_ranks_per_job, "memory": b.max_memory_bytes // MiB}[reason]
+
+    def _refuse(self, reason: str, who: str, message: str, *args: object) -> str:
+        self._count(reason, who, message, *args)
+        return reason
+
+    def _count(self, reason: str, who: str, message: str, *args: object) -> None:
+        with self._lock:
+            self._refused[reason] += 1
+            if (who, reason) in self._by_sender or len(self._by_sender) < MAX_OFFENDERS:
+                self._by_sender[(who, reason)] += 1
+            else:
+                self._by_sender[("other", reason)] += 1
+        self._log.warning(reason, message, *args)
+
+
+_WHY = {
+    "jobs": "dropped messages of job %r rank %d (key %s): the collector already tracks "
+            "max_jobs=%d jobs; raise max_jobs, or run a collector per team",
+    "jobs_per_key": "dropped messages of job %r rank %d: key %s already reports "
+                    "max_jobs_per_key=%d jobs; raise it or give the team another key",
+    "ranks": "dropped messages of job %r rank %d (key %s): the job already has "
+             "max_ranks_per_job=%d ranks; raise it if the job is really that large",
+    "memory": "dropped messages of job %r rank %d (key %s): the collector uses more than "
+              "max_memory_bytes (%d MiB), so it admits no new job or rank; raise it or "
+              "lower max_jobs",
+}
+
+
+class AdmissionMetrics:
+    """The bounds and what they refused, built at scrape time (a bounded number of series)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission = admission
+
+    def collect(self) -> Iterator[Metric]:
+        a = self._admission
+        refused = CounterMetricFamily(
+            "gradwatch_ingest_refused", "Messages refused by a bound or the fair share, by "
+            "reason (SECURITY.md lists the bounds).", labels=["reason"])
+        for reason, count in sorted(a.refused().items()):
+            refused.add_metric([reason], count)
+        yield refused
+        by_sender = CounterMetricFamily(
+            "gradwatch_ingest_refused_by_sender", f"Refusals of the {TOP_SENDERS} senders "
+            "(job, or CurveZMQ key) refused most, by reason.", labels=["sender", "reason"])
+        for who, reason, count in a.offenders():
+            by_sender.add_metric([who[:128], reason], count)
+        yield by_sender
+        yield GaugeMetricFamily("gradwatch_jobs_admitted", "Jobs the collector tracks "
+                                "(bounded by max_jobs).", value=a.jobs())
+        yield GaugeMetricFamily("gradwatch_resident_memory_bytes", "The collector's resident "
+                                "memory (bounded by max_memory_bytes for new jobs and ranks).",
+                                value=a.rss())
+        limits = GaugeMetricFamily("gradwatch_bound", "The configured bounds.",
+                                   labels=["bound"])
+        for name in Bounds.__dataclass_fields__:
+            limits.add_metric([name], float(getattr(a.bounds, name)))
+        yield limits
