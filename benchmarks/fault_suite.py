@@ -1,10 +1,13 @@
 """Scored fault suite: real PyTorch faults and healthy controls through agent -> collector -> rules.
 
-Runs every scenario of ``tests/scenarios/scenario_lib.py`` (CPU, seconds each) and
-prints, per category: recall (detected/total), median and max steps from the
-fault's onset to the alert's step, and "other alerts" (alerts of another
+Runs every scenario of ``tests/scenarios/`` (``families.ALL_SCENARIOS``: the
+original suite, then the fault families with their healthy twins; CPU, seconds
+each) and prints, per category: recall (detected/total), median and max steps
+from the fault's onset to the alert's step, and "other alerts" (alerts of another
 category that began before the expected one); then false alarms on healthy
-controls. ``--json`` prints the full per-scenario results as JSON instead.
+controls (an alert above the severity the control allows). The families held out
+from rule design (``families.HELD_OUT``) get a table of their own.
+``--json`` prints the full per-scenario results as JSON instead.
 
     python benchmarks/fault_suite.py [--json] [-k SUBSTRING]
 """
@@ -21,7 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
-from scenarios.scenario_lib import SCENARIOS, Result, run_scenario
+from scenarios.families import ALL_SCENARIOS, HELD_OUT
+from scenarios.scenario_lib import Result, run_scenario
 
 
 def table(results: list[Result]) -> str:
@@ -50,13 +54,15 @@ def table(results: list[Result]) -> str:
                  f"{(str(max(every)) if every else '-'):>6}{oth:>7}")
     fa = [r for r in controls if r.false_alarm]
     lines.append(f"controls: {len(fa)}/{len(controls)} with a false alarm"
-                 + "".join(f"\n  {r.scenario.name}: " + ", ".join(
-                     f"{f.rule}[{f.category}]@{f.step}" for f in r.fired) for r in fa))
+                 + "".join(f"\n  {r.scenario.name}: " + _alerts(r.other) for r in fa))
     others = [r for r in results if r.scenario.category and r.other]
     for r in others:
-        lines.append(f"  other alerts in {r.scenario.name}: " + ", ".join(
-            f"{f.rule}[{f.category}]@{f.step}" for f in r.other))
+        lines.append(f"  other alerts in {r.scenario.name}: " + _alerts(r.other))
     return "\n".join(lines)
+
+
+def _alerts(fired: list) -> str:
+    return ", ".join(f"{f.rule}[{f.category}/{f.severity}]@{f.step}" for f in fired)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,18 +74,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     results = []
-    for s in SCENARIOS:
+    for s in ALL_SCENARIOS:
         if args.k in s.name:
             r = run_scenario(s)
             results.append(r)
             if args.v:
-                print(f"{s.name:<36} {s.category!s:<20} det={r.detected!s:<5} "
-                      f"lat={r.latency} {r.seconds:5.1f}s fired="
-                      + ", ".join(f"{f.rule}@{f.step}" for f in r.fired), file=sys.stderr)
+                print(f"{s.name:<40} {s.category!s:<20} det={r.detected!s:<5} "
+                      f"lat={r.latency} {r.seconds:5.1f}s fired=" + _alerts(r.fired),
+                      file=sys.stderr)
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:
-        print(table(results))
+        shown = [r for r in results if r.scenario.name not in HELD_OUT]
+        held = [r for r in results if r.scenario.name in HELD_OUT]
+        if shown:
+            print(table(shown))
+        if held:
+            print("\nheld out from rule design (families.HELD_OUT):")
+            print(table(held))
     return 0
 
 

@@ -1,10 +1,13 @@
 """The scored fault suite as tests: real PyTorch faults through agent -> ZeroMQ -> collector -> rules.
 
-Asserts only what holds today: every healthy control raises no alert, and each
-fault raises its expected category (or one of its accepted ones). Scenarios the
-current system cannot catch, or known false alarms, are ``xfail(strict=True)``
-with the reason, so they turn into failures when fixed and the mark must go.
-The scores (latency, other alerts) are printed by ``benchmarks/fault_suite.py``.
+Asserts only what holds today: every healthy control raises nothing above what it
+allows (most allow nothing at all), and each fault raises its expected category (or
+one of its accepted ones). Scenarios the current system cannot catch, or known false
+alarms, are ``xfail(strict=True)`` with the reason, so they turn into failures when
+fixed and the mark must go. Scenarios that wait for an agent feature being built are
+``xfail(strict=False)`` until it lands. Slow scenarios run only in the benchmark.
+The scores (latency, other alerts, held-out families) are printed by
+``benchmarks/fault_suite.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +18,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from scenarios.scenario_lib import SCENARIOS, Scenario, run_scenario
+from scenarios.families import ALL_SCENARIOS
+from scenarios.scenario_lib import Scenario, run_scenario
 
 
 def _param(s: Scenario) -> object:
@@ -23,15 +27,17 @@ def _param(s: Scenario) -> object:
     if reason is None and s.requires and importlib.util.find_spec(s.requires) is None:
         reason = f"needs {s.requires}, which this agent does not have"
     marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+    if not marks and s.pending:
+        marks = [pytest.mark.xfail(strict=False, reason=s.pending)]
     return pytest.param(s, id=s.name, marks=marks)
 
 
-FAULTS = [_param(s) for s in SCENARIOS if s.category is not None]
-CONTROLS = [_param(s) for s in SCENARIOS if s.category is None]
+FAULTS = [_param(s) for s in ALL_SCENARIOS if s.category is not None and not s.slow]
+CONTROLS = [_param(s) for s in ALL_SCENARIOS if s.category is None and not s.slow]
 
 
 def _describe(fired: list) -> str:
-    return ", ".join(f"{f.rule}[{f.category}]@{f.step}" for f in fired) or "nothing"
+    return ", ".join(f"{f.rule}[{f.category}/{f.severity}]@{f.step}" for f in fired) or "nothing"
 
 
 @pytest.mark.parametrize("scenario", FAULTS)
@@ -47,4 +53,7 @@ def test_fault_raises_its_category(scenario: Scenario) -> None:
 @pytest.mark.parametrize("scenario", CONTROLS)
 def test_healthy_control_raises_no_alert(scenario: Scenario) -> None:
     result = run_scenario(scenario)
-    assert not result.fired, f"{scenario.name}: false alarm: {_describe(result.fired)}"
+    allowed = f" above {scenario.allow}" if scenario.allow else ""
+    assert not result.other, (
+        f"{scenario.name}: false alarm{allowed}: {_describe(result.other)} "
+        f"(all fired: {_describe(result.fired)})")
