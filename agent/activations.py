@@ -1,21 +1,53 @@
 """Forward-activation statistics, measured only on cadence steps.
 
-:class:`ActHooks` finds the model's nonlinearity modules once (ReLU, ReLU6,
-LeakyReLU, Tanh, Sigmoid; the first ``MAX_ACT_MODULES`` in model order) and
-registers forward hooks on them only for the forward pass of a cadence step
-(``arm``), removing them at the next ``Monitor.log`` (``disarm``): every other
-step pays nothing. Each hook writes, on the device and without a sync, the
-module output's mean and (population) std from a float32 sum and sum of
-squares, plus
+:class:`ActHooks` finds the model's nonlinearity modules once (the first
+``MAX_ACT_MODULES`` in model order) and registers forward hooks on them only
+for the forward pass of a cadence step (``arm``), removing them at the next
+``Monitor.log`` (``disarm``): every other step pays nothing. Each hook writes,
+on the device and without a sync, the output's mean and (population) std from
+a float32 sum and sum of squares, plus one share per family (``ActStats.kind``):
 
-* ``zero_frac`` for ReLU/ReLU6: the share of exact zeros;
-* ``sat_frac`` for Tanh: the share with ``|y| > 0.99``; for Sigmoid: the
-  share with ``y < 0.01`` or ``y > 0.99`` (outputs pinned near a bound);
+========  ==========================================  ===========================================
+kind      modules                                     share
+========  ==========================================  ===========================================
+relu      ReLU                                        ``zero_frac``: exact zeros
+relu6     ReLU6                                       ``zero_frac``: exact zeros
+tanh      Tanh                                        ``sat_frac``: ``|y| > 0.99``
+sigmoid   Sigmoid                                     ``sat_frac``: ``y < 0.01`` or ``y > 0.99``
+gelu      GELU (either approximation); classes        ``zero_frac``: *dead*, in the flat negative
+          named ``*GELU``, ``*GELUActivation``,       tail: ``GELU(-3) < y <= 0``, i.e. input
+          ``*GELUTanh`` (Hugging Face's)              below -3 (see below)
+silu      SiLU; classes named ``*SiLU(Activation)``,  ``zero_frac``: *dead*, ``SiLU(-6) < y <= 0``,
+          ``*Swish`` (the gate of LLaMA's SwiGLU)     i.e. input below -6
+softmax   Softmax (rows along its ``dim``)            ``sat_frac``: rows whose largest
+                                                      probability exceeds 0.99
+other     LeakyReLU                                   none (mean and std only)
+========  ==========================================  ===========================================
 
-into one preallocated float32 device vector (MISSING where not measured). An
-output of more than ``SAMPLE`` elements is measured on an evenly strided
-sample of about ``SAMPLE`` elements. If the module runs more than once in that
-window (gradient accumulation, an eval forward), the last call wins.
+*Dead* generalises ReLU's exact zero to GELU and SiLU (Hendrycks & Gimpel
+2016; Elfwing et al. 2018; Shazeer 2020 for SwiGLU): a unit is dead where it
+passes almost no gradient, and both have a flat negative tail. The cut-offs
+are where the local slope falls to ~1.2% of the linear regime's: GELU'(-3) =
+-0.012 and SiLU'(-6) = -0.012. Both are read from the output alone, so the
+same test works where only the output exists (an in-place SiLU, or the input
+of the layer after a functional ``F.gelu``); it also counts a sliver of inputs
+just below zero (GELU: (-0.008, 0), SiLU: (-0.03, 0)), under 1.5% of units for
+unit-scale pre-activations, against a healthy tail share of 0.1% (GELU) and
+~0% (SiLU). *Saturated* attention is the one-hot regime of attention-entropy
+collapse (Zhai et al., ICML 2023): a row with max probability above 0.99
+attends to one position. Under a causal mask, row i has i + 1 positions, so
+the first row is always one-hot: a healthy floor of 1/T of the rows.
+
+Functional activations (``F.gelu`` or ``F.silu`` inside a module's forward)
+have no module to hook: ``watch(..., activation_modules={"*.mlp.c_proj":
+"gelu"})`` names modules (``fnmatch`` patterns on ``named_modules()`` names)
+whose *input* is the output of an activation of that kind, typically the
+Linear that follows it; those statistics are reported as ``<module>:input``.
+
+An output of more than ``SAMPLE`` elements is measured on an evenly strided
+sample of about ``SAMPLE`` elements (whole rows for softmax). If the module
+runs more than once in that window (gradient accumulation, an eval forward),
+the last call wins.
 
 Hooks would make ``torch.compile`` recompile, so a compiled model gets no
 activation statistics (one warning at attach); other signals are unaffected.
@@ -24,22 +56,30 @@ Example::
 
     >>> import torch
     >>> from gradwatch.agent.activations import ActHooks
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
-    >>> hooks = ActHooks.attach(model, torch.device("cpu"), on_error=None)
-    >>> hooks.columns
-    ('act/1/relu/mean', 'act/1/relu/std', 'act/1/relu/zero_frac')
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU(), torch.nn.Linear(4, 2))
+    >>> hooks = ActHooks.attach(model, torch.device("cpu"), on_error=None,
+    ...                         inputs={"2": "gelu"})
+    >>> hooks.columns[:3]
+    ('act/1/gelu/mean', 'act/1/gelu/std', 'act/1/gelu/zero_frac')
+    >>> hooks.columns[3]
+    'act/2:input/gelu/mean'
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
+import math
+import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from gradwatch.agent.hooks import Detached
 from gradwatch.agent.layout import fill_missing
 from gradwatch.wire import columns as wc
 
@@ -52,8 +92,24 @@ SAMPLE = 1 << 20
 # Tanh |y| above this, or Sigmoid y within this of 0 or 1, counts as saturated.
 TANH_SATURATED = 0.99
 SIGMOID_MARGIN = 0.01
+# GELU and SiLU are "dead" below these inputs, i.e. for outputs in (f(cut), 0]:
+# the slope there is under ~1.2% of the linear regime's (see the module docstring).
+GELU_DEAD_INPUT = -3.0
+SILU_DEAD_INPUT = -6.0
+GELU_DEAD_OUTPUT = GELU_DEAD_INPUT * 0.5 * (1.0 + math.erf(GELU_DEAD_INPUT / math.sqrt(2.0)))
+SILU_DEAD_OUTPUT = SILU_DEAD_INPUT / (1.0 + math.exp(-SILU_DEAD_INPUT))
+# An attention row whose largest probability is above this attends to one position.
+SOFTMAX_SATURATED = 0.99
+# The families a name in ``activation_modules`` may give (ActStats.kind).
+KINDS = ("relu", "relu6", "tanh", "sigmoid", "gelu", "silu", "softmax")
+INPUT_SUFFIX = ":input"
 
 _COMPILED_PREFIX = "_orig_mod."
+# Hugging Face and other libraries write their own activation classes (GELUActivation,
+# NewGELUActivation, PytorchGELUTanh, SiLUActivation...): recognised by class name.
+# The names of gated blocks (SwiGLU, GeGLU) do not match: their output is a product.
+_GELU_CLASS = re.compile(r"gelu(activation|tanh)?$", re.IGNORECASE)
+_SILU_CLASS = re.compile(r"(silu|swish)(activation)?$", re.IGNORECASE)
 
 
 def _kind(module: nn.Module) -> str | None:
@@ -66,17 +122,40 @@ def _kind(module: nn.Module) -> str | None:
         return "tanh"
     if isinstance(module, nn.Sigmoid):
         return "sigmoid"
+    if isinstance(module, nn.Softmax):
+        return "softmax"
     if isinstance(module, nn.LeakyReLU):
         return "other"  # few exact zeros by design: mean and std only
+    name = type(module).__name__
+    if isinstance(module, nn.GELU) or _GELU_CLASS.search(name):
+        return "gelu"
+    if isinstance(module, nn.SiLU) or _SILU_CLASS.search(name):
+        return "silu"
     return None
 
 
 def _frac_stat(kind: str) -> str | None:
-    if kind in ("relu", "relu6"):
+    if kind in ("relu", "relu6", "gelu", "silu"):
         return wc.ACT_ZERO_FRAC
-    if kind in ("tanh", "sigmoid"):
+    if kind in ("tanh", "sigmoid", "softmax"):
         return wc.ACT_SAT_FRAC
     return None
+
+
+def check_activation_modules(spec: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
+    """``watch(activation_modules=...)`` as (pattern, kind) pairs; ValueError for a bad kind."""
+    if not spec:
+        return ()
+    if not isinstance(spec, Mapping):
+        raise ValueError("activation_modules must map module names (fnmatch patterns) to an "
+                         f"activation kind, e.g. {{'*.mlp.c_proj': 'gelu'}}; got {type(spec).__name__}")
+    out = []
+    for pattern, kind in spec.items():
+        if not isinstance(pattern, str) or not pattern or kind not in KINDS:
+            raise ValueError(f"activation_modules[{pattern!r}] = {kind!r}: the key must be a "
+                             f"module name or pattern and the value one of {', '.join(KINDS)}")
+        out.append((pattern, kind))
+    return tuple(out)
 
 
 def is_compiled(model: nn.Module) -> bool:
@@ -93,22 +172,56 @@ def is_compiled(model: nn.Module) -> bool:
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
 
+@dataclass(frozen=True, slots=True)
+class _Target:
+    """One measured tensor: a module's output, or (``on_input``) its first input."""
+
+    name: str
+    kind: str
+    module: nn.Module
+    on_input: bool = False
+
+
+def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> list[_Target]:
+    """The modules to hook, in model order: nonlinearity modules, then the named inputs."""
+    patterns = check_activation_modules(inputs)
+    found: list[_Target] = []
+    matched: set[str] = set()
+    for name, module in model.named_modules():
+        clean = name.removeprefix(_COMPILED_PREFIX)
+        kind = _kind(module)
+        if kind is not None:
+            found.append(_Target(clean or type(module).__name__, kind, module))
+        for pattern, given in patterns:
+            if clean and fnmatch.fnmatchcase(clean, pattern):
+                found.append(_Target(clean + INPUT_SUFFIX, given, module, on_input=True))
+                matched.add(pattern)
+                break
+    for pattern, _ in patterns:
+        if pattern not in matched:
+            logger.warning("gradwatch: activation_modules pattern %r matches no module of the "
+                           "model; check the names with [n for n, _ in model.named_modules()]",
+                           pattern)
+    return found
+
+
 class ActHooks:
     """The hookable modules of one model and the device vector their statistics land in."""
 
-    def __init__(self, modules: list[tuple[str, str, nn.Module]], device: torch.device,
+    def __init__(self, targets: list[_Target], device: torch.device,
                  on_error: Callable[[str, BaseException], None] | None) -> None:
         self._on_error = on_error
         columns: list[str] = []
-        # (module, kind, first slot, whether a share is measured)
-        self._plan: list[tuple[nn.Module, str, int, bool]] = []
-        for name, kind, module in modules:
+        # (target, first slot, whether a share is measured)
+        self._plan: list[tuple[_Target, int, bool]] = []
+        for target in targets:
             first = len(columns)
-            columns += [wc.act(name, kind, wc.ACT_MEAN), wc.act(name, kind, wc.ACT_STD)]
-            frac = _frac_stat(kind)
+            columns += [wc.act(target.name, target.kind, wc.ACT_MEAN),
+                        wc.act(target.name, target.kind, wc.ACT_STD)]
+            frac = _frac_stat(target.kind)
             if frac is not None:
-                columns.append(wc.act(name, kind, frac))
-            self._plan.append((module, kind, first, frac is not None))
+                columns.append(wc.act(target.name, target.kind, frac))
+            self._plan.append((target, first, frac is not None))
         self.columns = tuple(columns)
         self.values = torch.empty(len(columns), dtype=torch.float32, device=device)
         fill_missing(self.values)
@@ -117,29 +230,25 @@ class ActHooks:
     @classmethod
     def attach(cls, model: nn.Module, device: torch.device,
                on_error: Callable[[str, BaseException], None] | None,
-               max_modules: int = MAX_ACT_MODULES) -> ActHooks | None:
-        """Find the modules to measure; None for a compiled model (warned) or none found."""
+               max_modules: int = MAX_ACT_MODULES,
+               inputs: Mapping[str, str] | None = None) -> ActHooks | None:
+        """Find the modules to measure; None for a compiled model (warned) or none found.
+
+        ``inputs``: ``watch(activation_modules=...)``, module name patterns
+        whose input is measured as the output of the given activation kind.
+        """
         if is_compiled(model):
             logger.warning(
                 "gradwatch: the model is compiled with torch.compile; activation statistics "
                 "are off for compiled models (forward hooks would force recompiles). Gradient, "
                 "weight and loss signals are unaffected.")
             return None
-        found: list[tuple[str, str, nn.Module]] = []
-        skipped = 0
-        for name, module in model.named_modules():
-            kind = _kind(module)
-            if kind is None:
-                continue
-            if len(found) >= max_modules:
-                skipped += 1
-                continue
-            found.append((name.removeprefix(_COMPILED_PREFIX) or type(module).__name__,
-                          kind, module))
-        if skipped:
+        found = find_targets(model, inputs)
+        if len(found) > max_modules:
             logger.warning("gradwatch: activation statistics cover the first %d of %d "
                            "nonlinearity modules (model order); the other %d are not measured",
-                           max_modules, max_modules + skipped, skipped)
+                           max_modules, len(found), len(found) - max_modules)
+            found = found[:max_modules]
         return cls(found, device, on_error) if found else None
 
     @property
@@ -151,8 +260,13 @@ class ActHooks:
         if self._handles:
             return
         fill_missing(self.values)  # a module that does not run stays MISSING
-        for module, kind, first, frac in self._plan:
-            self._handles.append(module.register_forward_hook(self._hook(kind, first, frac)))
+        for target, first, frac in self._plan:
+            # Detached: a model pickled or copied while armed carries an inert hook.
+            hook = Detached(self._hook(target, first, frac))
+            if target.on_input:
+                self._handles.append(target.module.register_forward_pre_hook(hook))
+            else:
+                self._handles.append(target.module.register_forward_hook(hook))
 
     def disarm(self) -> None:
         while self._handles:
@@ -165,19 +279,21 @@ class ActHooks:
             fill_missing(out)  # not armed for this step's forward: nothing was measured
         return out
 
-    def _hook(self, kind: str, first: int, frac: bool) -> Callable[..., None]:
+    def _hook(self, target: _Target, first: int, frac: bool) -> Callable[..., None]:
         values = self.values
         width = 3 if frac else 2
+        kind, on_input = target.kind, target.on_input
+        dim = getattr(target.module, "dim", None) if kind == "softmax" and not on_input else -1
 
-        def hook(module: nn.Module, args: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, output: Any = None) -> None:
             try:
-                if not isinstance(output, torch.Tensor) or not output.is_floating_point():
-                    return
-                n = output.numel()
-                if n == 0:
+                y = (args[0] if args else None) if on_input else output
+                if not isinstance(y, torch.Tensor) or not y.is_floating_point() or y.numel() == 0:
                     return
                 with torch.no_grad():
-                    stats = _measure(output.detach(), kind, frac)
+                    y = y.detach()
+                    stats = _measure_rows(y, dim) if kind == "softmax" \
+                        else _measure(y, kind, frac)
                     values[first:first + width].copy_(stats)
             except Exception as exc:  # never raise into the user's forward pass
                 self.disarm()
@@ -195,16 +311,38 @@ def _measure(y: torch.Tensor, kind: str, frac: bool) -> torch.Tensor:
         flat = flat[:: -(-n // SAMPLE)]
         n = flat.numel()
     x = flat.float()
-    total = x.sum()
-    squares = torch.dot(x, x)
-    mean = total / n
-    std = (squares / n - mean * mean).clamp_min_(0.0).sqrt_()
+    mean, std = _mean_std(x, n)
     if not frac:
         return torch.stack((mean, std))
     if kind in ("relu", "relu6"):
         hits = (x == 0).sum()
     elif kind == "tanh":
         hits = (x.abs() > TANH_SATURATED).sum()
-    else:  # sigmoid
+    elif kind == "sigmoid":
         hits = ((x < SIGMOID_MARGIN) | (x > 1.0 - SIGMOID_MARGIN)).sum()
+    else:  # gelu, silu: the flat negative tail
+        low = GELU_DEAD_OUTPUT if kind == "gelu" else SILU_DEAD_OUTPUT
+        hits = ((x > low) & (x <= 0.0)).sum()
     return torch.stack((mean, std, hits.float() / n))
+
+
+def _mean_std(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mean = x.sum() / n
+    std = (torch.dot(x, x) / n - mean * mean).clamp_min_(0.0).sqrt_()
+    return mean, std
+
+
+def _measure_rows(y: torch.Tensor, dim: int | None) -> torch.Tensor:
+    """[mean, std, share of rows with max > SOFTMAX_SATURATED] over whole softmax rows."""
+    if dim is None:  # nn.Softmax() without dim: torch's legacy choice of axis
+        dim = 0 if y.dim() in (0, 1, 3) else 1
+    rows = y.movedim(dim, -1) if dim not in (-1, y.dim() - 1) else y
+    width = rows.shape[-1]
+    rows = rows.reshape(-1, width)  # a copy only when ``dim`` was not the last
+    if rows.numel() > SAMPLE:
+        rows = rows[:: -(-rows.numel() // SAMPLE)]
+    x = rows.float()
+    flat = x.reshape(-1)
+    mean, std = _mean_std(flat, flat.numel())
+    peaked = (x.amax(dim=-1) > SOFTMAX_SATURATED).sum()
+    return torch.stack((mean, std, peaked.float() / x.shape[0]))

@@ -57,6 +57,9 @@ class AgentConfig:
     # for that step's forward pass only) of at most this many modules.
     activation_stats: bool = True
     max_act_modules: int = 256
+    # (module name pattern, activation kind): modules whose input is the output of a
+    # functional activation (F.gelu...), measured as that kind (agent/activations.py).
+    activation_modules: tuple[tuple[str, str], ...] = ()
     # On cadence steps, also send each layer's update ratio ||dw||/||w||: the
     # optimizer step pre-hook copies the parameters (one transient copy of the
     # model's trainable parameters, on cadence steps only). False saves it.

@@ -33,13 +33,14 @@ import secrets
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from gradwatch.agent.activations import ActHooks
+from gradwatch.agent.activations import ActHooks, check_activation_modules
 from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
 from gradwatch.agent.commands import (
@@ -181,7 +182,8 @@ class Monitor:
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         if config.activation_stats and config.stats_every:
             self._acts = ActHooks.attach(model, self._device, on_error=self._fail,
-                                         max_modules=config.max_act_modules)
+                                         max_modules=config.max_act_modules,
+                                         inputs=dict(config.activation_modules))
             if self._acts is not None and config.stats_every == 1:
                 self._acts.arm()  # step 1 is a cadence step
 
@@ -614,6 +616,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           world: int | None = None, flush_every: int = 10, scaler: Any = None,
           heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True,
           activation_stats: bool = True, update_ratios: bool = True,
+          activation_modules: Mapping[str, str] | None = None,
           command_endpoint: str | None = None, command_key: str | bytes | None = None,
           on_rollback: str = "return", resume_file: str | None = None,
           curve_server_public_key_file: str | None = None,
@@ -627,7 +630,10 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     also shipped, as a separate cadence-statistics batch, with activation
     statistics of that step's forward pass (``activation_stats``; forward hooks
     on at most 256 ReLU/Tanh/Sigmoid-family modules, armed for that forward
-    only; off for ``torch.compile``d models, with one warning) and each
+    only; ReLU/Tanh/Sigmoid/GELU/SiLU/Softmax-family modules, and with
+    ``activation_modules`` (e.g. ``{"*.mlp.c_proj": "gelu"}``) the inputs of
+    named modules, for activations called functionally: agent/activations.py;
+    off for ``torch.compile``d models, with one warning) and each
     layer's update ratio ||dw||/||w|| (``update_ratios``; costs one transient
     copy of the trainable parameters on cadence steps only).
     Rollback commands (off by default; docs/rollback.md): ``command_endpoint``
@@ -662,6 +668,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     config = AgentConfig(job=job, rank=rank, world=world, shards=shards, endpoint=endpoint,
                          flush_every=flush_every, heartbeat_every=heartbeat_every,
                          stats_every=stats_every, activation_stats=activation_stats,
+                         activation_modules=check_activation_modules(activation_modules),
                          update_ratios=update_ratios, command_endpoint=cmd_endpoint,
                          command_key=cmd_key, on_rollback=on_rollback, resume_file=resume_file,
                          curve_server_public_key_file=curve_server_public_key_file,

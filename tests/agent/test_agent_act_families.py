@@ -1,0 +1,183 @@
+"""GELU, SiLU/SwiGLU, softmax and functional activations report their dead or saturated shares."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import zmq
+from torch import nn
+
+import gradwatch
+from gradwatch.agent.activations import (
+    GELU_DEAD_INPUT,
+    SILU_DEAD_INPUT,
+    ActHooks,
+    _kind,
+)
+from gradwatch.collector.ingest import Ingest
+from gradwatch.rules.step import Stats
+from gradwatch.wire import Batch, Heartbeat, decode, encode
+from gradwatch.wire import columns as wc
+
+WAIT_MS = 5000
+
+
+def measured(model: nn.Module, x: torch.Tensor, **kw) -> dict[str, tuple[float, ...]]:
+    """Arm the hooks for one forward pass; module -> (mean, std, share) by column name."""
+    hooks = ActHooks.attach(model, torch.device("cpu"), on_error=None, **kw)
+    assert hooks is not None
+    hooks.arm()
+    with torch.no_grad():
+        model(x)
+    values = hooks.snapshot().tolist()
+    hooks.disarm()
+    out: dict[str, list[float]] = {}
+    for column, value in zip(hooks.columns, values, strict=True):
+        module, kind, _ = column[len(wc.ACT_PREFIX):].rsplit("/", 2)
+        out.setdefault(f"{module}/{kind}", []).append(value)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+class SwiGLU(nn.Module):
+    """LLaMA's MLP: down(act(gate(x)) * up(x)), the activation a SiLU module (as in HF)."""
+
+    def __init__(self, d: int = 16, hidden: int = 64) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d, hidden)
+        self.up_proj = nn.Linear(d, hidden)
+        self.down_proj = nn.Linear(hidden, d)
+        self.act_fn = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class NewGELUActivation(nn.Module):
+    """Hugging Face's GPT-2 activation: a custom class, known by its name."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x, approximate="tanh")
+
+
+class FunctionalMLP(nn.Module):
+    """An MLP that calls its activation functionally: no module to hook but the next Linear."""
+
+    def __init__(self, act: str) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.act = nn.Linear(8, 256), nn.Linear(256, 8), act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        return self.fc2(F.gelu(h) if self.act == "gelu" else F.silu(h))
+
+
+def test_gelu_dead_share_is_its_flat_negative_tail() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.GELU())
+    x = torch.randn(512, 8)
+    healthy = measured(model, x)["1/gelu"]
+    pre = model[0](x)
+    assert healthy[2] == pytest.approx((pre < GELU_DEAD_INPUT).float().mean().item(), abs=0.01)
+    assert healthy[2] < 0.05
+    with torch.no_grad():
+        model[0].bias.fill_(-8.0)  # a learning rate that pushed every unit far negative
+    dead = measured(model, x)["1/gelu"]
+    pre = model[0](x)
+    assert dead[2] == pytest.approx((pre < GELU_DEAD_INPUT).float().mean().item(), abs=0.01)
+    assert dead[2] > 0.9
+
+
+def test_swiglu_gate_reports_dead_silu_units() -> None:
+    torch.manual_seed(0)
+    model = SwiGLU()
+    x = torch.randn(256, 16)
+    assert measured(model, x)["act_fn/silu"][2] < 0.05
+    with torch.no_grad():
+        model.gate_proj.bias.fill_(-12.0)  # every gate closed: the product is ~0
+    gate = model.gate_proj(x)
+    share = measured(model, x)["act_fn/silu"][2]
+    assert share == pytest.approx((gate < SILU_DEAD_INPUT).float().mean().item(), abs=0.01)
+    assert share > 0.9
+
+
+def test_library_activation_classes_are_known_by_name() -> None:
+    assert _kind(NewGELUActivation()) == "gelu"
+    assert _kind(nn.GELU(approximate="tanh")) == "gelu"
+    assert _kind(type("SiLUActivation", (nn.Module,), {})()) == "silu"
+    assert _kind(SwiGLU()) is None  # a gated block's output is a product, not an activation
+    model = nn.Sequential(nn.Linear(4, 64), NewGELUActivation())
+    with torch.no_grad():
+        model[0].bias.fill_(-10.0)
+    assert measured(model, torch.randn(32, 4))["1/gelu"][2] > 0.9
+
+
+@pytest.mark.parametrize("dim", [-1, 1])
+def test_softmax_saturation_is_the_share_of_one_hot_rows(dim: int) -> None:
+    torch.manual_seed(0)
+    scores = torch.randn(4, 8, 8, 8)  # batch, heads, query, key (dim=1: heads as rows' axis)
+    model = nn.Sequential(nn.Identity(), nn.Softmax(dim=dim))
+    mean, std, share = measured(model, scores)["1/softmax"]
+    assert share < 0.02 and mean == pytest.approx(1 / 8, abs=1e-6)
+    collapsed = measured(model, scores * 100.0)["1/softmax"][2]
+    rows = torch.softmax(scores * 100.0, dim=dim).movedim(dim, -1).reshape(-1, 8)
+    assert collapsed == pytest.approx((rows.amax(-1) > 0.99).float().mean().item(), abs=1e-6)
+    assert collapsed > 0.8
+
+
+@pytest.mark.parametrize("act", ["gelu", "silu"])
+def test_functional_activation_is_measured_at_the_next_modules_input(act: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(FunctionalMLP(act))
+    with torch.no_grad():
+        model[0].fc1.bias[:192].fill_(-20.0)  # 3/4 of the units dead
+    stats = measured(model, torch.randn(128, 8), inputs={"*.fc2": act})
+    assert set(stats) == {f"0.fc2:input/{act}"}
+    assert stats[f"0.fc2:input/{act}"][2] == pytest.approx(0.75, abs=0.02)
+
+
+def connected(sock: zmq.Socket) -> None:
+    while True:
+        assert sock.poll(WAIT_MS), "the agent did not connect in time"
+        if isinstance(decode(sock.recv_multipart()), Heartbeat):
+            return
+
+
+def test_new_families_reach_the_collector_as_act_stats(pull, caplog) -> None:
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), SwiGLU(32, 64), nn.Linear(32, 8),
+                          FunctionalMLP("gelu"), nn.Linear(8, 4), nn.Softmax(dim=-1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        mon = gradwatch.watch(model, opt, job="act", endpoint=endpoint, flush_every=2,
+                              stats_every=2, heartbeat_every=0.05,
+                              activation_modules={"4.fc2": "gelu", "no.such.*": "silu"})
+    assert "'no.such.*' matches no module" in caplog.text
+    connected(sock)
+    for _ in range(4):
+        model(torch.randn(64, 8)).pow(2).mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    mon.close()
+    ingest, stats = Ingest(), []
+    while not stats:  # the first sample with activations (a forced or early one may have none)
+        assert sock.poll(WAIT_MS), "no cadence statistics with activations arrived in time"
+        msg = decode(sock.recv_multipart())
+        if isinstance(msg, Batch) and msg.schema_id == wc.STATS_SCHEMA_ID:
+            stats = [s for s in ingest.feed(encode(msg)).stats if isinstance(s, Stats) and s.act]
+    kinds = {a.module: (a.kind, a.zero_frac, a.sat_frac) for a in stats[0].act}
+    assert kinds.keys() == {"1", "2.act_fn", "4.fc2:input", "6"}
+    assert kinds["1"][0] == "gelu" and kinds["2.act_fn"][0] == "silu"
+    assert kinds["6"][0] == "softmax" and kinds["6"][2] is not None and kinds["6"][1] is None
+    assert all(z is not None and 0.0 <= z <= 1.0 for k, z, _ in kinds.values() if k != "softmax")
+
+
+def test_a_bad_activation_kind_is_refused_at_watch() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match="activation_modules"):
+        gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), job="x",
+                        endpoint="tcp://127.0.0.1:1", activation_modules={"*": "swish"})
