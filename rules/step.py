@@ -66,10 +66,15 @@ class Step:
 class ActStats:
     """Forward-activation statistics of one module on a cadence step.
 
-    ``kind`` is the module's nonlinearity family ("relu", "tanh", "sigmoid",
-    "other"); ``zero_frac`` is measured for ReLU-family outputs (share of exact
-    zeros) and ``sat_frac`` for tanh/sigmoid outputs (share pinned near their
-    bounds); each is None where it does not apply.
+    ``kind`` is the module's nonlinearity family: "relu", "relu6", "tanh",
+    "sigmoid", "gelu", "silu", "softmax" or "other" (mean and std only).
+    ``zero_frac`` is the share of *dead* outputs: exact zeros for ReLU/ReLU6,
+    the flat negative tail for GELU (input below -3) and SiLU (input below -6).
+    ``sat_frac`` is the share of *saturated* outputs: pinned near a bound for
+    tanh/sigmoid, and for softmax the share of rows whose largest probability
+    exceeds 0.99 (one-hot attention). Each is None where it does not apply.
+    A ``module`` ending in ":input" is the input of that module, measured as
+    the activation the user named (functional activations; agent/activations.py).
     """
 
     module: str

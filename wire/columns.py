@@ -34,7 +34,8 @@ STATS_SCHEMA_ID: Final = 1 << 30
 # cadence-statistics schema as one named column per layer: this prefix + layer.
 UPDATE_RATIO_PREFIX: Final = "stats/update_ratio/"
 # Activation statistics ride in the cadence-statistics schema as named columns
-# ``act/<module>/<kind>/<stat>`` (kind: relu, relu6, tanh, sigmoid, other);
+# ``act/<module>/<kind>/<stat>`` (kind: relu, relu6, tanh, sigmoid, gelu, silu,
+# softmax, other);
 # split with ``rsplit("/", 2)`` since a module name may itself hold "/".
 ACT_PREFIX: Final = "act/"
 ACT_MEAN: Final = "mean"
