@@ -296,7 +296,8 @@ class StateStore:
                          started=rank.started, data_seconds=rank.phases.data_seconds,
                          busy_seconds=rank.phases.busy_seconds)
                 for name, job in sorted(self._jobs.items())
-                for r, rank in sorted(job.ranks.items()) if rank.progress is not None
+                # A closed rank finished: its last note is no heartbeat of a live process.
+                for r, rank in sorted(job.ranks.items()) if rank.progress is not None and not rank.closed
             ]
 
     def expire(self) -> list[str]:

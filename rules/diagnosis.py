@@ -45,16 +45,30 @@ from gradwatch.rules.alert import Alert
 from gradwatch.rules.detector import is_amp_skip
 from gradwatch.rules.evals import gap_in
 from gradwatch.rules.growth import total_grad_norm
-from gradwatch.rules.ratio import group_layers
+from gradwatch.rules.ratio import LayerEnds
 from gradwatch.rules.series import flat_since_start, trending_up
 from gradwatch.rules.step import Eval, Stats, Step
 
+# A name for every alert category (the verdict of an alert is its own class) and
+# for the seed tree's "nothing found".
 VERDICTS: Mapping[str, str] = MappingProxyType({
     "numerical": "numerical instability",
     "exploding_gradients": "gradient explosion",
     "vanishing_gradients": "vanishing gradients",
     "dead_pipeline": "dead pipeline",
+    "loss_spike": "loss spike",
+    "lr_too_high": "learning rate too high",
+    "lr_too_low": "learning rate too low",
     "generalization_gap": "generalization gap",
+    "saturation": "activation saturation",
+    "dead_units": "dead units",
+    "weight_runaway": "weight runaway",
+    "update_ratio": "update size out of band",
+    "loss_scale_collapse": "loss-scale collapse",
+    "eval_mode_wiring": "train/eval mode wiring",
+    "stalled": "stalled job",
+    "straggler": "straggler rank",
+    "agent_health": "monitoring degraded",
     "none": "no anomaly detected in optimization signals",
 })
 
@@ -88,6 +102,7 @@ SIGNAL_CATEGORIES = frozenset({
 })
 
 NORM_FLOOR = 1e-6  # seed: all(n < 1e-6 for n in norms[-50:])
+LARGE_NORM = 1.0  # nanoGPT's grad_clip and HF Trainer's max_grad_norm default
 RATIO_LIMIT = 2.0  # seed Stage 3: two orders of magnitude between first and last layers
 SATURATED = 0.5  # share of tanh/sigmoid outputs pinned near the bounds (smdebug threshold_layer 50%)
 DEAD = 0.9  # share of exact-zero ReLU outputs (healthy nets have ~50%)
@@ -130,9 +145,7 @@ class JobHistory:
         self._early_first: list[float] = []
         self._first_weight: float | None = None
         self._ratios: deque[float] = deque(maxlen=5)
-        self._layers: tuple[str, ...] | None = None
-        self._inverse = np.empty(0, dtype=np.int64)
-        self._modules: list[str] = []
+        self._ends = LayerEnds()
 
     # ------------------------------------------------------------ inputs
 
@@ -204,23 +217,18 @@ class JobHistory:
             self._early_norms.append(norm)
             return
         base = statistics.median(self._early_norms)
-        if base > 0 and norm >= 100 * base:
+        # Growth from a tiny start towards a normal level (weights waking up) is no explosion:
+        # the norm must also be large (the growth rule's min_norm, where clipping starts).
+        if base > 0 and norm >= 100 * base and norm >= LARGE_NORM:
             self._mark("grad_norm_growth", "exploding_gradients", step, norm / base,
                        f"total grad norm ×{norm / base:.0f} its early level")
 
     def _observe_layers(self, step: Step) -> None:
-        norms = np.asarray(step.layer_norms, dtype=np.float64)
-        if step.layers != self._layers or self._inverse.size != norms.size:
-            named = step.layers if len(step.layers) == norms.size else tuple(f"#{i}." for i in range(norms.size))
-            self._inverse, self._modules, _ = group_layers(named)
-            self._layers = step.layers
-        with np.errstate(over="ignore", invalid="ignore"):
-            modules = np.sqrt(np.bincount(self._inverse, weights=norms * norms, minlength=len(self._modules)))
-        usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0))
-        if usable.size < 2:
+        # The same ends as the ratio rule: weight matrices, not norm gains or tied embeddings.
+        end = self._ends.measure(step)
+        if end is None:
             return
-        first, last = int(usable[0]), int(usable[-1])
-        self._ratios.append(math.log10(modules[first]) - math.log10(modules[last]))
+        self._ratios.append(end.log_ratio)
         if len(self._ratios) == self._ratios.maxlen:
             log_ratio = statistics.median(self._ratios)
             if abs(log_ratio) >= RATIO_LIMIT:
@@ -229,13 +237,13 @@ class JobHistory:
                 how = f"1:{1 / ratio:.0f}" if vanishing else f"{ratio:.0f}:1"
                 self._mark("layer_ratio", "vanishing_gradients" if vanishing else "exploding_gradients",
                            step.step, ratio, f"first/last layer grad-norm ratio {how} "
-                           f"({self._modules[first]!r} vs {self._modules[last]!r})", high=not vanishing)
+                           f"({end.first!r} vs {end.last!r})", high=not vanishing)
         if len(self._early_first) < 10:
-            self._early_first.append(float(modules[first]))
-        elif float(modules[first]) < 1e-2 * statistics.median(self._early_first) and not self._converging():
+            self._early_first.append(end.first_norm)
+        elif end.first_norm < 1e-2 * statistics.median(self._early_first) and not self._converging():
             # A loss that fell 10x shrinks every gradient with it (a memorized batch does):
             # that is convergence, not the first layer's gradient vanishing.
-            drop = float(modules[first]) / statistics.median(self._early_first)
+            drop = end.first_norm / statistics.median(self._early_first)
             self._mark("first_layer_collapse", "vanishing_gradients", step.step, drop,
                        f"first layer's grad norm fell to {drop:.2g}× its early level", high=False)
 
@@ -262,15 +270,24 @@ class JobHistory:
 
 
 def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ()) -> Mapping[str, Any]:
-    """The diagnosis of ``alert`` from ``history``: verdict, summary, evidence, checks, earlier cause."""
-    verdict, reason, evidence = _verdict(history)
+    """The diagnosis of ``alert`` from ``history``: verdict, summary, evidence, checks, earlier cause.
+
+    The verdict is the alert's own class, stated with the alert's own evidence
+    (its summary): a diagnosis never contradicts the alert it explains. The
+    seed's tree over the loss and grad norms (``tree``) adds what it finds
+    when that is something else, and precursors add a likely earlier cause.
+    Checks run from the most specific: the rule's own, then the earlier
+    cause's, then the class's generic ones.
+    """
+    tree, reason, evidence = _verdict(history)
+    verdict = alert.category if alert.category in VERDICTS else tree
     cause = _earlier_cause(history, alert)
-    summary = f"{VERDICTS[verdict]}" + (f": {reason}" if reason else "")
-    if verdict == "none":
-        # The seed's tree reads the loss and grad norms only; say what the alert rests on.
-        summary += (f" (the seed's tree reads the loss and grad norms); this "
-                    f"{alert.category.replace('_', ' ')} alert rests on its own evidence")
-    checks: list[str] = []
+    summary = f"{VERDICTS[verdict]}: {alert.summary.rstrip('.')}" if alert.summary else VERDICTS[verdict]
+    if tree == verdict and reason:
+        summary += f"; the seed's tree agrees ({reason})"
+    elif tree != "none":
+        summary += f"; the seed's tree also reads {VERDICTS[tree]} ({reason})"
+    checks: list[str] = list(rule_checks)
     if cause is not None:
         first = cause["chain"][0]
         summary += (f". Likely earlier cause, {cause['steps_before']} step(s) before this alert: "
@@ -279,11 +296,11 @@ def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ())
         for link in cause["chain"]:
             checks += CHECKS.get(link["class"], ())
     summary += ". This narrows the search; it is not a certain cause."
-    if not (rule_checks and verdict == alert.category):
-        checks += CHECKS[verdict]  # the rule's own checks are the specific form of these
-    checks += rule_checks
+    if not rule_checks:
+        checks += CHECKS.get(verdict, ())  # the rule's own checks are the specific form of these
     return MappingProxyType({
         "verdict": verdict,
+        "tree": tree,
         "summary": summary,
         "evidence": tuple(evidence),
         "next_checks": tuple(dict.fromkeys(checks))[:10],
@@ -307,6 +324,10 @@ def _verdict(h: JobHistory) -> tuple[str, str, list[dict[str, Any]]]:
         evidence.append(_ev("grad_norm_growth", norms[-1] / max(norms[0], 1e-300), h.norms[-1][0]))
         return "exploding_gradients", "grad norms and the loss are both trending up", evidence
     tail = [n for _, n in list(h.norms)[-50:]]
+    if len(tail) == 50 and max(tail) == 0.0:
+        # Exactly zero everywhere: nothing reached the parameters, nothing vanished with depth.
+        evidence.append(_ev("max_grad_norm_last_50", 0.0, h.norms[-1][0]))
+        return "dead_pipeline", "every gradient of the last 50 steps is exactly zero", evidence
     if len(tail) == 50 and max(tail) < NORM_FLOOR and not _converged(h):
         evidence.append(_ev("max_grad_norm_last_50", max(tail), h.norms[-1][0]))
         return "vanishing_gradients", f"every grad norm of the last 50 steps < {NORM_FLOOR:g}", evidence

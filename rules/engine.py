@@ -189,7 +189,9 @@ class Engine:
             for slot in job.liveness:
                 finding = slot.detector.observe_liveness(lives)
                 if finding is not None:
-                    step = finding.evidence.get("last_step", latest) if finding.active else latest
+                    # The step the finding is about: a stall names the step stuck in progress.
+                    about = finding.evidence.get("stuck_step", finding.evidence.get("last_step", latest))
+                    step = about if finding.active else latest
                     transitions += self._update(slot, int(step), finding)
         return transitions
 

@@ -12,6 +12,13 @@ initialisation and LR warm-up. Those rises decelerate (the norm approaches a
 plateau), while a diverging run keeps its rate or speeds up. So besides a good
 fit, a large total rise and a high rate over the window, the newest half of the
 window must still grow at the minimum rate.
+
+Growth from a tiny norm is not an explosion: weights initialised too small
+"wake up" and their gradients grow geometrically towards a normal level (nanoGPT
+with its init scaled by 0.01: from 1e-4 to 0.05). So the norm must also be
+large, in absolute terms (``min_norm``) and against the run's own earlier
+typical level (``min_rise`` times the median of the ``history`` steps before
+the fit window, where the run has such a history).
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ class GeometricGrowthDetector:
     0.5) never fit a line that well; ``min_total_growth=10``: an order of
     magnitude across the window, so a slow drift is not an explosion.
 
+    ``min_norm=1.0``: the norm clipping starts at in nanoGPT (``grad_clip``) and
+    the Hugging Face Trainer (``max_grad_norm``), i.e. where practitioners call a
+    total norm large; ``min_rise=10`` over the earlier typical level.
+
     Example::
 
         det = GeometricGrowthDetector(window=16)
@@ -75,31 +86,44 @@ class GeometricGrowthDetector:
         min_factor: Annotated[float, Field(gt=1.0)] = 1.1,
         min_r2: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9,
         min_total_growth: Annotated[float, Field(ge=1.0)] = 10.0,
+        min_norm: Annotated[float, Field(ge=0.0)] = 1.0,
+        min_rise: Annotated[float, Field(ge=1.0)] = 10.0,
+        history: Annotated[int, Field(ge=1)] = 256,
     ) -> None:
         self.window = window
         self.min_factor = min_factor
         self.min_r2 = min_r2
         self.min_total_growth = min_total_growth
+        self.min_norm, self.min_rise = min_norm, min_rise
         self._steps: deque[int] = deque(maxlen=window)
         self._logs: deque[float] = deque(maxlen=window)
+        # Log norms from before the fit window: the run's earlier typical level.
+        self._before: deque[float] = deque(maxlen=history)
         self._last_step: int | None = None
-        self._last: Finding = INACTIVE
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None (no new verdict) when it carries no usable total norm."""
         norm = total_grad_norm(step)
         if is_amp_skip(step) or norm is None or not math.isfinite(norm) or norm <= 0.0:
-            # No usable measurement is no evidence that growth stopped: keep the verdict.
-            return self._last
+            # No usable measurement is no evidence that growth stopped or started.
+            return None
         if self._last_step is not None and step.step <= self._last_step:
             # Steps went back (a rollback): the old history no longer describes this run.
             self._steps.clear()
             self._logs.clear()
+            self._before.clear()
         self._last_step = step.step
+        if len(self._logs) == self.window:
+            self._before.append(self._logs[0])
         self._steps.append(step.step)
         self._logs.append(math.log(norm))
-        self._last = self._judge(step, norm) if len(self._logs) == self.window else INACTIVE
-        return self._last
+        return self._judge(step, norm) if len(self._logs) == self.window else INACTIVE
+
+    def typical_level(self) -> float | None:
+        """The median total norm of the steps before the fit window; None before any."""
+        if not self._before:
+            return None
+        return math.exp(float(np.median(np.fromiter(self._before, dtype=np.float64))))
 
     def _judge(self, step: Step, norm: float) -> Finding:
         x = np.fromiter(self._steps, dtype=np.float64, count=self.window)
@@ -111,15 +135,19 @@ class GeometricGrowthDetector:
         total = math.exp(min(slope * (x[-1] - x[0]), 700.0))
         if slope < min_slope or recent_slope < min_slope or r2 < self.min_r2 or total < self.min_total_growth:
             return INACTIVE
+        typical = self.typical_level()
+        if norm < self.min_norm or (typical is not None and norm < self.min_rise * typical):
+            return INACTIVE  # growing from tiny, or back to the run's usual level: no explosion
         # Report the newest half's rate: the window may still hold steps from before
         # the growth began, and a divergence tends to speed up, not slow down.
         factor = math.exp(recent_slope)
         headroom = math.log(step.dtype_max) - math.log(norm)
         to_overflow = max(0, math.ceil(headroom / recent_slope))
         dtype = dtype_name(step.dtype_max)
+        earlier = "" if typical is None else f", ×{norm / typical:.3g} the run's earlier typical {typical:.3g}"
         summary = (
             f"total grad norm growing ×{factor:.2f} per step (fit over {self.window} steps, "
-            f"R² {r2:.2f}, now {norm:.3g}); {dtype} overflow in ~{to_overflow} steps"
+            f"R² {r2:.2f}, now {norm:.3g}{earlier}); at this rate {dtype} overflows in ~{to_overflow} steps"
         )
         evidence = {
             "factor_per_step": factor,
@@ -130,5 +158,6 @@ class GeometricGrowthDetector:
             "total_growth": total,
             "steps_to_overflow": to_overflow,
             "dtype": dtype,
+            "typical_grad_norm": typical,
         }
         return Finding(True, summary, evidence)

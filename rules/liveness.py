@@ -85,13 +85,17 @@ class StalledDetector:
                    if live.last_step == culprit.last_step and _began_next(live)]
         behind = (f"; it has not started step {culprit.last_step + 1} while {len(waiting)} "
                   "rank(s) already wait in it" if waiting and not _began_next(culprit) else "")
+        # The step in progress is the stuck one; last_step is the last that completed.
+        stuck = culprit.last_step + 1
         summary = (
-            f"rank {culprit.rank} is alive but stalled at step {culprit.last_step}: no new step for "
-            f"{since:.0f}s (limit {self.limit(culprit):.0f}s){behind}; {len(stalled)} of "
-            f"{len(liveness)} rank(s) stalled -- a hung collective or data loader?"
+            f"rank {culprit.rank} is alive but stuck in step {stuck} (last completed: "
+            f"{culprit.last_step}): no new step for {since:.0f}s (limit {self.limit(culprit):.0f}s)"
+            f"{behind}; {len(stalled)} of {len(liveness)} rank(s) stalled -- a hung collective or "
+            "data loader?"
         )
         evidence = {
             "rank": culprit.rank,
+            "stuck_step": stuck,
             "last_step": culprit.last_step,
             "seconds_since_step": since,
             "limit_seconds": self.limit(culprit),

@@ -43,10 +43,12 @@ class NonFiniteDetector:
         self._first_bad = np.full(0, _NEVER, dtype=np.int64)
         self._in_incident = False
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None (no new verdict) when it carries no loss and no grad norms."""
         if is_amp_skip(step):
             return INACTIVE
+        if step.loss is None and step.grad_norm is None and step.layer_norms.size == 0:
+            return None
         norms = np.asarray(step.layer_norms, dtype=np.float64)
         bad = ~np.isfinite(norms)
         loss_bad = step.loss is not None and not math.isfinite(step.loss)

@@ -1,18 +1,27 @@
-"""Layer-ratio detector: first and last layers' grad norms two orders of magnitude apart.
+"""Layer-ratio detector: the first and last layers' grad norms drift orders of magnitude apart.
 
 Seed, Stage 3: "a ratio of more than roughly two orders of magnitude between the
 first and last layers signals vanishing or exploding gradients depending on
 direction" (first ≪ last: vanishing; first ≫ last: exploding). AUTOTRAINER
-(Zhang et al., ICSE 2021) uses first/last below 1e-3 for vanishing and above 70
-for exploding; the default here is the seed's 100 both ways, and a rule file
-can set AUTOTRAINER's with one rule per direction.
+(Zhang et al., ICSE 2021) flags first/last below 1e-3 for vanishing.
 
-Parameter tensors are grouped into modules by dropping the last dotted
-component ("0.weight", "0.bias" -> "0") and combined as the root of the sum of
-squares, so a tiny bias never decides the ratio. Modules whose norm is exactly
-zero (frozen, or unused this step) or non-finite (the non-finite rule's job)
-are skipped. The ratio is smoothed with a median over a short window, so one
-noisy step cannot flip the verdict.
+What counts as a layer (:mod:`gradwatch.rules.roles`): the ratio's ends are
+weight matrices (linear, convolution, attention projections), never a
+normalisation gain, a bias or a tied embedding, whose gradients do not scale
+with depth; plain embeddings serve only when a model has fewer than two weight
+modules. A module's norm is the root sum of squares of its weight tensors.
+Modules whose norm is exactly zero (frozen, or unused this step) or
+non-finite (the non-finite rule's job) are skipped.
+
+What matters is drift: a healthy network has its own ratio, set by its
+architecture, and keeps it within an order of magnitude. So the detector
+takes a reference, the median log-ratio of the run's first ``reference``
+measured steps, and holds when the smoothed ratio (median over ``window``
+steps) is beyond ``threshold`` *and* ``drift`` times away from that
+reference. A ratio beyond ``extreme`` holds without drift (a network broken
+from its first step has no healthy reference). Hysteresis: once holding, it
+holds until the ratio is back within the square root of each bound (half the
+distance in log space), so one episode is one incident.
 """
 
 from __future__ import annotations
@@ -20,14 +29,16 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from fnmatch import fnmatchcase
 from collections.abc import Callable
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
+from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Step
 
 Direction = Literal["both", "vanishing", "exploding"]
@@ -65,17 +76,92 @@ def group_norms(inverse: np.ndarray, norms: np.ndarray, groups: int) -> np.ndarr
                                    minlength=groups))
 
 
-class LayerRatioDetector:
-    """Active while the median first/last module grad-norm ratio is beyond ``threshold``.
+# Roles that may be a ratio's ends: weight matrices, whose gradients scale with
+# depth. Embeddings only when a model has fewer than two weight modules.
+END_ROLES = frozenset({"weight"})
+FALLBACK_ROLES = frozenset({"weight", "embedding"})
 
-    ``direction`` limits it to ``"vanishing"`` (first ≪ last) or
-    ``"exploding"`` (first ≫ last); ``"both"`` watches either. ``ignore`` takes
-    glob patterns of module names to leave out (an embedding whose sparse
-    gradient is small by nature, say).
+
+@dataclass(frozen=True, slots=True)
+class EndRatio:
+    """One step's first and last weight modules, their grad norms and log10(first/last)."""
+
+    first: str
+    last: str
+    first_norm: float
+    last_norm: float
+    log_ratio: float
+
+
+class LayerEnds:
+    """Finds a step's ratio ends (see the module docstring); caches the plan per layout.
 
     Example::
 
-        det = LayerRatioDetector(threshold=100.0, direction="vanishing", window=5)
+        ends = LayerEnds()
+        end = ends.measure(step)   # None when fewer than two usable weight modules
+        end.first, end.log_ratio
+    """
+
+    def __init__(self, ignore: tuple[str, ...] = ()) -> None:
+        self.ignore = tuple(ignore)
+        self._key: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
+        self._inverse = np.empty(0, dtype=np.int64)
+        self._names: list[str] = []
+        self._use = np.empty(0, dtype=bool)
+
+    def measure(self, step: Step) -> EndRatio | None:
+        """The ends of ``step``, or None when it has no layer norms or under two usable modules."""
+        norms = np.asarray(step.layer_norms, dtype=np.float64)
+        if norms.size == 0:
+            return None
+        self._plan(step.layers, step.layer_roles, norms.size)
+        groups = len(self._names)
+        with np.errstate(over="ignore", invalid="ignore"):
+            modules = np.sqrt(np.bincount(self._inverse, weights=norms * norms, minlength=groups + 1))[:groups]
+        usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0) & self._use)
+        if usable.size < 2:
+            return None
+        first, last = int(usable[0]), int(usable[-1])
+        # A difference of logs: the quotient of two extreme norms could overflow.
+        log_ratio = math.log10(modules[first]) - math.log10(modules[last])
+        return EndRatio(self._names[first], self._names[last], float(modules[first]),
+                        float(modules[last]), log_ratio)
+
+    def _plan(self, layers: tuple[str, ...], sent: tuple[str, ...], size: int) -> None:
+        key = (layers, sent, size)
+        if key == self._key:
+            return
+        self._key = key
+        named = layers if len(layers) == size else tuple(f"#{i}.w" for i in range(size))
+        roles = roles_of(named, sent)
+        allowed = END_ROLES
+        if len({module_of(n) for n, r in zip(named, roles, strict=True) if r in END_ROLES}) < 2:
+            allowed = FALLBACK_ROLES
+        index: dict[str, int] = {}
+        for name, role in zip(named, roles, strict=True):
+            if role in allowed:
+                index.setdefault(module_of(name), len(index))
+        self._names = list(index)
+        # Parameters that are no end fall into one extra group, dropped after the sum.
+        self._inverse = np.array([index.get(module_of(n), len(index)) if r in allowed else len(index)
+                                  for n, r in zip(named, roles, strict=True)], dtype=np.int64)
+        self._use = np.array([not any(fnmatchcase(n, p) for p in self.ignore) for n in self._names], dtype=bool)
+
+
+class LayerRatioDetector:
+    """Active while the first/last weight-module grad-norm ratio has drifted beyond its bounds.
+
+    ``threshold``: the smoothed ratio must be beyond it (seed: two orders of
+    magnitude); ``drift``: and this many times beyond the run's own reference
+    (the median of its first ``reference`` measured steps); ``extreme``: beyond
+    this the ratio holds without drift. ``direction`` limits the detector to
+    ``"vanishing"`` (first ≪ last) or ``"exploding"`` (first ≫ last).
+    ``ignore`` takes glob patterns of module names to leave out.
+
+    Example::
+
+        det = LayerRatioDetector(threshold=100.0, drift=10.0, direction="vanishing")
         det.observe(step).evidence["ratio"]
     """
 
@@ -84,76 +170,90 @@ class LayerRatioDetector:
         self,
         *,
         threshold: Annotated[float, Field(gt=1.0)] = 100.0,  # seed Stage 3: two orders of magnitude
+        drift: Annotated[float, Field(ge=1.0)] = 10.0,
+        extreme: Annotated[float, Field(gt=1.0)] = 1000.0,  # AUTOTRAINER: first/last below 1e-3
+        reference: Annotated[int, Field(ge=1)] = 10,
         direction: Direction = "both",
         window: Annotated[int, Field(ge=1)] = 5,  # a median of 5 needs 3 agreeing steps
         ignore: tuple[str, ...] = (),
     ) -> None:
-        self.threshold = threshold
-        self.direction = direction
-        self.window = window
+        self.threshold, self.drift, self.extreme = threshold, drift, extreme
+        self.reference, self.direction, self.window = reference, direction, window
         self.ignore = tuple(ignore)
+        self._ends = LayerEnds(self.ignore)
+        self._pair: tuple[str, str] | None = None
+        self._early: list[float] = []
         self._log_ratios: deque[float] = deque(maxlen=window)
-        self._layers: tuple[str, ...] | None = None
-        self._inverse = np.empty(0, dtype=np.int64)
-        self._names: list[str] = []
-        self._skip = np.empty(0, dtype=bool)
-        self._last: Finding = INACTIVE
+        self._holding: str | None = None  # the direction of the episode in progress
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
-        norms = np.asarray(step.layer_norms, dtype=np.float64)
-        if is_amp_skip(step) or norms.size == 0:
-            return self._last  # no measurement: keep the verdict
-        modules = self._module_norms(step.layers, norms)
-        usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0) & ~self._skip)
-        if usable.size < 2:
-            return self._last
-        first, last = int(usable[0]), int(usable[-1])
-        # A difference of logs: the quotient of two extreme norms could overflow.
-        self._log_ratios.append(math.log10(modules[first]) - math.log10(modules[last]))
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None (no new verdict) when it carries no usable layer norms."""
+        if is_amp_skip(step):
+            return None
+        end = self._ends.measure(step)
+        if end is None:
+            return None
+        if (end.first, end.last) != self._pair:
+            # Other ends (a module frozen or unfrozen): the old reference describes other layers.
+            self._pair = (end.first, end.last)
+            self._early.clear()
+            self._log_ratios.clear()
+            self._holding = None
+        if len(self._early) < self.reference:
+            self._early.append(end.log_ratio)
+        self._log_ratios.append(end.log_ratio)
         if len(self._log_ratios) < self.window:
-            self._last = INACTIVE
-        else:
-            self._last = self._judge(first, last, modules)
-        return self._last
-
-    def _module_norms(self, layers: tuple[str, ...], norms: np.ndarray) -> np.ndarray:
-        if layers != self._layers or self._inverse.size != norms.size:
-            named = layers if len(layers) == norms.size else tuple(f"#{i}." for i in range(norms.size))
-            self._inverse, self._names, self._skip = group_layers(named, self.ignore)
-            self._layers = layers
-        with np.errstate(over="ignore", invalid="ignore"):
-            sums = np.bincount(self._inverse, weights=norms * norms, minlength=len(self._names))
-        return np.sqrt(sums)
-
-    def _judge(self, first: int, last: int, modules: np.ndarray) -> Finding:
+            return INACTIVE
         # statistics.median: for a handful of floats it is ~40x cheaper than numpy's.
         log_ratio = statistics.median(self._log_ratios)
-        limit = math.log10(self.threshold)
-        if log_ratio <= -limit and self.direction in ("both", "vanishing"):
-            direction = "vanishing"
-        elif log_ratio >= limit and self.direction in ("both", "exploding"):
-            direction = "exploding"
-        else:
-            return INACTIVE
+        self._holding = self._holds(log_ratio)
+        return INACTIVE if self._holding is None else self._finding(log_ratio, end)
+
+    def reference_log_ratio(self) -> float | None:
+        """log10 of the run's own early ratio, once ``reference`` steps were measured."""
+        return statistics.median(self._early) if len(self._early) >= self.reference else None
+
+    def _holds(self, log_ratio: float) -> str | None:
+        direction = "vanishing" if log_ratio < 0 else "exploding"
+        if self.direction not in ("both", direction):
+            return None
+        # Hysteresis: an episode in progress ends only once back within the square roots.
+        scale = 0.5 if self._holding == direction else 1.0
+        size = abs(log_ratio)
+        if size < scale * math.log10(self.threshold):
+            return None
+        if size >= scale * math.log10(self.extreme):
+            return direction
+        ref = self.reference_log_ratio()
+        moved = 0.0 if ref is None else abs(log_ratio - ref) * (1.0 if (log_ratio - ref) * log_ratio > 0 else -1.0)
+        return direction if moved >= scale * math.log10(self.drift) else None
+
+    def _finding(self, log_ratio: float, end: EndRatio) -> Finding:
         ratio = 10.0**log_ratio
-        first_name, last_name = self._names[first], self._names[last]
-        if direction == "vanishing":
-            how = f"{1.0 / ratio:.3g}× smaller than"
-        else:
-            how = f"{ratio:.3g}× larger than"
+        ref = self.reference_log_ratio()
+        direction = self._holding
+        how = f"{1.0 / ratio:.3g}× smaller than" if direction == "vanishing" else f"{ratio:.3g}× larger than"
+        start = "" if ref is None else f"; {_times(ref)} over the run's first {self.reference} steps"
         summary = (
-            f"{direction} gradients: first module {first_name!r} grad norm {how} last module "
-            f"{last_name!r} (median over {self.window} steps; threshold {self.threshold:g}×)"
+            f"{direction} gradients: first weight module {end.first!r} grad norm {how} last "
+            f"{end.last!r} (median over {self.window} steps{start}; bounds {self.threshold:g}× and "
+            f"{self.drift:g}× drift, or {self.extreme:g}×)"
         )
         evidence = {
             "direction": direction,
-            "first_module": first_name,
-            "first_norm": float(modules[first]),
-            "last_module": last_name,
-            "last_norm": float(modules[last]),
+            "first_module": end.first,
+            "first_norm": end.first_norm,
+            "last_module": end.last,
+            "last_norm": end.last_norm,
             "ratio": ratio,
+            "reference_ratio": None if ref is None else 10.0**ref,
+            "drift": None if ref is None else 10.0 ** abs(log_ratio - ref),
             "threshold": self.threshold,
             "window": self.window,
         }
         return Finding(True, summary, evidence)
+
+
+def _times(log_ratio: float) -> str:
+    """A first/last ratio as people read it: "1:800" or "17:1"."""
+    return f"1:{10.0 ** -log_ratio:.3g}" if log_ratio < 0 else f"{10.0 ** log_ratio:.3g}:1"

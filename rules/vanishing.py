@@ -11,6 +11,12 @@ recent median is at most ``converged_fraction`` of where it started, or below
 ``converged_loss`` in absolute terms: a run that solved its task may have
 tiny gradients legitimately. Without a measured loss convergence cannot be
 told, and the detector stays quiet.
+
+Gradients that are *exactly* zero everywhere did not vanish through depth:
+nothing reached the parameters at all (a detached graph, ``zero_grad()``
+between ``backward()`` and ``step()``, a loss built from constants). That is a
+dead pipeline, :class:`ZeroGradientsDetector`'s, and the vanishing detector
+leaves such steps out.
 """
 
 from __future__ import annotations
@@ -52,21 +58,19 @@ class VanishingGradientDetector:
         self._norms: deque[float] = deque(maxlen=window)
         self._losses: deque[float] = deque(maxlen=window)
         self._head: list[float] = []
-        self._last: Finding = INACTIVE
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None (no new verdict) without a finite, non-zero total grad norm."""
         loss = finite_loss(step)
         if loss is not None:
             if len(self._head) < self.head:
                 self._head.append(loss)
             self._losses.append(loss)
         norm = total_grad_norm(step)
-        if is_amp_skip(step) or norm is None or not math.isfinite(norm):
-            return self._last
+        if is_amp_skip(step) or norm is None or not math.isfinite(norm) or norm == 0.0:
+            return None  # exact zeros: ZeroGradientsDetector's
         self._norms.append(norm)
-        self._last = self._judge(step)
-        return self._last
+        return self._judge(step)
 
     def _judge(self, step: Step) -> Finding:
         if len(self._norms) < self.window or not self._head or len(self._losses) < min(self.window, 5):
@@ -92,3 +96,36 @@ class VanishingGradientDetector:
             "step": step.step,
         }
         return Finding(True, summary, evidence)
+
+
+class ZeroGradientsDetector:
+    """Active on an optimizer step where every gradient was exactly zero.
+
+    Exactly zero means no gradient reached any parameter (the agent reports a
+    parameter whose ``.grad`` is None as 0.0). Steps the optimizer skipped
+    (OptimizerIdle's) and GradScaler overflow skips give no verdict. The
+    rule's ``for`` says how many such steps in a row page.
+
+    Example::
+
+        det = ZeroGradientsDetector()
+        det.observe(step).active   # True when every gradient norm is 0.0
+    """
+
+    def __init__(self) -> None:
+        self._since: int | None = None
+
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None when it carries no gradient norms or the optimizer skipped it."""
+        norm = total_grad_norm(step)
+        if step.skipped or norm is None or not math.isfinite(norm):
+            return None
+        if norm != 0.0:
+            self._since = None
+            return INACTIVE
+        if self._since is None:
+            self._since = step.step
+        summary = (f"every gradient is exactly zero since step {self._since}: nothing reaches the "
+                   "parameters (a detached graph, zero_grad() between backward() and step(), or a "
+                   "loss built from constants?)")
+        return Finding(True, summary, {"since_step": self._since, "layers": int(step.layer_norms.size)})

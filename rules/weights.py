@@ -29,6 +29,7 @@ from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.growth import fit_line
+from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
 
 
@@ -236,5 +237,80 @@ class UpdateRatioDetector:
             "since_step": self._since,
             "lr": self._lr,
             "step": stats.step,
+        }
+        return Finding(True, summary, evidence)
+
+
+class LaggingLayersDetector:
+    """Active while some weight matrices update ``factor`` times slower than the model's median one.
+
+    ‖Δw‖/‖w‖ per layer, on weight matrices only (roles as for the layer ratio:
+    norm gains, biases and embeddings move at rates of their own). A layer far
+    below the median learns ~``factor`` times slower than the rest: a param
+    group with a wrong learning rate, or gradients vanishing before they reach
+    it. Layers below ``low`` are frozen (LayersFrozen's) and left out.
+
+    Example::
+
+        det = LaggingLayersDetector(factor=100.0)
+        det.observe_stats(stats).evidence["lagging_layers"]
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        factor: Annotated[float, Field(gt=1.0)] = 100.0,
+        low: Annotated[float, Field(ge=0.0)] = 1e-6,
+        samples: Annotated[int, Field(ge=1)] = 3,
+        min_layers: Annotated[int, Field(ge=3)] = 3,
+        max_named: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        self.factor, self.low, self.samples = factor, low, samples
+        self.min_layers, self.max_named = min_layers, max_named
+        self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._held = 0
+        self._since: int | None = None
+
+    def observe(self, step: Step) -> None:
+        """Keep the roles the agent sent with the step's layers, for the next cadence sample."""
+        if step.layer_roles:
+            self._sent = (step.layers, step.layer_roles)
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no usable update ratios."""
+        if stats.update_ratios is None or len(stats.layers) != np.asarray(stats.update_ratios).size:
+            return None
+        ratios = np.asarray(stats.update_ratios, dtype=np.float64)
+        roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
+        weight = np.array([r == "weight" for r in roles]) & np.isfinite(ratios) & (ratios >= self.low)
+        if int(weight.sum()) < self.min_layers:
+            return None
+        logs = np.log10(ratios[weight])
+        median = float(np.median(logs))
+        lagging = np.flatnonzero(weight)[logs < median - math.log10(self.factor)]
+        if lagging.size == 0:
+            self._held, self._since = 0, None
+            return INACTIVE
+        self._held += 1
+        if self._since is None:
+            self._since = stats.step
+        if self._held < self.samples:
+            return INACTIVE
+        names = [stats.layers[i] for i in lagging]
+        slowest = float(ratios[lagging].min())
+        shown = ", ".join(repr(n) for n in names[: self.max_named]) + (" …" if len(names) > self.max_named else "")
+        summary = (
+            f"{len(names)} weight layer(s) update over {self.factor:g}× slower than the model's median "
+            f"layer (‖Δw‖/‖w‖ down to {slowest:.3g} against a median of {10.0 ** median:.3g}) for "
+            f"{self._held} samples since step {self._since}: {shown}"
+        )
+        evidence = {
+            "lagging_layers": names[: self.max_named],
+            "count": len(names),
+            "slowest_ratio": slowest,
+            "median_ratio": 10.0**median,
+            "samples": self._held,
+            "since_step": self._since,
         }
         return Finding(True, summary, evidence)

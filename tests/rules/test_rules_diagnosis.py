@@ -13,7 +13,7 @@ from gradwatch.rules.step import ActStats, Stats
 from gradwatch.rules.testing import fault_run, feed_all, worked_example
 
 RULES = load_default_rules()
-KEYS = {"verdict", "summary", "evidence", "next_checks", "earlier_cause"}
+KEYS = {"verdict", "tree", "summary", "evidence", "next_checks", "earlier_cause"}
 
 
 def alert(category: str = "numerical", step: int = 40) -> Alert:
@@ -59,18 +59,32 @@ def test_the_ratio_alert_blames_saturation_not_itself() -> None:
     assert cause["signal"] == "activation_saturation" and cause["step"] < ratio.step
 
 
-@pytest.mark.parametrize(("fault", "rule", "verdict"), [
+@pytest.mark.parametrize(("fault", "rule", "tree"), [
     ("divergence", "LossDiverging", "exploding_gradients"),
     ("vanishing", "GradientsVanished", "vanishing_gradients"),
     ("flat", "LossFlatFromStart", "dead_pipeline"),
     ("overfit", "GeneralizationGap", "generalization_gap"),
     ("eval_mode", "EvalInTrainingMode", "none"),
+    ("idle", "OptimizerIdle", "none"),
 ])
-def test_tree_picks_the_class(fault: str, rule: str, verdict: str) -> None:
+def test_the_verdict_is_the_alerts_own_class_and_the_tree_adds_its_own(fault: str, rule: str, tree: str) -> None:
+    # Issue 13: "verdict: none -- no anomaly detected" on an OptimizerIdle alert contradicts it.
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), fault_run(fault).records())
     fired = next(t.alert for t in transitions if t.alert.rule == rule)
-    assert fired.diagnosis is not None and fired.diagnosis["verdict"] == verdict
-    assert fired.diagnosis["summary"].startswith(VERDICTS[verdict])
+    d = fired.diagnosis
+    assert d is not None and d["verdict"] == fired.category and d["tree"] == tree
+    assert d["summary"].startswith(f"{VERDICTS[fired.category]}: {fired.summary.rstrip('.')}")
+    assert VERDICTS["none"] not in d["summary"]
+    if tree not in ("none", fired.category):
+        assert f"the seed's tree also reads {VERDICTS[tree]}" in d["summary"]
+    # The rule's own checks come first: they are specific to its evidence.
+    own = fired.annotations["next_checks"].split(";")[0].strip()
+    assert d["next_checks"][0] == own
+
+
+def test_every_category_has_a_verdict_name() -> None:
+    from gradwatch.rules.alert import CATEGORIES
+    assert set(CATEGORIES) <= set(VERDICTS)
 
 
 def test_numerical_beats_everything_and_evidence_names_it() -> None:

@@ -157,4 +157,4 @@ def test_ten_thousand_steps_of_a_thousand_layers_stay_bounded() -> None:
     assert nonfinite._first_bad.shape == (1000,)
     assert len(growth._logs) == len(growth._steps) == growth.window
     assert len(ratio._log_ratios) == ratio.window
-    assert len(ratio._names) == 500
+    assert len(ratio._ends._names) == 500

@@ -77,3 +77,12 @@ def test_tracker_builds_liveness_from_steps_and_heartbeats() -> None:
     assert (zero.last_step, zero.last_step_time, zero.last_heartbeat_time) == (10, 5.0, 30.0)
     assert zero.step_seconds == 0.5
     assert (one.rank, one.step_seconds, one.last_heartbeat_time) == (1, None, 29.0)
+
+
+def test_a_stall_alert_names_the_stuck_step_not_the_last_completed_one() -> None:
+    engine = Engine(load_default_rules(), clock=lambda: 0.0)
+    now = 1000.0
+    (event,) = engine.tick([live(0, now, 500, now - 400, now - 1)])
+    assert event.alert.rule == "RankStalled" and event.alert.step == 501
+    assert event.alert.evidence["last_step"] == 500
+    assert "stuck in step 501 (last completed: 500)" in event.alert.summary

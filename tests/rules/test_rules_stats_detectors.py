@@ -152,3 +152,36 @@ def test_collapse_on_the_floor_and_on_a_skip_storm() -> None:
     assert storm.index(True) > 100 and storm[-1]
     det = LossScaleCollapseDetector()
     assert not det.observe(Step(job="j", step=1, time=0.0, loss_scale=None)).active  # no AMP
+
+
+# ---------------------------------------------------------------- lagging layers
+
+DEEP = tuple(f"h.{i}.{kind}" for i in range(6) for kind in ("weight", "bias")) + ("ln_f.weight",)
+
+
+def deep_stats(t: int, ratios: Sequence[float]) -> Stats:
+    return Stats(job="j", step=t, time=float(t), layers=DEEP, update_ratios=np.asarray(ratios, dtype=float))
+
+
+def test_lagging_layers_far_below_the_median_after_three_samples() -> None:
+    from gradwatch.rules.weights import LaggingLayersDetector
+    det = LaggingLayersDetector(factor=30.0)
+    # Weights of h.0 and h.1 update 100x slower than the median layer; biases and the
+    # norm gain (1e-5, also "slow") are no weight matrices and are not judged.
+    ratios = [1e-5, 1e-5, 1e-5, 1e-5] + [1e-3, 1e-5] * 4 + [1e-5]
+    found = [det.observe_stats(deep_stats(5 * k, ratios)) for k in range(1, 5)]
+    assert [bool(f and f.active) for f in found] == [False, False, True, True]
+    ev = found[2].evidence  # type: ignore[union-attr]
+    assert ev["lagging_layers"] == ["h.0.weight", "h.1.weight"] and ev["since_step"] == 5
+    assert ev["median_ratio"] == pytest.approx(1e-3)
+
+
+def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
+    from gradwatch.rules.weights import LaggingLayersDetector
+    det = LaggingLayersDetector(factor=30.0)
+    rng = np.random.default_rng(0)
+    for k in range(1, 200):
+        ratios = list(1e-3 * rng.lognormal(0.0, 0.5, len(DEEP)))
+        ratios[0] = 1e-8  # frozen: LayersFrozen's, not lagging
+        assert not det.observe_stats(deep_stats(k, ratios)).active  # type: ignore[union-attr]
+    assert det.observe_stats(Stats(job="j", step=1, time=0.0, layers=DEEP)) is None

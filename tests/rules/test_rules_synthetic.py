@@ -40,10 +40,14 @@ EXPECTED = {
 def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     assert set(EXPECTED) == set(FAULTS)
     covered = {rule for rule, _, _ in EXPECTED.values()}
-    # Gradient-norm rules are exercised in test_rules_engine; liveness in test_rules_liveness
-    # and test_rules_straggler.
-    elsewhere = {"GradientNormGrowingGeometrically", "LayerGradNormRatioVanishing", "LayerGradNormRatioExploding"}
-    assert {r.name for r in RULES if r.category not in ("stalled", "straggler")} == covered | elsewhere
+    # Gradient-norm rules are exercised in test_rules_engine and test_rules_gpt_signals; the
+    # census rules and GradientsAllZero in test_rules_gradient_faults; liveness in
+    # test_rules_liveness and test_rules_straggler. Checked here: the signal groups.
+    elsewhere = {"GradientNormGrowingGeometrically", "LayerGradNormRatioVanishing", "LayerGradNormRatioExploding",
+                 "GradientsAllZero", "LayersLagging", "LayersFrozenMidRun", "TrainingInEvalMode"}
+    groups = {"numerical", "gradients", "activations", "weights", "model", "mixed-precision"}
+    assert {r.name for r in RULES if r.group in groups} <= covered | elsewhere
+    assert covered | elsewhere <= {r.name for r in RULES}
 
 
 @pytest.mark.parametrize("seed", [0, 1])

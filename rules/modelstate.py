@@ -1,0 +1,118 @@
+"""Detectors on the model census (CONTRACTS C2): a freeze that began mid-run, training in eval mode.
+
+The census rides on cadence statistics (``Stats.census``): how many parameter
+elements are frozen (``requires_grad`` off) and where, and which modules were
+in eval mode during a training step. Freezing is often intended -- a head-only
+fine-tune, LoRA, a frozen backbone from the start -- so a frozen share is not
+an anomaly; a frozen share that *jumps* while the run is under way is: the
+user froze (or a library call froze) part of the model mid-run, and the rest
+keeps training around it.
+
+* :class:`FrozenMidRunDetector` -- the frozen share of the model's elements
+  rose by at least ``min_share`` over what it was at the first census of the
+  run (after an announced data change: of the new phase), while some
+  parameters still train. A run frozen from attach is its own baseline.
+* :class:`TrainingInEvalModeDetector` -- a training step ran with the root
+  module in eval mode (``model.eval()`` for validation, never undone), or
+  with modules whose mode changes the output (BatchNorm tracking statistics,
+  Dropout with p > 0) in eval mode. Modules inside a frozen module are left
+  out: a frozen backbone's BatchNorm kept in eval on purpose is standard
+  fine-tuning practice (torchvision detection's FrozenBatchNorm2d).
+
+Example::
+
+    det = FrozenMidRunDetector(min_share=0.01)
+    det.observe_stats(stats).evidence["newly_frozen"]
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field
+
+from gradwatch.rules.detector import INACTIVE, Finding, validated_params
+from gradwatch.rules.step import Census, Stats
+
+
+class FrozenMidRunDetector:
+    """Active while the frozen share is ``min_share`` above the run's first census; see the module."""
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        min_share: Annotated[float, Field(gt=0.0, le=1.0)] = 0.01,
+        max_named: Annotated[int, Field(ge=1)] = 10,
+    ) -> None:
+        self.min_share, self.max_named = min_share, max_named
+        self._base: Census | None = None
+        self._base_step = 0
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no census."""
+        census = stats.census
+        if census is None or census.params_total <= 0:
+            return None
+        if self._base is None:
+            self._base, self._base_step = census, stats.step
+            return INACTIVE
+        rise = census.frozen_share - self._base.frozen_share
+        if rise < self.min_share or census.params_trainable <= 0:
+            return INACTIVE  # no new freeze, or nothing trains at all (WeightsFrozen's case)
+        before = {name for name, _ in self._base.frozen_modules}
+        newly = [(name, n) for name, n in census.frozen_modules if name not in before]
+        shown = ", ".join(f"{name!r} ({n:,})" for name, n in newly[: self.max_named]) or "unnamed parameters"
+        summary = (
+            f"{rise:.0%} of the model's parameters became frozen after step {self._base_step} "
+            f"({self._base.frozen_share:.0%} -> {census.frozen_share:.0%} frozen) while "
+            f"{census.params_trainable:,} still train: {shown}; requires_grad_(False) left on?"
+        )
+        evidence = {
+            "frozen_share": census.frozen_share,
+            "baseline_frozen_share": self._base.frozen_share,
+            "baseline_step": self._base_step,
+            "newly_frozen": [name for name, _ in newly[: self.max_named]],
+            "params_frozen": census.params_frozen,
+            "params_trainable": census.params_trainable,
+        }
+        return Finding(True, summary, evidence)
+
+
+class TrainingInEvalModeDetector:
+    """Active while the census of a training step shows eval mode; see the module docstring."""
+
+    @validated_params
+    def __init__(self, *, max_named: Annotated[int, Field(ge=1)] = 10) -> None:
+        self.max_named = max_named
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no census."""
+        census = stats.census
+        if census is None:
+            return None
+        frozen = tuple(name for name, _ in census.frozen_modules)
+        modules = [m for m in census.eval_modules if not _inside(m, frozen)]
+        if census.model_training and not modules:
+            return INACTIVE
+        shown = ", ".join(repr(m) for m in modules[: self.max_named]) + (" …" if len(modules) > self.max_named else "")
+        if not census.model_training:
+            summary = (f"training step {stats.step} ran with the model in eval mode (model.training is "
+                       "False): model.eval() for validation not undone by model.train()?")
+            if modules:
+                summary += f" Modules affected: {shown}"
+        else:
+            summary = (f"training step {stats.step} ran with {len(modules)} module(s) in eval mode whose "
+                       f"mode changes the output: {shown}; a .eval() call on part of the model left on?")
+        evidence = {
+            "model_training": census.model_training,
+            "eval_modules": modules[: self.max_named],
+            "count": len(modules),
+            "step": stats.step,
+        }
+        return Finding(True, summary, evidence)
+
+
+def _inside(module: str, prefixes: tuple[str, ...]) -> bool:
+    """True when ``module`` is one of ``prefixes`` or nested under one."""
+    return any(module == p or module.startswith(p + ".") or p == "" for p in prefixes)

@@ -1,0 +1,105 @@
+"""Issue 13's missing classes, through the default rules: zero gradients, freezes, eval mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from gradwatch.rules import Engine, load_default_rules
+from gradwatch.rules.step import Census, Stats, Step
+from gradwatch.rules.testing import Record, Synth, feed_all
+
+RULES = load_default_rules()
+TOTAL = 1_000_000
+ONSET = 600
+
+
+def census(frozen: int = 0, *, training: bool = True, eval_modules: tuple[str, ...] = (),
+           frozen_modules: tuple[tuple[str, int], ...] = ()) -> Census:
+    return Census(params_total=TOTAL, params_trainable=TOTAL - frozen, params_frozen=frozen,
+                  params_not_in_optimizer=0, frozen_modules=frozen_modules, eval_modules=eval_modules,
+                  model_training=training)
+
+
+def with_census(records: Iterator[Record], at: Callable[[int], Census]) -> Iterator[Record]:
+    for record in records:
+        yield replace(record, census=at(record.step)) if isinstance(record, Stats) else record
+
+
+def alerts(records: Iterator[Record]) -> list[tuple[str, str, str, int]]:
+    transitions = feed_all(Engine(RULES, clock=lambda: 0.0), records)
+    return [(t.alert.rule, t.alert.category, t.alert.severity, t.alert.step)
+            for t in transitions if t.current == "firing"]
+
+
+def run(**kw: object) -> Iterator[Record]:
+    # stats_every 5: the agent's dense cadence, and a census sent whenever it changed.
+    return Synth(steps=1200, stats_every=5, **kw).records()  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_all_zero_gradients_are_a_dead_pipeline_not_vanishing(seed: int) -> None:
+    def zeroed(records: Iterator[Record]) -> Iterator[Record]:
+        for r in records:
+            if isinstance(r, Step) and r.step >= ONSET:
+                r = replace(r, layer_norms=np.zeros_like(r.layer_norms), grad_norm=0.0)
+            yield r
+    fired = alerts(zeroed(Synth(seed=seed, steps=1200).records()))
+    assert ("GradientsAllZero", "dead_pipeline", "warning", ONSET) in fired, fired
+    assert not any(rule == "GradientsVanished" for rule, *_ in fired)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_backbone_frozen_mid_run_warns_within_20_steps(seed: int) -> None:
+    backbone = (("backbone", 800_000),)
+    fired = alerts(with_census(run(seed=seed), lambda t: census(800_000, frozen_modules=backbone)
+                               if t >= ONSET else census()))
+    (hit,) = [a for a in fired if a[0] == "LayersFrozenMidRun"]
+    assert hit[1:3] == ("update_ratio", "warning") and ONSET <= hit[3] <= ONSET + 20
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_head_only_fine_tune_frozen_from_attach_raises_nothing_above_info(seed: int) -> None:
+    backbone = (("backbone", 950_000),)
+    frozen = census(950_000, frozen_modules=backbone, eval_modules=("backbone.bn1",))
+    fired = alerts(with_census(run(seed=seed), lambda t: frozen))
+    assert [a for a in fired if a[2] != "info"] == []
+
+
+@pytest.mark.parametrize(("state", "named"), [
+    (census(training=False), None),
+    (census(eval_modules=("encoder.dropout", "encoder.bn")), "encoder.bn"),
+])
+def test_training_in_eval_mode_warns_within_20_steps(state: Census, named: str | None) -> None:
+    fired = alerts(with_census(run(), lambda t: state if t >= ONSET else census()))
+    (hit,) = [a for a in fired if a[0] == "TrainingInEvalMode"]
+    assert hit[1:3] == ("eval_mode_wiring", "warning") and ONSET <= hit[3] <= ONSET + 20
+    transitions = feed_all(Engine(RULES, clock=lambda: 0.0),
+                           with_census(run(), lambda t: state if t >= ONSET else census()))
+    alert = next(t.alert for t in transitions if t.alert.rule == "TrainingInEvalMode")
+    assert named is None or named in alert.summary
+    assert alert.diagnosis is not None and alert.diagnosis["verdict"] == "eval_mode_wiring"
+
+
+def test_census_free_streams_give_no_verdict() -> None:
+    # Older agents and imported logs send no census: the census rules stay silent, not inactive.
+    from gradwatch.rules.modelstate import FrozenMidRunDetector, TrainingInEvalModeDetector
+    bare = Stats(job="j", step=5, time=0.0)
+    assert FrozenMidRunDetector().observe_stats(bare) is None
+    assert TrainingInEvalModeDetector().observe_stats(bare) is None
+
+
+def test_the_tree_calls_exact_zeros_a_dead_pipeline() -> None:
+    from gradwatch.rules import Alert
+    from gradwatch.rules.diagnosis import JobHistory, diagnose
+    history = JobHistory()
+    for t in range(1, 80):
+        history.observe_step(Step(job="j", step=t, time=0.0, loss=2.0, grad_norm=0.0 if t > 20 else 1.0))
+    alert = Alert(rule="GradientsAllZero", category="dead_pipeline", severity="warning", job="j",
+                  state="firing", step=21, summary="every gradient is exactly zero", started_at=0.0)
+    d = diagnose(history, alert)
+    assert (d["verdict"], d["tree"]) == ("dead_pipeline", "dead_pipeline")
+    assert "exactly zero" in d["summary"] and "vanishing" not in d["summary"]
