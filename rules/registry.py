@@ -26,11 +26,12 @@ from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetec
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
 from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
+from gradwatch.rules.modelstate import FrozenMidRunDetector, TrainingInEvalModeDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.stepping import OptimizerIdleDetector
-from gradwatch.rules.vanishing import VanishingGradientDetector
-from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
+from gradwatch.rules.vanishing import VanishingGradientDetector, ZeroGradientsDetector
+from gradwatch.rules.weights import LaggingLayersDetector, UpdateRatioDetector, WeightRunawayDetector
 
 DetectorFactory = Callable[..., Detector]
 
@@ -100,6 +101,7 @@ register_detector("nonfinite", NonFiniteDetector)
 register_detector("growth", GeometricGrowthDetector)
 register_detector("ratio", LayerRatioDetector)
 register_detector("vanishing", VanishingGradientDetector)
+register_detector("zero_grads", ZeroGradientsDetector)
 register_detector("flat_start", FlatFromStartDetector)
 register_detector("optimizer_idle", OptimizerIdleDetector)
 register_detector("loss_spike", LossSpikeDetector)
@@ -110,7 +112,10 @@ register_detector("saturation", SaturationDetector)
 register_detector("dead_units", DeadUnitsDetector)
 register_detector("weight_runaway", WeightRunawayDetector)
 register_detector("update_ratio", UpdateRatioDetector)
+register_detector("lagging_layers", LaggingLayersDetector)
 register_detector("loss_scale", LossScaleCollapseDetector)
+register_detector("frozen_mid_run", FrozenMidRunDetector)
+register_detector("train_in_eval_mode", TrainingInEvalModeDetector)
 register_detector("stalled", StalledDetector)
 register_detector("silent_rank", SilentRankDetector)
 register_detector("straggler", StragglerDetector)
