@@ -32,8 +32,9 @@ x0.01); ``no_step`` (``scaler.step(optimizer)`` never called).
 ``--replay-only DIR`` re-scores traces kept by ``--keep`` with the current rules
 (the agent's output does not change with the rules, so no retraining is needed).
 Step alignment: nanoGPT's ``iter_num`` starts at 0 and the first ``mon.log``
-closes iteration 0, so gradwatch's step is ``iter_num + 1`` unless the agent
-takes ``log(step=)``; the table says which one the run used.
+closes iteration 0, so gradwatch's own count is ``iter_num + 1``; an agent that
+takes the loop's numbers (``watch(start_step=)``, CONTRACTS C4) is given
+``start_step=iter_num`` and its steps are nanoGPT's. stderr says which one ran.
 """
 
 from __future__ import annotations
@@ -123,26 +124,26 @@ def _replace_once(text: str, old: str, new: str, where: str) -> str:
 
 
 def agent_takes_step() -> bool:
-    """Whether ``Monitor.log`` takes the user's step number (``log(step=N)``, CONTRACTS C4)."""
-    from gradwatch.agent.monitor import Monitor
-    return "step" in inspect.signature(Monitor.log).parameters
+    """Whether the agent takes the loop's own step numbers (``watch(start_step=)``, C4)."""
+    import gradwatch
+    return "start_step" in inspect.signature(gradwatch.watch).parameters
 
 
 def patch_train(text: str, job: str, endpoint: str, variant: str, user_step: bool) -> str:
     """train.py with the README's quickstart lines, and the variant's bug."""
+    start = ", start_step=iter_num" if user_step else ""  # steps.py: nanoGPT's own numbers
     t = _replace_once(
         text, "checkpoint = None # free up memory\n",
         "checkpoint = None # free up memory\n"
         "import gradwatch\n"
-        f"mon = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r})\n",
+        f"mon = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r}{start})\n",
         "train.py")
     t = _replace_once(t, "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
                       "        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
                       "train.py")
-    step_arg = ", step=iter_num" if user_step else ""
     t = _replace_once(t, "    scaler.update()\n",
                       "    scaler.update()\n"
-                      f"    mon.log(loss=loss * gradient_accumulation_steps, grad_norm=grad_norm{step_arg})\n",
+                      "    mon.log(loss=loss * gradient_accumulation_steps, grad_norm=grad_norm)\n",
                       "train.py")
     t = _replace_once(t, "        losses = estimate_loss()\n",
                       "        losses = estimate_loss()\n"
@@ -328,7 +329,6 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.replay_only is not None:
         traces = args.replay_only
-        user_step = None
     else:
         if not (args.nanogpt / "train.py").exists():
             p.error(f"{args.nanogpt} has no train.py; give the root of a nanoGPT checkout")
@@ -338,7 +338,10 @@ def main(argv: list[str] | None = None) -> int:
         info = prepare_char_dataset(work / "dataset")
         user_step = agent_takes_step()
         print(f"work dir {work}; dataset {info}; gradwatch step = "
-              f"{'iter_num (log(step=))' if user_step else 'iter_num + 1'}", file=sys.stderr)
+              f"{'iter_num (start_step=iter_num)' if user_step else 'iter_num + 1'}", file=sys.stderr)
+        (traces / "trial.json").write_text(json.dumps(
+            {"dataset": info, "iters": args.iters, "variants": variants,
+             "gradwatch_step": "iter_num" if user_step else "iter_num + 1"}))
         for v in variants:
             run_variant(args.nanogpt, work, traces, v, args.iters, user_step)
     results = []
