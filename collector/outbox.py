@@ -15,9 +15,23 @@ resumes every pending row, so a collector killed with ``kill -9`` and started
 again with the same data dir delivers what it had not. The id of a row is
 ``<alert id>:<state>``: the same notification is stored, and sent, once.
 
-Bounded: at most ``max_pending`` pending rows per sink; past that the oldest is
-dropped and counted. Finished rows are kept for ``max_age`` (they remember what
-was sent) and then pruned.
+Bounded and fair between jobs: at most ``max_pending`` pending rows per sink.
+Past that one row is dropped (counted and logged) per row stored, chosen in
+this **eviction order**: (1) the lowest severity pending (``info`` before
+``warning`` before ``critical``), so a critical alert is never evicted while a
+warning or info is pending; (2) among those, a row of the job holding the most
+of them (ties: the job whose oldest row is oldest), so a flood of one job's
+notifications evicts its own rows, not another job's page; (3) within that
+job, its oldest. The row being sent is never the one dropped. Many jobs of one
+row each (a job-name flood) still evict the oldest first: the collector's
+``max_jobs`` bound limits how many such jobs can alert at once.
+
+Sink bandwidth is shared the same way: due rows are sent critical first, and
+within one severity round-robin across jobs (each job's oldest due row, then
+each job's second, ...), so a job with thousands of pending notifications
+delays another job's alert by at most one row per job, not by its backlog.
+Finished rows are kept for ``max_age`` (they remember what was sent) and then
+pruned.
 
 A full or unwritable disk does not stop alerting: the first failed write is
 logged once as an error and counted (``errors``), the rows are copied into
@@ -51,6 +65,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from gradwatch.collector.config import CollectorError
+from gradwatch.collector.ingest import RateLimitedLog
 from gradwatch.collector.routing import Router, TokenBucket
 from gradwatch.collector.sinks import NOTIFY_STATES, SinkStats, alert_payload, idempotency_key
 from gradwatch.collector.webhook import (
@@ -84,9 +99,35 @@ CREATE TABLE IF NOT EXISTS outbox (
     created_at REAL NOT NULL,
     next_attempt_at REAL NOT NULL,
     updated_at REAL NOT NULL,
+    job TEXT NOT NULL DEFAULT '',
+    severity INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (sink, id)
 ) WITHOUT ROWID;
+"""
+# Created after the columns exist: an outbox file of an older version gains them first.
+_INDEXES = """
 CREATE INDEX IF NOT EXISTS outbox_due ON outbox (sink, state, next_attempt_at);
+CREATE INDEX IF NOT EXISTS outbox_fair ON outbox (sink, state, severity, job, created_at);
+"""
+_COLUMNS = {"job": "TEXT NOT NULL DEFAULT ''", "severity": "INTEGER NOT NULL DEFAULT 1"}
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+
+# The victim when over max_pending: see the module doc's eviction order.
+_VICTIM_JOB = """
+SELECT job FROM outbox WHERE sink = ? AND state = 'pending' AND severity = ? AND id IS NOT ?
+GROUP BY job ORDER BY COUNT(*) DESC, MIN(created_at) LIMIT 1
+"""
+_VICTIM = """
+SELECT id FROM outbox WHERE sink = ? AND state = 'pending' AND severity = ? AND job = ?
+AND id IS NOT ? ORDER BY created_at LIMIT 1
+"""
+# Due rows: critical first, then round-robin across jobs (n = the row's place in its job).
+_DUE = """
+SELECT sink, id, body, attempts, created_at, next_attempt_at FROM (
+    SELECT *, ROW_NUMBER() OVER (PARTITION BY job ORDER BY severity DESC, next_attempt_at,
+                                 created_at) AS n
+    FROM outbox WHERE sink = ? AND state = 'pending' AND next_attempt_at <= ?)
+ORDER BY severity DESC, n, next_attempt_at, created_at LIMIT ?
 """
 
 
@@ -124,7 +165,7 @@ class Outbox:
                 # (kill -9); only an OS crash may lose the last transactions.
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
+            _create(self._db)
         except sqlite3.Error as exc:
             raise OutboxError(f"cannot open the alert outbox {path}: {exc}; check that the "
                               "data dir exists, is writable and is not on a network "
@@ -148,41 +189,54 @@ class Outbox:
         return not self._in_memory
 
     def put(self, sink: str, notification_id: str, body: str, now: float,
-            sending: str | None = None) -> tuple[bool, int]:
-        """Store a new notification: (inserted, how many old pending rows were dropped).
+            sending: str | None = None, job: str = "",
+            severity: str = "warning") -> tuple[bool, int]:
+        """Store a new notification: (inserted, how many pending rows were dropped).
 
         A notification already stored (pending or finished) is not stored again.
-        ``sending``, the id being sent right now, is never the one dropped: it
-        may well arrive, and must not be counted both dropped and delivered.
+        Past ``max_pending``, rows are dropped in the module doc's eviction
+        order (``job`` and ``severity`` decide it). ``sending``, the id being
+        sent right now, is never the one dropped: it may well arrive, and must
+        not be counted both dropped and delivered.
         """
+        rank = SEVERITY_RANK.get(severity, 1)
+
         def insert() -> tuple[bool, int]:
             with self._db:
                 self._db.execute("BEGIN IMMEDIATE")
                 cur = self._db.execute(
                     "INSERT OR IGNORE INTO outbox (sink, id, body, created_at, next_attempt_at, "
-                    "updated_at) VALUES (?, ?, ?, ?, ?, ?)",
-                    (sink, notification_id, body, now, now, now))
+                    "updated_at, job, severity) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (sink, notification_id, body, now, now, now, job, rank))
                 if cur.rowcount == 0:
                     return False, 0
-                excess = self._count(sink) - self.max_pending
-                if excess <= 0:
-                    return True, 0
-                cur = self._db.execute(
-                    "UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? AND "
-                    "id IN (SELECT id FROM outbox WHERE sink = ? AND state = 'pending' "
-                    "AND id IS NOT ? ORDER BY created_at, id LIMIT ?)",
-                    (now, sink, sink, sending, excess))
-                return True, cur.rowcount
+                dropped = 0
+                for _ in range(max(0, self._count(sink) - self.max_pending)):
+                    if not self._drop_one(sink, sending, now):
+                        break
+                    dropped += 1
+                return True, dropped
 
         return self._write(insert)
 
+    def _drop_one(self, sink: str, sending: str | None, now: float) -> bool:
+        (lowest,) = self._db.execute(
+            "SELECT MIN(severity) FROM outbox WHERE sink = ? AND state = 'pending' AND id IS NOT ?",
+            (sink, sending)).fetchone()
+        if lowest is None:
+            return False
+        (job,) = self._db.execute(_VICTIM_JOB, (sink, lowest, sending)).fetchone()
+        row = self._db.execute(_VICTIM, (sink, lowest, job, sending)).fetchone()
+        if row is None:
+            return False
+        self._db.execute("UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? "
+                         "AND id = ?", (now, sink, row[0]))
+        return True
+
     def due(self, sink: str, now: float, limit: int = BATCH) -> list[Pending]:
-        """Pending rows of ``sink`` whose time has come, oldest first."""
+        """Pending rows of ``sink`` whose time has come: critical first, round-robin by job."""
         with self._lock:
-            rows = self._db.execute(
-                "SELECT sink, id, body, attempts, created_at, next_attempt_at FROM outbox "
-                "WHERE sink = ? AND state = 'pending' AND next_attempt_at <= ? "
-                "ORDER BY next_attempt_at, created_at LIMIT ?", (sink, now, limit)).fetchall()
+            rows = self._db.execute(_DUE, (sink, now, limit)).fetchall()
         return [Pending(*row) for row in rows]
 
     def next_due(self, sink: str) -> float | None:
@@ -257,7 +311,7 @@ class Outbox:
             copied = "its pending alerts were copied there"
         except sqlite3.Error as copy_exc:
             copied = f"its rows could not be read ({copy_exc}), so it starts empty"
-        memory.executescript(_SCHEMA)
+        _create(memory)
         old, self._db = self._db, memory
         try:
             old.close()
@@ -267,6 +321,16 @@ class Outbox:
                   "%s: alerts are still delivered, but lost if the collector stops before "
                   "sending them. Free disk space or fix the data dir's permissions, then restart the "
                   "collector to make the outbox durable again", self.path, exc, copied)
+
+
+def _create(db: sqlite3.Connection) -> None:
+    """The table and indexes; an outbox file of an older version gains the new columns."""
+    db.executescript(_SCHEMA)
+    have = {row[1] for row in db.execute("PRAGMA table_info(outbox)")}
+    for name, kind in _COLUMNS.items():
+        if name not in have:
+            db.execute(f"ALTER TABLE outbox ADD COLUMN {name} {kind}")
+    db.executescript(_INDEXES)
 
 
 class Channel(Protocol):
@@ -308,6 +372,7 @@ class OutboxSink:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self._counts = {"delivered": 0, "failed": 0, "dropped": 0, "retries": 0}
+        self._log = RateLimitedLog(log, every=100)  # a flood drops one row per alert stored
         self._next_prune = 0.0
         self._closed = False
         self._sending: str | None = None  # the row id the worker is sending now
@@ -336,7 +401,8 @@ class OutboxSink:
         body = json.dumps(alert_payload(alert), allow_nan=False, separators=(",", ":"))
         try:
             inserted, dropped = self.outbox.put(self.name, idempotency_key(alert), body, now,
-                                                sending=self._sending)
+                                                sending=self._sending, job=str(alert.job),
+                                                severity=str(alert.severity))
         except sqlite3.Error as exc:
             log.error("%s: cannot store alert %s in the outbox (%s); it is lost. Check the "
                       "data dir's disk space and permissions", self.name, alert.rule, exc)
@@ -344,9 +410,11 @@ class OutboxSink:
             return
         if dropped:
             self._count("dropped", dropped)
-            log.warning("%s: outbox full (%d pending), dropped the %d oldest notification(s); "
-                        "%s is down or too slow", self.name, self.outbox.max_pending, dropped,
-                        self.channel.target)
+            self._log.warning("outbox_full", "%s: outbox full (%d pending), dropped %d "
+                              "notification(s), least severe of the job holding the most "
+                              "first (stored: %s of job %r); %s is down or too slow",
+                              self.name, self.outbox.max_pending, dropped, alert.rule,
+                              alert.job, self.channel.target)
         if inserted:
             self._wake.set()
 
