@@ -349,15 +349,22 @@ def _weights_waking(ctx: Ctx) -> None:
 
 
 def _adam_eps(ctx: Ctx, eps: float) -> None:
-    """Adam with eps=1.0 (a TF/Keras default misread, or eps meant for a loss of scale 1e6):
-    the update becomes lr*g, ~1e-5 per element; training crawls. Twin: eps=1e-8."""
+    """Adam with eps=1.0: the update becomes ~lr*g, ~1e-5 per element; training crawls.
+
+    tensorflow/models#779 (slim's default opt_epsilon 1.0: "weights only marginally changed
+    after 10.000 steps"), balancap/SSD-Tensorflow#385, mlpnlp/mlpnlp-nmt#4. Twin: eps=1e-8.
+    """
     model = mlp(depth=3)
     classify(ctx, model, torch.optim.Adam(model.parameters(), lr=1e-3, eps=eps), 300)
 
 
 def _same_batch(ctx: Ctx, same: bool) -> None:
     """`next(iter(loader))` inside the loop with shuffle=False: the same 64 examples every
-    step. Train loss collapses while validation does not. Twin: a fresh batch each step."""
+    step. Train loss collapses while validation does not. Twin: a fresh batch each step.
+
+    leohsuofnthu/Pytorch-IterativeFCN#7 ("only one subject is used to training"),
+    skhu101/GM-NAS#4, udacity/deep-learning-v2-pytorch#309.
+    """
     model = mlp(depth=2, width=128)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)
     t = teacher()
@@ -371,7 +378,11 @@ def _same_batch(ctx: Ctx, same: bool) -> None:
 def _warmup(ctx: Ctx, stuck: bool) -> None:
     """Twin: a linear warmup over 300 of 400 steps from lr exactly 0 (Hugging Face's
     get_linear_schedule_with_warmup), stepped per batch. ``stuck``: a 1,000-step warmup
-    whose scheduler.step() is never called: the lr stays at its first value, 1e-6."""
+    whose scheduler.step() is never called: the lr stays at its first value, 1e-6.
+
+    rpryzant/causal-bert-pytorch#9 and Lightning-AI/pytorch-lightning#92 (where and whether
+    scheduler.step() runs); HF's schedule starts at lr 0 by design.
+    """
     model = mlp(depth=2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     if stuck:
