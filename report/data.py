@@ -23,6 +23,7 @@ import numpy as np
 from gradwatch.rules import Alert, RuleSpec, load_default_rules
 from gradwatch.rules.ratio import group_layers
 from gradwatch.rules.replay import Replay
+from gradwatch.rules.step import Census
 from gradwatch.wire.trace import TraceEval, TraceReader, TraceStats, TraceStep
 
 
@@ -55,6 +56,8 @@ class ReportData:
     records: int
     skipped: int
     problems: list[tuple[int, str]]
+    # (step, census) of every cadence sample that carried one, in step order.
+    censuses: list[tuple[int, Census]] = field(default_factory=list)
 
     @property
     def first_alert(self) -> Alert | None:
@@ -105,7 +108,9 @@ def load_report_data(path: Path, rules: Sequence[RuleSpec] | None = None) -> Rep
         eval_steps=np.array([r.step for r in evals], dtype=np.int64),
         eval_loss=np.array([r.loss for r in evals], dtype=np.float64),
         acts=_acts(stats), alerts=alerts, records=run.records, skipped=run.skipped,
-        problems=list(run.problems))
+        problems=list(run.problems),
+        censuses=[(r.step, r.census) for r in sorted(stats, key=lambda r: r.step)
+                  if r.census is not None])
 
 
 def _column(steps: Sequence[TraceStep], name: str) -> np.ndarray:

@@ -98,6 +98,7 @@ def render_report(data: ReportData, source: str = "") -> str:
                  "Early layers orders of magnitude darker than late ones point at vanishing gradients.</p>"),
         _section("ratio", "First / last layer ratio", _ratio_chart(data, markers)),
         _section("activations", "Activations", _activation_charts(data)),
+        _section("census", "Model census", _census(data)),
         _section("loss-scale", "AMP loss scale",
                  line_chart([Line(data.steps, data.loss_scale, "loss scale", PALETTE[3])],
                             title="GradScaler loss scale (log scale)", y_label="loss scale", log_y=True,
@@ -180,8 +181,11 @@ def _ratio_chart(data: ReportData, markers: Sequence[Marker]) -> str:
 
 def _activation_charts(data: ReportData) -> str:
     charts = []
-    for field, kinds, title in (("sat_frac", ("tanh", "sigmoid"), "saturated fraction (tanh/sigmoid)"),
-                                ("zero_frac", ("relu", "relu6"), "dead fraction: exact zeros (ReLU family)")):
+    for field, kinds, title in (
+            ("sat_frac", ("tanh", "sigmoid", "softmax"),
+             "saturated fraction (tanh/sigmoid near ±1; softmax rows with max prob > 0.99)"),
+            ("zero_frac", ("relu", "relu6", "gelu", "silu"),
+             "dead fraction (ReLU: exact zeros; GELU/SiLU: flat negative tail)")):
         series = [(name, s) for name, s in data.acts.items() if s.kind in kinds
                   and any(math.isfinite(v) for v in getattr(s, field))]
         series.sort(key=lambda item: -np.nanmax(getattr(item[1], field)))
@@ -190,6 +194,31 @@ def _activation_charts(data: ReportData) -> str:
         charts.append(line_chart(lines, title=title, y_label="fraction", y_range=(0.0, 1.0))
                       if lines else not_recorded(title))
     return "".join(charts)
+
+
+def _census(data: ReportData) -> str:
+    """The last census the agent sent, and the steps trained with the model in eval mode."""
+    if not data.censuses:
+        return not_recorded("model census", why="not recorded (no cadence sample in this trace "
+                            "carried one)")
+    step, c = data.censuses[-1]
+    in_eval = [s for s, census in data.censuses if not census.model_training]
+    rows = [("parameters", f"{c.params_total:,}"),
+            ("frozen", f"{c.params_frozen:,} ({c.frozen_share:.1%})"),
+            ("frozen modules", ", ".join(f"{name} ({n:,})" for name, n in c.frozen_modules) or "none"),
+            ("requiring grad but not in the optimizer",
+             f"{c.params_not_in_optimizer:,}" + (f": {', '.join(c.not_in_optimizer)}"
+                                                 if c.not_in_optimizer else "")),
+            ("tied (one tensor, several names)", "; ".join(" = ".join(g) for g in c.tied) or "none"),
+            ("in eval mode while training", ", ".join(c.eval_modules) or "none"),
+            ("model.training", "yes" if c.model_training else "NO (training in eval mode)")]
+    body = "".join(f"<tr><th>{escape(k)}</th><td>{escape(v)}</td></tr>" for k, v in rows)
+    note = (f"Sampled at step {step} ({len(data.censuses)} sample(s) carried a census). Freezing is "
+            "often intended (fine-tuning a head, LoRA); parameters outside the optimizer never change.")
+    if in_eval:
+        note += (f" The model trained in eval mode at {len(in_eval)} sampled step(s), first at step "
+                 f"{in_eval[0]}.")
+    return f'<table>{body}</table><p class="note">{escape(note)}</p>'
 
 
 def _alerts(alerts: Sequence[Alert]) -> str:

@@ -10,10 +10,12 @@ import pytest
 
 from gradwatch.cli import main
 from gradwatch.report import build_report, load_report_data, write_report
+from gradwatch.wire.census import Census
 from gradwatch.wire.trace import TraceEval, TraceHeader, TraceStats, TraceStep, TraceAct, encode_record
 from tests.report.recorded import JOB, NAN_STEP, STEPS
 
-SECTIONS = ("summary", "loss", "grad-norm", "layers", "ratio", "activations", "loss-scale", "alerts")
+SECTIONS = ("summary", "loss", "grad-norm", "layers", "ratio", "activations", "census", "loss-scale",
+            "alerts")
 # Attributes through which a page pulls something in from elsewhere.
 FETCHING = {"src", "href", "srcset", "xlink:href", "data", "poster", "action", "formaction", "background"}
 
@@ -112,7 +114,7 @@ def test_a_trace_with_nothing_but_a_header_renders_every_panel_as_not_recorded(t
     html = build_report(write_trace(tmp_path / "empty.jsonl", [TraceHeader(job="empty")]))
     page = parse(html)
     assert tuple(page.sections) == SECTIONS
-    for name in ("loss", "grad-norm", "layers", "ratio", "loss-scale"):
+    for name in ("loss", "grad-norm", "layers", "ratio", "census", "loss-scale"):
         assert "not recorded" in page.sections[name], name
     assert page.sections["activations"].count("not recorded") == 2
     assert "none recorded" in page.sections["summary"] and "no alert fired" in page.sections["summary"]
@@ -142,6 +144,27 @@ def test_amp_stats_other_ranks_and_bad_lines(tmp_path: Path) -> None:
     assert "×100" in page.sections["ratio"]  # a 1e4 ratio: the vanishing-gradient alert's picture
     assert "LayerGradNormRatioVanishing" in page.sections["alerts"]
     assert "from step 5, rank 1" in page.sections["alerts"]
+
+
+def test_the_census_section_shows_frozen_tied_and_eval_mode(tmp_path: Path) -> None:
+    layers = ("wte.weight", "head.bias")
+    records: list = [TraceHeader(job="census", layers=layers, layer_roles=("tied", "bias"))]
+    for step in (1, 10, 20):
+        records.append(TraceStep(step=step, time=float(step), loss=1.0, layer_grad_norms=(1.0, 1.0)))
+        census = Census(params_total=1000, params_trainable=590, params_frozen=400,
+                        params_not_in_optimizer=10, frozen_modules=(("backbone", 400),),
+                        not_in_optimizer=("neck.weight",), tied=(("wte.weight", "lm_head.weight"),),
+                        eval_modules=("drop",) if step >= 10 else (), model_training=step < 10)
+        records.append(TraceStats(step=step, time=float(step), act=(
+            TraceAct("mlp.act", "gelu", 0.1, 0.5, 0.95, None), TraceAct("attn.softmax", "softmax",
+                                                                      0.1, 0.2, None, 0.4)),
+                                  census=census))
+    section = parse(build_report(write_trace(tmp_path / "c.jsonl", records))).sections
+    text = section["census"]
+    assert "400 (40.0%)" in text and "backbone (400)" in text and "neck.weight" in text
+    assert "wte.weight = lm_head.weight" in text and "drop" in text
+    assert "NO (training in eval mode)" in text and "2 sampled step(s), first at step 10" in text
+    assert "mlp.act (gelu)" in section["activations"] and "attn.softmax (softmax)" in section["activations"]
 
 
 def test_the_cli_writes_the_report_and_explains_failures(recorded_trace: Path, tmp_path: Path,
