@@ -186,3 +186,20 @@ def test_a_model_in_eval_mode_from_the_start_is_sampled_at_step_1(pull) -> None:
     assert census is not None and census.model_training is False
     assert census.eval_modules == ("1",) and stats[0].layers == tuple(
         name for name, _ in model.named_parameters())
+
+
+def test_log_eval_does_not_name_dropout_that_cannot_change_the_output(pull) -> None:
+    sock, endpoint = pull
+    model = MiniGPT()  # 3 Dropout(p=0.0), as nanoGPT's default config has 13
+    model.transformer.h[1].drop.p = 0.2
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, heartbeat_every=0.05)
+    connected(sock, mon)
+    model.train()  # eval logged after estimate_loss() put the model back in train mode
+    mon.log_eval(loss=1.0)
+    mon.close()
+    ingest, evals = Ingest(), []
+    while not evals:
+        assert sock.poll(WAIT_MS), "the eval event did not arrive in time"
+        evals = list(ingest.feed(sock.recv_multipart()).evals)
+    assert evals[0].train_mode_modules == ("transformer.h.1.drop",)
