@@ -12,11 +12,12 @@ keeps training around it.
   rose by at least ``min_share`` over what it was at the first census of the
   run (after an announced data change: of the new phase), while some
   parameters still train. A run frozen from attach is its own baseline.
-* :class:`TrainingInEvalModeDetector` -- a training step ran with the root
-  module in eval mode (``model.eval()`` for validation, never undone), or
-  with modules whose mode changes the output (BatchNorm tracking statistics,
-  Dropout with p > 0) in eval mode. Modules inside a frozen module are left
-  out: a frozen backbone's BatchNorm kept in eval on purpose is standard
+* :class:`TrainingInEvalModeDetector` -- a training step ran with modules
+  whose mode changes the output (BatchNorm tracking statistics, Dropout with
+  p > 0) in eval mode, typically the whole model after ``model.eval()`` for
+  validation was never undone. A model with no such module trains the same in
+  either mode and is left alone. Modules inside a frozen module are left out
+  too: a frozen backbone's BatchNorm kept in eval on purpose is standard
   fine-tuning practice (torchvision detection's FrozenBatchNorm2d).
 
 Example::
@@ -93,14 +94,15 @@ class TrainingInEvalModeDetector:
             return None
         frozen = tuple(name for name, _ in census.frozen_modules)
         modules = [m for m in census.eval_modules if not _inside(m, frozen)]
-        if census.model_training and not modules:
+        if not modules:
+            # Even with the root in eval mode: no module whose mode changes the output (a
+            # Linear+ReLU model), so training is exactly what train mode would do.
             return INACTIVE
         shown = ", ".join(repr(m) for m in modules[: self.max_named]) + (" …" if len(modules) > self.max_named else "")
         if not census.model_training:
             summary = (f"training step {stats.step} ran with the model in eval mode (model.training is "
-                       "False): model.eval() for validation not undone by model.train()?")
-            if modules:
-                summary += f" Modules affected: {shown}"
+                       f"False), so these modules behave as in evaluation: {shown}; model.eval() for "
+                       "validation not undone by model.train()?")
         else:
             summary = (f"training step {stats.step} ran with {len(modules)} module(s) in eval mode whose "
                        f"mode changes the output: {shown}; a .eval() call on part of the model left on?")

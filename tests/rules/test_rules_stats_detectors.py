@@ -163,7 +163,7 @@ def deep_stats(t: int, ratios: Sequence[float]) -> Stats:
     return Stats(job="j", step=t, time=float(t), layers=DEEP, update_ratios=np.asarray(ratios, dtype=float))
 
 
-def test_lagging_layers_far_below_the_median_after_three_samples() -> None:
+def test_lagging_layers_far_below_the_fast_ones_after_three_samples() -> None:
     from gradwatch.rules.weights import LaggingLayersDetector
     det = LaggingLayersDetector(factor=30.0)
     # Weights of h.0 and h.1 update 100x slower than the median layer; biases and the
@@ -173,7 +173,17 @@ def test_lagging_layers_far_below_the_median_after_three_samples() -> None:
     assert [bool(f and f.active) for f in found] == [False, False, True, True]
     ev = found[2].evidence  # type: ignore[union-attr]
     assert ev["lagging_layers"] == ["h.0.weight", "h.1.weight"] and ev["since_step"] == 5
-    assert ev["median_ratio"] == pytest.approx(1e-3)
+    assert ev["reference_ratio"] == pytest.approx(1e-3)
+
+
+def test_lagging_layers_when_most_of_the_model_lags_behind_its_head() -> None:
+    # Issue 13: hidden layers ~100x below the head: the median is a hidden layer itself.
+    from gradwatch.rules.weights import LaggingLayersDetector
+    det = LaggingLayersDetector(factor=30.0)
+    ratios = [1e-5, 1e-6] * 5 + [1e-3, 1e-4] + [1e-5]
+    found = [det.observe_stats(deep_stats(5 * k, ratios)) for k in range(1, 4)]
+    assert found[-1] is not None and found[-1].active
+    assert found[-1].evidence["count"] == 5 and "h.5.weight" not in found[-1].evidence["lagging_layers"]
 
 
 def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
