@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
@@ -181,3 +182,21 @@ def test_a_bad_activation_kind_is_refused_at_watch() -> None:
     with pytest.raises(ValueError, match="activation_modules"):
         gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), job="x",
                         endpoint="tcp://127.0.0.1:1", activation_modules={"*": "swish"})
+
+
+def test_the_new_families_make_no_syncing_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.agent.test_agent_nosync import SYNCING, SyncDetector
+
+    found = SyncDetector(threading.get_ident())
+    for name in SYNCING:
+        monkeypatch.setattr(torch.Tensor, name, found.wrap(name, getattr(torch.Tensor, name)))
+    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), SwiGLU(32, 64), nn.Linear(32, 8),
+                          FunctionalMLP("silu"), nn.Linear(8, 4), nn.Softmax(dim=0))
+    hooks = ActHooks.attach(model, torch.device("cpu"), on_error=None, inputs={"*.fc2": "silu"})
+    assert hooks is not None
+    hooks.arm()
+    model(torch.randn(16, 8)).sum().backward()
+    hooks.snapshot()
+    hooks.disarm()
+    assert found.calls == []
+    assert len(hooks.columns) == 4 * 3  # gelu, silu, fc2 input, softmax: each mean, std, share
