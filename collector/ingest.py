@@ -149,6 +149,8 @@ class Ingest:
         # Bounds checked after decoding, before any cache or state grows
         # (collector/limits.py); it counts and logs what it refuses.
         self.admit = admit
+        # Asked before a schema not seen before is compiled and cached (memory bound).
+        self.may_grow: Callable[[str, int], bool] | None = None
         self._max_streams = max_streams
         self._streams: OrderedDict[tuple[str, int, str], _Stream] = OrderedDict()
         self._plans: OrderedDict[Schema, _Plan] = OrderedDict()  # LRU, see _shared_plan
@@ -224,6 +226,8 @@ class Ingest:
         self._track_seq(stream, batch)
         self._track_dropped(stream, batch.job, batch.rank, batch.dropped)
         plan = self._plan(stream, batch)
+        if plan is None and batch.schema is not None:
+            return NOTHING  # a new schema refused by the memory bound, counted there
         if plan is None:
             self.reject("unknown_schema", "dropped a batch of job %r rank %d: schema %d is "
                         "unknown (the collector started after the agent sent it); this "
@@ -248,21 +252,27 @@ class Ingest:
             plan = plans.get(batch.schema.id)
             # Agents resend schemas periodically: recompile only when one changed.
             if plan is None or plan.schema != batch.schema:
-                plan = plans[batch.schema.id] = self._shared_plan(batch.schema)
+                plan = self._shared_plan(batch.schema, batch.job, batch.rank)
+                if plan is None:
+                    return None  # refused and counted by may_grow
+                plans[batch.schema.id] = plan
         if plan is not None:
             plans.move_to_end(plan.schema.id)
             while len(plans) > MAX_SCHEMAS_PER_STREAM:
                 plans.popitem(last=False)
         return plan
 
-    def _shared_plan(self, schema: Schema) -> _Plan:
+    def _shared_plan(self, schema: Schema, job: str, rank: int) -> _Plan | None:
         """One compiled plan per distinct schema, shared by every rank that sends it.
 
         Every rank of a job sends the same layer names; sharing them saves a copy
-        of ~1,000 strings per rank (tens of MiB at thousands of ranks).
+        of ~1,000 strings per rank (tens of MiB at thousands of ranks). None when
+        a new one would grow memory past its bound (``may_grow``).
         """
         with self._lock:
             plan = self._plans.get(schema)
+            if plan is None and self.may_grow is not None and not self.may_grow(job, rank):
+                return None
             if plan is None:
                 plan = self._plans[schema] = _compile(schema)
                 while len(self._plans) > MAX_SHARED_PLANS:

@@ -12,11 +12,18 @@ Two checks per message, both before the costly part:
   a **fair share of the ingest thread's time**. Each sender (the job; under
   CurveZMQ the key) has a token bucket in seconds of ingest work, refilled at
   ``ingest_share / active senders`` per second and charged with the time its
-  messages actually took (:meth:`Admission.charge`). A light job (a real one:
-  one small batch per flush) never runs dry; a flooding one does, and its
-  messages are then dropped after a header read (~tens of microseconds)
-  instead of costing rules evaluation. Messages of jobs not admitted yet share
-  one bucket (``(new)``), so a job-name bomb costs one sender's share.
+  messages actually took (:meth:`Admission.charge`). The buckets only bite
+  while the ingest thread is contended (busy more than ``ingest_share`` of the
+  last second): alone, a job may use the whole thread. Under a flood, a light
+  job (a real one: one small batch per flush) stays within its share; a
+  flooding one runs dry, and its messages are then dropped after a header read
+  (~tens of microseconds) instead of costing rules evaluation. A new sender's
+  bucket starts with one second of its share, not a whole burst, so many
+  fresh senders cannot each spend a burst. Messages of jobs not admitted yet
+  share one bucket (``(new)``), so a job-name bomb costs one sender's share.
+  ZeroMQ serves its connections round-robin, so a real agent's message waits
+  behind at most one admitted message per flooding connection, and an admitted
+  message is bounded by ``max_rows_per_batch`` rows.
 * :meth:`Admission.admit`, after decoding and before any state is touched:
   jobs (in all, and per CurveZMQ key), ranks per job, rows per batch, layers
   per schema, and the process's resident memory (no new jobs or ranks above
@@ -56,7 +63,8 @@ NEW = "(new)"             # the shared bucket of senders not admitted yet
 TOP_SENDERS = 20          # senders named in the per-sender refusal metric
 MAX_OFFENDERS = 1024      # senders whose refusals are counted by name (the rest as "other")
 ACTIVE_S = 5.0            # a sender is active (takes a share) this long after its last message
-RSS_EVERY_S = 1.0
+RSS_EVERY_S = 0.1          # /proc/self/statm costs ~10 us: checked often, overshoot stays small
+BUSY_WINDOW_S = 1.0        # the ingest thread's utilisation is averaged over about this long
 REASONS = ("jobs", "jobs_per_key", "ranks", "rows", "layers", "memory", "share")
 
 
@@ -115,6 +123,7 @@ class Admission:
         self._refused: Counter[str] = Counter({reason: 0 for reason in REASONS})
         self._by_sender: Counter[tuple[str, str]] = Counter()
         self._rss, self._rss_at = 0, -float("inf")
+        self._busy, self._busy_at = 0.0, clock()  # decaying sum of ingest seconds
         self._log = RateLimitedLog(log)
 
     # ------------------------------------------------------------ the share
@@ -127,11 +136,11 @@ class Admission:
             return job if job is not None and job in self._jobs else NEW
 
     def allow(self, unit: str) -> bool:
-        """False (counted) when ``unit`` used up its share of the ingest thread's time."""
+        """False (counted) when the thread is contended and ``unit`` used up its share."""
         now = self._clock()
         with self._lock:
             bucket = self._bucket(unit, now)
-            if bucket.tokens > 0:
+            if bucket.tokens > 0 or self._utilisation(now) < self.bounds.ingest_share:
                 return True
         self._count("share", unit, "dropped messages of %s: it used more than its share of "
                     "the collector's time (%.0f%% split among %d active senders); it is "
@@ -146,6 +155,21 @@ class Admission:
             bucket = self._bucket(unit, now)
             bucket.tokens -= seconds
             bucket.last = now
+            self._utilisation(now)
+            self._busy += seconds
+
+    def utilisation(self) -> float:
+        """The share of the last second or so the ingest thread spent handling messages."""
+        with self._lock:
+            return self._utilisation(self._clock())
+
+    def _utilisation(self, now: float) -> float:
+        elapsed = now - self._busy_at
+        if elapsed > 0:
+            self._busy *= max(0.0, 1.0 - elapsed / BUSY_WINDOW_S) if elapsed < BUSY_WINDOW_S \
+                else 0.0
+            self._busy_at = now
+        return self._busy / BUSY_WINDOW_S
 
     def active(self) -> int:
         now = self._clock()
@@ -158,12 +182,12 @@ class Admission:
     def _bucket(self, unit: str, now: float) -> _Bucket:
         bucket = self._buckets.get(unit)
         burst = self.bounds.ingest_burst_seconds
+        rate = self.bounds.ingest_share / self._active(now)
         if bucket is None:
             if len(self._buckets) > self.bounds.max_jobs + 1:
                 self._prune(now)
-            bucket = self._buckets[unit] = _Bucket(burst, now, now)
+            bucket = self._buckets[unit] = _Bucket(min(burst, rate), now, now)
             return bucket
-        rate = self.bounds.ingest_share / self._active(now)
         bucket.tokens = min(burst, bucket.tokens + (now - bucket.at) * rate)
         bucket.at = now
         return bucket
@@ -209,6 +233,15 @@ class Admission:
                 return None
         return self._refuse(reason, key or job, _WHY[reason], job, rank, key or "-",
                             self._limit(reason))
+
+    def may_grow(self, job: str, rank: int, key: str = "") -> bool:
+        """Whether a new schema of ``job`` may be compiled and cached (False: counted)."""
+        with self._lock:
+            full = self._memory_full()
+        if full:
+            self._refuse("memory", key or job, _WHY["memory"], job, rank, key or "-",
+                         self._limit("memory"))
+        return not full
 
     def forget(self, job: str) -> None:
         """The collector forgot ``job`` (silent or finished): its slot is free again."""

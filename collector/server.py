@@ -164,6 +164,7 @@ class Server:
         self._sender = ""  # the CurveZMQ key of the message being handled ("" without CURVE)
         self.ingest = Ingest(config.max_message_bytes,
                              admit=lambda message: self.admission.admit(message, self._sender))
+        self.ingest.may_grow = lambda job, rank: self.admission.may_grow(job, rank, self._sender)
         self._admission_metrics = AdmissionMetrics(self.admission)
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
         self.state = StateStore(config.job_ttl_seconds, clock, config.finished_grace_seconds)

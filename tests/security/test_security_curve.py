@@ -123,6 +123,8 @@ def test_commands_reach_an_allowed_agent_over_curve(
     rules = tmp_path / "rules.yaml"
     rules.write_text(ROLLBACK_RULES)
     config = curve_config(keys, rules=rules, command_key=KEY, data_dir=tmp_path / "state")
+    monkeypatch.setenv("GRADWATCH_CHECKPOINT_ROOT", str(tmp_path))  # where the job saves
+    (tmp_path / "ckpt-2.pt").write_bytes(b"weights of step 2")
     with running(config) as server:
         model, opt = model_and_optimizer()
         use_agent_keys(monkeypatch, keys.collector.public_file, keys.trainer)
