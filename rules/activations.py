@@ -38,7 +38,6 @@ class _ShareDetector:
         self.threshold, self.samples, self.kinds, self.max_named = threshold, samples, tuple(kinds), max_named
         self._held: dict[str, int] = {}
         self._since: dict[str, int] = {}
-        self._last: Finding = INACTIVE
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no activation statistics."""
@@ -57,8 +56,7 @@ class _ShareDetector:
             else:
                 self._held.pop(act.module, None)
                 self._since.pop(act.module, None)
-        self._last = self._finding(stats, over) if over else INACTIVE
-        return self._last
+        return self._finding(stats, over) if over else INACTIVE
 
     def _share(self, act: ActStats) -> float | None:
         value = getattr(act, self.field_name)

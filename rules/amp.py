@@ -47,13 +47,12 @@ class LossScaleCollapseDetector:
         self._skipped = 0
         self._scale: float | None = None
         self._halvings = 0  # consecutive decreases since the last increase
-        self._last: Finding = INACTIVE
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None (no new verdict) when it carries no loss scale."""
         scale = step.loss_scale
         if scale is None or not math.isfinite(scale):
-            return self._last
+            return None
         if self._scale is not None:
             if scale < self._scale:
                 self._halvings += 1
@@ -67,8 +66,7 @@ class LossScaleCollapseDetector:
         full = len(self._skips) == self.window
         share = self._skipped / len(self._skips)
         if scale > self.floor and not (full and share >= self.max_skip_fraction):
-            self._last = INACTIVE
-            return self._last
+            return INACTIVE
         why = (f"loss scale {scale:g} at or below {self.floor:g}" if scale <= self.floor else
                f"{share:.0%} of the last {self.window} steps skipped on overflow")
         summary = (f"AMP loss-scale collapse at step {step.step}: {why} "
@@ -81,5 +79,4 @@ class LossScaleCollapseDetector:
             "window": len(self._skips),
             "floor": self.floor,
         }
-        self._last = Finding(True, summary, evidence)
-        return self._last
+        return Finding(True, summary, evidence)

@@ -26,6 +26,7 @@ import statistics
 from collections import deque
 from typing import Annotated
 
+import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
@@ -102,9 +103,12 @@ class ZeroGradientsDetector:
     """Active on an optimizer step where every gradient was exactly zero.
 
     Exactly zero means no gradient reached any parameter (the agent reports a
-    parameter whose ``.grad`` is None as 0.0). Steps the optimizer skipped
-    (OptimizerIdle's) and GradScaler overflow skips give no verdict. The
-    rule's ``for`` says how many such steps in a row page.
+    parameter whose ``.grad`` is None as 0.0). Only the agent's per-layer norms
+    count: a total norm a loop logged can read 0.0 when it was not measured
+    (real Hugging Face logs under DeepSpeed report 0.0 on every other log of a
+    healthy run). Steps the optimizer skipped (OptimizerIdle's) and GradScaler
+    overflow skips give no verdict. The rule's ``for`` says how many such
+    steps in a row page.
 
     Example::
 
@@ -116,11 +120,11 @@ class ZeroGradientsDetector:
         self._since: int | None = None
 
     def observe(self, step: Step) -> Finding | None:
-        """Judge one step; None when it carries no gradient norms or the optimizer skipped it."""
-        norm = total_grad_norm(step)
-        if step.skipped or norm is None or not math.isfinite(norm):
+        """Judge one step; None without per-layer gradient norms or when the optimizer skipped it."""
+        norms = step.layer_norms
+        if step.skipped or norms.size == 0 or not np.isfinite(norms).all():
             return None
-        if norm != 0.0:
+        if norms.any():
             self._since = None
             return INACTIVE
         if self._since is None:

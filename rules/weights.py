@@ -60,7 +60,6 @@ class WeightRunawayDetector:
         self._logs: deque[float] = deque(maxlen=window)
         self._layers: deque[np.ndarray] = deque(maxlen=window)
         self._names: tuple[str, ...] = ()
-        self._last: Finding = INACTIVE
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no weight norms."""
@@ -68,10 +67,10 @@ class WeightRunawayDetector:
             return None
         norms = np.asarray(stats.weight_norms, dtype=np.float64)
         if norms.size == 0 or not np.isfinite(norms).all():
-            return self._last  # non-finite weights are the non-finite rule's
+            return None  # non-finite weights are the non-finite rule's
         total = math.sqrt(float(np.dot(norms, norms)))
         if total <= 0.0:
-            return self._last
+            return None
         if stats.layers != self._names or (self._layers and self._layers[-1].size != norms.size):
             # Another model layout (or the first sample): the old samples compare to nothing.
             self._steps.clear()
@@ -81,8 +80,7 @@ class WeightRunawayDetector:
         self._steps.append(stats.step)
         self._logs.append(math.log(total))
         self._layers.append(norms)
-        self._last = self._judge(total) if len(self._logs) == self.window else INACTIVE
-        return self._last
+        return self._judge(total) if len(self._logs) == self.window else INACTIVE
 
     def _judge(self, total: float) -> Finding:
         x = np.arange(self.window, dtype=np.float64)
@@ -148,7 +146,6 @@ class UpdateRatioDetector:
         self._lr_peak = 0.0
         self._held = 0
         self._since: int | None = None
-        self._last: Finding = INACTIVE
 
     def observe(self, step: Step) -> None:
         """Track the learning rate; judged on the next cadence sample."""
@@ -165,7 +162,7 @@ class UpdateRatioDetector:
         ratios = np.asarray(stats.update_ratios, dtype=np.float64)
         finite = np.isfinite(ratios)
         if not finite.any():
-            return self._last
+            return None
         frozen: list[str] = []
         if self.direction == "high":
             value = self._global(ratios, finite, stats.weight_norms)
@@ -185,13 +182,11 @@ class UpdateRatioDetector:
             outside = self._judged() and value < self.low
         if not outside:
             self._held, self._since = 0, None
-            self._last = INACTIVE
-            return self._last
+            return INACTIVE
         self._held += 1
         if self._since is None:
             self._since = stats.step
-        self._last = self._finding(value, stats, frozen) if self._held >= self.samples else INACTIVE
-        return self._last
+        return self._finding(value, stats, frozen) if self._held >= self.samples else INACTIVE
 
     def _judged(self) -> bool:
         # Frozen only means something while the rate is non-zero and not annealed away.

@@ -109,3 +109,13 @@ def test_eval_mode_that_changes_nothing_is_not_flagged() -> None:
     # A Linear+ReLU model left in eval mode trains exactly as in train mode.
     fired = alerts(with_census(run(), lambda t: census(training=False) if t >= ONSET else census()))
     assert [a for a in fired if a[0] == "TrainingInEvalMode"] == []
+
+
+def test_a_logged_total_of_zero_is_not_evidence_of_zero_gradients() -> None:
+    # Real HF logs under DeepSpeed log grad_norm 0.0 on half the logs of a healthy run.
+    from gradwatch.rules.vanishing import ZeroGradientsDetector
+    det = ZeroGradientsDetector()
+    assert det.observe(Step(job="j", step=1, time=0.0, loss=1.0, grad_norm=0.0, grad_norm_logged=True)) is None
+    zero = Step(job="j", step=2, time=0.0, layers=("a.weight",), layer_norms=np.zeros(1))
+    assert det.observe(zero).active  # type: ignore[union-attr]
+    assert det.observe(replace(zero, step=3, skipped=True)) is None

@@ -151,7 +151,7 @@ def test_collapse_on_the_floor_and_on_a_skip_storm() -> None:
     storm = amp_steps([1024.0] * 300, [t >= 100 and t % 2 == 0 for t in range(300)])
     assert storm.index(True) > 100 and storm[-1]
     det = LossScaleCollapseDetector()
-    assert not det.observe(Step(job="j", step=1, time=0.0, loss_scale=None)).active  # no AMP
+    assert det.observe(Step(job="j", step=1, time=0.0, loss_scale=None)) is None  # no AMP: no verdict
 
 
 # ---------------------------------------------------------------- lagging layers
