@@ -31,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -82,6 +83,8 @@ class PartialReader:
         self.device = full.device
         self.params = full.params
         self._full = full
+        # What reads the weights (cadence statistics), or None when they are off.
+        self.weights_reader: GradReader | None = full if weights else None
         self._inner = inner
         self._index = index
         self._weights = weights
@@ -152,8 +155,10 @@ class NoticeBoard:
     """The notices in force, and when each is due to be sent again.
 
     An event sent before the collector is connected is lost (the socket
-    queues nothing for an absent peer), so notices are resent every
-    ``every_s`` seconds while they hold; the collector's alert deduplicates.
+    queues nothing for an absent peer), so a notice added before the
+    connection is due again as soon as there is one, and every notice is
+    resent every ``every_s`` seconds while it holds; the collector's alert
+    deduplicates.
     """
 
     def __init__(self, every_s: float) -> None:
@@ -161,16 +166,40 @@ class NoticeBoard:
         self._held: dict[str, Notice] = {}
         self._next = float("inf")
 
-    def add(self, notice: Notice, now: float) -> bool:
+    def add(self, notice: Notice, now: float, connected: bool) -> bool:
         """Hold ``notice``; False if the same part was already off."""
         new = notice.off not in self._held
         self._held[notice.off] = notice
-        self._next = now + self._every_s
+        self._next = now + self._every_s if connected else 0.0
         return new
 
-    def due(self, now: float) -> list[Notice]:
+    def due(self, now: float, connected: bool) -> list[Notice]:
         """The notices to send again now (a float compare when none is due)."""
-        if now < self._next:
+        if now < self._next or not connected:
             return []
         self._next = now + self._every_s
         return list(self._held.values())
+
+
+class Follower:
+    """Decides whether an optimizer the loop created after ``watch()`` replaces the watched one.
+
+    It does when it holds any of the watched parameters and steps first in a
+    step (the monitor asks only then): a loop that re-creates its optimizer
+    (a new training phase, a resume) keeps being watched, while a wrapper
+    that steps an inner optimizer (Lookahead), or another model's optimizer,
+    does not take over. Each optimizer is judged once.
+    """
+
+    def __init__(self, params: tuple[torch.nn.Parameter, ...], watched: object) -> None:
+        self._ids = frozenset(id(p) for p in params)
+        self._verdicts: weakref.WeakKeyDictionary[object, bool] = weakref.WeakKeyDictionary()
+        self._verdicts[watched] = True
+
+    def adopts(self, optimizer: object) -> bool:
+        verdict = self._verdicts.get(optimizer)
+        if verdict is None:
+            groups = getattr(optimizer, "param_groups", ())
+            verdict = any(id(p) in self._ids for g in groups for p in g.get("params", ()))
+            self._verdicts[optimizer] = verdict
+        return verdict

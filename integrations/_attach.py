@@ -63,6 +63,10 @@ class StepProbe(torch.optim.Optimizer):
     this step used for the monitor's pre-hook to read.
     """
 
+    # The monitor hooks this optimizer alone (not every optimizer holding the model's
+    # parameters, as in a plain loop): the callback decides when gradients are read.
+    gradwatch_stand_in = True
+
     def __init__(self, real: torch.optim.Optimizer) -> None:
         super().__init__([{"params": group["params"]} for group in real.param_groups], {})
         self.real = real

@@ -1,9 +1,10 @@
 """What every detector is: fed its inputs one at a time, it says whether its condition holds now.
 
-A detector implements any subset of four inputs, and the engine routes by
+A detector implements any subset of five inputs, and the engine routes by
 what it has: ``observe(step)`` (every step of one rank), ``observe_stats(stats)``
-(cadence statistics of one rank), ``observe_eval(ev)`` (evaluations), and
-``observe_liveness(liveness)`` (every rank's progress, about once a second).
+(cadence statistics of one rank), ``observe_eval(ev)`` (evaluations),
+``observe_liveness(liveness)`` (every rank's progress, about once a second),
+and ``observe_notice(notice)`` (the agent switched a part of itself off).
 A detector with ``observe_liveness`` is per job, not per rank, and receives
 nothing else; it names the rank it is about in ``Finding.rank``.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 from pydantic import ConfigDict, validate_call
@@ -41,6 +42,9 @@ _DTYPE_NAMES = {
     3.3895313892515355e38: "bfloat16",
     float(np.finfo(np.float32).max): "float32",
     float(np.finfo(np.float64).max): "float64",
+if TYPE_CHECKING:  # agent_health imports this module
+    from gradwatch.rules.agent_health import AgentNotice
+
 }
 
 
@@ -97,10 +101,18 @@ class LivenessDetector(Protocol):
     def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding | None: ...
 
 
-# Any detector: one with at least one of the four inputs.
-Detector = StepDetector | StatsDetector | EvalDetector | LivenessDetector
+@runtime_checkable
+class NoticeDetector(Protocol):
+    """Judges the agent's own notices (a part of it switched off; rules/agent_health.py)."""
 
-INPUTS: tuple[str, ...] = ("observe", "observe_stats", "observe_eval", "observe_liveness")
+    def observe_notice(self, notice: AgentNotice) -> Finding | None: ...
+
+
+# Any detector: one with at least one of the five inputs.
+Detector = StepDetector | StatsDetector | EvalDetector | LivenessDetector | NoticeDetector
+
+INPUTS: tuple[str, ...] = ("observe", "observe_stats", "observe_eval", "observe_liveness",
+                           "observe_notice")
 
 
 def inputs_of(detector: object) -> frozenset[str]:

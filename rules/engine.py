@@ -7,7 +7,9 @@ it takes records, returns transitions, and does no I/O. Four inputs:
 * :meth:`Engine.observe_stats` -- one cadence ``Stats`` sample of one rank;
 * :meth:`Engine.observe_eval` -- one ``Eval``;
 * :meth:`Engine.tick` -- every known rank's ``Liveness`` (the collector calls
-  it about once a second).
+  it about once a second);
+* :meth:`Engine.observe_notice` -- an ``AgentNotice``: the agent switched a
+  part of itself off (rules/agent_health.py).
 
 A fifth, :meth:`Engine.data_changed`, is the job announcing a planned change
 of data or task (the agent's ``mon.data_changed()``): from that step on, every
@@ -40,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.alert import Alert, Transition
 from gradwatch.rules.detector import Finding, inputs_of
 from gradwatch.rules.diagnosis import JobHistory, diagnose
@@ -49,7 +52,7 @@ from gradwatch.rules.step import Eval, Liveness, Stats, Step
 
 _CHECK_SEPARATOR = re.compile(r"\s*(?:\n|;)\s*")
 
-Record = Step | Stats | Eval
+Record = Step | Stats | Eval | AgentNotice
 
 
 def diagnosis_of(annotations: Mapping[str, str]) -> Mapping[str, Any] | None:
@@ -98,6 +101,7 @@ class _RankState:
     stats: list[_Slot]
     evals: list[_Slot]
     baseline_from: int = 0  # the announced data change these detectors were made after
+    notices: list[_Slot] = field(default_factory=list)  # the agent's own health
 
 
 @dataclass(slots=True)
@@ -124,7 +128,8 @@ class Engine:
         for spec, inputs in zip(self.rules, self._inputs, strict=True):
             if not inputs:
                 raise ValueError(f"rule {spec.name!r}: detector {spec.detector!r} implements no input "
-                                 "(observe, observe_stats, observe_eval or observe_liveness)")
+                                 "(observe, observe_stats, observe_eval, observe_liveness or "
+                                 "observe_notice)")
         self._rank_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" not in inputs]
         self._job_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs]
         self._clock = clock
@@ -159,6 +164,11 @@ class Engine:
             job.history.observe_eval(ev)
         state = self._rank(ev.job, _key(ev), ev.step)
         return self._run(state.evals, "observe_eval", ev, ev.step)
+
+    def observe_notice(self, notice: AgentNotice) -> list[Transition]:
+        """Feed one agent notice (a part of the monitoring switched itself off, contract C3)."""
+        state = self._rank(notice.job, notice.rank, notice.step)
+        return self._run(state.notices, "observe_notice", notice, notice.step)
 
     def data_changed(self, job: str, step: int) -> None:
         """The job changed its data or task on purpose at ``step``: re-baseline from there.
@@ -203,7 +213,9 @@ class Engine:
             return self.observe_stats(record)
         if isinstance(record, Eval):
             return self.observe_eval(record)
-        raise TypeError(f"expected a Step, Stats or Eval, not {type(record).__name__}")
+        if isinstance(record, AgentNotice):
+            return self.observe_notice(record)
+        raise TypeError(f"expected a Step, Stats, Eval or AgentNotice, not {type(record).__name__}")
 
     # ------------------------------------------------------------ state
 
@@ -276,6 +288,7 @@ class Engine:
                 steps=[s for i, s in slots.items() if "observe" in self._inputs[i]],
                 stats=[s for i, s in slots.items() if "observe_stats" in self._inputs[i]],
                 evals=[s for i, s in slots.items() if "observe_eval" in self._inputs[i]],
+                notices=[s for i, s in slots.items() if "observe_notice" in self._inputs[i]],
             )
             self._ranks[(job, rank)] = state
         due = _latest_change(owner.data_changes, state.baseline_from, at_step)
