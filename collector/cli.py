@@ -111,7 +111,9 @@ def replay_parser(prog: str = "gradwatch replay") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Run the rules over a recorded trace (JSON Lines) and print the "
         "alerts they would have raised. Exit 0 when the trace was read, alerts or not.")
-    parser.add_argument("file", type=Path, metavar="FILE", help="trace file (collector --record)")
+    parser.add_argument("file", type=Path, metavar="FILE",
+                        help="trace file (collector --record), or a training log to backtest: a Hugging "
+                        "Face trainer_state.json(.gz) or a Lightning CSVLogger metrics.csv")
     parser.add_argument("--rules", type=Path, metavar="FILE",
                         help="rule file (default: the packaged rule pack)")
     parser.add_argument("--json", action="store_true",

@@ -1,11 +1,16 @@
-"""``gradwatch replay FILE``: the alerts the rules would have raised over a recorded trace.
+"""``gradwatch replay FILE``: the alerts the rules would have raised over a recorded trace or a training log.
+
+FILE is a trace the collector recorded (JSON Lines), or a training log the
+user already has, for backtesting before turning paging on: a Hugging Face
+``trainer_state.json`` (or ``.json.gz``) or a Lightning ``CSVLogger``
+``metrics.csv`` (see :mod:`gradwatch.rules.imports`), told apart by name.
 
 Prints one row per transition (``firing`` or ``resolved``) as a table, or one
 JSON object per line with ``--json``: ``{"transition", "previous", "alert"}``
 where ``alert`` is ``Alert.to_dict()`` with ``last_good_checkpoint`` filled
 from the trace's checkpoint events. Exit status: 0 when the trace was read
-(alerts or not); 2 for an unreadable or invalid trace (``--strict``) or a bad
-rule file.
+(alerts or not); 2 for an unreadable or invalid trace (``--strict``) or log,
+or a bad rule file.
 
 Example::
 
@@ -22,8 +27,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from gradwatch.rules import RuleFileError, Transition, load_default_rules, load_rules
-from gradwatch.rules.replay import Replay
+from gradwatch.rules import RuleFileError, RuleSpec, Transition, load_default_rules, load_rules
+from gradwatch.rules.imports import HistoryError, history_format, read_history
+from gradwatch.rules.replay import Replay, replay_records
 from gradwatch.wire.trace import TraceError
 
 COLUMNS = ("STEP", "STATE", "SEVERITY", "RULE", "CATEGORY", "RANK", "SUMMARY")
@@ -59,6 +65,8 @@ def run_replay(path: Path, rules_path: Path | None = None, *, json_lines: bool =
     except RuleFileError as exc:
         print(f"gradwatch replay: {exc}", file=err)
         return 2
+    if history_format(path) is not None:
+        return _replay_history(path, rules, json_lines, out, err)
     run = Replay(rules, strict=strict)
     try:
         transitions = run.run(path)
@@ -84,4 +92,24 @@ def run_replay(path: Path, rules_path: Path | None = None, *, json_lines: bool =
     if run.skipped:
         first = "; ".join(f"line {line}: {message}" for line, message in run.problems[:3])
         print(f"gradwatch replay: skipped {run.skipped} bad line(s) ({first})", file=err)
+    return 0
+
+
+def _replay_history(path: Path, rules: Sequence[RuleSpec], json_lines: bool, out: TextIO, err: TextIO) -> int:
+    """Replay a training log (trainer_state.json, metrics.csv) as the live path would have fed it."""
+    try:
+        run = read_history(path)
+    except HistoryError as exc:
+        print(f"gradwatch replay: {exc}", file=err)
+        return 2
+    transitions = replay_records(run.records, rules)
+    if json_lines:
+        for transition in transitions:
+            print(json_line(transition), file=out)
+        return 0
+    fired = sum(t.current == "firing" for t in transitions)
+    print(f"job {run.job} ({run.format}): {run.steps} logged steps, {run.evals} evals, "
+          f"{fired} alert(s) fired", file=out)
+    if transitions:
+        print(format_table(transitions), file=out)
     return 0

@@ -10,7 +10,12 @@ nothing else; it names the rank it is about in ``Finding.rank``.
 
 An input method returns a :class:`Finding`, or None for "taken into account,
 no new verdict" (a generalization-gap detector reads train losses as context
-but judges only on evals), which leaves the alert's lifecycle untouched.
+but judges only on evals), which leaves the alert's lifecycle untouched. A
+detector must return None for a record that does not carry the signal it
+judges (a step without a loss, for a loss rule): a rule's ``for:`` counts
+observations of its signal, and repeating the last verdict on an unmeasured
+step would count steps instead (on the Hugging Face path a loss arrives only
+every ``logging_steps``).
 
 A detector only judges; holding a condition for a while, deduplicating and
 resolving is the lifecycle's job (:mod:`gradwatch.rules.lifecycle`). Detectors

@@ -6,6 +6,9 @@
   Overfit rule compares the *levels* ((val - train) / train > 0.1); a level
   gap is normal in healthy runs (dropout, augmentation), so this one watches
   the *trends*, as the seed does.
+* :class:`ValTrainGapDetector` -- the validation loss is an order of
+  magnitude above the training loss from the first evals on: the two do not
+  measure the same thing (a wiring or data problem, not overfitting).
 * :class:`EvalModeWiringDetector` -- an evaluation ran with BatchNorm/Dropout
   modules still in training mode (the agent reports them on the eval).
 """
@@ -26,19 +29,22 @@ from gradwatch.rules.step import Eval, Step
 
 
 class GeneralizationGapDetector:
-    """Active while the eval level has stayed well above its best for ``patience`` evals and train fell.
+    """Active from the ``patience``-th eval in a row well above the best eval while train fell, until
+    an eval comes back half-way to the best (hysteresis: one overfitting episode is one incident).
 
-    Levels are medians of three consecutive evals: the lowest single eval of
-    many noisy ones is an optimistic outlier. "Well above" is by ``rise``
-    (relative) plus ``z`` times the evals' own noise, estimated from the
-    second differences of the last 32 evals (which a linear trend does not
-    inflate); z = 5 because a long run offers a noisy plateau a hundred
-    chances (calibrated here: under 1% false alarms over 100 evals with 20%
-    eval noise; a 1%-per-eval rise under 3% noise is caught ~20 evals in). Train losses are context
-    (``observe`` returns None): the verdict is taken on each eval. At every
-    eval the training level is the median of the last ``train_window``
-    training losses; "training loss falls" means it is now below its value
-    at the best level's eval.
+    "Well above" is ``rise`` (relative) over the lowest eval so far plus ``z``
+    times the evals' own noise, estimated from the second differences of the
+    last 32 evals (which a linear trend does not inflate); z = 5 because a
+    long run offers a noisy plateau a hundred chances (calibrated here: under
+    1% false alarms over 100 evals with 20% eval noise; a 1%-per-eval rise
+    under 3% noise is caught ~20 evals in). A noise estimate needs
+    ``noise_evals`` evals: a run that evaluates once per epoch (5-10 evals)
+    is judged on the material rise alone, ``few_rise`` over the best (the
+    calibration corpus labels overfitting at 1.25x the best eval). Train
+    losses are context (``observe`` returns None): the verdict is taken on
+    each eval. At every eval the training level is the median of the last
+    ``train_window`` training losses; "training loss falls" means it is now
+    below its value at the best eval.
 
     Example::
 
@@ -51,21 +57,23 @@ class GeneralizationGapDetector:
     def __init__(
         self,
         *,
-        min_evals: Annotated[int, Field(ge=3)] = 8,
+        min_evals: Annotated[int, Field(ge=3)] = 3,
         rise: Annotated[float, Field(gt=0.0)] = 0.05,
+        few_rise: Annotated[float, Field(gt=0.0)] = 0.25,
+        noise_evals: Annotated[int, Field(ge=5)] = 8,
         patience: Annotated[int, Field(ge=1)] = 2,
         train_window: Annotated[int, Field(ge=1)] = 50,
         z: Annotated[float, Field(ge=0.0)] = 5.0,
     ) -> None:
         self.min_evals, self.rise, self.patience, self.train_window = min_evals, rise, patience, train_window
-        self.z = z
+        self.few_rise, self.noise_evals, self.z = few_rise, noise_evals, z
         self._train: deque[float] = deque(maxlen=train_window)
         self._count = 0
         self._vals: deque[float] = deque(maxlen=32)
-        self._three: deque[tuple[float, int, float | None]] = deque(maxlen=3)  # (val loss, step, train level)
-        self._best: tuple[float, int, float | None] | None = None  # (level, step, train level)
+        self._best: tuple[float, int, float | None] | None = None  # (val loss, step, train level)
         self._held = 0
-        self._last: Finding = INACTIVE
+        self._open = False
+        self._close_above = math.inf
 
     def observe(self, step: Step) -> None:
         """Remember the training loss; judged at the next eval."""
@@ -81,50 +89,117 @@ class GeneralizationGapDetector:
         return self._take(ev.loss, ev.step, train)
 
     def _take(self, loss: float, step: int, train: float | None) -> Finding:
-        entry = (loss, step, train)
         self._count += 1
-        self._vals.append(loss)
-        self._three.append(entry)
-        if len(self._three) < 3:
-            return INACTIVE
-        level = sorted(self._three, key=lambda e: e[0])[1]  # the median eval, with its step and train level
-        if self._best is None or level[0] < self._best[0]:
-            self._best = level
-        self._last = self._judge(level, entry)
-        return self._last
-
-    def _judge(self, level: tuple[float, int, float | None], now: tuple[float, int, float | None]) -> Finding:
         best = self._best
-        assert best is not None
-        limit = best[0] + self.rise * abs(best[0]) + self.z * self._noise()
-        train_now, train_best = now[2], best[2]
-        above = level[0] > limit and self._three[0][1] > best[1]
-        falling = train_now is not None and train_best is not None and train_now < train_best
-        self._held = self._held + 1 if above and falling else 0
+        # The limit comes from the evals before this one: a value never widens its own bar.
+        limit = self._limit(best[0]) if best is not None else math.inf
+        self._vals.append(loss)
+        if best is None or (loss < best[0] and not self._open):
+            self._best, self._held = (loss, step, train), 0
+            return INACTIVE
+        if self._open:
+            if loss > self._close_above:
+                return self._finding(loss, step, train, self._close_above)  # still the same episode
+            self._open, self._held = False, 0
+            if loss < best[0]:
+                self._best = (loss, step, train)
+            return INACTIVE
+        falling = train is not None and best[2] is not None and train < best[2]
+        self._held = self._held + 1 if loss > limit and falling else 0
         if self._count < self.min_evals or self._held < self.patience:
             return INACTIVE
-        assert train_now is not None and train_best is not None
-        rise = level[0] / best[0] - 1 if best[0] else math.inf
+        # Hysteresis: the episode lasts until an eval comes back half-way from the limit to the best.
+        self._open, self._close_above = True, best[0] + 0.5 * (limit - best[0])
+        return self._finding(loss, step, train, limit)
+
+    def _limit(self, best: float) -> float:
+        if len(self._vals) < self.noise_evals:
+            return best + self.few_rise * abs(best)
+        return best + self.rise * abs(best) + self.z * eval_noise(list(self._vals))
+
+    def _finding(self, loss: float, step: int, train: float | None, bar: float) -> Finding:
+        best = self._best
+        assert best is not None
+        rise = loss / best[0] - 1 if best[0] else math.inf
+        train_best = best[2]
+        trend = f" while training loss fell {train_best:.4g} -> {train:.4g}" \
+            if train is not None and train_best is not None else ""
         summary = (
-            f"validation loss level {level[0]:.4g} at step {now[1]} is {rise:+.0%} over its best "
-            f"{best[0]:.4g} (step {best[1]}) while training loss fell {train_best:.4g} -> "
-            f"{train_now:.4g}: generalization gap"
+            f"validation loss {loss:.4g} at step {step} is {rise:+.0%} over its best "
+            f"{best[0]:.4g} (step {best[1]}){trend}: generalization gap"
         )
         evidence = {
-            "val_loss": now[0],
-            "val_level": level[0],
+            "val_loss": loss,
+            "val_level": loss,
             "best_val_loss": best[0],
             "best_step": best[1],
             "rise": rise,
-            "limit": limit,
-            "train_loss": train_now,
+            "limit": bar,
+            "train_loss": train,
             "train_loss_at_best": train_best,
             "evals_above": self.patience,
         }
         return Finding(True, summary, evidence)
 
-    def _noise(self) -> float:
-        return eval_noise(list(self._vals))
+
+class ValTrainGapDetector:
+    """Active when the validation loss was ``factor`` times the training level at each of the first
+    ``evals`` evaluations: a gap present from the start, however both trend.
+
+    Overfitting opens a gap over time; a gap of an order of magnitude at the
+    first evals, before the model can have memorised its training set, says
+    the two losses do not measure the same thing: validation data from another
+    distribution or preprocessing, labels misaligned, a loss reduced
+    differently (sum vs mean), or evaluation wired to another head. Judged at
+    the ``evals``-th eval with a training level; once active it stays so
+    while each new eval is still ``factor / 2`` times the training level.
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        factor: Annotated[float, Field(gt=1.0)] = 10.0,
+        evals: Annotated[int, Field(ge=1)] = 3,
+        train_window: Annotated[int, Field(ge=1)] = 50,
+    ) -> None:
+        self.factor, self.evals, self.train_window = factor, evals, train_window
+        self._train: deque[float] = deque(maxlen=train_window)
+        self._ratios: list[tuple[int, float, float]] = []  # (step, val, train level)
+        self._verdict: Finding | None = None  # None: not judged yet
+
+    def observe(self, step: Step) -> None:
+        """Remember the training loss; judged at the next eval."""
+        loss = finite_loss(step)
+        if loss is not None:
+            self._train.append(loss)
+
+    def observe_eval(self, ev: Eval) -> Finding | None:
+        """Judge one evaluation; see the class docstring."""
+        if ev.loss is None or not math.isfinite(ev.loss) or len(self._train) < min(5, self.train_window):
+            return None
+        train = statistics.median(self._train)
+        if self._verdict is not None:
+            if self._verdict.active and ev.loss < 0.5 * self.factor * train:
+                self._verdict = INACTIVE  # the gap closed: judged for good
+            return self._verdict
+        self._ratios.append((ev.step, ev.loss, train))
+        if len(self._ratios) < self.evals:
+            return INACTIVE
+        gaps = [val / level if level > 0 else math.inf for _, val, level in self._ratios]
+        if min(gaps) < self.factor:
+            self._verdict = INACTIVE
+            return INACTIVE
+        first = self._ratios[0]
+        summary = (
+            f"validation loss has been {min(gaps):.0f}x or more the training loss since the first eval "
+            f"(step {first[0]}: {first[1]:.4g} vs {first[2]:.4g}; {len(gaps)} evals): the two do not "
+            "measure the same data or the same loss"
+        )
+        self._verdict = Finding(True, summary, {"ratios": gaps, "val_losses": [v for _, v, _ in self._ratios],
+                                                "train_levels": [t for _, _, t in self._ratios],
+                                                "first_eval_step": first[0], "factor": self.factor})
+        return self._verdict
 
 
 def eval_noise(values: Sequence[float]) -> float:

@@ -6,10 +6,15 @@ Time is injected (``clock``) and the machine *returns* transitions: sending
 them is the collector's job. One incident yields exactly one firing and one
 resolved transition however many steps it lasts, so receivers see no repeats.
 
-``for`` counts either reported steps (an int) or seconds on the injected clock
-(a duration string such as ``"30s"``, ``"5m"``, ``"1h30m"``). Steps are counted
-as observations rather than by step-number arithmetic, so a rollback that
-sends step numbers backwards cannot stall or skip the machine.
+``for`` counts either observations (an int) or seconds on the injected clock
+(a duration string such as ``"30s"``, ``"5m"``, ``"1h30m"``). An observation is
+one verdict of the rule's detector: the engine calls :meth:`AlertLifecycle.update`
+only when the detector judged its own signal, and a detector returns None for
+a record without that signal (a step logged without a loss, on the Hugging
+Face path most steps), so such a record changes nothing here: ``for: 3`` on a
+loss rule means three losses, however many steps lie between them.
+Observations are counted rather than derived from step numbers, so a rollback
+that sends step numbers backwards cannot stall or skip the machine.
 
 Example::
 
@@ -46,10 +51,11 @@ def parse_duration(text: str) -> float:
 class AlertRule:
     """What the lifecycle needs to know about a rule to build its alerts.
 
-    ``for_steps``: the condition must hold on this many consecutive reported
-    steps (0 and 1 both fire on the first). ``for_seconds``, when set, replaces
-    it with time on the injected clock. ``keep_firing_for``: reported steps the
-    condition may be absent before the alert resolves (flapping guard).
+    ``for_steps``: the condition must hold on this many consecutive
+    observations of the rule's signal (0 and 1 both fire on the first).
+    ``for_seconds``, when set, replaces it with time on the injected clock.
+    ``keep_firing_for``: observations the condition may be absent before the
+    alert resolves (flapping guard).
     """
 
     name: str
@@ -83,8 +89,8 @@ class AlertLifecycle:
         self._state: LifecycleState = "inactive"
         self._start_step = 0
         self._started_at = 0.0
-        self._held = 0  # consecutive reported steps the condition held
-        self._quiet = 0  # consecutive reported steps it did not, while firing
+        self._held = 0  # consecutive observations the condition held
+        self._quiet = 0  # consecutive observations it did not, while firing
         self._alert: Alert | None = None
 
     @property
@@ -98,7 +104,7 @@ class AlertLifecycle:
         return self._alert
 
     def update(self, step: int, finding: Finding) -> Transition | None:
-        """Advance on one reported step; return the transition to announce, if any."""
+        """Advance on one observation of the rule's signal; return the transition to announce, if any."""
         now = self._clock()
         if finding.active:
             return self._on_active(step, finding, now)

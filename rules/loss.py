@@ -25,8 +25,19 @@ import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
+from gradwatch.rules.growth import fit_line
 from gradwatch.rules.series import MAD_TO_SIGMA, flat_since_start, median_se
 from gradwatch.rules.step import Step
+
+
+def total_grad_norm(step: Step) -> float | None:
+    """The step's total gradient norm: the logged one, else the layers' combined; None if unmeasured or not finite."""
+    norm = step.grad_norm
+    if norm is None and step.layer_norms.size:
+        norm = float(np.sqrt(np.sum(np.square(step.layer_norms))))
+    if norm is None or not math.isfinite(norm):
+        return None
+    return norm
 
 
 def finite_loss(step: Step) -> float | None:
@@ -42,7 +53,10 @@ class FlatFromStartDetector:
     Compares the median of the first ``head`` losses with the median of the
     latest ``window`` ones (see :func:`series.flat_since_start`): flat when
     their difference plus ``z`` standard errors is within ``tolerance`` of the
-    starting level. Only judges runs it saw from (near) step one
+    starting level, and the latest window shows no steady descent either (a
+    slope ``z`` standard errors below zero: a fine-tune learning slowly moves
+    its loss by a fraction of a percent per hundred steps). Only judges runs
+    it saw from (near) step one
     (``max_first_step``): a collector restarted mid-run, or a resumed
     converged run, is not "from the start". While the learning rate is still
     rising across the window (warm-up) it does not judge.
@@ -73,13 +87,13 @@ class FlatFromStartDetector:
         self._since_check = 0
         self._last: Finding = INACTIVE
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None when it carried no loss (see the class docstring)."""
         if self._first_step is None:
             self._first_step = step.step
         loss = finite_loss(step)
         if loss is None or self._first_step > self.max_first_step:
-            return self._last
+            return None
         if len(self._head) < self.head:
             self._head.append(loss)
             return INACTIVE
@@ -97,7 +111,7 @@ class FlatFromStartDetector:
         if lr_then is not None and lr_now is not None and lr_then < 0.99 * lr_now:
             return INACTIVE  # warm-up: the loss may not move until the rate has risen
         verdict = flat_since_start(self._head[:5], self._head, self._tail, self.tolerance, self.z)
-        if not verdict.flat:
+        if not verdict.flat or self._trend() <= -self.z:
             return INACTIVE
         summary = (
             f"loss has not moved since step one: median {verdict.tail:.4g} over the last "
@@ -116,6 +130,14 @@ class FlatFromStartDetector:
         }
         return Finding(True, summary, evidence)
 
+    def _trend(self) -> float:
+        """t statistic of the slope across the latest window: a slow, steady descent is learning."""
+        y = np.asarray(self._tail, dtype=np.float64)
+        slope, r2 = fit_line(np.arange(y.size, dtype=np.float64), y)
+        if r2 >= 1.0:
+            return math.copysign(math.inf, slope) if slope else 0.0
+        return math.copysign(math.sqrt(r2 * (y.size - 2) / (1.0 - r2)), slope)
+
 
 Report = Literal["spike", "divergence"]
 
@@ -126,8 +148,12 @@ class LossSpikeDetector:
     The running level is the median of the last ``window`` losses and the
     noise scale 1.4826 × their MAD, in log space when the losses are positive
     (batch noise is multiplicative; floored at ``min_rel_sigma``).
-    A loss ``sigmas`` noise scales above the level, and at least ``min_rise``
-    (relative) above it, opens an episode; the reference level is frozen for
+    A loss ``sigmas`` noise scales above the level, at least ``min_rise``
+    (relative) above it, and undoing at least ``min_range`` of the run's own
+    progress (its start level, the median of its first 5 losses, minus the
+    level) opens an episode. The last test is what makes the rule hold at
+    every scale: near a converged 3e-4 loss, 3e-3 is many noise scales and
+    10x up, yet a negligible share of a run that started at 2. The reference level is frozen for
     the episode (spike values never enter the window). The episode ends when
     ``recover_steps`` consecutive losses are back within ``recover_sigmas``.
 
@@ -153,6 +179,7 @@ class LossSpikeDetector:
         sigmas: Annotated[float, Field(gt=0.0)] = 6.0,
         min_rise: Annotated[float, Field(ge=0.0)] = 0.1,
         min_rel_sigma: Annotated[float, Field(ge=0.0)] = 0.001,
+        min_range: Annotated[float, Field(ge=0.0)] = 0.1,
         recover_sigmas: Annotated[float, Field(ge=0.0)] = 3.0,
         recover_steps: Annotated[int, Field(ge=1)] = 3,
         diverge_after: Annotated[int, Field(ge=1)] = 50,
@@ -162,26 +189,28 @@ class LossSpikeDetector:
             raise ValueError(f"min_history ({min_history}) must not exceed window ({window})")
         self.report, self.window, self.min_history = report, window, min_history
         self.sigmas, self.min_rise, self.min_rel_sigma = sigmas, min_rise, min_rel_sigma
+        self.min_range = min_range
+        self._first: list[float] = []  # the run's first losses: where its progress is measured from
         self.recover_sigmas, self.recover_steps = recover_sigmas, recover_steps
         self.diverge_after, self.rebase_after = diverge_after, rebase_after
-        self._window = _SortedWindow(window)
+        self._window = SortedWindow(window)
         self._sigma: tuple[float, bool] | None = None  # cached noise scale and its space
         self._sigma_age = 0
         self._episode: _Episode | None = None
-        self._last: Finding = INACTIVE
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None when it carried no loss (NaN is the non-finite rule's)."""
         loss = finite_loss(step)
         if loss is None:
-            return self._last  # NaN is the non-finite rule's; no measurement keeps the verdict
+            return None
+        if len(self._first) < 5:
+            self._first.append(loss)
         episode = self._episode
         if episode is None:
             episode = self._maybe_open(step.step, loss)
             if episode is None:
                 self._window.add(loss)
                 self._sigma_age += 1
-                self._last = INACTIVE
                 return INACTIVE
             self._episode = episode
         else:
@@ -191,10 +220,8 @@ class LossSpikeDetector:
                     self._window.clear()  # the loss settled at a new level: accept it
                     self._sigma = None
                 self._episode = None
-                self._last = INACTIVE
                 return INACTIVE
-        self._last = self._finding(episode)
-        return self._last
+        return self._finding(episode)
 
     def _maybe_open(self, step: int, loss: float) -> _Episode | None:
         if len(self._window) < self.min_history:
@@ -202,6 +229,8 @@ class LossSpikeDetector:
         level = self._window.median()
         if loss < level + self.min_rise * abs(level):
             return None  # the cheap test first: most steps end here
+        if loss - level < self.min_range * (float(np.median(self._first)) - level):
+            return None  # a negligible share of the run's progress, however many sigmas
         sigma, log = self._noise(level)
         centre = math.log(level) if log else level
         height = ((math.log(loss) if log else loss) - centre) / sigma
@@ -259,7 +288,7 @@ class LossSpikeDetector:
         return Finding(True, summary, evidence)
 
 
-class _SortedWindow:
+class SortedWindow:
     """The last ``size`` values, kept sorted too: the median is a lookup, an update O(size) memmove."""
 
     __slots__ = ("_order", "_sorted")
@@ -327,9 +356,12 @@ class RisingLossDetector:
     Losses are summarised per block of ``block`` steps by their median and
     the standard error of that median. Active when each of the last
     ``sustain`` blocks sits above the lowest block so far by at least ``rise``
-    (relative) *and* by ``z`` standard errors of the difference, and the
-    lowest block came after the first one fell by ``drop`` -- the curve went
-    down first, then up.
+    (relative), by ``z`` standard errors of the difference, *and* by ``undo``
+    of the drop from the first block to the lowest (the rise takes back a
+    real share of the run's progress: near a converged loss of 3e-4, a move
+    to 5e-4 is +66% yet nothing; and a loss that fell to exactly 0 has no
+    relative rise at all), and the lowest block came after the first one
+    fell by ``drop`` -- the curve went down first, then up.
 
     Example::
 
@@ -346,19 +378,21 @@ class RisingLossDetector:
         z: Annotated[float, Field(ge=0.0)] = 4.0,
         sustain: Annotated[int, Field(ge=1)] = 3,
         drop: Annotated[float, Field(ge=0.0)] = 0.05,
+        undo: Annotated[float, Field(ge=0.0)] = 0.25,
     ) -> None:
         self.block, self.rise, self.z, self.sustain, self.drop = block, rise, z, sustain, drop
+        self.undo = undo
         self._current: list[float] = []
         self._first: float | None = None
         self._best: tuple[float, float, int] | None = None  # (median, se, step)
         self._recent: deque[tuple[float, float, int]] = deque(maxlen=sustain)
         self._last: Finding = INACTIVE
 
-    def observe(self, step: Step) -> Finding:
-        """Judge one step; see the class docstring."""
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None when it carried no loss (see the class docstring)."""
         loss = finite_loss(step)
         if loss is None:
-            return self._last
+            return None
         self._current.append(loss)
         if len(self._current) < self.block:
             return self._last
@@ -381,21 +415,27 @@ class RisingLossDetector:
             return INACTIVE
         if first < best[0] * (1.0 + self.drop):
             return INACTIVE  # never went down: not "decreases then rises"
+        need = max(best[0] * self.rise, self.undo * (first - best[0]))
         for median, se, _ in self._recent:
-            if median < best[0] * (1.0 + self.rise) or median - best[0] < self.z * math.hypot(se, best[1]):
+            gap = median - best[0]
+            if not (gap > need and gap > self.z * math.hypot(se, best[1])):
                 return INACTIVE
         latest = self._recent[-1]
-        rise = latest[0] / best[0] - 1.0 if best[0] > 0 else math.inf
+        rise = latest[0] / best[0] - 1.0 if best[0] > 0 else None
+        undone = (latest[0] - best[0]) / (first - best[0])
+        relative = f"{rise:+.0%} over" if rise is not None else "up from"
         summary = (
             f"loss is rising again: block median {latest[0]:.4g} at step {latest[2]} is "
-            f"{rise:+.0%} over its low {best[0]:.4g} at step {best[2]} for {self.sustain} blocks "
-            f"of {self.block} steps; learning rate too high?"
+            f"{relative} its low {best[0]:.4g} at step {best[2]}, taking back {undone:.0%} of its "
+            f"drop from {first:.4g}, for {self.sustain} blocks of {self.block} steps; "
+            "learning rate too high?"
         )
         evidence = {
             "low": best[0],
             "low_step": best[2],
             "level": latest[0],
             "rise": rise,
+            "undone": undone,
             "start_level": first,
             "block": self.block,
             "blocks_above": self.sustain,

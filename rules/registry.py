@@ -21,8 +21,10 @@ from pydantic import BaseModel, ConfigDict, Strict, create_model
 
 from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
 from gradwatch.rules.amp import LossScaleCollapseDetector
+from gradwatch.rules.collapse import LrTooLowDetector, ZeroLossDetector
 from gradwatch.rules.detector import Detector
-from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
+from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector, ValTrainGapDetector
+from gradwatch.rules.events import ExtremeStepDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
 from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
@@ -108,6 +110,10 @@ register_detector("loss_spike", LossSpikeDetector)
 register_detector("rising_loss", RisingLossDetector)
 register_detector("generalization_gap", GeneralizationGapDetector)
 register_detector("eval_mode", EvalModeWiringDetector)
+register_detector("val_train_gap", ValTrainGapDetector)
+register_detector("extreme_step", ExtremeStepDetector)
+register_detector("zero_loss", ZeroLossDetector)
+register_detector("lr_too_low", LrTooLowDetector)
 register_detector("saturation", SaturationDetector)
 register_detector("dead_units", DeadUnitsDetector)
 register_detector("weight_runaway", WeightRunawayDetector)

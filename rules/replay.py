@@ -33,6 +33,7 @@ import numpy as np
 from gradwatch.rules.alert import Transition
 from gradwatch.rules.assembly import Assembler
 from gradwatch.rules.engine import Engine
+from gradwatch.rules.imports import ImportedRun, read_history, with_gaps
 from gradwatch.rules.liveness import LivenessTracker
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
@@ -266,6 +267,35 @@ class Replay:
 def _declared(record: Step | Stats, header: TraceHeader) -> Step | Stats:
     """``record`` with the topology its trace header declares, as the collector saw it."""
     return replace(record, world=header.world or 1, shards=header.shards or 0)
+
+
+def replay_records(records: Iterable[Step | Stats | Eval], rules: Sequence[RuleSpec] | None = None,
+                   job: str | None = None) -> list[Transition]:
+    """Every transition the rules would have produced over ``records``, fed in order.
+
+    The engine's clock is the records' ``time`` (never moving backwards), as in
+    :func:`replay`. Used for logs imported by :mod:`gradwatch.rules.imports`.
+    """
+    now = 0.0
+    engine = Engine(load_default_rules() if rules is None else rules, clock=lambda: now)
+    out: list[Transition] = []
+    for record in records:
+        now = max(now, record.time) if math.isfinite(record.time) else now
+        out += engine.feed(record if job is None else replace(record, job=job))
+    return out
+
+
+def backtest(path: str | PathLike[str], rules: Sequence[RuleSpec] | None = None, *,
+             gaps: bool = False) -> tuple[ImportedRun, list[Transition]]:
+    """Import the training log at ``path`` (:func:`gradwatch.rules.imports.read_history`) and replay it.
+
+    ``gaps``: also feed the unlogged steps between logged ones, as the live
+    callback sends them (:func:`gradwatch.rules.imports.with_gaps`); the
+    alerts must not change. Raises ``gradwatch.rules.imports.HistoryError``
+    for a log it cannot read.
+    """
+    run = read_history(path)
+    return run, replay_records(with_gaps(run.records) if gaps else run.records, rules)
 
 
 def replay(source: Source, rules: Sequence[RuleSpec] | None = None, *, strict: bool = True) -> list[Transition]:

@@ -18,8 +18,8 @@ File shape::
           - alert: NonFiniteGradients     # unique name
             detector: nonfinite           # see registry.detector_names()
             params: {}                    # the detector's keyword args
-            for: 1                        # reported steps (int) or a duration ("30s")
-            keep_firing_for: 0            # reported steps
+            for: 1                        # observations of its signal (int) or a duration ("30s")
+            keep_firing_for: 0            # observations
             severity: critical
             category: numerical
             actions: [notify]
@@ -50,7 +50,7 @@ from gradwatch.rules.lifecycle import parse_duration
 Action = Literal["notify", "rollback", "stop"]
 Loc = tuple[str | int, ...]
 _Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-_FOR_HELP = "for must be a whole number of steps (e.g. 5) or a duration such as '30s', '5m', '1h30m'"
+_FOR_HELP = "for must be a whole number of observations (e.g. 5) or a duration such as '30s', '5m', '1h30m'"
 
 
 class RuleFileError(ValueError):

@@ -158,3 +158,26 @@ def test_ten_thousand_steps_of_a_thousand_layers_stay_bounded() -> None:
     assert len(growth._logs) == len(growth._steps) == growth.window
     assert len(ratio._log_ratios) == ratio.window
     assert len(ratio._ends._names) == 500
+
+
+def test_for_counts_observations_of_the_rules_signal_not_steps() -> None:
+    # The Hugging Face path: a loss every 10 steps, the steps between carry none. One logged
+    # outlier followed by unlogged steps is one observation: LossSpike's `for: 3` holds it.
+    rules = [r for r in load_default_rules() if r.name == "LossSpike"]
+    rng = np.random.default_rng(0)
+
+    def logged(losses: list[float]) -> list[Step]:
+        out = []
+        for k, loss in enumerate(losses):
+            out.append(Step(job="hf", step=10 * k + 10, time=0.0, loss=loss))
+            out += [Step(job="hf", step=10 * k + 10 + j, time=0.0) for j in range(1, 10)]
+        return out
+
+    base = [2.0 * float(rng.lognormal(0.0, 0.05)) for _ in range(200)]
+    one = base[:150] + [6.0] + base[150:]
+    engine = Engine(rules, clock=lambda: 0.0)
+    assert [t for s in logged(one) for t in engine.observe(s)] == []
+    three = base[:150] + [6.0, 6.2, 6.1] + base[150:]
+    engine = Engine(rules, clock=lambda: 0.0)
+    fired = [t.alert for s in logged(three) for t in engine.observe(s) if t.current == "firing"]
+    assert [(a.rule, a.step) for a in fired] == [("LossSpike", 1510)]  # pending from the first of the three

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from gradwatch.rules import Step
-from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
+from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector, ValTrainGapDetector
 from gradwatch.rules.step import Eval
 
 
-def train(det: GeneralizationGapDetector, level: float, at: int) -> None:
+def train(det: GeneralizationGapDetector | ValTrainGapDetector, level: float, at: int) -> None:
     for t in range(at - 50, at):
         assert det.observe(Step(job="j", step=t, time=0.0, loss=level)) is None  # context only
 
@@ -71,3 +71,47 @@ def test_a_noisy_eval_plateau_is_not_a_rise() -> None:
         det = GeneralizationGapDetector()
         points = [(1.0 - 0.001 * k, 1.1 * float(rng.lognormal(0.0, 0.03))) for k in range(60)]
         assert not any(evaluate(det, points)), seed
+
+
+def test_overfitting_with_one_eval_per_epoch_is_caught() -> None:
+    # 6 evals (one per epoch): no noise estimate, judged on the rise alone (25% over the best).
+    det = GeneralizationGapDetector()
+    points = [(0.1 / (k + 1), 0.3 * (1 + 0.15 * k)) for k in range(6)]
+    assert evaluate(det, points) == [False, False, False, True, True, True]
+
+
+def test_few_evals_with_one_bump_are_not_overfitting() -> None:
+    det = GeneralizationGapDetector()
+    points = list(zip([0.2, 0.17, 0.13, 0.12, 0.11, 0.10, 0.1], [0.30, 0.25, 0.24, 0.26, 0.23, 0.22, 0.22],
+                      strict=True))
+    assert not any(evaluate(det, points))
+
+
+def test_one_overfitting_episode_is_one_incident() -> None:
+    # The val loss wobbles back under the limit it crossed: hysteresis keeps it one episode
+    # until an eval comes back half-way to the best.
+    det = GeneralizationGapDetector()
+    vals = [1.0 - 0.04 * k for k in range(16)] + [0.42, 0.46, 0.5, 0.56, 0.45, 0.55, 0.58]
+    found = evaluate(det, [(2.0 - 0.05 * k, v) for k, v in enumerate(vals)])
+    assert found[16:] == [False, False, True, True, True, True, True]
+    assert evaluate(det, [(0.5, 0.39)]) == [False]  # a new best: the episode is over
+
+
+def test_a_constant_gap_from_the_first_eval_is_flagged() -> None:
+    det = ValTrainGapDetector()
+    points = [(1.0 - 0.1 * k, 20.0 * (1.0 - 0.1 * k)) for k in range(6)]  # 20x, both trending down
+    found = []
+    for k, (train_level, val) in enumerate(points):
+        train(det, train_level, 100 * (k + 1))
+        f = det.observe_eval(Eval(job="j", step=100 * (k + 1), time=0.0, loss=val))
+        found.append(f is not None and f.active)
+    assert found == [False, False, True, True, True, True]
+
+
+def test_a_gap_that_opens_later_or_never_is_not_from_the_start() -> None:
+    for vals in ([1.0, 0.9, 0.8, 8.0, 9.0], [0.9, 0.8, 0.75, 0.7, 0.7]):
+        det = ValTrainGapDetector()
+        for k, val in enumerate(vals):
+            train(det, 0.8 - 0.05 * k, 100 * (k + 1))
+            f = det.observe_eval(Eval(job="j", step=100 * (k + 1), time=0.0, loss=val))
+            assert f is not None and not f.active

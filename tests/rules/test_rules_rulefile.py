@@ -107,7 +107,7 @@ def test_every_problem_is_reported_with_its_line() -> None:
         "rules.yaml:10: groups[0].rules[1].params.window: Input should be greater than or equal to 6",
         "rules.yaml:10: groups[0].rules[1].params.typo: Extra inputs are not permitted",
         "rules.yaml:15: groups[0].rules[2].severity: Input should be 'info', 'warning' or 'critical'",
-        "rules.yaml:17: groups[0].rules[2].for: for must be a whole number of steps (e.g. 5) or a duration "
+        "rules.yaml:17: groups[0].rules[2].for: for must be a whole number of observations (e.g. 5) or a duration "
         "such as '30s', '5m', '1h30m'; got 'soon'",
         "rules.yaml:18: groups[0].rules[3].alert: duplicate rule name 'A' (first at line 4)",
         f"rules.yaml:19: groups[0].rules[3].detector: unknown detector 'nosuch'; known detectors: "
