@@ -95,7 +95,7 @@ class CollectorConfig(BaseSettings):
         default=16_384, ge=1, le=1 << 20,
         description="Layers (parameter tensors) one schema may name.")
     max_rows_per_batch: int = Field(
-        default=1024, ge=1, le=65_536,
+        default=256, ge=1, le=65_536,
         description="Steps one batch may carry (the agent's flush_every); bounds the work "
                     "per message.")
     max_memory_bytes: int = Field(

@@ -19,7 +19,10 @@ Two checks per message, both before the costly part:
   flooding one runs dry, and its messages are then dropped after a header read
   (~tens of microseconds) instead of costing rules evaluation. A new sender's
   bucket starts with one second of its share, not a whole burst, so many
-  fresh senders cannot each spend a burst. Messages of jobs not admitted yet
+  fresh senders cannot each spend a burst. Under contention a batch is let in
+  only if its sender's tokens cover its expected cost (its rows times the
+  measured seconds per row), so a sender cannot take a large batch on credit.
+  Messages of jobs not admitted yet
   share one bucket (``(new)``), so a job-name bomb costs one sender's share.
   ZeroMQ serves its connections round-robin, so a real agent's message waits
   behind at most one admitted message per flooding connection, and an admitted
@@ -40,6 +43,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
@@ -53,8 +57,10 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gradwatch.collector.auth import PREAMBLE_BYTES
 from gradwatch.collector.ingest import RateLimitedLog
 from gradwatch.wire import Batch, Event, Heartbeat
+from gradwatch.wire.messages import MAX_HEADER_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ MAX_OFFENDERS = 1024      # senders whose refusals are counted by name (the rest
 ACTIVE_S = 5.0            # a sender is active (takes a share) this long after its last message
 RSS_EVERY_S = 0.1          # /proc/self/statm costs ~10 us: checked often, overshoot stays small
 BUSY_WINDOW_S = 1.0        # the ingest thread's utilisation is averaged over about this long
+ROW_COST_S = 5e-4          # the first guess of ingest seconds per row (measured from then on)
 REASONS = ("jobs", "jobs_per_key", "ranks", "rows", "layers", "memory", "share")
 
 
@@ -76,7 +83,7 @@ class Bounds:
     max_jobs_per_key: int = 64
     max_ranks_per_job: int = 16_384
     max_layers_per_schema: int = 16_384
-    max_rows_per_batch: int = 1024
+    max_rows_per_batch: int = 256
     max_memory_bytes: int = 1536 * MiB
     ingest_share: float = 0.8     # of the ingest thread's time, split among active senders
     ingest_burst_seconds: float = 0.5
@@ -97,6 +104,20 @@ class _Bucket:
     tokens: float
     at: float
     last: float
+
+
+def peek(header: bytes) -> tuple[str | None, int]:
+    """The job and row count a message's header frame names (one JSON parse, no decoding)."""
+    if len(header) > MAX_HEADER_BYTES:
+        return None, 0  # the wire decoder refuses it
+    try:
+        body = json.loads(header[PREAMBLE_BYTES:])
+    except (ValueError, RecursionError):  # RecursionError: deeply nested JSON
+        return None, 0
+    if not isinstance(body, dict):
+        return None, 0
+    job, steps = body.get("job"), body.get("steps")
+    return (job if isinstance(job, str) else None), (len(steps) if isinstance(steps, list) else 0)
 
 
 def current_rss() -> int:
@@ -124,6 +145,7 @@ class Admission:
         self._by_sender: Counter[tuple[str, str]] = Counter()
         self._rss, self._rss_at = 0, -float("inf")
         self._busy, self._busy_at = 0.0, clock()  # decaying sum of ingest seconds
+        self.row_cost = ROW_COST_S  # moving average of ingest seconds per batch row
         self._log = RateLimitedLog(log)
 
     # ------------------------------------------------------------ the share
@@ -135,12 +157,14 @@ class Admission:
         with self._lock:
             return job if job is not None and job in self._jobs else NEW
 
-    def allow(self, unit: str) -> bool:
-        """False (counted) when the thread is contended and ``unit`` used up its share."""
+    def allow(self, unit: str, rows: int = 0) -> bool:
+        """False (counted) when the thread is contended and ``unit``'s share does not
+        cover the message (``rows`` rows: the expected cost of a batch)."""
         now = self._clock()
         with self._lock:
             bucket = self._bucket(unit, now)
-            if bucket.tokens > 0 or self._utilisation(now) < self.bounds.ingest_share:
+            if self._utilisation(now) < self.bounds.ingest_share or \
+                    bucket.tokens > min(rows * self.row_cost, self.bounds.ingest_burst_seconds):
                 return True
         self._count("share", unit, "dropped messages of %s: it used more than its share of "
                     "the collector's time (%.0f%% split among %d active senders); it is "
@@ -148,10 +172,12 @@ class Admission:
                     100 * self.bounds.ingest_share, self.active())
         return False
 
-    def charge(self, unit: str, seconds: float) -> None:
-        """Take the ingest time one message of ``unit`` cost from its bucket."""
+    def charge(self, unit: str, seconds: float, rows: int = 0) -> None:
+        """Take the ingest time one message of ``unit`` (``rows`` rows) cost from its bucket."""
         now = self._clock()
         with self._lock:
+            if rows:
+                self.row_cost += 0.1 * (seconds / rows - self.row_cost)
             bucket = self._bucket(unit, now)
             bucket.tokens -= seconds
             bucket.last = now

@@ -46,14 +46,13 @@ from gradwatch.collector.auth import (
     CurveAuth,
     build_auth,
     check_profile,
-    job_of,
     metrics_security,
 )
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Frames, Ingest, Ingested
-from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds
+from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds, peek
 from gradwatch.collector.startup import check_open_files, warn_exposure
 from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.outbox import Outbox, OutboxSink
@@ -259,7 +258,9 @@ class Server:
         """Drain what arrived, flush sinks, close everything; True if all in time."""
         timeout = self.config.shutdown_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
-        self._drain_deadline = deadline
+        # The drain stops early enough for the message in hand (bounded by
+        # max_rows_per_batch) to finish before the deadline.
+        self._drain_deadline = deadline - min(1.0, timeout / 4)
         self._stopping.set()
         clean = True
         if self._ingest_thread is not None:
@@ -395,13 +396,14 @@ class Server:
                 self._sender = _sender_of(parts[0])
             # Who pays for this message's ingest time (collector/limits.py): a sender over
             # its share is refused here, after one header parse, before any decoding.
-            unit = self.admission.unit(job_of(parts[0].bytes), self._sender)
-            if not self.admission.allow(unit):
+            job, rows = peek(parts[0].bytes)
+            unit = self.admission.unit(job, self._sender)
+            if not self.admission.allow(unit, rows):
                 self._handle((), refused=True)
                 continue
             began = time.perf_counter()
             self._handle([part.buffer for part in parts])
-            self.admission.charge(unit, time.perf_counter() - began)
+            self.admission.charge(unit, time.perf_counter() - began, rows)
 
     def _handle(self, frames: Frames, refused: bool = False) -> None:
         # Never raises: one bad message must not stop the ingest thread.
