@@ -12,7 +12,9 @@ that pushed units into a dead regime."
   (``ActStats.zero_frac``) at or above ``threshold``. A healthy ReLU layer
   outputs ~50% zeros, so smdebug DeadRelu's 50% (which counts *units* dead
   across a batch, not zero *values*) would fire on every healthy net; the
-  default 0.9 is calibrated here on synthetic runs.
+  default 0.9 is calibrated here on synthetic runs. With ``kinds=("gelu",
+  "silu")`` it reads the agent's dead share of smooth activations (outputs in
+  the flat negative tail), whose healthy level is near zero.
 
 Both must hold on ``samples`` consecutive cadence samples of one module, so
 one odd batch decides nothing. Memory is one counter per module.

@@ -106,6 +106,7 @@ LARGE_NORM = 1.0  # nanoGPT's grad_clip and HF Trainer's max_grad_norm default
 RATIO_LIMIT = 2.0  # seed Stage 3: two orders of magnitude between first and last layers
 SATURATED = 0.5  # share of tanh/sigmoid outputs pinned near the bounds (smdebug threshold_layer 50%)
 DEAD = 0.9  # share of exact-zero ReLU outputs (healthy nets have ~50%)
+DEAD_TAIL = 0.5  # share of GELU/SiLU outputs in the flat negative tail (healthy ~0.1%)
 EPISODE_GAP = 200  # steps a precursor may pause before a new episode starts
 
 
@@ -182,9 +183,11 @@ class JobHistory:
             if act.sat_frac is not None and act.kind in ("tanh", "sigmoid") and act.sat_frac >= SATURATED:
                 self._mark("activation_saturation", "saturation", stats.step, act.sat_frac,
                            f"{act.kind} outputs of {act.module!r} {act.sat_frac:.0%} saturated")
-            if act.zero_frac is not None and act.kind in ("relu", "relu6") and act.zero_frac >= DEAD:
+            dead = DEAD if act.kind in ("relu", "relu6") else DEAD_TAIL if act.kind in ("gelu", "silu") else None
+            if act.zero_frac is not None and dead is not None and act.zero_frac >= dead:
+                what = "exactly zero" if act.kind in ("relu", "relu6") else "in the flat negative tail"
                 self._mark("dead_units", "dead_units", stats.step, act.zero_frac,
-                           f"ReLU outputs of {act.module!r} {act.zero_frac:.0%} exactly zero")
+                           f"{act.kind} outputs of {act.module!r} {act.zero_frac:.0%} {what}")
         if stats.weight_norms is not None:
             w = np.asarray(stats.weight_norms, dtype=np.float64)
             if w.size and np.isfinite(w).all():

@@ -195,3 +195,15 @@ def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
         ratios[0] = 1e-8  # frozen: LayersFrozen's, not lagging
         assert not det.observe_stats(deep_stats(k, ratios)).active  # type: ignore[union-attr]
     assert det.observe_stats(Stats(job="j", step=1, time=0.0, layers=DEEP)) is None
+
+
+def test_dead_gelu_and_silu_units_through_the_default_rule() -> None:
+    from gradwatch.rules import Engine, load_default_rules
+    engine = Engine(load_default_rules(), clock=lambda: 0.0)
+    fired = []
+    for k in range(1, 6):
+        acts = (ActStats("mlp.act", "gelu", mean=-0.1, std=0.05, zero_frac=0.97),
+                ActStats("gate.act", "silu", mean=0.2, std=0.5, zero_frac=0.001))
+        fired += engine.observe_stats(Stats(job="j", step=50 * k, time=0.0, act=acts))
+    (t,) = fired
+    assert (t.alert.rule, t.alert.category, t.alert.evidence["module"]) == ("DeadGELUSiLUUnits", "dead_units", "mlp.act")
