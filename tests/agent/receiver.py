@@ -30,6 +30,8 @@ class Received:
     steps: dict[int, Row] = field(default_factory=dict)  # the last incarnation wins
     step_order: list[int] = field(default_factory=list)  # as they arrived
     stats_steps: list[int] = field(default_factory=list)
+    # Cadence statistics by step: columns (update ratios, activations) and weight norms.
+    stats: dict[int, Row] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
 
     def kinds(self, kind: str) -> list[Event]:
@@ -75,13 +77,16 @@ def receive(sock: zmq.Socket, mon: gradwatch.Monitor, before: list[Message]) -> 
                 schemas[msg.schema_id] = msg.schema
             if msg.schema_id == wc.STATS_SCHEMA_ID:
                 out.stats_steps.extend(msg.steps)
+                out.stats.update(_rows(msg, schemas[msg.schema_id]))
                 continue
-            _rows(out, msg, schemas[msg.schema_id])
+            rows = _rows(msg, schemas[msg.schema_id])
+            out.layers = schemas[msg.schema_id].layers
+            out.steps.update(rows)
+            out.step_order.extend(rows)
     return out
 
 
-def _rows(out: Received, batch: Batch, schema: Schema) -> None:
-    out.layers = schema.layers
+def _rows(batch: Batch, schema: Schema) -> dict[int, Row]:
     n = len(batch.values) // 4
     floats = struct.unpack(f"<{n}f", batch.values)
     bits = struct.unpack(f"<{n}I", batch.values)
@@ -89,9 +94,10 @@ def _rows(out: Received, batch: Batch, schema: Schema) -> None:
     def value(i: int) -> float | None:
         return None if bits[i] == MISSING_BITS else floats[i]
 
+    out = {}
     for r, step in enumerate(batch.steps):
         base = r * schema.width
         columns = {c: value(base + i) for i, c in enumerate(schema.columns)}
         layers = [value(i) for i in range(base + len(schema.columns), base + schema.width)]
-        out.steps[step] = Row(batch.incarnation, columns, layers)
-        out.step_order.append(step)
+        out[step] = Row(batch.incarnation, columns, layers)
+    return out
