@@ -299,7 +299,7 @@ def production_problems(config: CollectorConfig,
     if rollback and config.command_key is None and config.command_key_file is None:
         problems.append(f"rules {', '.join(rollback)} ask for rollback: set command_key_file "
                         "(or remove the rollback action)")
-    if not _loopback(config.metrics_host_port[0]):
+    if not loopback(config.metrics_host_port[0]):
         if config.metrics_basic_auth_user is None:
             problems.append("metrics_addr is not a loopback address: set "
                             "metrics_basic_auth_user and metrics_basic_auth_password_file")
@@ -323,11 +323,12 @@ def check_profile(config: CollectorConfig, rule_actions: Mapping[str, Sequence[s
                           "\nFix these (see SECURITY.md) or run with profile: dev.")
 
 
-def _loopback(host: str) -> bool:
+def loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (a host name other than localhost is not)."""
     if host == "localhost":
         return True
     try:
-        return ip_address(host).is_loopback
+        return ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False  # a host name: it may resolve anywhere
 

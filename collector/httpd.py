@@ -38,6 +38,7 @@ import hmac
 import logging
 import socket
 import ssl
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
@@ -215,7 +216,15 @@ class Connections:
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
+    # The listen backlog: with socketserver's 5, a burst of connections waits in the
+    # kernel, out of reach of the cap's eviction of idle ones.
+    request_queue_size = 128
     connections: Connections
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went silent (read timeout) or away is routine, not a traceback.
+        if not isinstance(sys.exc_info()[1], OSError):
+            super().handle_error(request, client_address)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.connections.admit(request, client_address):

@@ -18,10 +18,10 @@ Example::
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import resource
 
+from gradwatch.collector.auth import loopback
 from gradwatch.collector.config import CollectorConfig, ConfigError, split_host_port
 
 log = logging.getLogger(__name__)
@@ -31,15 +31,6 @@ log = logging.getLogger(__name__)
 RESERVED_FDS = 64
 # Agent connections (one per training process) the limit should leave room for.
 AGENT_FDS = 1024
-
-
-def _loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False  # a host name: it may resolve to anything
 
 
 def _zmq_host(endpoint: str) -> str | None:
@@ -54,10 +45,10 @@ def exposed(config: CollectorConfig) -> list[str]:
     found = []
     for name, endpoint in (("listen", config.listen), ("command_listen", config.command_listen)):
         host = _zmq_host(endpoint)
-        if host is not None and not _loopback(host):
+        if host is not None and not loopback(host):
             found.append(f"{name}={endpoint}")
     host = split_host_port(config.metrics_addr)[0]
-    if not _loopback(host):
+    if not loopback(host):
         found.append(f"metrics_addr={config.metrics_addr}")
     return found
 
