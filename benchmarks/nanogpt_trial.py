@@ -63,9 +63,15 @@ CPU_LINE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interva
             "--dropout=0.0", "--gradient_accumulation_steps=2"]
 ACCEPT: dict[str, tuple[str, ...]] = {
     "healthy": (),
-    "lr_x100": ("exploding_gradients", "lr_too_high", "loss_spike", "numerical"),
+    "lr_x100": ("exploding_gradients", "lr_too_high", "loss_spike", "numerical", "update_ratio"),
     "init_x0.01": ("vanishing_gradients", "dead_pipeline", "update_ratio", "lr_too_low"),
     "no_step": ("dead_pipeline", "update_ratio"),
+}
+# Advice that would help: words one of the alert's first three next checks should contain.
+HELPFUL: dict[str, tuple[str, ...]] = {
+    "lr_x100": ("learning rate", "lr "),
+    "init_x0.01": ("init",),
+    "no_step": ("optimizer.step", "step()"),
 }
 PAGING = ("warning", "critical")
 DATASET_BYTES = 1_000_000
@@ -275,13 +281,22 @@ def score(variant: str, alerts: list[dict[str, Any]]) -> Scored:
         n = len(s.paging)
         s.verdict = "PASS: no page" if n == 0 else f"FAIL: {n} false page(s)"
         return s
-    hits = [a for a in s.paging if a["category"] in accept]
+    hits = sorted((a for a in s.paging if a["category"] in accept), key=lambda a: a["step"])
     if hits:
-        first = min(hits, key=lambda a: a["step"])
+        first = hits[0]
         s.verdict = f"CAUGHT by {first['rule']} [{first['category']}] at step {first['step']}"
+        helpful = [a for a in hits if _helps(variant, a)]
+        s.verdict += ("; helpful advice " + ("first" if helpful[:1] == [first] else
+                      f"from {helpful[0]['rule']} at step {helpful[0]['step']}")
+                      if helpful else "; no alert's first checks would help")
     else:
         s.verdict = f"MISSED: no warning-or-higher alert in {accept}"
     return s
+
+
+def _helps(variant: str, a: dict[str, Any]) -> bool:
+    checks = list((a.get("diagnosis") or {}).get("next_checks") or [])[:3]
+    return any(w in c.lower() for c in checks for w in HELPFUL.get(variant, ()))
 
 
 def _first_check(a: dict[str, Any]) -> str:
