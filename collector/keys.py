@@ -168,11 +168,14 @@ def load_key_file(path: Path, need_secret: bool = False) -> tuple[bytes, bytes |
     """(public, secret) from a ZeroMQ certificate file; raises ``ConfigError`` saying why.
 
     With ``need_secret`` the secret key must be present and the file must not be
-    readable by group or others (like ssh, a leaked-looking secret is refused).
+    readable by others, nor by a group other than the collector's own (like ssh,
+    a leaked-looking secret is refused; a Kubernetes secret volume can only be
+    group-readable by the pod's ``fsGroup``, which is the collector's group).
     """
     try:
         public, secret = zmq.auth.load_certificate(path)
-        mode = path.stat().st_mode
+        info = path.stat()
+        mode = info.st_mode
     except (OSError, ValueError) as exc:
         raise ConfigError(f"cannot read the CurveZMQ key file {path}: {exc}; create one with "
                           "`gradwatch keys generate --name NAME --dir DIR`") from exc
@@ -180,7 +183,8 @@ def load_key_file(path: Path, need_secret: bool = False) -> tuple[bytes, bytes |
         if secret is None:
             raise ConfigError(f"{path} holds no secret key: point at the NAME.key_secret "
                               "file, not the public NAME.key")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        own_group = info.st_gid == os.getegid() and not mode & stat.S_IWGRP
+        if mode & stat.S_IRWXO or (mode & stat.S_IRWXG and not own_group):
             raise ConfigError(f"{path} is readable by other users (mode "
                               f"{stat.S_IMODE(mode):o}); run `chmod 600 {path}`")
     if not Z85_KEY.match(public.decode("ascii", "replace")):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -52,9 +53,23 @@ def test_bad_key_material_is_refused_with_a_reason(tmp_path: Path) -> None:
     keys = make_keys(tmp_path)
     with pytest.raises(ConfigError, match="no secret key"):
         load_key_file(keys.collector.public_file, need_secret=True)
-    keys.collector.secret_file.chmod(0o640)
+    secret = keys.collector.secret_file
+    secret.chmod(0o604)  # readable by others
     with pytest.raises(ConfigError, match="chmod 600"):
-        load_key_file(keys.collector.secret_file, need_secret=True)
+        load_key_file(secret, need_secret=True)
+    # Group-readable: only by the collector's own group (a Kubernetes secret volume's
+    # fsGroup), never by another group, and never group-writable.
+    secret.chmod(0o440)
+    if secret.stat().st_gid == os.getegid():
+        assert load_key_file(secret, need_secret=True)[1] is not None
+        secret.chmod(0o460)
+        with pytest.raises(ConfigError, match="chmod 600"):
+            load_key_file(secret, need_secret=True)
+    if os.geteuid() == 0:  # only root may hand a file to another group
+        os.chown(secret, -1, os.getegid() + 4242)
+        secret.chmod(0o440)
+        with pytest.raises(ConfigError, match="chmod 600"):
+            load_key_file(secret, need_secret=True)
     bad = tmp_path / "bad.yaml"
     bad.write_text("clients:\n  - public_key: short\n    jobs: [run-*]\n")
     with pytest.raises(ConfigError, match="40 Z85 characters"):
