@@ -37,6 +37,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ from gradwatch.wire.census import (
     capped_name,
     capped_names,
 )
+
+logger = logging.getLogger(__name__)
 
 _COMPILED_PREFIX = "_orig_mod."
 _NORM_TYPES: tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
@@ -111,11 +114,40 @@ class _Param:
 
 
 class ModelCensus:
-    """The census of one model and optimizer; see the module docstring."""
+    """The census of one model and optimizer; see the module docstring.
+
+    It never raises: a model it cannot walk (or a failure later) logs one
+    warning and switches the census off (no roles, no census), leaving every
+    other signal running.
+    """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self._model = model
         self._optimizer = optimizer
+        self._off = False
+        self._params: tuple[_Param, ...] = ()
+        self._by_id: dict[int, _Param] = {}
+        self._modes: tuple[tuple[str, nn.Module], ...] = ()
+        self._tied: tuple[tuple[str, ...], ...] = ()
+        self._flags: list[bool] | None = None
+        self._groups_key: tuple[int, ...] | None = None
+        self._in_optimizer: set[int] = set()
+        self._counts: tuple[int, int, int, int] = (0, 0, 0, 0)
+        self._frozen_modules: tuple[tuple[str, int], ...] = ()
+        self._not_in_optimizer: tuple[str, ...] = ()
+        self._last: Census | None = None
+        try:
+            self._walk(model)
+        except Exception as exc:
+            self._switch_off("walking the model's modules at attach", exc)
+
+    def _switch_off(self, what: str, exc: Exception) -> None:
+        self._off = True
+        logger.warning("gradwatch: the model census failed while %s (%s: %s); layer roles and "
+                       "the census are off for this run, every other signal is unaffected",
+                       what, type(exc).__name__, exc)
+
+    def _walk(self, model: nn.Module) -> None:
         by_id: dict[int, _Param] = {}
         for prefix, module in model.named_modules(remove_duplicate=False):
             for local, param in module.named_parameters(recurse=False):
@@ -131,13 +163,6 @@ class ModelCensus:
         self._modes = mode_modules(model)
         self._tied = tuple(tuple(capped_names(p.names, MAX_TIED_NAMES)) for p in self._params
                            if len(p.names) > 1)[:MAX_TIED_GROUPS]
-        self._flags: list[bool] | None = None
-        self._groups_key: tuple[int, ...] | None = None
-        self._in_optimizer: set[int] = set()
-        self._counts: tuple[int, int, int, int] = (0, 0, 0, 0)
-        self._frozen_modules: tuple[tuple[str, int], ...] = ()
-        self._not_in_optimizer: tuple[str, ...] = ()
-        self._last: Census | None = None
 
     @classmethod
     def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> ModelCensus:
@@ -165,8 +190,8 @@ class ModelCensus:
         return ROLE_BIAS if param.dim() == 1 else ROLE_OTHER
 
     def roles(self, params: Iterable[nn.Parameter]) -> tuple[str, ...]:
-        """Roles of ``params`` (e.g. the watched layers), in their order."""
-        return tuple(self.role(p) for p in params)
+        """Roles of ``params`` (e.g. the watched layers), in their order; () when off."""
+        return () if self._off else tuple(self.role(p) for p in params)
 
     def roles_of(self, names: Sequence[str]) -> tuple[str, ...]:
         """Roles of the parameters called ``names`` (for examples and tests)."""
@@ -175,8 +200,17 @@ class ModelCensus:
 
     # ------------------------------------------------------------ census (C2)
 
-    def take(self) -> Census:
-        """The census now; rebuilt only when flags, param groups or modes changed."""
+    def take(self) -> Census | None:
+        """The census now (None when off); rebuilt only when flags, groups or modes changed."""
+        if self._off:
+            return None
+        try:
+            return self._take()
+        except Exception as exc:
+            self._switch_off("taking a census on a cadence step", exc)
+            return None
+
+    def _take(self) -> Census:
         flags = [p.param.requires_grad for p in self._params]
         groups = self._optimizer.param_groups
         key = tuple(len(g["params"]) for g in groups)

@@ -110,6 +110,22 @@ def test_only_modules_whose_mode_changes_the_output_count() -> None:
     assert census.take().eval_modules == ("1", "2")
 
 
+def test_a_census_that_fails_switches_itself_off_with_one_warning(caplog) -> None:
+    class Odd(nn.Linear):
+        def named_modules(self, *args, **kwargs):  # a model the walk cannot handle
+            raise RuntimeError("no walking here")
+
+    model = Odd(2, 2)
+    with caplog.at_level("WARNING", logger="gradwatch"):
+        census = ModelCensus.attach(model, torch.optim.SGD([model.weight], lr=0.1))
+    assert census.roles([model.weight]) == () and census.take() is None
+    assert "census failed while walking" in caplog.text and "no walking here" in caplog.text
+    good = nn.Linear(2, 2)
+    census = ModelCensus.attach(good, torch.optim.SGD(good.parameters(), lr=0.1))
+    census._optimizer = None  # type: ignore[assignment]  # breaks the next take()
+    assert census.take() is None and census.take() is None
+
+
 # ---------------------------------------------------------------- end to end
 
 
