@@ -60,10 +60,12 @@ class AgentConfig:
     # (module name pattern, activation kind): modules whose input is the output of a
     # functional activation (F.gelu...), measured as that kind (agent/activations.py).
     activation_modules: tuple[tuple[str, str], ...] = ()
-    # On cadence steps, also send each layer's update ratio ||dw||/||w||: the
-    # optimizer step pre-hook copies the parameters (one transient copy of the
-    # model's trainable parameters, on cadence steps only). False saves it.
+    # On cadence steps, also send each layer's update ratio ||dw||/||w||, estimated
+    # on a fixed sample of elements per tensor (agent/weightstats.py; docs/agent-cost.md).
     update_ratios: bool = True
+    # Cadence statistics dense at the start and after data_changed, backing off to
+    # stats_every (agent/cadence.py); False: exactly every stats_every steps.
+    early_stats: bool = True
     # Host buffers in flight between the training thread and the shipper.
     # Four covers one being encoded, one queued and two being copied.
     pool_size: int = 4

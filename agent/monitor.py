@@ -34,14 +34,16 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradwatch.agent.activations import ActHooks, check_activation_modules
+from gradwatch.agent.activations import ActHooks, check_activation_modules, is_compiled
 from gradwatch.agent.buffer import StepBuffer
+from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
 from gradwatch.agent.commands import (
     ROLLBACK_EXIT_CODE,
@@ -57,11 +59,16 @@ from gradwatch.agent.config import (
     resolve_rank_world,
 )
 from gradwatch.agent.gradients import GradReader
-from gradwatch.agent.layout import Columns, HostValue, fill_missing
+from gradwatch.agent.hooks import Detached
+from gradwatch.agent.layout import Columns, HostValue
+from gradwatch.agent.manual import ParamsOnly
+from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader, recover
 from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, StatsItem
+from gradwatch.agent.steps import check_watch_args, user_step
 from gradwatch.agent.topology import resolve_shards
+from gradwatch.agent.weightstats import Round, WeightStats
 from gradwatch.wire import columns as wc
-from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
+from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE, DEGRADED
 
 logger = logging.getLogger(__name__)
 
@@ -73,10 +80,10 @@ MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropou
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
 MAX_NOTE_CHARS = 512  # a data_change note: a sentence, not a payload
+# After an internal error, how long the shipper may take to send the last notice.
+FAIL_SEND_S = 1.0
 # Checked by exact type first: an ABC isinstance costs a microsecond.
 _NUMBERS = (float, int, bool)
-# Update ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
-_TINY = 1e-30
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,11 +112,15 @@ class MonitorStats:
 class Monitor:
     """Watches one model and optimizer; create it with :func:`watch`."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: AgentConfig, scaler: Any = None, enabled: bool = True) -> None:
         self.config = config
         self._counters = Counters()
-        self._step = 0
+        self._step = config.start_step - 1
+        # No optimizer: parameters updated by hand, gradients read at log() (agent/manual.py).
+        self._manual = optimizer is None
+        self._skip_open = False  # mark_skipped(): the open step's update did not run
+        self._notices = NoticeBoard(config.schema_every_s)
         self._open = False  # the pre-hook wrote this step's norms; log() not yet called
         # The rates this step's update used, read in the pre-hook: loops (and Trainer
         # callbacks) often step the scheduler before log(), which would report the next.
@@ -123,15 +134,21 @@ class Monitor:
         self._warned: set[str] = set()
         self._hooks: list[Any] = []
         self._acts: ActHooks | None = None
-        # Parameters before a cadence step's update (update ratios), else None.
-        self._before: list[torch.Tensor] | None = None
+        # Which steps carry cadence statistics (agent/cadence.py), whether the
+        # running one does, and its weight statistics (agent/weightstats.py).
+        self._cadence = Cadence(config.stats_every, config.early_stats)
+        self._stats_now = False
+        self._wstats: WeightStats | None = None
         # Set by the shipper thread (one attribute store), taken by the training thread.
         self._pending: Rollback | None = None
         self._command_ready = threading.Event()
         self._command_lock = threading.Lock()
         if not enabled:
             return
-        self._reader = GradReader.attach(model, optimizer)
+        if optimizer is None:
+            optimizer = ParamsOnly(model)  # type: ignore[assignment]
+        assert optimizer is not None
+        self._reader: Reader = GradReader.attach(model, optimizer)
         # Found once: walking a large model's modules on every eval is wasted work.
         self._mode_sensitive = mode_modules(model)
         # Contract C2: the census rides on every cadence sample. The root's mode is
@@ -139,17 +156,19 @@ class Monitor:
         self._census = ModelCensus.attach(model, optimizer)
         self._root = model
         self._was_training = True  # a model in eval mode at step 1 forces a sample there
-        self._force_stats = False
         self._device = self._reader.device
         self._optimizer = optimizer
         self._scaler = scaler
-        self._lr_columns = [wc.lr(g) for g in range(len(optimizer.param_groups))]
+        self._lr_columns = [] if self._manual else [
+            wc.lr(g) for g in range(len(optimizer.param_groups))]
         base = [wc.LOSS, *self._lr_columns, wc.SKIPPED]
         if scaler is not None:
             base.append(wc.LOSS_SCALE)
         self._columns = Columns(self._reader.names, base, config.device_columns)
         self._columns.layer_roles = self._census.roles(self._reader.params)
         self._column_of: dict[str, str] = {wc.LOSS: wc.LOSS}
+        if self._manual:
+            self._column_of["lr"] = wc.lr(0)  # the hand-written update's rate, if logged
         self._work: queue.Queue[Any] = queue.Queue(config.pool_size + config.max_pending_events)
         self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
                                   config.pool_size, self._work, self._counters)
@@ -169,7 +188,18 @@ class Monitor:
                                 on_command=self._on_command if config.command_endpoint else None,
                                 started=lambda: self._step + 1 if self._began else self._step)
         self._shipper.start()
-        self._hooks.append(optimizer.register_step_pre_hook(self._pre_hook))
+        # Every hook is Detached: a pickled or copied model or optimizer gets an inert
+        # one (agent/hooks.py), so torch.save(model) and deepcopy work as unwatched.
+        if getattr(optimizer, "gradwatch_stand_in", False):
+            # A framework callback's stand-in (integrations/_attach.py): it alone decides
+            # when the gradients are read.
+            self._hooks.append(optimizer.register_step_pre_hook(Detached(self._pre_hook)))
+        elif not self._manual:
+            # Process-wide, so an optimizer the loop re-creates mid-run (a new phase, a
+            # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
+            self._follow = Follower(self._reader.params, optimizer)
+            self._hooks.append(register_optimizer_step_pre_hook(
+                self._any_pre_hook))
         began, ended = self._forward_began, self._forward_ended
         if "torch._dynamo" in sys.modules:
             # A compiled model would trace these clock reads into its graph (and
@@ -177,15 +207,23 @@ class Monitor:
             began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
         # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
         # parameters, which waits for the slowest rank; that wait is not "data".
-        self._hooks.append(model.register_forward_pre_hook(began, prepend=True))
-        self._hooks.append(model.register_forward_hook(ended))
+        self._hooks.append(model.register_forward_pre_hook(Detached(began, compile_safe=True),
+                                                           prepend=True))
+        self._hooks.append(model.register_forward_hook(Detached(ended, compile_safe=True)))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         if config.activation_stats and config.stats_every:
-            self._acts = ActHooks.attach(model, self._device, on_error=self._fail,
+            self._acts = ActHooks.attach(model, self._device, on_error=self._acts_failed,
                                          max_modules=config.max_act_modules,
                                          inputs=dict(config.activation_modules))
-            if self._acts is not None and config.stats_every == 1:
-                self._acts.arm()  # step 1 is a cadence step
+            if self._acts is None and is_compiled(model):
+                self._degrade(Notice("activation statistics", "the model is compiled "
+                                     "(torch.compile); forward hooks would recompile it",
+                                     optional=True))
+        if config.stats_every:
+            self._wstats = WeightStats(self._reader)
+            self._stats_now = self._cadence.due(self._step + 1)
+            if self._acts is not None and self._stats_now:
+                self._acts.arm()  # the first step is a cadence step
 
     # ------------------------------------------------------------ public
 
@@ -206,31 +244,69 @@ class Monitor:
             disabled=self._disabled, stats_sent=c.stats_sent, stats_dropped=c.stats_dropped,
             commands_accepted=accepted, commands_refused=refused)
 
-    def log(self, **scalars: Scalar) -> None:
+    def log(self, step: int | None = None, **scalars: Scalar) -> None:
         """Record this step: ``loss`` plus any named scalars (tensors or numbers).
 
         Call once per step, after ``optimizer.step()`` and before
         ``zero_grad()``. Device tensors stay on the device; nothing here waits
         for the device or the network. If no optimizer step ran since the last
         ``log`` (GradScaler skipped it for an overflow), the gradients are read
-        here instead and the step is marked ``skipped=1``.
+        here instead and the step is marked ``skipped=1``. Watched without an
+        optimizer, the gradients are always read here (agent/manual.py).
+
+        ``step``: the loop's own number for this step (a Python int), so the
+        collector names the steps the loop prints; later calls count on from
+        it (agent/steps.py). Default: the last step + 1.
         """
         if self._off:
             self._drop_hooks()  # switched off from the shipper thread, or closed
             return
         try:
-            skipped = 0.0
+            if step is not None:
+                self._renumber(step)
+            skipped, self._skip_open = float(self._skip_open), False
             if not self._open:
                 # The pre-hook did not run since the last log: the optimizer step
-                # was skipped (AMP overflow). Its gradients are still there.
-                self._reader.read_into(self._buffer.current_layers)
-                skipped = 1.0
+                # was skipped (AMP overflow), or there is no optimizer. The
+                # gradients are still there.
+                self._read_grads()
+                skipped = 0.0 if self._manual else 1.0
             self._open = False
             self._commit(scalars, skipped)
+            if self._manual:
+                self._before_update()
+            self._resend_notices()
         except Exception as exc:
             self._fail("recording a step in Monitor.log()", exc)
         if self._pending is not None and self.config.on_rollback == "exit":
             self._exit_for_rollback()
+
+    def read_gradients(self, unscale: torch.Tensor | None = None) -> None:
+        """Read this step's gradient norms now, instead of in the optimizer's step pre-hook.
+
+        For code that knows a better moment: before the loop clips (a framework
+        callback at the end of backward), so the norms are the pre-clip ones.
+        ``unscale``: the ``GradScaler``'s scale (its device tensor) when the
+        gradients are still scaled; the norms are divided by it on the device.
+        Called again before ``log()``, it reads again into the same step. No sync.
+        """
+        if self._off:
+            return
+        try:
+            self._read_grads()
+            if unscale is not None:
+                self._buffer.current_layers.div_(unscale)
+            self._step_lrs = [group["lr"] for group in self._optimizer.param_groups]
+            if not self._open:
+                self._open = True
+                self._before_update()
+        except Exception as exc:
+            self._fail("reading gradient norms in Monitor.read_gradients()", exc)
+
+    def mark_skipped(self) -> None:
+        """The optimizer step whose gradients were read did not run (a GradScaler skipped it
+        for an overflow): the next ``log()`` reports the step as skipped."""
+        self._skip_open = True
 
     def log_eval(self, **values: Scalar) -> None:
         """Send an ``eval`` event (e.g. ``loss=val_loss``) at step ``self.step``.
@@ -256,6 +332,8 @@ class Monitor:
         loss a spike; ``note`` says what changed and is kept in the recorded trace.
         """
         self._event(DATA_CHANGE, self._step + 1, {"note": str(note)[:MAX_NOTE_CHARS]})
+        self._cadence.restart(self._step + 1)  # dense statistics again from there
+        self._cadence.force_next()
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike[str]) -> None:
         """Tell the collector a checkpoint of ``step`` now exists at ``path``."""
@@ -301,19 +379,38 @@ class Monitor:
         self._step = int(step)
         self._open = False
         if not self._off:
-            incarnation = secrets.token_hex(8)
-            try:
-                self._work.put_nowait(Reincarnate(incarnation))  # ordered after earlier steps
-                self.incarnation = incarnation
-            except queue.Full:
-                self._warn_once("reincarnate", "rollback_done: the send queue is full, so the "
-                                "collector may briefly see the rewound steps as a stall")
+            self._reincarnate("rollback_done")
         try:
             resume_file_path(self.config.resume_file).unlink(missing_ok=True)
         except OSError as exc:
             self._warn_once("resume_file", f"cannot remove the resume file: {exc}; delete it "
                             "or the next restart resumes from the same plan")
         self._event("note", self._step, {"note": "rollback_done"})
+
+    def _reincarnate(self, why: str) -> None:
+        """Continue as a new incarnation: rewound step numbers are then a restart, not a stall."""
+        incarnation = secrets.token_hex(8)
+        try:
+            self._work.put_nowait(Reincarnate(incarnation))  # ordered after earlier steps
+            self.incarnation = incarnation
+        except queue.Full:
+            self._warn_once("reincarnate", f"{why}: the send queue is full, so the "
+                            "collector may briefly see the rewound steps as a stall")
+
+    def _renumber(self, step: Any) -> None:
+        """Make the step being logged number ``step`` (log(step=...)); see agent/steps.py."""
+        number = user_step(step)
+        if number is None:
+            self._warn_once("log_step", f"log(step=<{type(step).__name__}>) needs a "
+                            "non-negative Python int (the loop's own counter); the agent "
+                            "counts on by itself")
+            return
+        if number <= self._step and self._counters.steps_logged:
+            # The loop rewound (a resume, or a rollback done by hand): what was
+            # logged goes out first, under the old incarnation.
+            self._buffer.flush()
+            self._reincarnate(f"log(step={number})")
+        self._step = number - 1
 
     def close(self) -> None:
         """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
@@ -326,6 +423,8 @@ class Monitor:
                     self._open = False
                     self._commit({}, 0.0)
                 self._buffer.flush()
+                if self._wstats is not None and self._wstats.round is not None:
+                    self._queue_stats(self._wstats.finish())
             except Exception as exc:
                 self._fail("flushing the last steps in Monitor.close()", exc)
             # After the last batch: the collector forgets a job soon once every rank closed.
@@ -354,20 +453,55 @@ class Monitor:
             if self._open:
                 # Two optimizer steps without a log(): the first still counts.
                 self._commit({}, 0.0)
-            self._reader.read_into(self._buffer.current_layers)
+            self._read_grads()
             self._step_lrs = [group["lr"] for group in optimizer.param_groups]
             self._open = True
-            if self._root.training is not self._was_training:
-                self._was_training = self._root.training  # model.eval() left on, or back
-                self._force_stats = True
-            every = self.config.stats_every
-            if self.config.update_ratios and every and (
-                    (self._step + 1) % every == 0 or self._force_stats):
-                self._before = self._reader.snapshot_weights()  # a cadence step's update
+            self._before_update()
         except Exception as exc:
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
         finally:
             self._in_hook = False
+
+    def _any_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Any optimizer's step in the process: one identity test for the watched one.
+        if optimizer is not self._optimizer:
+            if self._open or self._off or not self._follow.adopts(optimizer):
+                return  # another model's optimizer, or one stepping inside ours (a wrapper)
+            self._optimizer = optimizer
+            logger.info("gradwatch: following a new optimizer (%s) that updates the watched "
+                        "parameters", type(optimizer).__name__)
+        self._pre_hook(optimizer, args, kwargs)
+
+    def _before_update(self) -> None:
+        """What must be seen before the parameters change: the pre-hook's, or (no optimizer)
+        the end of log(), where the next hand-written update has not happened yet."""
+        if self._root.training is not self._was_training:
+            self._was_training = self._root.training  # model.eval() left on, or back
+            self._cadence.force_next()
+        if self._cadence.take_forced():
+            self._stats_now = True  # forced during this step: it is a cadence step
+        if self._stats_now and self.config.update_ratios and self._wstats is not None:
+            self._wstats.sample_before()  # a cadence step's update ratios
+
+    def _read_grads(self) -> None:
+        """Read this step's gradient norms into the open row; after a failure caused by a
+        change of the model (dtype, sparse gradients, device), carry on without what
+        cannot be read (agent/recovery.py) and tell the collector."""
+        row = self._buffer.current_layers
+        try:
+            self._reader.read_into(row)
+            return
+        except Exception:
+            fixed = recover(self._reader)
+            if fixed is None:
+                raise
+        self._reader, notice = fixed
+        if self._wstats is not None:  # it reads the weights through the old reader
+            weights = getattr(self._reader, "weights_reader", self._reader)
+            self._wstats = None if weights is None else WeightStats(weights)
+        if notice is not None:
+            self._degrade(notice)
+        self._reader.read_into(row)
 
     def _forward_began(self, module: torch.nn.Module, args: Any) -> None:
         # Evaluation forwards between steps are not part of the step.
@@ -394,7 +528,8 @@ class Monitor:
         for name, value in scalars.items():
             column = self._column_of.get(name) or self._name_column(name)
             self._route(column, value, dev, host)
-        groups = self._optimizer.param_groups
+        # Without an optimizer the rate is known only if the loop logs ``lr``.
+        groups = [] if self._manual else self._optimizer.param_groups
         if len(groups) != len(self._lr_columns):
             self._lr_columns = [wc.lr(g) for g in range(len(groups))]
         lrs = self._step_lrs if self._step_lrs is not None else [g["lr"] for g in groups]
@@ -422,46 +557,64 @@ class Monitor:
         self._began, self._data_s, self._forward_s = False, 0.0, 0.0
         self._since = time.perf_counter()
         self._counters.steps_logged += 1
-        every = self.config.stats_every
-        if every and (self._step % every == 0 or self._force_stats):
-            self._force_stats = False
-            self._queue_stats(now)
+        if self._wstats is not None and (self._stats_now or self._wstats.round is not None):
+            try:
+                self._cadence_work(now)
+            except Exception as exc:  # an optional statistic: the steps go on without it
+                self._wstats = None
+                self._cadence.every = 0
+                self.config = replace(self.config, stats_every=0)
+                if self._acts is not None:
+                    self._acts.disarm()
+                    self._acts = None
+                self._degrade(Notice("cadence statistics (weight norms, update ratios, "
+                                     "activations)", f"reading them failed: "
+                                     f"{type(exc).__name__}: {exc}", optional=True))
+        self._stats_now = self._cadence.due(self._step + 1)
         acts = self._acts
         if acts is not None:
             # Hooks live only for a cadence step's forward pass: armed now when
             # the next step is one, removed here at its log().
             acts.disarm()
-            if (self._step + 1) % every == 0:
+            if self._stats_now:
                 acts.arm()
 
-    def _queue_stats(self, now: float) -> None:
-        """Queue this step's weight norms (after the update) and activation statistics
-        (of its forward pass) without waiting for them."""
-        norms = torch.empty(len(self._reader.names), dtype=torch.float32, device=self._device)
-        self._reader.read_weights_into(norms)
-        columns: tuple[str, ...] = ()
-        parts: list[torch.Tensor] = []
-        acts = self._acts
-        if acts is not None:
-            columns = acts.columns
-            parts.append(acts.snapshot())
-        if self.config.update_ratios:
-            columns = (*columns, *self._ratio_columns)
-            ratios = torch.empty_like(norms)
-            before, self._before = self._before, None
-            if before is None:
-                fill_missing(ratios)  # no optimizer step ran (AMP skip): nothing to measure
-            else:
-                self._reader.read_updates_into(before, ratios)
-                ratios.div_(norms.clamp_min(_TINY))
-                del before  # the transient copy of the parameters goes here
-            parts.append(ratios)
-        if parts:
-            norms = torch.cat((*parts, norms))
-        norms, ready = _to_host_async(norms)
+    def _cadence_work(self, now: float) -> None:
+        """A cadence step measures what only it can see (activations of its forward,
+        update ratios of its update) and opens a round; the round's weight norms are
+        read a slice per step (agent/weightstats.py), so no step pays them whole."""
+        ws = self._wstats
+        assert ws is not None
+        if not self._stats_now:
+            done = ws.advance()
+        else:
+            self._stats_now = False
+            if ws.round is not None:  # dense cadence: the previous round ends now
+                self._queue_stats(ws.finish())
+            columns: tuple[str, ...] = ()
+            parts: list[torch.Tensor] = []
+            acts = self._acts
+            if acts is not None:
+                columns = acts.columns
+                parts.append(acts.snapshot())
+            if self.config.update_ratios:
+                columns = (*columns, *self._ratio_columns)
+                parts.append(ws.ratios())
+            done = ws.begin(self._step, now, columns, parts)
+        if done is not None:
+            self._queue_stats(done)
+
+    def _queue_stats(self, done: Round | None) -> None:
+        """Queue a finished round's statistics without waiting for them."""
+        if done is None or self._wstats is None:
+            return
+        values = self._wstats.norms(done)
+        if done.parts:
+            values = torch.cat((*done.parts, values))
+        values, ready = _to_host_async(values)
         try:
-            self._work.put_nowait(StatsItem(self._step, now, self._reader.names, norms, ready,
-                                            columns, self._census.take()))
+            self._work.put_nowait(StatsItem(done.step, done.time, self._reader.names, values,
+                                            ready, done.columns, self._census.take()))
         except queue.Full:
             with self._counters.lock:
                 self._counters.stats_dropped += 1
@@ -588,7 +741,50 @@ class Monitor:
         if shipper is not None and not shipper.on_its_thread():
             if not self._in_hook:  # inside the pre-hook, log()/close() remove the hooks
                 self._drop_hooks()
-            shipper.stop(timeout=0.0)
+            # Tell the collector (contract C3) and close this rank there, so the silence
+            # that follows is not taken for a dead rank; the shipper gets a second to send
+            # both, on a thread of its own: the training thread never waits for it.
+            self._queue_notice(Notice("monitoring", self._disabled or what))
+            self._queue_event_item(EventItem("note", self._step, {"note": CLOSED_NOTE}))
+            threading.Thread(target=shipper.stop, args=(FAIL_SEND_S,), daemon=True,
+                             name="gradwatch-stop").start()
+
+    def _degrade(self, notice: Notice) -> None:
+        """Switch one part off (the rest goes on): log once, and tell the collector."""
+        if not self._notices.add(notice, time.monotonic(), self._counters.heartbeats_sent > 0):
+            return
+        level = logging.INFO if notice.optional else logging.WARNING
+        logger.log(level, "gradwatch: %s switched off: %s. Training and the rest of the "
+                   "monitoring continue; the collector raises AgentDegraded.", notice.off,
+                   notice.reason)
+        if not self._off:
+            self._queue_notice(notice)
+
+    def _queue_notice(self, notice: Notice) -> None:
+        fields = {"off": notice.off, "reason": notice.reason[:MAX_NOTE_CHARS],
+                  "optional": notice.optional}
+        self._queue_event_item(EventItem(DEGRADED, max(self._step, 0), fields))
+
+    def _queue_event_item(self, item: EventItem) -> None:
+        try:
+            self._work.put_nowait(item)
+        except queue.Full:
+            with self._counters.lock:
+                self._counters.events_dropped += 1
+
+    def _resend_notices(self) -> None:
+        # One float compare per step while nothing is off.
+        # Read from the shipper's counter: a stale value only delays the resend by a step.
+        for notice in self._notices.due(time.monotonic(), self._counters.heartbeats_sent > 0):
+            self._queue_notice(notice)
+
+    def _acts_failed(self, what: str, exc: BaseException) -> None:
+        """Activation statistics failed (in a forward hook): switch off only them."""
+        acts, self._acts = self._acts, None
+        if acts is not None:
+            acts.disarm()
+        self._degrade(Notice("activation statistics",
+                             f"{what} failed: {type(exc).__name__}: {exc}", optional=True))
 
     def _drop_hooks(self) -> None:
         # Removing a hook is only done on the training thread, which owns them.
@@ -596,7 +792,8 @@ class Monitor:
             self._hooks.pop().remove()
         if self._acts is not None:
             self._acts.disarm()
-        self._before = None  # a cadence step's parameter copy, if one was held
+        if self._wstats is not None:
+            self._wstats.drop()  # a cadence step's samples, if held
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -611,8 +808,8 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
-          endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
+def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+          job: str | None = None, endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
           world: int | None = None, flush_every: int = 10, scaler: Any = None,
           heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True,
           activation_stats: bool = True, update_ratios: bool = True,
@@ -620,22 +817,30 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
           command_endpoint: str | None = None, command_key: str | bytes | None = None,
           on_rollback: str = "return", resume_file: str | None = None,
           curve_server_public_key_file: str | None = None,
-          curve_secret_key_file: str | None = None, shards: int | None = None) -> Monitor:
+          curve_secret_key_file: str | None = None, shards: int | None = None,
+          start_step: int = 1, early_stats: bool = True) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
+
+    ``job`` (required) names the run. ``optimizer`` None: the loop updates the
+    parameters by hand, and the gradients are read at each ``log()``
+    (agent/manual.py). ``start_step``: the number of the first logged step (a
+    resumed run: the step it continues at); ``log(step=...)`` also takes the
+    loop's own numbers (agent/steps.py).
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
     else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. Pass
     the ``torch.amp.GradScaler`` as ``scaler`` to report the loss scale.
-    Every ``stats_every`` steps (0: never) the parameters' own L2 norms are
-    also shipped, as a separate cadence-statistics batch, with activation
-    statistics of that step's forward pass (``activation_stats``; forward hooks
-    on at most 256 ReLU/Tanh/Sigmoid-family modules, armed for that forward
+    Every ``stats_every`` steps (0: never; ``early_stats``: densely at the
+    start and after ``data_changed``, backing off to that, agent/cadence.py)
+    the parameters' own L2 norms are also shipped, as a separate
+    cadence-statistics batch, with activation statistics of that step's
+    forward pass (``activation_stats``; forward hooks armed for that forward
     only; ReLU/Tanh/Sigmoid/GELU/SiLU/Softmax-family modules, and with
     ``activation_modules`` (e.g. ``{"*.mlp.c_proj": "gelu"}``) the inputs of
     named modules, for activations called functionally: agent/activations.py;
     off for ``torch.compile``d models, with one warning) and each
-    layer's update ratio ||dw||/||w|| (``update_ratios``; costs one transient
-    copy of the trainable parameters on cadence steps only).
+    layer's update ratio ||dw||/||w|| (``update_ratios``; estimated on a fixed
+    sample of at most 4,096 elements per tensor, agent/weightstats.py).
     Rollback commands (off by default; docs/rollback.md): ``command_endpoint``
     (else ``$GRADWATCH_COMMAND_ENDPOINT``) is the collector's command socket
     and ``command_key`` (else ``$GRADWATCH_COMMAND_KEY`` or the file named by
@@ -651,10 +856,20 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
     CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
     ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
     else the ``GRADWATCH_CURVE_*`` environment variables.
-    Raises ``ValueError`` for invalid arguments (before training starts);
-    after that, nothing the monitor does raises into the loop, except that
-    deliberate ``SystemExit``.
+    Raises ``TypeError`` (an argument of the wrong type, named) or ``ValueError``
+    (a bad value) before training starts; after that, nothing the monitor does
+    raises into the loop, except that deliberate ``SystemExit``.
     """
+    check_watch_args(model, optimizer, job=job, endpoint=endpoint, rank=rank, world=world,
+                     flush_every=flush_every, heartbeat_every=heartbeat_every,
+                     stats_every=stats_every, enabled=enabled,
+                     activation_stats=activation_stats, update_ratios=update_ratios,
+                     command_endpoint=command_endpoint, command_key=command_key,
+                     on_rollback=on_rollback, resume_file=resume_file,
+                     curve_server_public_key_file=curve_server_public_key_file,
+                     curve_secret_key_file=curve_secret_key_file, shards=shards,
+                     start_step=start_step)
+    assert job is not None  # checked above
     rank, world = resolve_rank_world(rank, world)
     shards = resolve_shards(model, world, shards)
     try:
@@ -672,7 +887,8 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer, job: str,
                          update_ratios=update_ratios, command_endpoint=cmd_endpoint,
                          command_key=cmd_key, on_rollback=on_rollback, resume_file=resume_file,
                          curve_server_public_key_file=curve_server_public_key_file,
-                         curve_secret_key_file=curve_secret_key_file)
+                         curve_secret_key_file=curve_secret_key_file, start_step=start_step,
+                         early_stats=early_stats)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
 

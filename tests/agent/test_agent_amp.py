@@ -11,6 +11,7 @@ from torch import nn
 
 import gradwatch
 from gradwatch.wire import Batch, Heartbeat, Schema, decode
+from gradwatch.wire import columns as wc
 
 
 def receive_rows(sock: zmq.Socket, n_steps: int) -> dict[int, tuple[dict[str, float], list[float]]]:
@@ -19,7 +20,7 @@ def receive_rows(sock: zmq.Socket, n_steps: int) -> dict[int, tuple[dict[str, fl
     while len(out) < n_steps:
         assert sock.poll(5000), "no batch arrived in time"
         msg = decode(sock.recv_multipart())
-        if not isinstance(msg, Batch):
+        if not isinstance(msg, Batch) or msg.schema_id == wc.STATS_SCHEMA_ID:  # steps only
             continue
         if msg.schema is not None:
             schemas[msg.schema.id] = msg.schema

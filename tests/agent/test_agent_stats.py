@@ -1,4 +1,5 @@
-"""Cadence statistics: every ``stats_every`` steps the weight norms travel as their own batch."""
+"""Cadence statistics: the weight norms travel as their own batch (plain schedule here;
+the early, dense one is in test_agent_cost.py)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_weight_norms_ship_every_stats_every_steps_and_decode_to_stats(pull) -> 
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = gradwatch.watch(model, opt, job="st", endpoint=endpoint, flush_every=2,
-                          stats_every=3, heartbeat_every=0.05)
+                          stats_every=3, heartbeat_every=0.05, early_stats=False)
     assert sock.poll(WAIT_MS) and isinstance(decode(sock.recv_multipart()), Heartbeat)
     expected = {}
     for step in range(1, 7):

@@ -15,6 +15,7 @@ import gradwatch
 from gradwatch.agent import AgentConfig
 from gradwatch.agent.monitor import Monitor
 from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
+from gradwatch.wire import columns as wc
 
 WAIT_MS = 5000
 
@@ -50,7 +51,7 @@ def collect(sock: zmq.Socket, n_steps: int, n_events: int = 0
     events: list[Event] = []
     while sum(len(b.steps) for b in batches) < n_steps or len(events) < n_events:
         msg = recv(sock)
-        if isinstance(msg, Batch):
+        if isinstance(msg, Batch) and msg.schema_id != wc.STATS_SCHEMA_ID:  # steps only
             batches.append(msg)
         elif isinstance(msg, Event):
             events.append(msg)
@@ -93,7 +94,7 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     # than wait when the shipper thread is starved (a busy CI machine), and
     # this test is about values, not about that policy.
     config = AgentConfig(job="wire", rank=0, world=1, endpoint=endpoint, flush_every=4,
-                         heartbeat_every=0.05, pool_size=16)
+                         heartbeat_every=0.05, pool_size=16, early_stats=False)
     mon = Monitor(model, opt, config)
     wait_connected(sock)
     trainable = [p for n, p in model.named_parameters() if p.requires_grad]
@@ -347,7 +348,8 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
             pytest.fail("no heartbeat said step 4 had started")
         opt.step()
         mon.log(loss=1.0)
-    got = rows([b for b in seen + _drain(sock) if isinstance(b, Batch)])
+    got = rows([b for b in seen + _drain(sock)
+                if isinstance(b, Batch) and b.schema_id != wc.STATS_SCHEMA_ID])
     for step in (1, 2, 3):
         cols, _ = got[step]
         assert cols["s/data_seconds"][0] >= 0.045  # the 50 ms wait, measured on the host

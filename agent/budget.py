@@ -1,0 +1,60 @@
+"""The agent's memory budget: what it may hold, as a function of the model's tensor count.
+
+The budget does not grow with the number of parameter *elements*, only with the
+number of trainable tensors (the layers): a 7B-parameter model of ~300 tensors
+is budgeted like a small one with as many tensors. docs/agent-cost.md explains
+each term; tests/agent/test_agent_memory.py checks that a watched model stays
+within it (allocations measured with the torch profiler).
+
+Example::
+
+    >>> from gradwatch.agent.budget import memory_budget
+    >>> from gradwatch.agent.config import AgentConfig
+    >>> b = memory_budget(300, AgentConfig(job="doc", rank=0, world=1), elem_bytes=2)
+    >>> b.samples, b.total < 8 * 2**20
+    (4915200, True)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradwatch.agent.config import AgentConfig
+from gradwatch.agent.weightstats import MAX_PHASES, SAMPLE
+
+F32 = 4
+# Allocator rounding, 0-d results of the fused norms, views: a fixed allowance.
+SLACK = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Bytes the agent may hold on the model's device and in (pinned) host memory."""
+
+    step_buffer: int   # device: two halves of flush_every rows
+    host_pool: int     # host (pinned under CUDA): pool_size flushed halves in flight
+    samples: int       # device: update-ratio samples before and after the update
+    stats: int         # device and host: cadence vectors in progress and queued
+    slack: int = SLACK
+
+    @property
+    def total(self) -> int:
+        return self.step_buffer + self.host_pool + self.samples + self.stats + self.slack
+
+
+def memory_budget(n_layers: int, config: AgentConfig, elem_bytes: int = F32,
+                  act_columns: int = 0, sample: int = SAMPLE) -> Budget:
+    """The budget for a model of ``n_layers`` trainable tensors of ``elem_bytes`` each element.
+
+    ``act_columns``: activation-statistics columns (3 per hooked module at most).
+    """
+    width = n_layers + config.device_columns
+    row_bytes = config.flush_every * width * F32
+    # A cadence vector: activations, ratios, weight norms; plus a round's partial
+    # norms (at most one slice per tensor and phase boundary).
+    vector = (act_columns + 2 * n_layers + n_layers + MAX_PHASES) * F32
+    queued = config.pool_size + config.max_pending_events
+    return Budget(step_buffer=2 * row_bytes,
+                  host_pool=(config.pool_size + 1) * row_bytes,
+                  samples=2 * n_layers * sample * elem_bytes,
+                  stats=(queued + 3) * vector)

@@ -1,0 +1,275 @@
+"""Cadence weight statistics at a bounded cost per step and in memory.
+
+Two statistics ride on a cadence sample, and both used to cost a whole model
+at once on one step: the weight norms (one read of every parameter) and the
+update ratios ``||dw|| / ||w||`` (a transient copy of every trainable
+parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
+
+* **Update ratios from a fixed sample.** At attach, each parameter gets a
+  fixed strided sample of at most ``SAMPLE`` elements (stride coprime to its
+  last dimension, so a sample walks across rows and columns; a random but
+  seeded offset). The optimizer step pre-hook of a cadence step gathers the
+  samples into one preallocated buffer (one ``cat``), ``log()`` gathers them
+  again after the update, and the ratio is ``||after - before|| / ||after||``
+  over the sample: an estimate of the exact ratio whose error shrinks as
+  ``1/sqrt(SAMPLE)`` for updates spread over the tensor (tests/agent/
+  test_agent_cost.py measures it). Extra memory: two buffers of
+  ``sum(min(numel, SAMPLE))`` elements, whatever the model's size. A tensor
+  small enough is sampled whole, so its ratio is exact.
+* **Weight norms spread over steps.** The parameters' flattened element space
+  is cut into at most ``MAX_PHASES`` ranges of about equal size (cutting
+  through tensors); a cadence *round* reads one range per step, from the
+  cadence step on, and the per-layer norm is the root of the summed squared
+  partial norms. The norms of a large model therefore mix the weights of up
+  to ``MAX_PHASES`` consecutive steps: off by at most what those updates
+  moved them (an update ratio of ~1e-3 per step), while no step pays more
+  than ``1/MAX_PHASES`` of a full read. A model under ``MIN_PHASE_ELEMENTS``
+  per phase is read in one step, exactly.
+
+Nothing here reads a device value on the host. Views onto the parameters are
+made anew on each use: a loop (or FSDP) may swap a parameter's storage.
+
+Example::
+
+    >>> import torch
+    >>> from gradwatch.agent.gradients import GradReader
+    >>> from gradwatch.agent.weightstats import WeightStats
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> ws = WeightStats(GradReader.attach(model, opt))
+    >>> ws.phases, ws.sample_elements  # tiny: one phase, sampled whole
+    (1, 10)
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from gradwatch.agent.gradients import GradReader, _is_dtensor
+from gradwatch.agent.layout import MISSING_I32, fill_missing
+
+# Elements sampled per parameter for its update ratio (see the module docstring).
+SAMPLE = 4096
+# A round reads the weights over at most this many steps.
+MAX_PHASES = 8
+# Below this many elements per phase the per-step Python cost outweighs the read saved.
+MIN_PHASE_ELEMENTS = 1 << 17
+# Update ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
+_TINY = 1e-30
+_NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+@dataclass
+class Round:
+    """One cadence sample in progress: what was measured at its step, and the norms so far."""
+
+    step: int
+    time: float
+    columns: tuple[str, ...]
+    parts: list[torch.Tensor]
+    partials: torch.Tensor       # squared norms of each slice, filled phase by phase
+    phase: int = 0
+
+
+class WeightStats:
+    """The sampling and phase plan of one model's trainable parameters (training thread)."""
+
+    def __init__(self, reader: GradReader, sample: int = SAMPLE, max_phases: int = MAX_PHASES,
+                 min_phase_elements: int = MIN_PHASE_ELEMENTS, seed: int = 0) -> None:
+        self._reader = reader
+        self._device = reader.device
+        weights = self._weights()
+        rng = random.Random(seed)
+        # Per parameter: (offset, stride, count) of its sample, or None (no flat view).
+        self._samples: list[tuple[int, int, int] | None] = []
+        counts: list[int] = []
+        for w in weights:
+            spec = _sample_spec(w, sample, rng) if _flat(w) is not None else None
+            if spec is None and w.numel() > sample:
+                counts.append(0)  # an unusual memory layout: no ratio (MISSING), no copy
+            else:
+                spec = spec or (0, 1, w.numel())
+                counts.append(spec[2])
+            self._samples.append(spec if counts[-1] else None)
+        self._counts = counts
+        self.sample_elements = sum(counts)
+        self._unsampled = torch.tensor([i for i, (w, c) in enumerate(zip(weights, counts))
+                                        if c == 0 and w.numel()], dtype=torch.long,
+                                       device=self._device)
+        dtypes = {w.dtype for w in weights}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
+        self._after = torch.empty_like(self._before)
+        self._have_before = False
+        self._plan_phases(weights, max_phases, min_phase_elements)
+        self.round: Round | None = None
+
+    # ------------------------------------------------------------ plan
+
+    def _plan_phases(self, weights: list[torch.Tensor], max_phases: int, minimum: int) -> None:
+        total = sum(w.numel() for w in weights)
+        self.phases = max(1, min(max_phases, math.ceil(total / minimum)))
+        target = math.ceil(total / self.phases) if total else 1
+        # Each phase: (param index, start, stop) slices; stop None = the whole tensor.
+        plan: list[list[tuple[int, int, int | None]]] = [[]]
+        room = target
+        for i, w in enumerate(weights):
+            n = w.numel()
+            if _flat(w) is None:
+                plan[-1].append((i, 0, None))
+                room -= n
+            else:
+                start = 0
+                while n - start > room and len(plan) < self.phases:
+                    if room > 0:
+                        plan[-1].append((i, start, start + room))
+                        start += room
+                    plan.append([])
+                    room = target
+                plan[-1].append((i, start, n))
+                room -= n - start
+        self._plan = [p for p in plan if p]
+        self.phases = len(self._plan)
+        layer_of = [i for phase in self._plan for i, _, _ in phase]
+        self._slice_layer = torch.tensor(layer_of, dtype=torch.long, device=self._device)
+        self._n_slices = len(layer_of)
+        bounds, at = [], 0
+        for phase in self._plan:
+            bounds.append((at, at + len(phase)))
+            at += len(phase)
+        self._bounds = bounds
+        self.largest_phase = max((sum((b if b is not None else weights[i].numel()) - a
+                                      for i, a, b in p) for p in self._plan), default=0)
+
+    # ------------------------------------------------------------ update ratios
+
+    def sample_before(self) -> None:
+        """Gather each parameter's sample before the optimizer updates it (pre-hook)."""
+        with torch.no_grad():
+            self._gather(self._before)
+        self._have_before = True
+
+    def ratios(self) -> torch.Tensor:
+        """Per-layer update ratio over the samples (after the update); MISSING without a
+        ``sample_before`` since the last call (the optimizer step was skipped)."""
+        n = len(self._counts)
+        out = torch.empty(n, dtype=torch.float32, device=self._device)
+        if not self._have_before:
+            fill_missing(out)
+            return out
+        self._have_before = False
+        with torch.no_grad():
+            self._gather(self._after)
+            self._before.sub_(self._after)
+            moved = torch._foreach_norm(self._before.split(self._counts), 2, dtype=torch.float32)
+            size = torch._foreach_norm(self._after.split(self._counts), 2, dtype=torch.float32)
+            torch.stack(moved, out=out)
+            out.div_(torch.stack(size).clamp_min_(_TINY))
+            if self._unsampled.numel():
+                out.view(torch.int32).index_fill_(0, self._unsampled, MISSING_I32)
+        return out
+
+    def drop(self) -> None:
+        """Forget a pending before-sample and any open round (switching off)."""
+        self._have_before = False
+        self.round = None
+
+    def _gather(self, into: torch.Tensor) -> None:
+        views = []
+        for w, spec in zip(self._weights(), self._samples, strict=True):
+            if spec is None:
+                continue
+            offset, stride, count = spec
+            flat = _flat(w)
+            view = w if flat is None else flat[offset::stride][:count]
+            if view.device != self._device:
+                view = view.to(self._device, non_blocking=True)
+            views.append(view)
+        if views:
+            torch.cat(views, out=into)
+
+    # ------------------------------------------------------------ weight norms
+
+    def begin(self, step: int, time: float, columns: tuple[str, ...],
+              parts: list[torch.Tensor]) -> Round | None:
+        """Open a round for a cadence step and read its first phase.
+
+        Returns the round when it is already complete (a one-phase model), else
+        None: later :meth:`advance` calls read the rest. A round still open is
+        the caller's to finish first.
+        """
+        partials = torch.empty(self._n_slices, dtype=torch.float32, device=self._device)
+        self.round = Round(step, time, columns, parts, partials)
+        return self.advance()
+
+    def advance(self) -> Round | None:
+        """Read the open round's next phase; return the round once its norms are complete."""
+        current = self.round
+        if current is None:
+            return None
+        with torch.no_grad():
+            self._read_phase(current)
+        current.phase += 1
+        if current.phase < self.phases:
+            return None
+        self.round = None
+        return current
+
+    def finish(self) -> Round | None:
+        """Read every phase left of the open round at once (close, or a new round)."""
+        done = None
+        while self.round is not None and done is None:
+            done = self.advance()
+        return done
+
+    def norms(self, done: Round) -> torch.Tensor:
+        """The per-layer weight norms of a complete round (a device vector; no sync)."""
+        out = torch.zeros(len(self._counts), dtype=torch.float32, device=self._device)
+        out.index_add_(0, self._slice_layer, done.partials.square_())
+        return out.sqrt_()
+
+    def _read_phase(self, current: Round) -> None:
+        weights = self._weights()
+        slices = []
+        for i, start, stop in self._plan[current.phase]:
+            w = weights[i]
+            slices.append(w if stop is None else _flat(w)[start:stop])  # type: ignore[index]
+        a, b = self._bounds[current.phase]
+        reader = self._reader
+        if reader.wide or reader.multi_device:
+            # Normed in their own precision and place, then cast and moved: still no sync.
+            norms = [torch.linalg.vector_norm(s).to(self._device, torch.float32,
+                                                    non_blocking=True) for s in slices]
+        else:
+            norms = torch._foreach_norm(slices, 2, dtype=torch.float32)
+        torch.stack(norms, out=current.partials[a:b])
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [(p.to_local() if _is_dtensor(p) else p).detach() for p in self._reader.params]
+
+
+def _flat(w: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of ``w``'s elements in memory order, or None when it has none."""
+    if w.is_contiguous():
+        return w.view(-1)
+    if w.dim() == 4 and w.is_contiguous(memory_format=torch.channels_last):
+        return w.permute(0, 2, 3, 1).reshape(-1)  # a view: that order is contiguous
+    return None
+
+
+def _sample_spec(w: torch.Tensor, sample: int, rng: random.Random) -> tuple[int, int, int]:
+    """(offset, stride, count) of a strided sample of at most ``sample`` elements."""
+    n = w.numel()
+    if n <= sample:
+        return 0, 1, n
+    stride = n // sample
+    row = w.shape[-1] if w.dim() > 1 else 1
+    while math.gcd(stride, row) > 1:
+        stride += 1  # coprime to the row length: the sample visits every column
+    offset = rng.randrange(stride)
+    count = min(sample, (n - 1 - offset) // stride + 1)
+    return offset, stride, count

@@ -1,0 +1,63 @@
+"""The agent stays within its documented memory budget (agent/budget.py, docs/agent-cost.md).
+
+Allocations are measured with the torch profiler (CPU tensors): what ``watch()``
+leaves allocated, plus the peak of what the optimizer step and ``log()``
+allocate on cadence steps (SGD without momentum allocates nothing itself), so
+the model's own activations and gradients are not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import gradwatch
+from gradwatch.agent.budget import memory_budget
+from gradwatch.agent.config import AgentConfig
+
+
+def allocated(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+    """Run ``fn``; return its result, the peak bytes it had allocated, and those still live."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    live = peak = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        peak = max(peak, live)
+    return result, peak, live
+
+
+def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # 8.4M parameters
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon, _, persistent = allocated(lambda: gradwatch.watch(
+        model, opt, job="mem", endpoint="tcp://127.0.0.1:1", stats_every=2))
+    budget = memory_budget(len(list(model.parameters())), mon.config)
+    assert budget.total < 0.05 * 4 * n_params  # the budget itself is a small share
+    peak = 0
+    for _ in range(12):  # early cadence: every one of these steps is a cadence step
+        model(torch.randn(16, 1024)).square().mean().backward()
+
+        def step() -> None:
+            opt.step()
+            mon.log(loss=1.0)
+
+        _, step_peak, _ = allocated(step)
+        peak = max(peak, step_peak)
+        opt.zero_grad(set_to_none=True)
+    mon.close()
+    assert mon.stats.disabled is None and mon.stats.stats_sent + mon.stats.stats_dropped >= 8
+    assert persistent + peak <= budget.total, (persistent, peak, budget)
+
+
+def test_a_7b_model_of_300_tensors_is_budgeted_a_few_megabytes() -> None:
+    cfg = AgentConfig(job="mem", rank=0, world=1)
+    # A full parameter copy of 7B bf16 parameters was 14 GB at every cadence step.
+    assert memory_budget(300, cfg, elem_bytes=2).total < 8 * 2**20
+    assert memory_budget(300, cfg).total > memory_budget(30, cfg).total
