@@ -145,6 +145,11 @@ class CollectorConfig(BaseSettings):
     max_rank_series: int = Field(
         default=64, ge=1,
         description="Cap on per-rank last-seen series per job (the ranks silent longest).")
+    max_series_per_family: int = Field(
+        default=20_000, ge=1, le=10_000_000,
+        description="Cap on the per-block, per-layer, per-rank and per-module series of all "
+                    "jobs together, per family: with many jobs each job's cap shrinks to its "
+                    "share, so /metrics stays small and fast.")
     job_ttl_seconds: float = Field(
         default=600.0, gt=0, le=YEAR,
         description="Forget a job's state and series after this much silence.")

@@ -9,7 +9,10 @@ Cardinality is bounded per job whatever the model or world size: per-block
 gradient norms (always on, at most ``max_block_series``), per-layer norms
 (opt-in, at most ``max_layer_series``, top offenders), per-rank last-seen
 times (at most ``max_rank_series``, the ranks silent longest) and per-module
-activation shares (at most ``max_layer_series`` per family). The block,
+activation shares (at most ``max_layer_series`` per family). Across jobs,
+each of these families holds at most ``max_series_per_family`` series: with
+many jobs each job's cap shrinks to its share (so a scrape stays small and
+well under Prometheus's 10 s timeout whatever arrives). The block,
 layer and rank families each have a ``*_series_capped`` flag so a dashboard
 can say it shows a part.
 
@@ -51,7 +54,8 @@ class GradwatchCollector(Collector):
                  firing: Callable[[], Iterable[AlertLike]] = tuple,
                  sinks: Sequence[Sink] = (), *, per_layer_metrics: bool = False,
                  max_layer_series: int = 256, max_block_series: int = 512,
-                 max_rank_series: int = 64, version: str = VERSION) -> None:
+                 max_rank_series: int = 64, max_series_per_family: int = 20_000,
+                 version: str = VERSION) -> None:
         self._state = state
         self._ingest_stats = ingest_stats
         self._firing = firing
@@ -60,6 +64,7 @@ class GradwatchCollector(Collector):
         self._max_layer_series = max_layer_series
         self._max_block_series = max_block_series
         self._max_rank_series = max_rank_series
+        self._max_family = max_series_per_family
         self._version = version
 
     def describe(self) -> Iterable[Metric]:
@@ -79,16 +84,20 @@ class GradwatchCollector(Collector):
         yield build
         yield from _ingest_families(ingest)
         yield from _job_families(jobs)
-        yield from _rank_families(jobs, self._max_rank_series)
+        yield from _rank_families(jobs, self._share(self._max_rank_series, jobs))
         yield _ratio_family(jobs)
-        yield from _block_families(jobs, self._max_block_series)
-        yield from _activation_families(jobs, self._max_layer_series)
+        yield from _block_families(jobs, self._share(self._max_block_series, jobs))
+        yield from _activation_families(jobs, self._share(self._max_layer_series, jobs))
         yield from _alert_families(jobs, firing)
         if self._per_layer:
-            yield from self._layer_families(jobs)
+            yield from self._layer_families(jobs, self._share(self._max_layer_series, jobs))
         yield from _sink_families(self._sinks)
 
-    def _layer_families(self, jobs: list[JobView]) -> Iterator[Metric]:
+    def _share(self, cap: int, jobs: list[JobView]) -> int:
+        """A per-job cap, shrunk so that all jobs together stay within the family cap."""
+        return max(1, min(cap, self._max_family // max(1, len(jobs))))
+
+    def _layer_families(self, jobs: list[JobView], cap: int) -> Iterator[Metric]:
         norm = GaugeMetricFamily(
             "gradwatch_layer_grad_norm",
             "Gradient L2 norm of each layer at the job's latest step (assembled across ranks "
@@ -100,7 +109,7 @@ class GradwatchCollector(Collector):
             "1 when the job has more layers than max_layer_series and only the top "
             "offenders are exposed.", labels=["job"])
         for job in jobs:
-            layers, norms = _top_layers(job.layers, job.layer_norms, self._max_layer_series)
+            layers, norms = _top_layers(job.layers, job.layer_norms, cap)
             for name, value in zip(layers, norms, strict=True):
                 norm.add_metric([job.job, name], value)
             capped.add_metric([job.job], float(len(layers) < len(set(job.layers))))

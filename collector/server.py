@@ -174,7 +174,8 @@ class Server:
             self.state, self.ingest.stats, self._firing, self.sinks,
             per_layer_metrics=config.per_layer_metrics,
             max_layer_series=config.max_layer_series,
-            max_block_series=config.max_block_series, max_rank_series=config.max_rank_series)
+            max_block_series=config.max_block_series, max_rank_series=config.max_rank_series,
+            max_series_per_family=config.max_series_per_family)
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._endpoint: str | None = None

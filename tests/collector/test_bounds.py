@@ -109,3 +109,18 @@ def test_a_sender_over_its_share_is_refused_only_under_contention() -> None:
     now[0] += 2.0                           # refilled, and the thread idle again
     assert admission.allow("flood")
     assert admission.refused()["share"] == 1
+
+
+def test_a_layer_name_bomb_keeps_metrics_within_the_family_caps() -> None:
+    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
+                             max_series_per_family=2000)
+    server = Server(config, registry=CollectorRegistry(), sinks=[])
+    server.start()
+    try:
+        for i in range(60):  # finding 2: distinct layer (and so block) names per job
+            server._handle(batch(f"layers-{i}", layers=670, prefix=f"m{i}."))
+        text, took = scrape(server)
+    finally:
+        assert server.stop()
+    blocks = [line for line in text.splitlines() if line.startswith("gradwatch_block_grad_norm{")]
+    assert 60 <= len(blocks) <= 2000 and took < 5.0
