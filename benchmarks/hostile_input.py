@@ -98,6 +98,7 @@ def bomb(name: str, messages: list[list[bytes]], **bounds: Any) -> None:
     size, scrape_s = scrape(server)
     rss = current_rss() - rss0
     refused = {k: v for k, v in server.admission.refused().items() if v}
+    refused.update({f"wire:{k}": v for k, v in server.ingest.stats().rejected.items() if v})
     rows = server.actions.checkpoints.rows() if server.actions is not None else 0
     print(f"{name:<22} {len(messages):>6} msgs in {took:6.1f} s{'' if done else ' (NOT ALL)'}"
           f" | RSS +{rss / 2**20:6.0f} MiB | /metrics {size / 1024:6.0f} KiB in "
