@@ -29,6 +29,7 @@ from __future__ import annotations
 import array
 import ctypes
 import math
+import struct
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,6 +44,10 @@ MISSING_I32 = MISSING_BITS - (1 << 32) if MISSING_BITS >= 1 << 31 else MISSING_B
 # Host values travel as Python numbers or CPU 0-d tensors; None means "not
 # measured this step".
 HostValue = float | int | torch.Tensor | None
+_F32 = struct.Struct("=I")
+_F32F = struct.Struct("=f")
+# One MISSING cell as it travels.
+MISSING_LE = struct.pack("<I", MISSING_BITS)
 
 
 def fill_missing(t: torch.Tensor) -> None:
@@ -61,12 +66,10 @@ class Layout:
     schema: Schema
     n_layers: int
     device_width: int
-    # Output column index <- device row index, for columns with a device slot.
-    dev_cols: torch.Tensor
-    dev_src: torch.Tensor
-    # Output column index <- host slot index, for columns with a host slot.
-    host_cols: torch.Tensor
-    host_src: tuple[int, ...]
+    # (output column index, device row index) of each column with a device slot.
+    dev_pairs: tuple[tuple[int, int], ...]
+    # (output column index, host slot index) of each column with a host slot.
+    host_pairs: tuple[tuple[int, int], ...]
 
 
 class Columns:
@@ -131,16 +134,13 @@ class Columns:
         """Freeze the current mapping for the shipper; clears ``dirty``."""
         self.dirty = False
         index = {name: i for i, name in enumerate(self.names)}
-        dev = sorted((index[n], s) for n, s in self._dev.items())
-        host = sorted((index[n], s) for n, s in self._host.items())
+        dev = tuple(sorted((index[n], s) for n, s in self._dev.items()))
+        host = tuple(sorted((index[n], s) for n, s in self._host.items()))
         return Layout(
             schema=Schema(id=self.schema_id, columns=tuple(self.names), layers=self.layers,
                           layer_roles=self.layer_roles),
             n_layers=len(self.layers), device_width=self.device_width,
-            dev_cols=torch.tensor([c for c, _ in dev], dtype=torch.long),
-            dev_src=torch.tensor([s for _, s in dev], dtype=torch.long),
-            host_cols=torch.tensor([c for c, _ in host], dtype=torch.long),
-            host_src=tuple(s for _, s in host))
+            dev_pairs=dev, host_pairs=host)
 
 
 def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostValue]]) -> bytes:
@@ -148,38 +148,43 @@ def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostVa
 
     ``dev`` is the host copy of the device rows (``n x device_width`` float32,
     CPU). Runs on the shipper thread, where reading tensors is allowed.
+    Works on the raw 32-bit patterns in an ``array``, not with torch ops:
+    a dozen small tensor ops cost ~350 us of this thread's time per batch, and
+    that time holds the GIL the training thread needs.
     """
-    n_rows = dev.shape[0]
-    n_cols = len(layout.schema.columns)
-    out = torch.empty(n_rows, n_cols + layout.n_layers, dtype=torch.float32)
-    fill_missing(out[:, :n_cols])
-    out[:, n_cols:] = dev[:, : layout.n_layers]
-    if layout.dev_cols.numel():
-        out[:, layout.dev_cols] = dev[:, layout.dev_src]
-    if layout.host_src:
-        values, present = _host_matrix(layout.host_src, host)
-        current = out[:, layout.host_cols]
-        out[:, layout.host_cols] = torch.where(present, values, current)
-    return _le_bytes(out)
+    n_rows, width = dev.shape[0], dev.shape[1]
+    n_cols, n_layers = len(layout.schema.columns), layout.n_layers
+    src = array.array("I", le_bytes(dev))
+    if sys.byteorder != "little":
+        src.byteswap()  # back to native order for indexing; swapped again below
+    out_width = n_cols + n_layers
+    out = array.array("I", [MISSING_BITS]) * (n_rows * out_width)
+    for r in range(n_rows):
+        base, at = r * out_width, r * width
+        out[base + n_cols: base + out_width] = src[at: at + n_layers]
+        for col, slot in layout.dev_pairs:
+            out[base + col] = src[at + slot]
+        if r < len(host):
+            row = host[r]
+            for col, slot in layout.host_pairs:
+                if slot < len(row) and row[slot] is not None:
+                    out[base + col] = _f32_bits(row[slot])
+    if sys.byteorder != "little":
+        out.byteswap()
+    return out.tobytes()
 
 
-def _host_matrix(src: tuple[int, ...], rows: Sequence[Sequence[HostValue]]
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    values = [[_as_float(row[s]) if s < len(row) else math.nan for s in src] for row in rows]
-    present = [[s < len(row) and row[s] is not None for s in src] for row in rows]
-    return (torch.tensor(values, dtype=torch.float64).to(torch.float32),
-            torch.tensor(present, dtype=torch.bool))
+def _f32_bits(v: HostValue) -> int:
+    # A CPU 0-d tensor the loop logged is read here, off the training thread:
+    # the point of keeping it as a tensor until now.
+    x = float(v)  # type: ignore[arg-type]
+    try:
+        return _F32.unpack(_F32F.pack(x))[0]
+    except OverflowError:  # beyond float32's range: what a float32 cast gives
+        return _F32.unpack(_F32F.pack(math.copysign(math.inf, x)))[0]
 
 
-def _as_float(v: HostValue) -> float:
-    if v is None:
-        return math.nan
-    # A CPU 0-d tensor the loop logged; reading it here, off the training
-    # thread, is the point of keeping it as a tensor until now.
-    return float(v)
-
-
-def _le_bytes(t: torch.Tensor) -> bytes:
+def le_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of a contiguous CPU float32 tensor, little-endian.
 
     ``ctypes.string_at`` copies the storage in one memcpy and needs no numpy,
