@@ -5,7 +5,7 @@ line from step one (dead pipeline or vanishing gradients), or a curve that
 decreases then rises (learning rate too high)." NaN is the non-finite rule's;
 these are the other three shapes:
 
-* :class:`FlatFromStartDetector` -- the loss has not moved since step one.
+* :class:`FlatFromStartDetector` -- the loss has made no progress since step one.
 * :class:`LossSpikeDetector` -- the loss jumps far above its robust running
   level; a spike that recovers is told apart from one that stays up.
 * :class:`RisingLossDetector` -- the loss trend turns up after decreasing.
@@ -52,8 +52,12 @@ class FlatFromStartDetector:
 
     Compares the median of the first ``head`` losses with the median of the
     latest ``window`` ones (see :func:`series.flat_since_start`): flat when
-    their difference plus ``z`` standard errors is within ``tolerance`` of the
-    starting level, and the latest window shows no steady descent either (a
+    the progress (the fall) plus ``z`` standard errors is within ``tolerance``
+    of the starting level -- one-sided, since a loss that makes no progress
+    may wander up a little as well as down (up to 2x ``tolerance``) -- the
+    very first losses were not higher (it learned early, then converged),
+    no block of ``head`` losses on the way fell below the start either (it
+    went down, then back up), and the latest window shows no steady descent (a
     slope ``z`` standard errors below zero: a fine-tune learning slowly moves
     its loss by a fraction of a percent per hundred steps). Only judges runs
     it saw from (near) step one
@@ -86,6 +90,8 @@ class FlatFromStartDetector:
         self._lrs: deque[float | None] = deque(maxlen=window)
         self._since_check = 0
         self._last: Finding = INACTIVE
+        self._block: list[float] = []
+        self._low = math.inf
 
     def observe(self, step: Step) -> Finding | None:
         """Judge one step; None when it carried no loss (see the class docstring)."""
@@ -98,6 +104,10 @@ class FlatFromStartDetector:
             self._head.append(loss)
             return INACTIVE
         self._tail.append(loss)
+        self._block.append(loss)
+        if len(self._block) == self.head:  # the lowest level on the way: did it ever make progress?
+            self._low = min(self._low, float(np.median(self._block)))
+            self._block = []
         self._lrs.append(max(step.lr) if step.lr else None)
         self._since_check += 1
         if len(self._tail) < self.window or self._since_check < self.check_every:
@@ -110,13 +120,21 @@ class FlatFromStartDetector:
         lr_then, lr_now = self._lrs[0], self._lrs[-1]
         if lr_then is not None and lr_now is not None and lr_then < 0.99 * lr_now:
             return INACTIVE  # warm-up: the loss may not move until the rate has risen
+        # One-sided: a dead pipeline makes no progress; its loss may wander up as well as down
+        # (labels shuffled against the inputs: +-3% around chance). Up by more than twice the
+        # tolerance is a rising loss, and a level that fell on the way made progress.
         verdict = flat_since_start(self._head[:5], self._head, self._tail, self.tolerance, self.z)
-        if not verdict.flat or self._trend() <= -self.z:
+        noise = verdict.bound - abs(verdict.change)  # z standard errors, relative to the start
+        wandered = verdict.change + noise <= self.tolerance and -verdict.change <= 2.0 * self.tolerance
+        floor = abs(verdict.head) * (1.0 - self.tolerance - noise)
+        progressed = verdict.first > verdict.head * (1.0 + self.tolerance) + noise * abs(verdict.head) \
+            or min(self._low, verdict.tail) < floor
+        if not wandered or progressed or self._trend() <= -self.z:
             return INACTIVE
         summary = (
-            f"loss has not moved since step one: median {verdict.tail:.4g} over the last "
+            f"loss has not improved since step one: median {verdict.tail:.4g} over the last "
             f"{self.window} steps vs {verdict.head:.4g} over the first {self.head} "
-            f"(change {verdict.change:+.2%}, within {self.tolerance:.0%}); dead pipeline?"
+            f"(change {-verdict.change:+.2%}; progress under {self.tolerance:.0%}); dead pipeline?"
         )
         evidence = {
             "first_loss": verdict.first,

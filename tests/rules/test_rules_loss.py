@@ -204,3 +204,19 @@ def test_a_loss_at_exactly_zero_is_not_rising_by_inf_percent() -> None:
     found = run(RisingLossDetector(), back)
     hit = next(f for f in found if f.active)
     assert "+inf" not in hit.summary and "up from its low 0" in hit.summary and hit.evidence["rise"] is None
+
+
+def test_a_loss_wandering_around_chance_is_flat() -> None:
+    # Labels shuffled against the inputs: the model memorises a little, the loss wanders 2-3%
+    # around ln(4) with no net progress.
+    t = np.arange(600)
+    wander = np.log(4.0) * (1.0 + 0.03 * np.sin(t / 40.0))
+    found = run(FlatFromStartDetector(tolerance=0.05), wander * np.random.default_rng(0).lognormal(0.0, 0.05, t.size))
+    assert found[-1].active and "has not improved since step one" in found[-1].summary
+
+
+def test_a_loss_that_fell_and_came_back_is_not_flat() -> None:
+    t = np.arange(800)
+    level = np.where(t < 300, 2.3 - 1.0 * t / 300, 1.3 + 1.0 * (t - 300) / 300).clip(max=2.35)
+    found = run(FlatFromStartDetector(tolerance=0.05), level * np.random.default_rng(0).lognormal(0.0, 0.02, t.size))
+    assert not any(f.active for f in found)
