@@ -333,7 +333,8 @@ def _weights_waking(ctx: Ctx) -> None:
     weights), then it trains normally. Adam's normalised step makes this harmless.
 
     Issue 13: geometric growth fired critical with "lower the learning rate" on such growth.
-    Healthy: nothing may fire.
+    Healthy (it ends where the default init does): a note (info) about the small start is
+    fair, a page is not.
     """
     model = nn.Sequential(nn.Linear(N_IN, 64, bias=False), nn.Tanh(),
                           nn.Linear(64, 64, bias=False), nn.Tanh(),
@@ -393,63 +394,50 @@ def _warmup(ctx: Ctx, stuck: bool) -> None:
         classify(ctx, model, opt, 400, sched=sched)
 
 
-CENSUS = ("needs the agent's census (CONTRACTS C2: model_training / eval_modules during a "
-          "training step)")
-NEW_ACTIVATIONS = "needs GELU/SiLU activation statistics (dead units) in the agent and rules"
-EVAL_NO_EFFECT = ("needs TrainingInEvalMode to read the census's eval_modules: a model with no "
-                  "mode-sensitive module trains the same in eval mode")
-# Gaps that rules being rebuilt now (issue 13) should close: xfail(strict=False) until
-# they land, then the mark goes (or becomes a strict ``needs`` if the gap stays).
-NEEDS_ONE_STEP = ("known gap: no rule looks at a one-step extreme of the loss or grad norm "
-                  "(every loss rule demands persistence)")
-NEEDS_LR_LOW = "known gap: lr_too_low has no detector (the lr guard spares planned decay)"
-NEEDS_RATIO_MEDIAN = ("known gap: no rule compares a layer's update ratio with the model's "
-                      "median layer; 1e-6 is the only floor")
-NEEDS_CONSTANT_GAP = "known gap: no rule reads a constant val/train gap"
-NEEDS_FLAT_TOLERANCE = ("known gap: a 2-3% drift passes the flat-loss tolerance; "
-                        "LossFlatFromStart needs a flatter loss")
-NEEDS_GROWTH_FLOOR = ("known false alarm: GradientNormGrowingGeometrically (critical) on a norm "
-                      "rising from 2e-4 as small-init weights wake; growth has no absolute floor")
+# Known false alarms of rules being rebuilt now (issue 13): xfail(strict=False) until they
+# are fixed, then the mark goes (or becomes a strict ``needs`` if the alarm stays).
+EARLY_UPDATE_RATIO = ("known false alarm: UpdateRatioTooLarge (warning) on the first cadence "
+                      "samples of a healthy Adam run, where ||dw||/||w|| is naturally large")
+WAKING = ("known false alarm: UpdateRatioTooLarge, WeightNormRunaway and WeightsStartedTooSmall "
+          "(warnings) while small-init weights wake in a run that trains normally")
 
 FAMILIES: tuple[Scenario, ...] = (
-    Scenario("corrupt_batch_one_step", "loss_spike", 200, lambda c: _corrupt_batch(c, True),
-             pending=NEEDS_ONE_STEP),
+    Scenario("corrupt_batch_one_step", "loss_spike", 200, lambda c: _corrupt_batch(c, True)),
     Scenario("healthy_twin_corrupt_batch", None, 0, lambda c: _corrupt_batch(c, False)),
     Scenario("scheduler_stepped_per_batch", "lr_too_low", 61,
-             lambda c: _scheduler_units(c, True), also=("dead_pipeline",), pending=NEEDS_LR_LOW),
+             lambda c: _scheduler_units(c, True), also=("dead_pipeline",)),
     Scenario("healthy_scheduler_stepped_per_epoch", None, 0, lambda c: _scheduler_units(c, False)),
     Scenario("hidden_lr_100x_below_head", "update_ratio", 1, lambda c: _group_lrs(c, 1e-5),
-             also=("lr_too_low",), pending=NEEDS_RATIO_MEDIAN),
+             also=("lr_too_low",)),
     Scenario("healthy_twin_equal_group_lrs", None, 0, lambda c: _group_lrs(c, 1e-3)),
     Scenario("val_loss_summed_20x", "generalization_gap", 20,
-             lambda c: _val_loss_reduction(c, True), also=("eval_mode_wiring",),
-             pending=NEEDS_CONSTANT_GAP),
+             lambda c: _val_loss_reduction(c, True), also=("eval_mode_wiring",)),
     Scenario("healthy_twin_val_loss_averaged", None, 0, lambda c: _val_loss_reduction(c, False)),
     Scenario("labels_misaligned_fixed_set", "dead_pipeline", 1,
-             lambda c: _misaligned_labels(c, True), pending=NEEDS_FLAT_TOLERANCE),
+             lambda c: _misaligned_labels(c, True)),
     Scenario("healthy_twin_labels_aligned", None, 0, lambda c: _misaligned_labels(c, False)),
     Scenario("output_detached_requires_grad", "dead_pipeline", 1,
              lambda c: _detached_output(c, True)),
     Scenario("healthy_twin_output_attached", None, 0, lambda c: _detached_output(c, False)),
     Scenario("eval_mode_left_on_after_validation", "eval_mode_wiring", 51,
-             lambda c: _eval_mode_left_on(c, bn=True), pending=CENSUS),
+             lambda c: _eval_mode_left_on(c, bn=True)),
     Scenario("healthy_eval_mode_left_on_no_effect", None, 0,
-             lambda c: _eval_mode_left_on(c, bn=False), pending=EVAL_NO_EFFECT),
-    Scenario("healthy_dropout_p0_eval_in_train_mode", None, 0, _dropout_p0_eval_in_train_mode,
-             pending="needs the census's eval_modules: only modules whose mode changes the output"),
+             lambda c: _eval_mode_left_on(c, bn=False)),
+    Scenario("healthy_dropout_p0_eval_in_train_mode", None, 0, _dropout_p0_eval_in_train_mode),
     Scenario("backbone_frozen_mid_run", "update_ratio", 100, _frozen_mid_run,
              also=("dead_pipeline",)),
     Scenario("healthy_head_only_finetune", None, 0, _head_only_finetune, allow="info"),
     Scenario("gelu_units_dead_bias", "dead_units", 1, lambda c: _smooth_act(c, nn.GELU, -6.0),
-             also=("vanishing_gradients",), pending=NEW_ACTIVATIONS),
+             also=("vanishing_gradients",)),
     Scenario("silu_units_dead_bias", "dead_units", 1, lambda c: _smooth_act(c, nn.SiLU, -8.0),
              also=("vanishing_gradients",)),
     Scenario("healthy_gelu", None, 0, lambda c: _smooth_act(c, nn.GELU, 0.0)),
     Scenario("healthy_silu", None, 0, lambda c: _smooth_act(c, nn.SiLU, 0.0)),
-    Scenario("healthy_tied_embedding_gpt", None, 0, _tied_gpt),
-    Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged),
+    Scenario("healthy_tied_embedding_gpt", None, 0, _tied_gpt, slow=True),
+    Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged,
+             pending=EARLY_UPDATE_RATIO),
     Scenario("healthy_weights_waking_from_small_init", None, 0, _weights_waking,
-             pending=NEEDS_GROWTH_FLOOR),
+             allow="info", pending=WAKING),
     # HELD OUT (see HELD_OUT below)
     Scenario("adam_eps_too_large", "update_ratio", 1, lambda c: _adam_eps(c, 1.0),
              also=("lr_too_low", "dead_pipeline")),
