@@ -70,15 +70,16 @@ class StepProbe(torch.optim.Optimizer):
     def __init__(self, real: torch.optim.Optimizer) -> None:
         super().__init__([{"params": group["params"]} for group in real.param_groups], {})
         self.real = real
-        self._copy_groups()  # a step recorded before the first real one (AMP-skipped) has rates too
+        self.refresh()  # a step recorded before the first real one (AMP-skipped) has rates too
         # Registered before the monitor's own pre-hook, so it runs first: the monitor
         # reads this step's rates from the probe in its pre-hook.
-        self.register_step_pre_hook(lambda probe, args, kwargs: self._copy_groups())
+        self.register_step_pre_hook(lambda probe, args, kwargs: self.refresh())
 
     def step(self, closure: Any = None) -> None:
         """Nothing to update: stepping exists to run the pre-hooks (see the class docstring)."""
 
-    def _copy_groups(self) -> None:
+    def refresh(self) -> None:
+        """Copy the real optimizer's groups (and so the rates it will step with) now."""
         # Shallow copies: a few dicts a step; the parameter lists are shared.
         self.param_groups = [dict(group) for group in self.real.param_groups]
 
@@ -99,9 +100,12 @@ class Attachment:
         self.disabled: str | None = None
         self._hook: Any = None  # the real optimizer's pre-hook that steps the probe
         self._in_hook = False
+        # The callback read this step's gradients already (read_now): the real
+        # optimizer's step must not read them again (post-clip).
+        self.gradients_read = False
 
     def attach(self, model: torch.nn.Module, optimizer: Any, job: str, scaler: Any = None,
-               follow_real_steps: bool = True) -> None:
+               follow_real_steps: bool = True, start_step: int = 1) -> None:
         """Close any earlier monitor and watch ``model`` through a probe of ``optimizer``.
 
         ``follow_real_steps``: step the probe from the real (unwrapped)
@@ -114,6 +118,8 @@ class Attachment:
         kwargs = dict(self.watch_kwargs)
         if scaler is not None:
             kwargs.setdefault("scaler", scaler)
+        kwargs.setdefault("start_step", start_step)  # the framework's global step goes on
+        self.gradients_read = False
         try:
             probe = StepProbe(unwrap_optimizer(optimizer))
             self.monitor = watch(model, probe, job=job, **kwargs)
@@ -125,11 +131,27 @@ class Attachment:
                              "optimizer (check the callback's keyword arguments)", exc)
 
     def _on_real_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self.gradients_read:
+            return  # read before clipping (read_now); these are the clipped ones
         self._in_hook = True
         try:
             self.read_gradients()
         finally:
             self._in_hook = False
+
+    def read_now(self, unscale: torch.Tensor | None = None) -> None:
+        """Read the gradient norms now (e.g. at the end of backward, before clipping);
+        ``unscale``: a GradScaler's scale while the gradients are still scaled."""
+        probe = self.probe
+        if probe is None:
+            return
+
+        def read(mon: Monitor) -> None:
+            probe.refresh()
+            mon.read_gradients(unscale)
+            self.gradients_read = True
+
+        self.run("reading gradient norms", read)
 
     def read_gradients(self) -> None:
         """Read this step's per-layer gradient norms now (steps the probe)."""

@@ -34,7 +34,8 @@ What it sends, and when:
   norms are post-clip, and when ``gradient_clip_val`` is set the pre-clip
   total is computed here on the device and sent as ``grad_norm``.
 * ``on_train_batch_end``: once per optimizer step (``trainer.global_step``
-  advanced), ``log(loss=..., grad_norm=...)``. The loss is ``outputs["loss"]``
+  advanced), ``log(step=trainer.global_step, loss=..., grad_norm=...)``: the
+  steps are the Trainer's, across a resume from ``ckpt_path`` too. The loss is ``outputs["loss"]``
   as a device tensor; with gradient accumulation, the sum of the micro-batch
   losses Lightning divided by ``accumulate_grad_batches``, i.e. their mean.
   Learning rates come from the optimizer's ``param_groups`` as copied when
@@ -115,7 +116,12 @@ class GradwatchCallback(Callback):
         scaler = trainer.scaler
         self._amp = scaler is not None
         self._attachment.attach(pl_module, optimizers[0], job, scaler=scaler,
-                                follow_real_steps=self._amp)
+                                follow_real_steps=self._amp,
+                                start_step=trainer.global_step + 1)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # A resume (fit(ckpt_path=...)) restores global_step after on_fit_start.
+        self._logged_step = trainer.global_step
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
                                  optimizer: Any) -> None:
@@ -193,7 +199,8 @@ class GradwatchCallback(Callback):
         if self._grad_norm is not None:
             scalars["grad_norm"] = self._grad_norm
         self._loss = self._grad_norm = None
-        mon.log(**scalars)
+        # The Trainer's own count (restored by a resume from ckpt_path), as its checkpoints use.
+        mon.log(step=trainer.global_step, **scalars)
 
     def _report_checkpoint(self, trainer: Trainer) -> None:
         """Report a checkpoint saved since the last hook, with the path ModelCheckpoint used."""

@@ -177,3 +177,37 @@ def test_lightning_amp_reports_the_steps_the_scaler_skipped(collector: Recording
         if not s.skipped:  # the pre-clip total, measured before Lightning clipped
             assert math.isfinite(s.grad_norm) and s.grad_norm > 0
             assert math.hypot(*s.layer_grad_norms) <= s.grad_norm * (1 + 1e-4)
+
+
+# A resume writes its checkpoints next to the one it resumed from, as users do.
+@pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")
+def test_lightning_resume_from_ckpt_path_continues_the_trainer_steps(tmp_path: Path) -> None:
+    """fit(ckpt_path=...) restores global_step: the agent goes on from it, not from 1, and
+    the checkpoints it reports carry the same numbering."""
+    received = []
+    for run, epochs in enumerate((1, EPOCHS)):
+        collector = RecordingCollector(tmp_path / f"trace-{run}")
+        try:
+            torch.manual_seed(0)
+            callback = GradwatchCallback(job="pl-resume", endpoint=collector.endpoint,
+                                         flush_every=5, stats_every=0)
+            checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt",
+                                                       save_top_k=-1, every_n_epochs=1)
+            monitors: list[Any] = []
+            trainer = pl.Trainer(
+                accelerator="cpu", devices=1, max_epochs=epochs,
+                accumulate_grad_batches=ACCUMULATE,
+                callbacks=[callback, checkpoints, _Spy(callback, monitors)],
+                enable_progress_bar=False, enable_model_summary=False, logger=False,
+                default_root_dir=tmp_path, num_sanity_val_steps=0)
+            ckpt = str(next((tmp_path / "ckpt").glob("*.ckpt"))) if run else None
+            trainer.fit(TinyModule(), _loader(BATCHES * BATCH, seed=1), _loader(32, seed=2),
+                        ckpt_path=ckpt)
+            received.append(collector.received("pl-resume", monitors[0]))
+        finally:
+            collector.server.stop(timeout=5.0)
+    first, resumed = received
+    per_epoch = STEPS // EPOCHS
+    assert [s.step for s in first.steps] == list(range(1, per_epoch + 1))
+    assert [s.step for s in resumed.steps] == list(range(per_epoch + 1, STEPS + 1))
+    assert [e.step for e in resumed.events if e.kind == "checkpoint"] == [STEPS]

@@ -2,10 +2,12 @@
 
 A tiny ``PreTrainedModel`` (built from code, nothing downloaded) trains for
 12 optimizer steps with gradient accumulation 2, logging every 2 steps,
-evaluating and saving every 6. The collector must record exactly the
-Trainer's steps, every layer's gradient norm on each, the Trainer's own
-logged losses and pre-clip grad norms at the logged steps, both evals and
-both checkpoints.
+evaluating and saving every 6, clipping at 0.5. The collector must record
+exactly the Trainer's steps, each with its loss (the mean of its
+micro-batches, read on the device) and every layer's pre-clip gradient norm
+(their total is the Trainer's logged pre-clip ``grad_norm``), both evals and
+both checkpoints; after ``resume_from_checkpoint`` the steps go on from the
+checkpoint's.
 """
 
 from __future__ import annotations
@@ -72,17 +74,18 @@ class RandomSet(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def _trainer(output_dir: Path, callback: GradwatchCallback) -> Trainer:
+def _trainer(output_dir: Path, callback: GradwatchCallback, max_steps: int = STEPS,
+             save_only_model: bool = True, trainer_class: type[Trainer] = Trainer) -> Trainer:
     torch.manual_seed(0)
     args = TrainingArguments(
-        output_dir=str(output_dir), run_name="hf-tiny", max_steps=STEPS,
+        output_dir=str(output_dir), run_name="hf-tiny", max_steps=max_steps,
         per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
         per_device_eval_batch_size=16, learning_rate=0.05, max_grad_norm=0.5,
         logging_steps=LOG_EVERY, logging_nan_inf_filter=False,
         eval_strategy="steps", eval_steps=EVAL_EVERY,
-        save_strategy="steps", save_steps=EVAL_EVERY, save_only_model=True,
+        save_strategy="steps", save_steps=EVAL_EVERY, save_only_model=save_only_model,
         report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    return Trainer(model=TinyClassifier(TinyConfig()), args=args,
+    return trainer_class(model=TinyClassifier(TinyConfig()), args=args,
                    train_dataset=RandomSet(STEPS * ACCUMULATE * BATCH, seed=1),
                    eval_dataset=RandomSet(32, seed=2), callbacks=[callback])
 
@@ -108,16 +111,21 @@ def test_trainer_run_reaches_the_collector(collector: RecordingCollector, tmp_pa
     logged = {h["step"]: h for h in trainer.state.log_history if "loss" in h}
     assert sorted(logged) == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
     assert any(h["grad_norm"] > 0.5 for h in logged.values())  # clipping was active
-    for s in got.steps:
-        if s.step in logged:
-            assert s.loss == pytest.approx(logged[s.step]["loss"], rel=1e-6)
-            # The Trainer's pre-clip norm, not the one recomputed from the (clipped) layers.
-            assert s.grad_norm == pytest.approx(logged[s.step]["grad_norm"], rel=1e-6)
-            # The rate this step used (two groups: decay, no decay), though the Trainer
-            # steps its linear scheduler before the step is recorded.
-            assert s.lr == (pytest.approx(logged[s.step]["learning_rate"], rel=1e-6),) * 2
-        else:
-            assert s.loss is None
+    by_step = {s.step: s for s in got.steps}
+    for step, h in logged.items():
+        # Every step carries its own loss; the Trainer logs their mean since its last log.
+        losses = [by_step[k].loss for k in range(step - LOG_EVERY + 1, step + 1)]
+        assert all(v is not None for v in losses)
+        assert sum(losses) / LOG_EVERY == pytest.approx(h["loss"], rel=1e-5)
+        # Per-layer norms read before the Trainer clipped: their total is its pre-clip norm.
+        total = math.sqrt(sum(v * v for v in by_step[step].layer_grad_norms))
+        assert total == pytest.approx(h["grad_norm"], rel=1e-5)
+        # The rate this step used (two groups: decay, no decay), though the Trainer
+        # steps its linear scheduler before the step is recorded.
+        assert by_step[step].lr == (pytest.approx(h["learning_rate"], rel=1e-6),) * 2
+    for s in got.steps:  # one series: the collector's total of the pre-clip layer norms
+        total = math.sqrt(sum(v * v for v in s.layer_grad_norms))
+        assert s.grad_norm == pytest.approx(total, rel=1e-5)
 
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     assert sorted(evals) == [EVAL_EVERY, STEPS]
@@ -168,3 +176,58 @@ class _Breaker(transformers.TrainerCallback):
     def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         assert self.callback.monitor is not None
         self.callback.monitor.log = self.log  # type: ignore[method-assign]
+
+
+def test_resume_from_checkpoint_continues_the_trainer_steps(tmp_path: Path) -> None:
+    """After resume_from_checkpoint the agent goes on from the checkpoint's global step (it
+    used to restart at 1), and its checkpoint events carry the same numbering."""
+    monitors: list[Any] = []
+    received = []
+    for run, max_steps in enumerate((6, STEPS)):
+        collector = RecordingCollector(tmp_path / f"trace-{run}")
+        try:
+            callback = GradwatchCallback(job="hf-resume", endpoint=collector.endpoint,
+                                         flush_every=5, stats_every=0)
+            trainer = _trainer(tmp_path / "out", callback, max_steps=max_steps,
+                               save_only_model=False)
+            trainer.add_callback(_Spy(callback, monitors))
+            trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-6")
+                          if run else None)
+            received.append(collector.received("hf-resume", monitors[-1]))
+        finally:
+            collector.server.stop(timeout=5.0)
+    first, resumed = received
+    assert [s.step for s in first.steps] == list(range(1, 7))
+    assert [s.step for s in resumed.steps] == list(range(7, STEPS + 1))
+    assert all(s.loss is not None for s in resumed.steps)
+    assert [e.step for e in resumed.events if e.kind == "checkpoint"] == [STEPS]
+
+
+def test_a_model_without_a_loss_output_falls_back_to_logged_losses_and_says_so(
+        collector: RecordingCollector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    callback = GradwatchCallback(endpoint=collector.endpoint, flush_every=5, stats_every=0)
+
+    class OwnLoss(Trainer):  # a custom compute_loss: the model's output has no loss
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
+                         num_items_in_batch: Any = None) -> Any:
+            labels = inputs.pop("labels")
+            outputs = model(**inputs)
+            loss = nn.functional.cross_entropy(outputs["logits"], labels)
+            return (loss, outputs) if return_outputs else loss
+
+    trainer = _trainer(tmp_path / "out", callback, trainer_class=OwnLoss)
+    monitors: list[Any] = []
+    trainer.add_callback(_Spy(callback, monitors))
+    with caplog.at_level(logging.WARNING, logger="gradwatch.integrations.transformers"):
+        trainer.train()
+    assert sum("carry no 'loss'" in r.getMessage() for r in caplog.records) == 1
+    got = collector.received("hf-tiny", monitors[0])
+    assert [s.step for s in got.steps] == list(range(1, STEPS + 1))
+    with_loss = [s.step for s in got.steps if s.loss is not None]
+    assert with_loss == list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    # The logits were still hooked: the norms are the pre-clip ones on every step.
+    logged = {h["step"]: h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h}
+    for s in got.steps:
+        if s.step in logged:
+            total = math.sqrt(sum(v * v for v in s.layer_grad_norms))
+            assert total == pytest.approx(logged[s.step], rel=1e-5)
