@@ -269,6 +269,12 @@ class Admission:
                          self._limit("memory"))
         return not full
 
+    def sender_of(self, job: str) -> str:
+        """Who ``job``'s share is: its CurveZMQ key when it came with one, else the job."""
+        with self._lock:
+            known = self._jobs.get(job)
+        return known.key if known is not None and known.key else job
+
     def forget(self, job: str) -> None:
         """The collector forgot ``job`` (silent or finished): its slot is free again."""
         with self._lock:

@@ -26,7 +26,10 @@ job, its oldest. The row being sent is never the one dropped. Many jobs of one
 row each (a job-name flood) still evict the oldest first: the collector's
 ``max_jobs`` bound limits how many such jobs can alert at once.
 
-Sink bandwidth is shared the same way: due rows are sent critical first, and
+"Job" here is the sharing unit: the alert's job, or under CurveZMQ the key
+that reports it (the server sets ``share_of``), so one key with many jobs
+holds one share. Sink bandwidth is shared the same way: due rows are sent
+critical first, and
 within one severity round-robin across jobs (each job's oldest due row, then
 each job's second, ...), so a job with thousands of pending notifications
 delays another job's alert by at most one row per job, not by its backlog.
@@ -373,6 +376,9 @@ class OutboxSink:
         self._changed = threading.Condition(self._lock)
         self._counts = {"delivered": 0, "failed": 0, "dropped": 0, "retries": 0}
         self._log = RateLimitedLog(log, every=100)  # a flood drops one row per alert stored
+        # Whose share of the outbox an alert's job is: the job itself, or (set by the
+        # server under CurveZMQ) the key it reports with.
+        self.share_of: Callable[[str], str] = str
         self._next_prune = 0.0
         self._closed = False
         self._sending: str | None = None  # the row id the worker is sending now
@@ -401,7 +407,8 @@ class OutboxSink:
         body = json.dumps(alert_payload(alert), allow_nan=False, separators=(",", ":"))
         try:
             inserted, dropped = self.outbox.put(self.name, idempotency_key(alert), body, now,
-                                                sending=self._sending, job=str(alert.job),
+                                                sending=self._sending,
+                                                job=self.share_of(str(alert.job)),
                                                 severity=str(alert.severity))
         except sqlite3.Error as exc:
             log.error("%s: cannot store alert %s in the outbox (%s); it is lost. Check the "

@@ -236,6 +236,8 @@ class Server:
             self._assembly_metrics = AssemblyMetrics(self.assembler, self.assembler_lock)
             self.registry.register(self._assembly_metrics)
             for sink in self.sinks:
+                if self._auth is not None and isinstance(sink, OutboxSink):
+                    sink.share_of = self.admission.sender_of  # per-key shares of the outbox
                 sink.start()
         except BaseException:
             self._release()

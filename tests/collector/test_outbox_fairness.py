@@ -62,3 +62,22 @@ def test_an_outbox_file_of_an_older_version_gains_the_new_columns(tmp_path: Path
     assert pending_ids(outbox) == {"old:firing"}  # kept, as a warning of job ''
     assert outbox.put("s", "new:firing", "{}", now=1.0, job="j", severity="critical") == (True, 0)
     outbox.close()
+
+
+def test_under_curve_one_key_is_one_share_of_the_outbox() -> None:
+    from gradwatch.collector.limits import Admission, Bounds
+    from gradwatch.wire import Heartbeat
+
+    admission = Admission(Bounds(), rss=lambda: 0)
+    for i in range(50):
+        admission.admit(Heartbeat(f"k-{i}", 0, 1, "i", 0.0, 0, 0), key="MANYJOBS")
+    admission.admit(Heartbeat("other", 0, 1, "i", 0.0, 0, 0), key="TEAM2")
+    outbox = Outbox(max_pending=10)
+    outbox.put("s", "team2:firing", "{}", now=0.0, job=admission.sender_of("other"),
+               severity="critical")
+    for i in range(50):  # fifty jobs of one key: one sharing unit, evicting its own rows
+        outbox.put("s", f"k{i}:firing", "{}", now=1.0 + i, job=admission.sender_of(f"k-{i}"),
+                   severity="critical")
+    assert "team2:firing" in pending_ids(outbox)
+    assert admission.sender_of("k-3") == "MANYJOBS" and admission.sender_of("nokey") == "nokey"
+    outbox.close()
