@@ -61,7 +61,7 @@ def test_broken_runs_get_a_fitting_alert(bench: ModuleType, results: list) -> No
 def test_unlogged_steps_change_nothing(bench: ModuleType) -> None:
     # The live callback sends every step, the loss only every `logging_steps`: a rule's `for:`
     # counts observations of its signal, so the unlogged steps must not change any alert.
-    # Runs of up to 10,000 steps keep this test fast; the benchmark's --gaps runs them all.
+    # Runs of up to 3,000 steps keep this test fast; the benchmark's --gaps runs them all.
     from gradwatch.rules.imports import read_history
     from gradwatch.rules.replay import backtest
 
@@ -69,10 +69,10 @@ def test_unlogged_steps_change_nothing(bench: ModuleType) -> None:
     for path in sorted((CORPUS / "runs").iterdir()):
         run = read_history(path)
         last = max((r.step for r in run.records), default=0)
-        if last > 10_000 or run.steps == last:
+        if last > 3_000 or run.steps == last:
             continue  # too long for a unit test, or logged every step (no gaps to add)
         plain = [(t.alert.rule, t.alert.step, t.current) for t in backtest(path)[1]]
         gapped = [(t.alert.rule, t.alert.step, t.current) for t in backtest(path, gaps=True)[1]]
         assert gapped == plain, path.name
         checked += 1
-    assert checked >= 20
+    assert checked >= 20  # 21 of the 51
