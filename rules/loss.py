@@ -129,7 +129,10 @@ class FlatFromStartDetector:
         floor = abs(verdict.head) * (1.0 - self.tolerance - noise)
         progressed = verdict.first > verdict.head * (1.0 + self.tolerance) + noise * abs(verdict.head) \
             or min(self._low, verdict.tail) < floor
-        if not wandered or progressed or self._trend() <= -self.z:
+        # Hysteresis: once flagged, the incident lasts until the loss has clearly moved on
+        # (2x the tolerance below its start), so a run hovering at the bound is one incident.
+        holding = self._last.active and verdict.change <= 2.0 * self.tolerance
+        if not holding and (not wandered or progressed or self._trend() <= -self.z):
             return INACTIVE
         summary = (
             f"loss has not improved since step one: median {verdict.tail:.4g} over the last "

@@ -220,3 +220,13 @@ def test_a_loss_that_fell_and_came_back_is_not_flat() -> None:
     level = np.where(t < 300, 2.3 - 1.0 * t / 300, 1.3 + 1.0 * (t - 300) / 300).clip(max=2.35)
     found = run(FlatFromStartDetector(tolerance=0.05), level * np.random.default_rng(0).lognormal(0.0, 0.02, t.size))
     assert not any(f.active for f in found)
+
+
+def test_a_flat_incident_lasts_until_the_loss_clearly_moves_on() -> None:
+    rng = np.random.default_rng(0)
+    level = np.concatenate([np.full(400, 2.0), np.full(600, 1.88), np.full(600, 1.5)])  # -6%, then -25%
+    found = run(FlatFromStartDetector(tolerance=0.05), level * rng.lognormal(0.0, 0.01, level.size))
+    active = [f.active for f in found]
+    first = active.index(True)
+    assert first == 249 and all(active[first:1000])  # hovering past the bound: one incident
+    assert not active[-1]
