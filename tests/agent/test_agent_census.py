@@ -166,7 +166,7 @@ def test_roles_and_census_reach_the_collector_and_eval_mode_is_noticed_at_once(p
     model.transformer.h[0].drop.p = 0.1  # one dropout whose mode matters
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, flush_every=2,
-                          stats_every=50, heartbeat_every=0.05)
+                          stats_every=50, heartbeat_every=0.05, early_stats=False)
     connected(sock, mon)
     train(model, mon, opt, 3)
     model.eval()  # left on by mistake: training continues in eval mode
@@ -188,7 +188,7 @@ def test_a_model_in_eval_mode_from_the_start_is_sampled_at_step_1(pull) -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, flush_every=2,
-                          stats_every=50, heartbeat_every=0.05)
+                          stats_every=50, heartbeat_every=0.05, early_stats=False)
     connected(sock, mon)
     for _ in range(3):
         model(torch.randn(8, 4)).pow(2).mean().backward()
