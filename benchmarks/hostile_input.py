@@ -128,15 +128,17 @@ def nan_latency(flood: bool, rules: Path) -> tuple[float, int]:
         with gradwatch.watch(model, opt, job="real", endpoint=server.bound_endpoint,
                              flush_every=5, stats_every=0, heartbeat_every=0.05) as mon:
             def steps(n: int, nan: bool) -> float:
+                logged = time.monotonic()
                 for _ in range(n):
                     loss = model(torch.randn(8, 4)).pow(2).mean()
                     if nan:
                         loss = loss * float("nan")
                     loss.backward()
                     opt.step()
+                    logged = time.monotonic()  # this log() hands the flush to the shipper
                     mon.log(loss=loss)
                     opt.zero_grad()
-                return time.monotonic()
+                return logged
 
             steps(20, False)
             if flood:

@@ -18,10 +18,11 @@ Two checks per message, both before the costly part:
   job (a real one: one small batch per flush) stays within its share; a
   flooding one runs dry, and its messages are then dropped after a header read
   (~tens of microseconds) instead of costing rules evaluation. A new sender's
-  bucket starts with one second of its share, not a whole burst, so many
-  fresh senders cannot each spend a burst. Under contention a batch is let in
-  only if its sender's tokens cover its expected cost (its rows times the
-  measured seconds per row), so a sender cannot take a large batch on credit.
+  bucket starts with a tenth of a second of its share, not a whole burst, so
+  many fresh senders cannot each spend a burst. Under contention a batch is
+  let in only if its sender's tokens cover its expected cost (its rows times
+  that sender's measured seconds per row), so a sender cannot take a large
+  batch on credit.
   Messages of jobs not admitted yet
   share one bucket (``(new)``), so a job-name bomb costs one sender's share.
   ZeroMQ serves its connections round-robin, so a real agent's message waits
@@ -72,6 +73,7 @@ ACTIVE_S = 5.0            # a sender is active (takes a share) this long after i
 RSS_EVERY_S = 0.1          # /proc/self/statm costs ~10 us: checked often, overshoot stays small
 BUSY_WINDOW_S = 1.0        # the ingest thread's utilisation is averaged over about this long
 ROW_COST_S = 5e-4          # the first guess of ingest seconds per row (measured from then on)
+NEW_CREDIT_S = 0.1         # a new sender's bucket starts with this many seconds of its share
 REASONS = ("jobs", "jobs_per_key", "ranks", "rows", "layers", "memory", "share")
 
 
@@ -104,6 +106,7 @@ class _Bucket:
     tokens: float
     at: float
     last: float
+    row_cost: float = ROW_COST_S  # this sender's measured ingest seconds per batch row
 
 
 def peek(header: bytes) -> tuple[str | None, int]:
@@ -145,7 +148,6 @@ class Admission:
         self._by_sender: Counter[tuple[str, str]] = Counter()
         self._rss, self._rss_at = 0, -float("inf")
         self._busy, self._busy_at = 0.0, clock()  # decaying sum of ingest seconds
-        self.row_cost = ROW_COST_S  # moving average of ingest seconds per batch row
         self._log = RateLimitedLog(log)
 
     # ------------------------------------------------------------ the share
@@ -164,7 +166,7 @@ class Admission:
         with self._lock:
             bucket = self._bucket(unit, now)
             if self._utilisation(now) < self.bounds.ingest_share or \
-                    bucket.tokens > min(rows * self.row_cost, self.bounds.ingest_burst_seconds):
+                    bucket.tokens > min(rows * bucket.row_cost, self.bounds.ingest_burst_seconds):
                 return True
         self._count("share", unit, "dropped messages of %s: it used more than its share of "
                     "the collector's time (%.0f%% split among %d active senders); it is "
@@ -176,9 +178,9 @@ class Admission:
         """Take the ingest time one message of ``unit`` (``rows`` rows) cost from its bucket."""
         now = self._clock()
         with self._lock:
-            if rows:
-                self.row_cost += 0.1 * (seconds / rows - self.row_cost)
             bucket = self._bucket(unit, now)
+            if rows:  # per sender: one sender's costly rows do not make another's look costly
+                bucket.row_cost += 0.2 * (seconds / rows - bucket.row_cost)
             bucket.tokens -= seconds
             bucket.last = now
             self._utilisation(now)
@@ -212,7 +214,8 @@ class Admission:
         if bucket is None:
             if len(self._buckets) > self.bounds.max_jobs + 1:
                 self._prune(now)
-            bucket = self._buckets[unit] = _Bucket(min(burst, rate), now, now)
+            # A tenth of a second of its share: many fresh senders cannot each spend a burst.
+            bucket = self._buckets[unit] = _Bucket(min(burst, rate * NEW_CREDIT_S), now, now)
             return bucket
         bucket.tokens = min(burst, bucket.tokens + (now - bucket.at) * rate)
         bucket.at = now

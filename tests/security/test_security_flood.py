@@ -128,7 +128,7 @@ def test_a_real_nan_alert_arrives_within_a_second_under_a_flood(tmp_path: Path) 
 
 
 def train(mon: Any, model: Any, opt: Any, steps: int, nan: bool) -> float:
-    """Train ``steps`` steps; the time the last one's ``log()`` returned (its flush)."""
+    """Train ``steps`` steps; the time the last one's ``log()`` was called (its flush)."""
     import torch
 
     done = 0.0
@@ -138,7 +138,7 @@ def train(mon: Any, model: Any, opt: Any, steps: int, nan: bool) -> float:
             loss = loss * float("nan")
         loss.backward()
         opt.step()
+        done = time.monotonic()  # the last log() hands the flush to the shipper
         mon.log(loss=loss)
-        done = time.monotonic()
         opt.zero_grad()
     return done
