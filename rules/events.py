@@ -93,7 +93,11 @@ class ExtremeStepDetector:
         self.report, self.min_history, self.factor, self.over_max = report, min_history, factor, over_max
         self.repeats, self.within = repeats, within
         self._loss = _Signal("loss", window)
+        # A logged total (pre-clip, e.g. the HF Trainer's at logging steps) and the one the
+        # optimizer saw (post-clip) are different quantities: on the live HF path both arrive,
+        # and a pre-clip 50 against a window of clipped norms would read as an event.
         self._norm = _Signal("grad_norm", window)
+        self._seen_norm = _Signal("grad_norm", window)
         self._events: deque[int] = deque(maxlen=repeats)
 
     def observe(self, step: Step) -> Finding | None:
@@ -103,7 +107,8 @@ class ExtremeStepDetector:
         loss, norm = finite_loss(step), total_grad_norm(step)
         if loss is None and norm is None:
             return None
-        found = [e for signal, value in ((self._loss, loss), (self._norm, norm)) if value is not None
+        norms = self._norm if step.grad_norm_logged else self._seen_norm
+        found = [e for signal, value in ((self._loss, loss), (norms, norm)) if value is not None
                  and (e := signal.judge(value, self.min_history, self.factor, self.over_max)) is not None]
         if found:
             self._events.append(step.step)

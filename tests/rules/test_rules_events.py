@@ -74,3 +74,15 @@ def test_the_window_is_the_runs_own() -> None:
         assert found is not None and not found.active
     with pytest.raises(ValueError, match="min_history"):
         ExtremeStepDetector(window=16, min_history=20)
+
+
+def test_logged_pre_clip_norms_and_clipped_norms_are_separate_signals() -> None:
+    # The live HF path: every step carries the clipped norm the optimizer saw; logging steps
+    # carry the Trainer's pre-clip norm. A pre-clip 50 among clipped ~0.5 norms is no event.
+    det = ExtremeStepDetector()
+    rng = np.random.default_rng(0)
+    for t in range(1, 400):
+        logged = t % 50 == 0  # logging_steps 50: the first logged norm meets 49 clipped ones
+        norm = 50.0 * float(rng.lognormal(0.0, 0.3)) if logged else min(1.0, 0.5 * float(rng.lognormal(0.0, 0.3)))
+        found = det.observe(Step(job="j", step=t, time=0.0, grad_norm=norm, grad_norm_logged=logged))
+        assert found is not None and not found.active, t
