@@ -98,6 +98,7 @@ class Bounds:
 @dataclass(slots=True)
 class _Job:
     key: str
+    since: float
     ranks: set[int] = field(default_factory=set)
 
 
@@ -251,7 +252,7 @@ class Admission:
                 reason = "memory" if full else "jobs" if len(self._jobs) >= b.max_jobs else \
                     "jobs_per_key" if key and self._per_key[key] >= b.max_jobs_per_key else None
                 if reason is None:
-                    known = self._jobs[job] = _Job(key)
+                    known = self._jobs[job] = _Job(key, self._clock())
                     self._per_key[key] += 1
             else:
                 reason = "memory" if full else "ranks" \
@@ -287,6 +288,18 @@ class Admission:
                 if self._per_key[known.key] <= 0:
                     del self._per_key[known.key]
             self._buckets.pop(job, None)
+
+    def retain(self, live: set[str], grace_s: float = 10.0) -> list[str]:
+        """Forget admitted jobs the collector's state never took up (every message of
+        theirs was refused further on, e.g. an unknown schema): they must not hold a
+        ``max_jobs`` slot for good. Returns them."""
+        now = self._clock()
+        with self._lock:
+            stale = [job for job, known in self._jobs.items()
+                     if job not in live and now - known.since > grace_s]
+        for job in stale:
+            self.forget(job)
+        return stale
 
     def jobs(self) -> int:
         with self._lock:

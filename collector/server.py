@@ -563,6 +563,7 @@ class Server:
                     log.exception("sink %s failed to accept alert %s", sink.name, alert.rule)
 
     def _expire(self) -> None:
+        self.admission.retain(set(self.state.jobs()))
         for job in self.state.expire():
             log.info("forgetting job %r: every agent closed %.0fs ago, or silent for %.0fs",
                      job, self.config.finished_grace_seconds, self.config.job_ttl_seconds)

@@ -124,3 +124,14 @@ def test_a_layer_name_bomb_keeps_metrics_within_the_family_caps() -> None:
         assert server.stop()
     blocks = [line for line in text.splitlines() if line.startswith("gradwatch_block_grad_norm{")]
     assert 60 <= len(blocks) <= 2000 and took < 5.0
+
+
+def test_jobs_that_never_reach_the_state_do_not_hold_a_slot() -> None:
+    now = [0.0]
+    admission = Admission(Bounds(max_jobs=2), clock=lambda: now[0], rss=lambda: 0)
+    for job in ("a", "b"):  # admitted, then refused further on (say, an unknown schema)
+        assert admission.admit(Heartbeat(job, 0, 1, "i", 0.0, 0, 0)) is None
+    assert admission.admit(Heartbeat("c", 0, 1, "i", 0.0, 0, 0)) == "jobs"
+    now[0] = 11.0
+    assert admission.retain({"a"}) == ["b"]  # "a" is in the state: kept
+    assert admission.admit(Heartbeat("c", 0, 1, "i", 0.0, 0, 0)) is None
