@@ -46,6 +46,7 @@ from gradwatch.rules.detector import is_amp_skip
 from gradwatch.rules.evals import gap_in
 from gradwatch.rules.growth import total_grad_norm
 from gradwatch.rules.ratio import LayerEnds
+from gradwatch.rules.roles import roles_of
 from gradwatch.rules.series import flat_since_start, trending_up
 from gradwatch.rules.step import Eval, Stats, Step
 
@@ -108,6 +109,8 @@ SATURATED = 0.5  # share of tanh/sigmoid outputs pinned near the bounds (smdebug
 DEAD = 0.9  # share of exact-zero ReLU outputs (healthy nets have ~50%)
 DEAD_TAIL = 0.5  # share of GELU/SiLU outputs in the flat negative tail (healthy ~0.1%)
 EPISODE_GAP = 200  # steps a precursor may pause before a new episode starts
+SMALL_INIT_STEPS = 20  # a first weight sample this early describes the init (WeightsStartedTooSmall)
+WAKING_UP = ("update_ratio_high", "grad_norm_growth", "weight_growth")  # a small init's consequences
 
 
 @dataclass(slots=True)
@@ -145,6 +148,8 @@ class JobHistory:
         self._early_norms: list[float] = []
         self._early_first: list[float] = []
         self._first_weight: float | None = None
+        self._first_weight_step = 0
+        self._roles: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._ratios: deque[float] = deque(maxlen=5)
         self._ends = LayerEnds()
 
@@ -155,6 +160,8 @@ class JobHistory:
         if self.first_step is None:
             self.first_step = step.step
         self.latest_step = step.step
+        if step.layer_roles:
+            self._roles = (step.layers, step.layer_roles)
         if is_amp_skip(step):
             return  # overflow by design, recovered by the scaler
         if step.loss_scale is not None and step.loss_scale <= 1.0:
@@ -191,19 +198,35 @@ class JobHistory:
         if stats.weight_norms is not None:
             w = np.asarray(stats.weight_norms, dtype=np.float64)
             if w.size and np.isfinite(w).all():
+                w = w[self._matrices(stats.layers, w.size)]  # LayerNorm gains start at 1 whatever the init
                 total = math.sqrt(float(np.dot(w, w)))
                 self.weight_norms.append((stats.step, total))
                 if self._first_weight is None:
-                    self._first_weight = total
+                    self._first_weight, self._first_weight_step = total, stats.step
                 elif self._first_weight > 0 and total >= 10 * self._first_weight:
-                    self._mark("weight_growth", "weight_runaway", stats.step, total / self._first_weight,
-                               f"total weight norm ×{total / self._first_weight:.0f} its first value")
+                    grown = total / self._first_weight
+                    if self._first_weight_step <= SMALL_INIT_STEPS:
+                        # Grown 10x from the init itself: weights waking up from a too-small init.
+                        self._mark("small_init", "vanishing_gradients", stats.step, grown,
+                                   f"total weight norm ×{grown:.0f} its value at step {self._first_weight_step}"
+                                   " (initialisation too small)")
+                    else:
+                        self._mark("weight_growth", "weight_runaway", stats.step, grown,
+                                   f"total weight norm ×{grown:.0f} its first value")
         if stats.update_ratios is not None:
             r = np.asarray(stats.update_ratios, dtype=np.float64)
             r = r[np.isfinite(r)]
             if r.size and float(np.median(r)) > 0.1:
                 self._mark("update_ratio_high", "update_ratio", stats.step, float(np.median(r)),
                            f"median ‖Δw‖/‖w‖ {float(np.median(r)):.3g} (healthy ~1e-3)")
+
+    def _matrices(self, layers: tuple[str, ...], size: int) -> np.ndarray:
+        """Mask of the weight matrices among ``layers`` (every layer when none is known as one)."""
+        if len(layers) != size:
+            return np.ones(size, dtype=bool)
+        roles = roles_of(layers, self._roles[1] if self._roles[0] == layers else ())
+        mask = np.array([r == "weight" for r in roles], dtype=bool)
+        return mask if mask.any() else np.ones(size, dtype=bool)
 
     def observe_eval(self, ev: Eval) -> None:
         """Take one evaluation into account, with the training level at that time."""
@@ -378,9 +401,13 @@ def _gap(h: JobHistory) -> list[dict[str, Any]] | None:
 def _earlier_cause(h: JobHistory, alert: Alert) -> dict[str, Any] | None:
     if alert.category not in SIGNAL_CATEGORIES:
         return None
+    # Weights waking up from a too-small init move fast relative to themselves and take
+    # their gradients up with them: those signs are its consequences, not a high lr.
+    explained = WAKING_UP if "small_init" in h.precursors else ()
     chain = sorted(
         (p for p in h.precursors.values()
-         if p.step < alert.step and p.category != alert.category and p.last_step >= alert.step - 2 * EPISODE_GAP),
+         if p.step < alert.step and p.category != alert.category and p.signal not in explained
+         and p.last_step >= alert.step - 2 * EPISODE_GAP),
         key=lambda p: (p.step, p.signal))
     if not chain:
         return None

@@ -33,7 +33,12 @@ from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.stepping import OptimizerIdleDetector
 from gradwatch.rules.vanishing import VanishingGradientDetector, ZeroGradientsDetector
-from gradwatch.rules.weights import LaggingLayersDetector, UpdateRatioDetector, WeightRunawayDetector
+from gradwatch.rules.weights import (
+    LaggingLayersDetector,
+    SmallInitDetector,
+    UpdateRatioDetector,
+    WeightRunawayDetector,
+)
 
 DetectorFactory = Callable[..., Detector]
 
@@ -119,6 +124,7 @@ register_detector("dead_units", DeadUnitsDetector)
 register_detector("weight_runaway", WeightRunawayDetector)
 register_detector("update_ratio", UpdateRatioDetector)
 register_detector("lagging_layers", LaggingLayersDetector)
+register_detector("small_init", SmallInitDetector)
 register_detector("loss_scale", LossScaleCollapseDetector)
 register_detector("frozen_mid_run", FrozenMidRunDetector)
 register_detector("train_in_eval_mode", TrainingInEvalModeDetector)

@@ -56,3 +56,17 @@ def test_the_ratio_ends_of_a_tied_gpt_are_its_weight_matrices() -> None:
     end = LayerEnds().measure(step)
     assert end is not None
     assert (end.first, end.last) == ("transformer.h.0.attn.c_attn", "transformer.h.3.mlp.c_proj")
+
+
+def test_init_x0_01_is_a_small_init_not_an_explosion() -> None:
+    # Issue 13: nanoGPT with its init x0.01 paged a *critical* GradientNormGrowingGeometrically
+    # ("float32 overflow in ~756 steps", first advice "lower the learning rate"): the grad norm
+    # grew from 0.1 as the weights woke up. The fitting reading is the init, with its advice.
+    transitions = feed_all(Engine(RULES, clock=lambda: 0.0), records(DATA / "gpt-init-x0.01.npz"))
+    fired = {t.alert.rule: t.alert for t in transitions if t.current == "firing"}
+    assert "GradientNormGrowingGeometrically" not in fired
+    assert all(a.severity != "critical" for a in fired.values())
+    small = fired["WeightsStartedTooSmall"]
+    assert small.category == "vanishing_gradients" and small.step <= 50
+    assert small.diagnosis is not None and "initialisation scale" in small.diagnosis["next_checks"][0]
+    assert not any("lower the learning rate" == c for c in small.diagnosis["next_checks"])

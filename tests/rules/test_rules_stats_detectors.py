@@ -207,3 +207,29 @@ def test_dead_gelu_and_silu_units_through_the_default_rule() -> None:
         fired += engine.observe_stats(Stats(job="j", step=50 * k, time=0.0, act=acts))
     (t,) = fired
     assert (t.alert.rule, t.alert.category, t.alert.evidence["module"]) == ("DeadGELUSiLUUnits", "dead_units", "mlp.act")
+
+
+# ---------------------------------------------------------------- weights started too small
+
+
+def weight_stats(t: int, scale: float) -> Stats:
+    return Stats(job="j", step=t, time=float(t), layers=DEEP,
+                 weight_norms=np.array([scale, 0.01] * 6 + [1.0]))
+
+
+def test_weights_grown_tenfold_from_the_init_are_a_small_init() -> None:
+    from gradwatch.rules.weights import SmallInitDetector
+    det = SmallInitDetector()
+    found = [det.observe_stats(weight_stats(t, 0.02 * 1.05**t)) for t in (1, 10, 50, 100)]
+    assert [bool(f and f.active) for f in found] == [False, False, True, True]
+    ev = found[2].evidence  # type: ignore[union-attr]
+    assert ev["first_step"] == 1 and ev["growth"] == pytest.approx(1.05**49, rel=1e-6)
+    assert "h.0.weight" in ev["fastest_layers"]
+
+
+def test_a_standard_init_and_a_late_first_sample_are_not_judged() -> None:
+    from gradwatch.rules.weights import SmallInitDetector
+    det = SmallInitDetector()
+    assert not any(det.observe_stats(weight_stats(t, 1.0 + t / 1000)).active for t in range(1, 1500, 50))  # type: ignore[union-attr]
+    late = SmallInitDetector()
+    assert all(late.observe_stats(weight_stats(t, 0.02 * 1.05**t)) is None for t in (50, 100, 200))
