@@ -42,6 +42,7 @@ import torch
 
 from gradwatch.agent.layout import Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, FlushItem
+from gradwatch.agent.workqueue import WorkQueue
 
 
 class StepBuffer:
@@ -52,7 +53,8 @@ class StepBuffer:
     """
 
     def __init__(self, columns: Columns, device: torch.device, flush_every: int,
-                 pool_size: int, work: queue.Queue[Any], counters: Counters) -> None:
+                 pool_size: int, work: WorkQueue | queue.Queue[Any],
+                 counters: Counters) -> None:
         self._columns = columns
         self._device = device
         self._cuda = device.type == "cuda"

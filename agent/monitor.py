@@ -67,6 +67,7 @@ from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, S
 from gradwatch.agent.steps import check_watch_args, user_step
 from gradwatch.agent.topology import resolve_shards
 from gradwatch.agent.weightstats import Round, WeightStats
+from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import columns as wc
 from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE, DEGRADED
 
@@ -169,7 +170,8 @@ class Monitor:
         self._column_of: dict[str, str] = {wc.LOSS: wc.LOSS}
         if self._manual:
             self._column_of["lr"] = wc.lr(0)  # the hand-written update's rate, if logged
-        self._work: queue.Queue[Any] = queue.Queue(config.pool_size + config.max_pending_events)
+        # Appended to, never woken: the shipper polls it (agent/workqueue.py).
+        self._work = WorkQueue(config.pool_size + config.max_pending_events)
         self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
                                   config.pool_size, self._work, self._counters)
         self.incarnation = secrets.token_hex(8)

@@ -46,6 +46,7 @@ from zmq.utils.monitor import recv_monitor_message
 from gradwatch.agent.commands import CommandReceiver, Rollback
 from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys
 from gradwatch.agent.layout import MISSING_LE, HostValue, Layout, le_bytes, merge_rows
+from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import (
     Batch,
     Event,
@@ -147,7 +148,8 @@ class Shipper:
     memory barrier ZeroMQ asks for when a socket changes threads.
     """
 
-    def __init__(self, config: AgentConfig, incarnation: str, work: queue.Queue[Any],
+    def __init__(self, config: AgentConfig, incarnation: str,
+                 work: WorkQueue | queue.Queue[Any],
                  pool: queue.Queue[torch.Tensor], counters: Counters,
                  last_step: Callable[[], int],
                  on_failure: Callable[[str, BaseException], None] | None = None,

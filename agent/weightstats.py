@@ -6,16 +6,18 @@ update ratios ``||dw|| / ||w||`` (a transient copy of every trainable
 parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
 
 * **Update ratios from a fixed sample.** At attach, each parameter gets a
-  fixed strided sample of at most ``SAMPLE`` elements (stride coprime to its
+  fixed strided sample of 1/64 of its elements, at least 1,024 and at most
+  ``SAMPLE`` (4,096) (stride coprime to its
   last dimension, so a sample walks across rows and columns; a random but
   seeded offset). The optimizer step pre-hook of a cadence step gathers the
   samples into one preallocated buffer (one ``cat``), ``log()`` gathers them
   again after the update, and the ratio is ``||after - before|| / ||after||``
   over the sample: an estimate of the exact ratio whose error shrinks as
   ``1/sqrt(SAMPLE)`` for updates spread over the tensor (tests/agent/
-  test_agent_cost.py measures it). Extra memory: two buffers of
-  ``sum(min(numel, SAMPLE))`` elements, whatever the model's size. A tensor
-  small enough is sampled whole, so its ratio is exact.
+  test_agent_cost.py measures it). Extra memory: two buffers of at most
+  ``SAMPLE`` elements per tensor, whatever the model's size (3.1% of any tensor
+  of 64k elements or more). A tensor of 1,024 elements or fewer is sampled
+  whole, so its ratio is exact.
 * **Weight norms spread over steps.** The parameters' flattened element space
   is cut into at most ``MAX_PHASES`` ranges of about equal size (cutting
   through tensors); a cadence *round* reads one range per step, from the
@@ -52,8 +54,11 @@ import torch
 from gradwatch.agent.gradients import GradReader, _is_dtensor
 from gradwatch.agent.layout import MISSING_I32, fill_missing
 
-# Elements sampled per parameter for its update ratio (see the module docstring).
+# Elements sampled per parameter for its update ratio (see the module docstring):
+# 1/SAMPLE_SHARE of it, at least MIN_SAMPLE (smaller tensors whole) and at most SAMPLE.
 SAMPLE = 4096
+MIN_SAMPLE = 1024
+SAMPLE_SHARE = 64
 # A round reads the weights over at most this many steps.
 MAX_PHASES = 8
 # Below this many elements per phase the per-step Python cost outweighs the read saved.
@@ -262,8 +267,10 @@ def _flat(w: torch.Tensor) -> torch.Tensor | None:
 
 
 def _sample_spec(w: torch.Tensor, sample: int, rng: random.Random) -> tuple[int, int, int]:
-    """(offset, stride, count) of a strided sample of at most ``sample`` elements."""
+    """(offset, stride, count) of a strided sample: a 1/SAMPLE_SHARE share of ``w``,
+    at least MIN_SAMPLE elements (fewer: the whole tensor) and at most ``sample``."""
     n = w.numel()
+    sample = min(sample, max(MIN_SAMPLE, n // SAMPLE_SHARE))
     if n <= sample:
         return 0, 1, n
     stride = n // sample

@@ -1,23 +1,33 @@
-"""Step-time overhead of the gradwatch agent on CPU.
+"""Step-time overhead of the gradwatch agent on CPU: every step, not just the median.
 
-Three variants of the same training step run interleaved round-robin in one
+Four variants of the same training step run interleaved round-robin in one
 process, so drift in the machine (thermal, other load) hits them equally:
 
 * ``baseline`` -- no monitoring;
-* ``agent``    -- ``gradwatch.watch`` at default settings, shipping to a PULL
-  socket on loopback that a receiver thread drains (the collector's part);
+* ``agent``    -- ``gradwatch.watch`` at default settings (early cadence on),
+  shipping to a PULL socket on loopback that a receiver thread drains;
+* ``read``     -- the physical limit: one fused read of all gradients
+  (``torch._foreach_norm`` + ``torch.stack``) before ``opt.step()``, nothing else;
 * ``naive``    -- what people write by hand: every parameter's grad norm
   read with ``.item()`` every step.
 
-Two workloads: a small GPT-style transformer (4 layers, d_model 256, 4 heads,
-seq 128, vocab 1000, batch 8, AdamW) and a ~0.4M-parameter MLP (batch 64,
-SGD). Prints median and p90 step times and the overhead versus baseline:
-"overhead" compares whole-run medians, "paired" is the median over rounds
-of each round's ratio (it cancels slow drift in machine load).
-Targets at default settings: <= 0.5% (transformer), <= 3% (MLP).
+Workloads: a small GPT-style transformer (4 layers, d_model 256, 4 heads,
+seq 128, vocab 1000, batch 8, AdamW), the ~0.4M-parameter MLP 256-512-512-10
+(batch 64, SGD) and the 6x256 MLP of issue 14 (batch 64, SGD). For each it
+prints, per variant, the p50 / p99 / max / mean step time and the overhead
+of p50, p99 and mean against the baseline's; then the agent's own
+training-thread time (the optimizer pre-hook plus ``log()``, timed directly:
+steadier than step times on a busy machine) as p50 / p99 / max / mean, and
+its ratio to the fused read timed the same way in the same run; then the
+agent's extra memory: what ``watch()`` keeps allocated plus the peak of what
+its calls allocate over a run of cadence steps (torch profiler, CPU tensors;
+``torch.cuda.max_memory_allocated`` on CUDA, see cuda_sync_check.py).
+Targets at default settings: p50, p99 and mean overhead <= 0.5% (transformer)
+and <= 3% (MLP); agent / read <= 1.2.
 
     python benchmarks/agent_overhead.py            # several hundred steps each
     python benchmarks/agent_overhead.py --quick    # a minute or so
+    python benchmarks/agent_overhead.py --only mlp6x256
 """
 
 from __future__ import annotations
@@ -34,33 +44,34 @@ from typing import Any
 import torch
 import zmq
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 import gradwatch
+from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
 from tiny_gpt import TinyGPT  # benchmarks/ is on sys.path when run as a script
 
-VARIANTS = ("baseline", "agent", "naive")
+VARIANTS = ("baseline", "agent", "read", "naive")
 
-# Time spent inside the agent's two training-thread entry points, measured
-# directly: a low-noise companion to the step-time medians, which on a busy
-# machine wobble by more than the agent costs. It misses indirect costs
-# (cache pollution, the shipper thread), which the medians include.
-_INSIDE: dict[str, list[float]] = {"pre-hook": [], "log": []}
+# Time spent inside the agent's two training-thread entry points (and in the
+# bare read), per step, measured directly. It misses indirect costs (cache
+# pollution, the shipper thread holding the GIL), which the step times include.
+_INSIDE: dict[str, float] = {"agent": 0.0, "read": 0.0}
 
 
-def _timed(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
-            _INSIDE[name].append(time.perf_counter() - t0)
+            _INSIDE["agent"] += time.perf_counter() - t0
 
     return timed
 
 
-Monitor._pre_hook = _timed("pre-hook", Monitor._pre_hook)  # type: ignore[method-assign]
-Monitor.log = _timed("log", Monitor.log)  # type: ignore[method-assign]
+Monitor._pre_hook = _timed(Monitor._pre_hook)  # type: ignore[method-assign]
+Monitor.log = _timed(Monitor.log)  # type: ignore[method-assign]
 
 
 @dataclass
@@ -88,6 +99,20 @@ def mlp(device: str) -> Workload:
     x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
     return Workload("mlp", model, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
                     lambda: (x, y), nn.functional.cross_entropy)
+
+
+def mlp6x256(device: str) -> Workload:
+    # Six Linear(256, 256) with ReLU between: 395k parameters in 12 tensors (issue 14).
+    layers: list[nn.Module] = []
+    for i in range(6):
+        layers += [nn.Linear(256, 256)] + ([nn.ReLU()] if i < 5 else [])
+    model = nn.Sequential(*layers).to(device)
+    x, y = torch.randn(64, 256, device=device), torch.randint(0, 256, (64,), device=device)
+    return Workload("mlp6x256", model, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+                    lambda: (x, y), nn.functional.cross_entropy)
+
+
+WORKLOADS = {"transformer": transformer, "mlp": mlp, "mlp6x256": mlp6x256}
 
 
 class Receiver:
@@ -124,11 +149,17 @@ def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], No
     mon = gradwatch.watch(model, opt, job=f"bench-{work.name}", endpoint=endpoint) \
         if variant == "agent" else None
     sink: list[float] = []
+    row = torch.empty(len(params), dtype=torch.float32, device=params[0].device)
 
     def step() -> None:
         x, y = work.batch()
         loss = work.loss(model(x), y)
         loss.backward()
+        if variant == "read":
+            t0 = time.perf_counter()
+            norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
+            torch.stack(norms, out=row)
+            _INSIDE["read"] += time.perf_counter() - t0
         opt.step()
         if mon is not None:
             mon.log(loss=loss)
@@ -142,57 +173,101 @@ def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], No
 
 
 def measure(work: Workload, steps: int, warmup: int, chunk: int, endpoint: str,
-            sync: Callable[[], None]) -> dict[str, list[float]]:
+            sync: Callable[[], None]) -> dict[str, Any]:
     runners = {v: make_step(work, v, endpoint, sync) for v in VARIANTS}
     for step, _ in runners.values():
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    paired: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    for calls in _INSIDE.values():
-        calls.clear()
+    inside: dict[str, list[float]] = {"agent": [], "read": []}
     while len(times["baseline"]) < steps:
-        chunk_medians = {}
         for variant, (step, _) in runners.items():  # round-robin, chunk steps each
-            ts = []
+            ts = times[variant]
             for _ in range(chunk):
+                _INSIDE["agent"] = _INSIDE["read"] = 0.0
                 t0 = time.perf_counter()
                 step()
                 ts.append(time.perf_counter() - t0)
-            times[variant] += ts
-            chunk_medians[variant] = statistics.median(ts)
-        for variant, med in chunk_medians.items():
-            paired[variant].append(med / chunk_medians["baseline"] - 1)
-    inside = {name: (statistics.median(calls), sum(calls) / len(calls))
-              for name, calls in _INSIDE.items()}
+                if variant in inside:
+                    inside[variant].append(_INSIDE[variant])
     for _, close in runners.values():
         close()
-    return {"times": times, "paired": paired, "inside": inside}
+    return {"times": times, "inside": inside}
 
 
-def report(name: str, result: dict[str, Any]) -> None:
-    times, paired = result["times"], result["paired"]
-    base = statistics.median(times["baseline"])
-    print(f"\n{name}: {len(times['baseline'])} steps per variant")
-    print(f"  {'variant':<9} {'median ms':>10} {'p90 ms':>9} {'overhead':>9} {'paired':>8}")
+def extra_memory(work: Workload, endpoint: str, steps: int = 24) -> tuple[int, int, int]:
+    """Bytes ``watch()`` keeps allocated, the peak its calls allocate over ``steps``
+    steps from the start (the dense early cadence: most are cadence steps), and the
+    budget (agent/budget.py). CPU tensors, measured with the torch profiler."""
+    model = copy.deepcopy(work.model)
+    opt = work.make_opt(model)
+
+    def allocated(fn: Callable[[], Any]) -> tuple[Any, int, int]:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            result = fn()
+        live = peak = 0
+        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+            live += event.self_cpu_memory_usage
+            peak = max(peak, live)
+        return result, peak, live
+
+    mon, _, kept = allocated(lambda: gradwatch.watch(model, opt, job="mem", endpoint=endpoint))
+    peak = 0
+    for _ in range(steps):
+        x, y = work.batch()
+        work.loss(model(x), y).backward()
+        # The optimizer's own step allocates too (AdamW's state at its first step):
+        # measure it unmonitored and subtract, so only the agent's part remains.
+        _, opt_peak, _ = allocated(lambda: None)
+        _, step_peak, _ = allocated(lambda: (opt.step(), mon.log(loss=1.0)))
+        peak = max(peak, step_peak - opt_peak)
+        opt.zero_grad(set_to_none=True)
+    mon.close()
+    n_layers = sum(1 for p in model.parameters() if p.requires_grad)
+    acts = mon._acts.columns if mon._acts is not None else ()
+    budget = memory_budget(n_layers, mon.config, act_columns=len(acts)).total
+    return kept, peak, budget
+
+
+def _q(ts: list[float], q: int) -> float:
+    return statistics.quantiles(ts, n=100, method="inclusive")[q - 1]
+
+
+def report(name: str, result: dict[str, Any], memory: tuple[int, int, int] | None,
+           n_params: int) -> None:
+    times, inside = result["times"], result["inside"]
+    base = times["baseline"]
+    b50, b99, bmean = statistics.median(base), _q(base, 99), statistics.mean(base)
+    print(f"\n{name}: {len(base)} steps per variant, {n_params:,} parameters")
+    print(f"  {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
+          f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}")
     for variant, ts in times.items():
-        med = statistics.median(ts)
-        p90 = statistics.quantiles(ts, n=10)[-1]
-        pair = statistics.median(paired[variant]) * 100
-        print(f"  {variant:<9} {med * 1e3:>10.3f} {p90 * 1e3:>9.3f} "
-              f"{(med / base - 1) * 100:>+8.2f}% {pair:>+7.2f}%")
-    med = sum(m for m, _ in result["inside"].values())
-    mean = sum(m for _, m in result["inside"].values())
-    parts = ", ".join(f"{name} {m * 1e6:.0f}" for name, (m, _) in result["inside"].items())
-    print(f"  inside the agent, measured directly: median {med * 1e6:.0f} us/step ({parts}) "
-          f"= {med / base * 100:.2f}%; mean {mean * 1e6:.0f} us = {mean / base * 100:.2f}%")
+        p50, p99, mean = statistics.median(ts), _q(ts, 99), statistics.mean(ts)
+        print(f"  {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
+              f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f} {(p99 / b99 - 1) * 100:>+7.2f}"
+              f" {(mean / bmean - 1) * 100:>+7.2f}")
+    agent, read = inside["agent"], inside["read"]
+    a50, a99, amean = statistics.median(agent), _q(agent, 99), statistics.mean(agent)
+    r50, rmean = statistics.median(read), statistics.mean(read)
+    print(f"  inside the agent (pre-hook + log), per step: p50 {a50 * 1e6:.0f} us, "
+          f"p99 {a99 * 1e6:.0f} us, max {max(agent) * 1e6:.0f} us, mean {amean * 1e6:.0f} us"
+          f" = {a50 / b50 * 100:.2f}% / {a99 / b50 * 100:.2f}% / {amean / b50 * 100:.2f}% of "
+          "the baseline p50 step")
+    print(f"  one fused gradient read (_foreach_norm + stack), same run: p50 "
+          f"{r50 * 1e6:.0f} us, mean {rmean * 1e6:.0f} us; agent / read: p50 "
+          f"{a50 / r50:.2f}x, mean {amean / rmean:.2f}x")
+    if memory is not None:
+        kept, peak, budget = memory
+        print(f"  extra memory: {kept / 1024:.0f} KiB kept by watch() + {peak / 1024:.1f} KiB "
+              f"peak in its calls over 24 early steps = {(kept + peak) / (4 * n_params) * 100:.2f}%"
+              f" of the fp32 parameters; budget {budget / 1024:.0f} KiB")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="few steps, for a smoke run")
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
-    ap.add_argument("--only", choices=("transformer", "mlp"), help="run one workload")
+    ap.add_argument("--only", choices=tuple(WORKLOADS), help="run one workload")
     ap.add_argument("--transformer-steps", type=int, default=300)
     ap.add_argument("--mlp-steps", type=int, default=2000)
     args = ap.parse_args()
@@ -201,14 +276,17 @@ def main() -> None:
     receiver = Receiver()
     endpoint = f"tcp://127.0.0.1:{receiver.port}"
     print(f"torch {torch.__version__}, {args.threads} thread(s), CPU; agent ships to {endpoint}")
-    plan = [(transformer, 30 if args.quick else args.transformer_steps, 3 if args.quick else 10, 5),
-            (mlp, 300 if args.quick else args.mlp_steps, 50, 50)]
+    mlp_steps = 300 if args.quick else args.mlp_steps
+    plan = [("transformer", 30 if args.quick else args.transformer_steps, 3 if args.quick else 10,
+             5), ("mlp", mlp_steps, 50, 50), ("mlp6x256", mlp_steps, 50, 50)]
     try:
-        for build, steps, warmup, chunk in plan:
-            work = build("cpu")
-            if args.only and work.name != args.only:
+        for name, steps, warmup, chunk in plan:
+            if args.only and name != args.only:
                 continue
-            report(work.name, measure(work, steps, warmup, chunk, endpoint, lambda: None))
+            work = WORKLOADS[name]("cpu")
+            n_params = sum(p.numel() for p in work.model.parameters())
+            result = measure(work, steps, warmup, chunk, endpoint, lambda: None)
+            report(name, result, extra_memory(work, endpoint), n_params)
     finally:
         receiver.close()
     print(f"\nreceiver got {receiver.messages} messages")

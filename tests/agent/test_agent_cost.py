@@ -9,7 +9,7 @@ from torch import nn
 import gradwatch
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.gradients import GradReader
-from gradwatch.agent.weightstats import SAMPLE, WeightStats
+from gradwatch.agent.weightstats import MIN_SAMPLE, WeightStats
 
 # The sampled update ratio is within this relative error of the exact one ...
 RATIO_TOLERANCE = 0.10
@@ -101,7 +101,7 @@ def test_sampled_update_ratio_is_close_to_the_exact_one_holding_a_small_share(ma
         sampled = ws.ratios().tolist()
         exact = _exact_ratios(before, model)
         for p, s, e in zip(model.parameters(), sampled, exact, strict=True):
-            if p.numel() <= SAMPLE:
+            if p.numel() <= MIN_SAMPLE:
                 assert s == pytest.approx(e, rel=1e-4)  # sampled whole: exact
             elif e > 0:
                 errors.append(abs(s - e) / e)
