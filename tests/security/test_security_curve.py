@@ -180,3 +180,27 @@ def test_hostile_frames_from_an_allowed_key_are_counted_not_fatal(tmp_path: Path
             context.term()
         assert refused(server, "malformed") == len(hostile)
         assert server.ready and server.state.jobs() == ["run-9"]
+
+
+def test_an_allowed_key_cannot_create_jobs_past_its_cap(tmp_path: Path) -> None:
+    """Finding 2 of issue 15: one allowed key created 3,000 jobs; now max_jobs_per_key."""
+    keys = make_keys(tmp_path)
+    with running(curve_config(keys, max_jobs_per_key=5)) as server:
+        context = zmq.Context()
+        sock = context.socket(zmq.PUSH)
+        try:
+            public, secret = zmq.auth.load_certificate(keys.trainer.secret_file)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, keys.collector.public_key.encode())
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)  # type: ignore[arg-type]
+            sock.connect(server.bound_endpoint)
+            for i in range(300):  # every name matches the key's run-* pattern
+                sock.send(encode_heartbeat(Heartbeat(f"run-{i}", 0, 1, "inc", 0.0, 1, 0))[0])
+            assert server.wait_for_messages(300, WAIT_S)
+        finally:
+            sock.close(linger=0)
+            context.term()
+        assert len(server.state.jobs()) == 5
+        assert server.admission.refused()["jobs_per_key"] == 295
+        # The key is named as the sender that caused it.
+        assert (keys.trainer.public_key, "jobs_per_key", 295) in server.admission.offenders()
