@@ -49,6 +49,7 @@ from gradwatch.rules.ratio import LayerEnds
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.series import flat_since_start, trending_up
 from gradwatch.rules.step import Eval, Stats, Step
+from gradwatch.rules.weights import UpdateRatioDetector
 
 # A name for every alert category (the verdict of an alert is its own class) and
 # for the seed tree's "nothing found".
@@ -215,10 +216,13 @@ class JobHistory:
                                    f"total weight norm ×{grown:.0f} its first value")
         if stats.update_ratios is not None:
             r = np.asarray(stats.update_ratios, dtype=np.float64)
-            r = r[np.isfinite(r)]
-            if r.size and float(np.median(r)) > 0.1:
-                self._mark("update_ratio_high", "update_ratio", stats.step, float(np.median(r)),
-                           f"median ‖Δw‖/‖w‖ {float(np.median(r)):.3g} (healthy ~1e-3)")
+            finite = np.isfinite(r)
+            # As UpdateRatioTooLarge measures it (weighted by weight norm): a median over layers
+            # reads a tiny-init model's small layers as "updates too large".
+            value = UpdateRatioDetector.global_ratio(r, finite, stats.weight_norms) if finite.any() else 0.0
+            if value > 0.1:
+                self._mark("update_ratio_high", "update_ratio", stats.step, value,
+                           f"‖Δw‖/‖w‖ {value:.3g} over the model (healthy ~1e-3)")
 
     def _matrices(self, layers: tuple[str, ...], size: int) -> np.ndarray:
         """Mask of the weight matrices among ``layers`` (every layer when none is known as one)."""
@@ -308,7 +312,10 @@ def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ())
     tree, reason, evidence = _verdict(history)
     verdict = alert.category if alert.category in VERDICTS else tree
     cause = _earlier_cause(history, alert)
-    summary = f"{VERDICTS[verdict]}: {alert.summary.rstrip('.')}" if alert.summary else VERDICTS[verdict]
+    own = alert.summary.rstrip(".")
+    # A summary that already opens with the class ("vanishing gradients: ...") is not prefixed twice.
+    summary = own if own.lower().startswith(VERDICTS[verdict]) else f"{VERDICTS[verdict]}: {own}" if own \
+        else VERDICTS[verdict]
     if tree == verdict and reason:
         summary += f"; the seed's tree agrees ({reason})"
     elif tree != "none":

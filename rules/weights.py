@@ -165,7 +165,7 @@ class UpdateRatioDetector:
             return None
         frozen: list[str] = []
         if self.direction == "high":
-            value = self._global(ratios, finite, stats.weight_norms)
+            value = self.global_ratio(ratios, finite, stats.weight_norms)
             outside = value > self.high
         elif self.direction == "partial":
             # Some layers never move while others learn: a freeze left on (or meant: the
@@ -194,7 +194,7 @@ class UpdateRatioDetector:
         return lr is not None and lr > 0.0 and lr >= self.lr_fraction * self._lr_peak
 
     @staticmethod
-    def _global(ratios: np.ndarray, finite: np.ndarray, weights: np.ndarray | None) -> float:
+    def global_ratio(ratios: np.ndarray, finite: np.ndarray, weights: np.ndarray | None) -> float:
         """‖Δw‖/‖w‖ over the whole model: layers weighted by their weight norm."""
         if weights is not None and np.asarray(weights).shape == ratios.shape:
             w = np.asarray(weights, dtype=np.float64)
