@@ -15,6 +15,7 @@ from torch import nn
 import gradwatch
 from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.server import Server
+from gradwatch.rules.replay import replay
 from tests.recording_sink import RecordingSink, fired, firing_alert
 
 
@@ -85,3 +86,28 @@ def test_a_compiled_model_raises_only_an_info_alert() -> None:
         assert not any(t.alert.rule == "AgentDegraded" for t in sink.transitions)
     finally:
         server.stop(timeout=5.0)
+
+
+def test_a_recorded_trace_replays_the_agent_degraded_alert(tmp_path) -> None:
+    sink = RecordingSink()
+    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
+                                    record_dir=tmp_path), registry=CollectorRegistry(),
+                    sinks=[sink])
+    server.start()
+    try:
+        torch.manual_seed(0)
+        model = SparseNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with gradwatch.watch(model, opt, job="sparse-rec", endpoint=server.bound_endpoint,
+                             flush_every=2, heartbeat_every=0.05) as mon:
+            for _ in range(4):
+                model(torch.randint(0, 20, (8,))).pow(2).mean().backward()
+                opt.step()
+                mon.log(loss=1.0)
+                opt.zero_grad()
+            sink.wait_for(fired("AgentDegraded"), timeout=10.0)
+    finally:
+        server.stop(timeout=5.0)
+    replayed = replay(tmp_path / "sparse-rec.jsonl")
+    alert = firing_alert(replayed, "AgentDegraded")
+    assert "emb.weight" in alert.summary
