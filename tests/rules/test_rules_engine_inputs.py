@@ -98,7 +98,7 @@ def test_a_detector_without_inputs_is_refused() -> None:
 
 
 def test_feed_refuses_other_records() -> None:
-    with pytest.raises(TypeError, match="Step, Stats or Eval"):
+    with pytest.raises(TypeError, match="Step, Stats, Eval or AgentNotice"):
         Engine([]).feed("step")  # type: ignore[arg-type]
 
 
