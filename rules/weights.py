@@ -328,8 +328,10 @@ class SmallInitDetector:
     small factor (x2.06 over 1,500 steps of the nanoGPT-architecture trial,
     weight decay included). Only a first sample taken within ``first_step``
     steps of the run describes the init; zero-initialised layers (LoRA's B, a
-    zero head) barely move the total of the others. Weight matrices only, as
-    for the layer ratio (roles).
+    zero head) barely move the total of the others, and the median weight
+    matrix (of at least ``min_layers``) must have grown as much: a fresh head
+    trained alone on a frozen backbone can grow 10x from its small default
+    init. Weight matrices only, as for the layer ratio (roles).
 
     Example::
 
@@ -343,9 +345,11 @@ class SmallInitDetector:
         *,
         growth: Annotated[float, Field(gt=1.0)] = 10.0,
         first_step: Annotated[int, Field(ge=1)] = 20,
+        min_layers: Annotated[int, Field(ge=1)] = 3,
         max_named: Annotated[int, Field(ge=1)] = 5,
     ) -> None:
         self.growth, self.first_step, self.max_named = growth, first_step, max_named
+        self.min_layers = min_layers
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._first: tuple[int, float, np.ndarray] | None = None
         self._layers: tuple[str, ...] = ()
@@ -374,10 +378,13 @@ class SmallInitDetector:
             return None  # joined mid-run, or another layout: the init is unknown
         step0, total0, norms0 = self._first
         grown = total / total0
-        if grown < self.growth:
-            return INACTIVE
         with np.errstate(divide="ignore", invalid="ignore"):
             layer_growth = np.where(weight & (norms0 > 0), norms / norms0, 0.0)
+        judged = layer_growth[weight & (norms0 > 0)]
+        # The whole model, not one fresh layer: a new classifier head trained alone (or a
+        # zero-initialised one) can grow 10x from a small default init on its own.
+        if grown < self.growth or judged.size < self.min_layers or float(np.median(judged)) < self.growth:
+            return INACTIVE
         top = np.argsort(-layer_growth)[: self.max_named]
         names = [stats.layers[i] for i in top if layer_growth[i] >= self.growth]
         summary = (

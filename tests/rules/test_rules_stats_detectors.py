@@ -233,3 +233,13 @@ def test_a_standard_init_and_a_late_first_sample_are_not_judged() -> None:
     assert not any(det.observe_stats(weight_stats(t, 1.0 + t / 1000)).active for t in range(1, 1500, 50))  # type: ignore[union-attr]
     late = SmallInitDetector()
     assert all(late.observe_stats(weight_stats(t, 0.02 * 1.05**t)) is None for t in (50, 100, 200))
+
+
+def test_a_fresh_head_growing_alone_is_not_a_small_init() -> None:
+    from gradwatch.rules.weights import SmallInitDetector
+    det = SmallInitDetector()
+    layers = ("backbone.0.weight", "backbone.1.weight", "backbone.2.weight", "head.weight")
+    for t, head in ((1, 0.1), (10, 1.0), (100, 40.0)):
+        found = det.observe_stats(Stats(job="j", step=t, time=0.0, layers=layers,
+                                        weight_norms=np.array([1.0, 1.0, 1.0, head])))
+        assert found is not None and not found.active
