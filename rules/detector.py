@@ -42,14 +42,14 @@ from pydantic import ConfigDict, validate_call
 
 from gradwatch.rules.step import Eval, Liveness, Stats, Step
 
+if TYPE_CHECKING:  # agent_health imports this module
+    from gradwatch.rules.agent_health import AgentNotice
+
 _DTYPE_NAMES = {
     float(np.finfo(np.float16).max): "float16",
     3.3895313892515355e38: "bfloat16",
     float(np.finfo(np.float32).max): "float32",
     float(np.finfo(np.float64).max): "float64",
-if TYPE_CHECKING:  # agent_health imports this module
-    from gradwatch.rules.agent_health import AgentNotice
-
 }
 
 
