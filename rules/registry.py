@@ -20,6 +20,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Strict, create_model
 
 from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
+from gradwatch.rules.agent_health import AgentDegradedDetector
 from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.collapse import LrTooLowDetector, ZeroLossDetector
 from gradwatch.rules.detector import Detector
@@ -105,6 +106,7 @@ def _strict_scalars(hint: Any) -> Any:
 
 
 register_detector("nonfinite", NonFiniteDetector)
+register_detector("agent_degraded", AgentDegradedDetector)
 register_detector("growth", GeometricGrowthDetector)
 register_detector("ratio", LayerRatioDetector)
 register_detector("vanishing", VanishingGradientDetector)
