@@ -740,10 +740,10 @@ def _healthy_weight_decay_long(ctx: Ctx) -> None:
 
 
 ACT = "gradwatch.agent.activations"  # the agent's activation statistics (saturation, dead units)
-PARTIAL_FREEZE = ("the agent watches only parameters with requires_grad that the optimizer "
-                  "holds (so the per-step norm stays one fused kernel); a backbone frozen with "
-                  "requires_grad_(False) is invisible. LayersFrozen catches trainable layers "
-                  "that never move; WeightsFrozen a model that does not move at all")
+PARTIAL_FREEZE = ("a backbone frozen with requires_grad_(False) before watch(): the census "
+                  "counts it (params_frozen) but no rule pages on it, since a deliberate "
+                  "head-only fine-tune (families.healthy_head_only_finetune) looks the same "
+                  "except that its optimizer does not hold the frozen parameters")
 TASK_SWITCH = ("known false alarm: an unannounced switch to a new task mid-run is, in the "
                "loss alone, a spike that does not recover (LossSpike, LossDiverging, "
                "LossRising); announce it with mon.data_changed() (the announced control passes)")
