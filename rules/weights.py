@@ -37,8 +37,10 @@ class WeightRunawayDetector:
     """Active while the total weight norm grows geometrically over ``window`` cadence samples.
 
     Conditions: growth of at least ``min_growth`` across the window, a
-    straight line in log(norm) (R² >= ``min_r2``), and the newest half still
-    growing at ``min_recent`` of the window's rate (no deceleration).
+    straight line in log(norm) (R² >= ``min_r2``), the newest half still
+    growing at ``min_recent`` of the window's rate (no deceleration), and a
+    window covering at least ``min_span`` steps (the agent samples densely at
+    the start of a run, where weights grow out of their init).
 
     Example::
 
@@ -54,8 +56,10 @@ class WeightRunawayDetector:
         min_growth: Annotated[float, Field(gt=1.0)] = 2.0,
         min_r2: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95,
         min_recent: Annotated[float, Field(ge=0.0)] = 0.8,
+        min_span: Annotated[int, Field(ge=0)] = 0,
     ) -> None:
         self.window, self.min_growth, self.min_r2, self.min_recent = window, min_growth, min_r2, min_recent
+        self.min_span = min_span
         self._steps: deque[int] = deque(maxlen=window)
         self._logs: deque[float] = deque(maxlen=window)
         self._layers: deque[np.ndarray] = deque(maxlen=window)
@@ -91,6 +95,8 @@ class WeightRunawayDetector:
         growth = math.exp(min(y[-1] - y[0], 700.0))
         if growth < self.min_growth or r2 < self.min_r2 or slope <= 0 or recent < self.min_recent * slope:
             return INACTIVE
+        if self._steps[-1] - self._steps[0] < self.min_span:
+            return INACTIVE  # dense early samples: a warm-up or waking weights, not a runaway trend
         first, last = self._layers[0], self._layers[-1]
         # Layers with a non-trivial share of the weights: a zero-initialised bias "grows" infinitely.
         big = first >= 0.01 * float(first.max())
@@ -139,7 +145,9 @@ class UpdateRatioDetector:
         samples: Annotated[int, Field(ge=1)] = 3,
         lr_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1,
         moving: Annotated[float, Field(gt=0.0)] = 1e-4,
+        span: Annotated[int, Field(ge=0)] = 0,
     ) -> None:
+        self.span = span
         self.direction, self.high, self.low, self.moving = direction, high, low, moving
         self.samples, self.lr_fraction = samples, lr_fraction
         self._lr: float | None = None
@@ -186,7 +194,9 @@ class UpdateRatioDetector:
         self._held += 1
         if self._since is None:
             self._since = stats.step
-        return self._finding(value, stats, frozen) if self._held >= self.samples else INACTIVE
+        if self._held < self.samples or stats.step - self._since < self.span:
+            return INACTIVE  # a span: Adam's first steps and a waking init move weights fast, briefly
+        return self._finding(value, stats, frozen)
 
     def _judged(self) -> bool:
         # Frozen only means something while the rate is non-zero and not annealed away.

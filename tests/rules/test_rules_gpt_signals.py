@@ -66,7 +66,12 @@ def test_init_x0_01_is_a_small_init_not_an_explosion() -> None:
     fired = {t.alert.rule: t.alert for t in transitions if t.current == "firing"}
     assert "GradientNormGrowingGeometrically" not in fired
     assert all(a.severity != "critical" for a in fired.values())
+    # The page: the first layers starve (vanishing ratio), with the init scale as first check;
+    # the explanation: the weights grew 10x from their init (info: a waking init may cost nothing).
+    ratio = fired["LayerGradNormRatioVanishing"]
+    assert ratio.severity == "warning" and ratio.step <= 50
+    assert ratio.diagnosis is not None and ratio.diagnosis["next_checks"][0].startswith("initialisation scale")
     small = fired["WeightsStartedTooSmall"]
-    assert small.category == "vanishing_gradients" and small.step <= 50
+    assert (small.category, small.severity) == ("vanishing_gradients", "info") and small.step <= 50
     assert small.diagnosis is not None and "initialisation scale" in small.diagnosis["next_checks"][0]
     assert not any("lower the learning rate" == c for c in small.diagnosis["next_checks"])

@@ -243,3 +243,17 @@ def test_a_fresh_head_growing_alone_is_not_a_small_init() -> None:
         found = det.observe_stats(Stats(job="j", step=t, time=0.0, layers=layers,
                                         weight_norms=np.array([1.0, 1.0, 1.0, head])))
         assert found is not None and not found.active
+
+
+def test_early_dense_samples_alone_do_not_make_a_trend() -> None:
+    # The agent samples steps 1-8 densely: Adam's first steps and a waking init move weights
+    # fast for a few steps; the rules want the condition to span 100 steps.
+    fast = UpdateRatioDetector(direction="high", high=0.03, samples=3, span=100)
+    fast.observe(Step(job="j", step=1, time=0.0, lr=(1e-2,)))
+    assert not any(fast.observe_stats(stats(t, ratios=[0.2] * 4)).active for t in range(1, 9))  # type: ignore[union-attr]
+    found = fast.observe_stats(stats(101, ratios=[0.2] * 4))
+    assert found is not None and found.active and found.evidence["since_step"] == 1
+    grow = WeightRunawayDetector(min_span=100)
+    assert not any(grow.observe_stats(stats(t, weights=[2.0**t] * 4)).active for t in range(1, 12))  # type: ignore[union-attr]
+    slow = WeightRunawayDetector(min_span=100)
+    assert any(slow.observe_stats(stats(50 * k, weights=[2.0**k] * 4)).active for k in range(1, 12))  # type: ignore[union-attr]
