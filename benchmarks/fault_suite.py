@@ -2,7 +2,8 @@
 
 Runs every scenario of ``tests/scenarios/`` (``families.ALL_SCENARIOS``: the
 original suite, then the fault families with their healthy twins; CPU, seconds
-each) and prints, per category: recall (detected/total), median and max steps
+each) and prints, per category: recall (detected/total, any severity), paged (caught by a
+warning-or-higher alert), median and max steps
 from the fault's onset to the alert's step, and "other alerts" (alerts of another
 category that began before the expected one); then false alarms on healthy
 controls (an alert above the severity the control allows). The families held out
@@ -34,22 +35,23 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.scenario.category is not None:
             by_cat[r.scenario.category].append(r)
-    lines = [f"{'category':<22}{'recall':>8}{'median':>8}{'max':>6}{'other':>7}  missed",
-             "-" * 78]
-    tot = det = oth = 0
+    lines = [f"{'category':<22}{'recall':>8}{'paged':>7}{'median':>8}{'max':>6}{'other':>7}"
+             "  missed", "-" * 85]
+    tot = det = pag = oth = 0
     for cat in sorted(by_cat):
         rs = by_cat[cat]
         lat = [r.latency for r in rs if r.latency is not None]
         d = sum(r.detected for r in rs)
+        p = sum(_paged(r) for r in rs)
         o = sum(len(r.other) for r in rs)
-        tot, det, oth = tot + len(rs), det + d, oth + o
+        tot, det, pag, oth = tot + len(rs), det + d, pag + p, oth + o
         missed = ",".join(r.scenario.name for r in rs if not r.detected)
-        lines.append(f"{cat:<22}{f'{d}/{len(rs)}':>8}"
+        lines.append(f"{cat:<22}{f'{d}/{len(rs)}':>8}{p:>7}"
                      f"{(f'{statistics.median(lat):g}' if lat else '-'):>8}"
                      f"{(str(max(lat)) if lat else '-'):>6}{o:>7}  {missed}")
-    lines.append("-" * 78)
+    lines.append("-" * 85)
     every = [r.latency for rs in by_cat.values() for r in rs if r.latency is not None]
-    lines.append(f"{'all faults':<22}{f'{det}/{tot}':>8}"
+    lines.append(f"{'all faults':<22}{f'{det}/{tot}':>8}{pag:>7}"
                  f"{(f'{statistics.median(every):g}' if every else '-'):>8}"
                  f"{(str(max(every)) if every else '-'):>6}{oth:>7}")
     fa = [r for r in controls if r.false_alarm]
@@ -59,6 +61,12 @@ def table(results: list[Result]) -> str:
     for r in others:
         lines.append(f"  other alerts in {r.scenario.name}: " + _alerts(r.other))
     return "\n".join(lines)
+
+
+def _paged(r: Result) -> bool:
+    """Caught by a warning-or-higher alert of an accepted category (an info note does not page)."""
+    return any(f.category in r.scenario.accepted and f.severity in ("warning", "critical")
+               for f in r.fired)
 
 
 def _alerts(fired: list) -> str:
