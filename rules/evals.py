@@ -39,12 +39,15 @@ class GeneralizationGapDetector:
     1% false alarms over 100 evals with 20% eval noise; a 1%-per-eval rise
     under 3% noise is caught ~20 evals in). A noise estimate needs
     ``noise_evals`` evals: a run that evaluates once per epoch (5-10 evals)
-    is judged on the material rise alone, ``few_rise`` over the best (the
-    calibration corpus labels overfitting at 1.25x the best eval). Train
+    is judged on the material rise, ``few_rise`` over the best, with the
+    training loss fallen to ``few_train_drop`` of its level at the best eval
+    (the calibration corpus labels overfitting at 1.25x the best eval with
+    the training loss at half its level then). Train
     losses are context (``observe`` returns None): the verdict is taken on
-    each eval. At every eval the training level is the median of the last
-    ``train_window`` training losses; "training loss falls" means it is now
-    below its value at the best eval.
+    each eval. At every eval the training level is the median of the
+    training losses since the previous eval (at least 5, at most the last
+    ``train_window``); "training loss falls" means it is now below its value
+    at the best eval.
 
     Example::
 
@@ -61,13 +64,16 @@ class GeneralizationGapDetector:
         rise: Annotated[float, Field(gt=0.0)] = 0.05,
         few_rise: Annotated[float, Field(gt=0.0)] = 0.25,
         noise_evals: Annotated[int, Field(ge=5)] = 8,
+        few_train_drop: Annotated[float, Field(gt=0.0, le=1.0)] = 0.5,
         patience: Annotated[int, Field(ge=1)] = 2,
         train_window: Annotated[int, Field(ge=1)] = 50,
         z: Annotated[float, Field(ge=0.0)] = 5.0,
     ) -> None:
         self.min_evals, self.rise, self.patience, self.train_window = min_evals, rise, patience, train_window
         self.few_rise, self.noise_evals, self.z = few_rise, noise_evals, z
+        self.few_train_drop = few_train_drop
         self._train: deque[float] = deque(maxlen=train_window)
+        self._since_eval = 0  # training losses since the previous eval
         self._count = 0
         self._vals: deque[float] = deque(maxlen=32)
         self._best: tuple[float, int, float | None] | None = None  # (val loss, step, train level)
@@ -80,12 +86,17 @@ class GeneralizationGapDetector:
         loss = finite_loss(step)
         if loss is not None:
             self._train.append(loss)
+            self._since_eval += 1
 
     def observe_eval(self, ev: Eval) -> Finding | None:
         """Judge one evaluation; see the class docstring."""
         if ev.loss is None or not math.isfinite(ev.loss):
             return None  # an eval without a usable loss says nothing about the gap
-        train = statistics.median(self._train) if len(self._train) >= min(5, self.train_window) else None
+        # The training level now: the losses since the previous eval (at least 5), so a log
+        # that holds a loss every 100 steps and an eval per epoch is not judged on old losses.
+        recent = list(self._train)[-max(self._since_eval, 5):]
+        self._since_eval = 0
+        train = statistics.median(recent) if len(recent) >= min(5, self.train_window) else None
         return self._take(ev.loss, ev.step, train)
 
     def _take(self, loss: float, step: int, train: float | None) -> Finding:
@@ -107,6 +118,11 @@ class GeneralizationGapDetector:
         falling = train is not None and best[2] is not None and train < best[2]
         self._held = self._held + 1 if loss > limit and falling else 0
         if self._count < self.min_evals or self._held < self.patience:
+            return INACTIVE
+        # Few evals, no noise estimate: a noisy small validation set can bounce 25%; what
+        # overfitting adds is the training loss falling far (to half its level at the best).
+        if len(self._vals) <= self.noise_evals and train is not None and best[2] is not None \
+                and train > self.few_train_drop * best[2]:
             return INACTIVE
         # Hysteresis: the episode lasts until an eval comes back half-way from the limit to the best.
         self._open, self._close_above = True, best[0] + 0.5 * (limit - best[0])
