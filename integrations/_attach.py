@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from gradwatch.agent import Monitor, watch
+from gradwatch.agent.hooks import Detached
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ class Attachment:
             self.monitor = watch(model, probe, job=job, **kwargs)
             self.probe = probe
             if follow_real_steps:
-                self._hook = probe.real.register_step_pre_hook(self._on_real_step)
+                # Detached: the optimizer still pickles and deep-copies (agent/hooks.py).
+                self._hook = probe.real.register_step_pre_hook(Detached(self._on_real_step))
         except Exception as exc:
             self._switch_off(f"attaching gradwatch.watch to the {self.framework} model and "
                              "optimizer (check the callback's keyword arguments)", exc)
