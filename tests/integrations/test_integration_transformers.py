@@ -231,3 +231,24 @@ def test_a_model_without_a_loss_output_falls_back_to_logged_losses_and_says_so(
         if s.step in logged:
             total = math.sqrt(sum(v * v for v in s.layer_grad_norms))
             assert total == pytest.approx(logged[s.step], rel=1e-5)
+
+
+def test_the_every_step_path_makes_no_syncing_call(collector: RecordingCollector, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward hook, the end-of-backward read and the per-step log never read a device
+    value on the training thread (tests/agent/test_agent_nosync.py's structural check)."""
+    import threading
+
+    from tests.agent.test_agent_nosync import SYNCING, SyncDetector
+
+    found = SyncDetector(threading.get_ident())
+    for name in SYNCING:
+        monkeypatch.setattr(torch.Tensor, name, found.wrap(name, getattr(torch.Tensor, name)))
+    callback = GradwatchCallback(endpoint=collector.endpoint, flush_every=5, stats_every=4)
+    trainer = _trainer(tmp_path / "out", callback)
+    monitors: list[Any] = []
+    trainer.add_callback(_Spy(callback, monitors))
+    trainer.train()
+    assert found.calls == []
+    got = collector.received("hf-tiny", monitors[0])
+    assert all(s.loss is not None for s in got.steps) and len(got.steps) == STEPS
