@@ -57,6 +57,11 @@ GRAD_NORM_COLUMNS = ("grad_2.0_norm_total", "grad_norm", "train/grad_norm")
 _LR_MONITOR = re.compile(r"^lr-")
 
 
+# with_gaps fills at most this many steps between two logs: a jump further than that (a
+# hand-edited or corrupt step number) is not a stream any callback sent.
+MAX_GAP = 100_000
+
+
 class HistoryError(ValueError):
     """A log that cannot be imported; the message says what was wrong and where."""
 
@@ -254,7 +259,7 @@ def with_gaps(records: Sequence[Record]) -> list[Record]:
     last: int | None = None
     for record in records:
         if isinstance(record, Step):
-            if last is not None:
+            if last is not None and record.step - last <= MAX_GAP:
                 out += [Step(job=record.job, step=s, time=float(s)) for s in range(last + 1, record.step)]
             last = record.step if last is None else max(last, record.step)
         out.append(record)

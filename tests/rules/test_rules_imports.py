@@ -8,10 +8,12 @@ import math
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gradwatch.collector.cli import replay_main
-from gradwatch.rules.imports import HistoryError, read_history, with_gaps
-from gradwatch.rules.replay import backtest
+from gradwatch.rules.imports import HistoryError, read_history, trainer_records, with_gaps
+from gradwatch.rules.replay import backtest, replay_records
 from gradwatch.rules.step import Eval, Step
 
 
@@ -125,3 +127,23 @@ def test_the_replay_cli_reads_training_logs(tmp_path: Path, capsys: pytest.Captu
     path.write_text("{}")
     assert replay_main([str(path)]) == 2
     assert "no 'log_history'" in capsys.readouterr().err
+
+
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
+                    st.text(max_size=5), st.lists(st.integers(), max_size=2))
+_ROWS = st.lists(st.dictionaries(st.sampled_from(["step", "loss", "grad_norm", "learning_rate", "eval_loss",
+                                                  "eval_acc", "epoch"]), _VALUES, max_size=6), max_size=30)
+
+
+@given(rows=_ROWS)
+@settings(max_examples=60)
+def test_any_log_history_imports_and_replays_without_crashing(rows: list[dict[str, object]]) -> None:
+    # A hand-edited or truncated log must give records or a HistoryError, never a crash.
+    records = trainer_records(rows, "j")
+    assert all(isinstance(r, (Step, Eval)) for r in records)
+    replay_records(records)
+
+
+def test_with_gaps_does_not_fill_an_absurd_jump() -> None:
+    records = [Step(job="j", step=s, time=0.0, loss=1.0) for s in (1, 10**15)]
+    assert [r.step for r in with_gaps(records)] == [1, 10**15]
