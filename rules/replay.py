@@ -8,6 +8,10 @@ timestamps come out as they did live. Liveness is rebuilt from the records (ever
 counts as a sign of life) and ticked at most once per trace second. A record
 without ``time`` keeps the clock where it was.
 
+``backtest(path)`` does the same for a training log the user already has (a
+Hugging Face ``trainer_state.json``, a Lightning ``metrics.csv``; see
+:mod:`gradwatch.rules.imports`), and ``replay_records`` for any records.
+
 The ``trace_*`` functions go the other way (used by the collector's recorder):
 ``Step`` -> ``TraceStep`` etc., per-layer arrays aligned with the header's layers.
 
