@@ -45,6 +45,7 @@ def test_sparse_gradients_raise_agent_degraded_naming_the_layer() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with gradwatch.watch(model, opt, job="sparse", endpoint=server.bound_endpoint,
                              flush_every=2, heartbeat_every=0.05) as mon:
+            assert server.wait_for_messages(1, timeout=10.0)  # connected: nothing is lost
             for _ in range(6):
                 loss = model(torch.randint(0, 20, (8,))).pow(2).mean()
                 loss.backward()
@@ -100,6 +101,7 @@ def test_a_recorded_trace_replays_the_agent_degraded_alert(tmp_path) -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with gradwatch.watch(model, opt, job="sparse-rec", endpoint=server.bound_endpoint,
                              flush_every=2, heartbeat_every=0.05) as mon:
+            assert server.wait_for_messages(1, timeout=10.0)  # connected: nothing is lost
             for _ in range(4):
                 model(torch.randint(0, 20, (8,))).pow(2).mean().backward()
                 opt.step()

@@ -21,6 +21,8 @@ def test_read_now_divides_still_scaled_gradients_by_the_scale_and_marks_skips(
     att.attach(model, opt, "scaled")
     mon = att.monitor
     assert mon is not None
+    # Connected (its first heartbeat arrived) before training: nothing sent is dropped.
+    assert collector.server.wait_for_messages(1, timeout=10.0)
     scale = torch.tensor(1024.0)
     expected = []
     for step in range(1, 4):
