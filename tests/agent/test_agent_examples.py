@@ -31,7 +31,8 @@ from tests.agent.receiver import Received, receive, wait_connected
 
 def monitor(pull: Any, model: nn.Module, opt: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
     sock, endpoint = pull
-    mon = gradwatch.watch(model, opt, job="example", endpoint=endpoint, flush_every=5,
+    # Few batches: a starved shipper (busy machine) must not run out of host buffers.
+    mon = gradwatch.watch(model, opt, job="example", endpoint=endpoint, flush_every=16,
                           heartbeat_every=0.05, **kwargs)
     return mon, wait_connected(sock)
 
