@@ -1,4 +1,4 @@
-"""The idiom matrix: common training-loop idioms run unchanged under the agent, which keeps reporting.
+"""The idiom matrix: common loop idioms run unchanged under the agent, which keeps reporting.
 
 Each idiom is a small loop written the way its users write it. It runs twice
 from the same seed and the same data: bare, and watched by a monitor sending
