@@ -5,7 +5,12 @@ optimizer's step pre-hook writes every layer's gradient norm into the open
 device row (one fused kernel), ``Monitor.log`` copies device scalars into
 that row and keeps Python numbers in a host list, and every ``flush_every``
 steps one asynchronous copy hands the rows to the shipper thread. Nothing
-here reads a device value on the host.
+here reads a device value on the host. The step pre-hook is process-wide
+(so a re-created optimizer is followed) and every hook left on the model
+pickles and copies to a no-op (agent/hooks.py); without an optimizer the
+gradients are read at ``log()`` (agent/manual.py). A model that changes under
+the agent (dtype, sparse gradients, device) is handled by agent/recovery.py,
+which tells the collector what it can no longer measure (contract C3).
 
 Example::
 
