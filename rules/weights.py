@@ -146,8 +146,11 @@ class UpdateRatioDetector:
         lr_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1,
         moving: Annotated[float, Field(gt=0.0)] = 1e-4,
         span: Annotated[int, Field(ge=0)] = 0,
+        min_progress: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0,
     ) -> None:
-        self.span = span
+        self.span, self.min_progress = span, min_progress
+        # (step, loss) of recent steps: "high" holds only while the loss makes no progress.
+        self._losses: deque[tuple[int, float]] = deque(maxlen=2048)
         self.direction, self.high, self.low, self.moving = direction, high, low, moving
         self.samples, self.lr_fraction = samples, lr_fraction
         self._lr: float | None = None
@@ -156,7 +159,9 @@ class UpdateRatioDetector:
         self._since: int | None = None
 
     def observe(self, step: Step) -> None:
-        """Track the learning rate; judged on the next cadence sample."""
+        """Track the learning rate (and the loss, for ``min_progress``); judged on cadence samples."""
+        if self.min_progress and step.loss is not None and math.isfinite(step.loss):
+            self._losses.append((step.step, step.loss))
         if step.lr:
             lr = max(step.lr)
             if math.isfinite(lr):
@@ -196,7 +201,21 @@ class UpdateRatioDetector:
             self._since = stats.step
         if self._held < self.samples or stats.step - self._since < self.span:
             return INACTIVE  # a span: Adam's first steps and a waking init move weights fast, briefly
+        if self.direction == "high" and self._progressing(self._since, stats.step):
+            return INACTIVE  # large updates that keep lowering the loss: a fast, healthy run
         return self._finding(value, stats, frozen)
+
+    def _progressing(self, start: int, end: int) -> bool:
+        """True when the loss fell ``min_progress`` from the start to the end of ``[start, end]``."""
+        if not self.min_progress:
+            return False
+        inside = [(s, v) for s, v in self._losses if start <= s <= end]
+        if len(inside) < 10:
+            return False  # too few losses to tell: judge on the updates alone
+        fifth = max(3, len(inside) // 5)
+        first = float(np.median([v for _, v in inside[:fifth]]))
+        last = float(np.median([v for _, v in inside[-fifth:]]))
+        return last <= (1.0 - self.min_progress) * first
 
     def _judged(self) -> bool:
         # Frozen only means something while the rate is non-zero and not annealed away.

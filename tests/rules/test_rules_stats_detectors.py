@@ -257,3 +257,18 @@ def test_early_dense_samples_alone_do_not_make_a_trend() -> None:
     assert not any(grow.observe_stats(stats(t, weights=[2.0**t] * 4)).active for t in range(1, 12))  # type: ignore[union-attr]
     slow = WeightRunawayDetector(min_span=100)
     assert any(slow.observe_stats(stats(50 * k, weights=[2.0**k] * 4)).active for k in range(1, 12))  # type: ignore[union-attr]
+
+
+def test_large_updates_that_keep_lowering_the_loss_are_a_fast_healthy_run() -> None:
+    def run(loss_at) -> list[bool]:
+        det = UpdateRatioDetector(direction="high", high=0.03, samples=3, span=100, min_progress=0.1)
+        out = []
+        for t in range(1, 400):
+            det.observe(Step(job="j", step=t, time=0.0, loss=loss_at(t), lr=(1e-2,)))
+            if t % 25 == 0:
+                found = det.observe_stats(stats(t, ratios=[0.2] * 4))
+                out.append(bool(found and found.active))
+        return out
+    assert not any(run(lambda t: 2.0 * 0.99**t))  # falling fast: no page
+    stuck = run(lambda t: 3.2 + 0.1 * math.sin(t))  # stuck far above where it should be
+    assert stuck.index(True) == 4  # samples at 25, 50, 75, 100, 125: the span is reached at 125
