@@ -167,3 +167,20 @@ def test_grouping() -> None:
 def test_invalid_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         LayerRatioDetector(**bad)
+
+
+def test_for_counts_measured_steps_only() -> None:
+    # Issue 13, must-have 1: steps without layer norms (a loop that logs the loss alone between
+    # measured steps) leave the rule's state alone: for: 5 counts measured steps.
+    from gradwatch.rules import Engine, load_default_rules
+    engine = Engine(load_default_rules(), clock=lambda: 0.0)
+    fired = []
+    for t in range(1, 400):
+        measured = t % 10 == 0
+        norms = ratio_norms(0.2 if t < 200 else 1e-4) if measured else []
+        fired += [tr.alert for tr in engine.observe(step(t, norms)) if tr.current == "firing"]
+    (alert,) = fired
+    assert alert.rule == "LayerGradNormRatioVanishing"
+    # The ratio turned at step 200; the median of 5 holds from the 3rd measured step (220)
+    # and for: 5 needs 5 measured steps: fired at 260, named from 220, never on unmeasured steps.
+    assert alert.step == 220
