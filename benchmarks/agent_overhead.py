@@ -44,12 +44,12 @@ from typing import Any
 import torch
 import zmq
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import gradwatch
 from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
-from tiny_gpt import TinyGPT  # benchmarks/ is on sys.path when run as a script
+from memory_probe import cpu_allocated  # benchmarks/ is on sys.path when run as a script
+from tiny_gpt import TinyGPT
 
 VARIANTS = ("baseline", "agent", "read", "naive")
 
@@ -198,29 +198,19 @@ def measure(work: Workload, steps: int, warmup: int, chunk: int, endpoint: str,
 def extra_memory(work: Workload, endpoint: str, steps: int = 24) -> tuple[int, int, int]:
     """Bytes ``watch()`` keeps allocated, the peak its calls allocate over ``steps``
     steps from the start (the dense early cadence: most are cadence steps), and the
-    budget (agent/budget.py). CPU tensors, measured with the torch profiler."""
+    budget (agent/budget.py). CPU tensors, measured with the torch profiler. Plain SGD
+    here whatever the workload's optimizer: it allocates nothing in its step, so what
+    the step allocates is the agent's (its pre-hook and log())."""
     model = copy.deepcopy(work.model)
-    opt = work.make_opt(model)
-
-    def allocated(fn: Callable[[], Any]) -> tuple[Any, int, int]:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            result = fn()
-        live = peak = 0
-        for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-            live += event.self_cpu_memory_usage
-            peak = max(peak, live)
-        return result, peak, live
-
-    mon, _, kept = allocated(lambda: gradwatch.watch(model, opt, job="mem", endpoint=endpoint))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    mon, _, kept = cpu_allocated(
+        lambda: gradwatch.watch(model, opt, job="mem", endpoint=endpoint))
     peak = 0
     for _ in range(steps):
         x, y = work.batch()
         work.loss(model(x), y).backward()
-        # The optimizer's own step allocates too (AdamW's state at its first step):
-        # measure it unmonitored and subtract, so only the agent's part remains.
-        _, opt_peak, _ = allocated(lambda: None)
-        _, step_peak, _ = allocated(lambda: (opt.step(), mon.log(loss=1.0)))
-        peak = max(peak, step_peak - opt_peak)
+        _, step_peak, _ = cpu_allocated(lambda: (opt.step(), mon.log(loss=1.0)))
+        peak = max(peak, step_peak)
         opt.zero_grad(set_to_none=True)
     mon.close()
     n_layers = sum(1 for p in model.parameters() if p.requires_grad)

@@ -21,7 +21,16 @@ AMP fp16 with ``torch.amp.GradScaler``) runs monitored steps after a warm-up
 The agent never raises into training: a sync error inside it is caught and
 switches it off, so PASS also requires ``mon.stats.disabled is None`` (the
 reason is printed otherwise). The AMP run forces an overflow every 7th step
-to exercise the skipped-step path.
+to exercise the skipped-step path. The checked window starts with
+``mon.data_changed()``, so it holds the dense early cadence (a cadence step
+on each of its first 8 steps: activation hooks, sampled update ratios, weight
+norms read a slice per step) as well as plain and flush steps.
+
+**Memory.** For each workload, ``torch.cuda.max_memory_allocated`` over 40
+steps from a fresh ``watch()`` (dense cadence), agent minus baseline: the
+agent's peak extra device memory, printed beside its budget
+(gradwatch/agent/budget.py). ``--allow-cpu`` measures CPU tensors with the
+torch profiler instead.
 
 **Overhead.** Like ``agent_overhead.py``: baseline / agent / naive
 (per-parameter ``.item()``) interleaved round-robin in one process, median
@@ -48,10 +57,12 @@ import zmq
 from torch import nn
 
 import gradwatch
-from tiny_gpt import TinyGPT  # benchmarks/ is on sys.path when run as a script
+from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
+from memory_probe import cpu_allocated, cuda_peak  # benchmarks/ is on sys.path
+from tiny_gpt import TinyGPT
 
-VARIANTS = ("baseline", "agent", "naive")
+VARIANTS = ("baseline", "agent", "read", "naive")
 
 
 # ---------------------------------------------------------------- workloads
@@ -89,6 +100,8 @@ def mlp(device: str) -> Workload:
 
 
 def workloads(device: str, quick: bool) -> list[Workload]:
+    if device == "cpu":  # the dry run proves the script, not the numbers: a tiny GPT
+        return [mlp(device), gpt(device, "gpt-tiny", 64, 2, 2, 32, 4)]
     out = [mlp(device), gpt(device, "gpt-small", 256, 4, 4, 128, 8)]
     if not quick:
         out.append(gpt(device, "gpt-medium", 768, 12, 12, 512, 8))
@@ -118,8 +131,10 @@ def _error_mode_inside(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Installed before any Monitor exists, so the registered pre-hook is wrapped too.
-for _name in ("_pre_hook", "log", "log_eval", "checkpoint_saved", "close"):
-    setattr(Monitor, _name, _error_mode_inside(getattr(Monitor, _name)))
+for _name in ("_any_pre_hook", "_pre_hook", "log", "log_eval", "checkpoint_saved",
+              "data_changed", "close"):
+    if hasattr(Monitor, _name):  # _any_pre_hook: the process-wide optimizer hook
+        setattr(Monitor, _name, _error_mode_inside(getattr(Monitor, _name)))
 
 
 # ---------------------------------------------------------------- one step
@@ -140,6 +155,7 @@ class Runner:
             self.mon = gradwatch.watch(self.model, self.opt, job=f"sync-{work.name}",
                                        endpoint=endpoint, scaler=self.scaler)
         self.sink: list[float] = []
+        self.row = torch.empty(len(self.params), dtype=torch.float32, device=device)
         self.count = 0
 
     def step(self, overflow: bool = False) -> None:
@@ -157,6 +173,10 @@ class Runner:
             self.scaler.update()
         else:
             loss.backward()
+            if self.variant == "read":  # the limit: one fused read of the gradients
+                norms = torch._foreach_norm([p.grad for p in self.params], 2,
+                                            dtype=torch.float32)
+                torch.stack(norms, out=self.row)
             self.opt.step()
         if self.mon is not None:
             self.mon.log(loss=loss)
@@ -213,6 +233,7 @@ def sync_check(work: Workload, amp: bool, endpoint: str, device: str, steps: int
         if device == "cuda" and not scoped:
             torch.cuda.set_sync_debug_mode("error")
         _SCOPED.on = device == "cuda" and scoped
+        runner.mon.data_changed("sync check")  # dense cadence again, inside the window
         for i in range(steps):
             runner.step(overflow=amp and i % 7 == 3)
         runner.mon.checkpoint_saved(runner.mon.step, "ckpt/check.pt")
@@ -258,14 +279,50 @@ def overhead(work: Workload, amp: bool, endpoint: str, device: str, steps: int) 
                 times[variant].append(time.perf_counter() - t0)
     for runner in runners.values():
         runner.close()
-    base = statistics.median(times["baseline"])
+    base = times["baseline"]
+    b50, b99, bmean = statistics.median(base), _p99(base), statistics.mean(base)
     print(f"\n  {work.name} {'amp-fp16' if amp else 'fp32'}: {steps} steps per variant")
-    print(f"    {'variant':<9} {'median ms':>10} {'p90 ms':>9} {'overhead':>9}")
+    print(f"    {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
+          f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}")
     for variant, ts in times.items():
-        med = statistics.median(ts)
-        p90 = statistics.quantiles(ts, n=10)[-1]
-        print(f"    {variant:<9} {med * 1e3:>10.3f} {p90 * 1e3:>9.3f} "
-              f"{(med / base - 1) * 100:>+8.2f}%")
+        p50, p99, mean = statistics.median(ts), _p99(ts), statistics.mean(ts)
+        print(f"    {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
+              f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f}"
+              f" {(p99 / b99 - 1) * 100:>+7.2f} {(mean / bmean - 1) * 100:>+7.2f}")
+
+
+def _p99(ts: list[float]) -> float:
+    return statistics.quantiles(ts, n=100, method="inclusive")[98]
+
+
+# ---------------------------------------------------------------- memory
+
+
+def memory(work: Workload, endpoint: str, device: str, steps: int = 40) -> None:
+    """The agent's peak extra memory over its first ``steps`` steps, beside its budget."""
+    peaks = {}
+    for variant in ("baseline", "agent"):
+        def run(variant: str = variant) -> Runner:
+            runner = Runner(work, variant, False, endpoint, device)
+            for _ in range(steps):
+                runner.step()
+            return runner
+
+        if device == "cuda":
+            runner, peaks[variant] = cuda_peak(run)
+        else:
+            runner, peaks[variant], _ = cpu_allocated(run)
+        runner.close()
+        if runner.mon is not None:
+            n_layers = len(runner.mon._reader.names)
+            acts = runner.mon._acts.columns if runner.mon._acts is not None else ()
+            budget = memory_budget(n_layers, runner.mon.config, act_columns=len(acts))
+    n_params = sum(p.numel() for p in work.model.parameters())
+    extra = peaks["agent"] - peaks["baseline"]
+    how = "max_memory_allocated" if device == "cuda" else "CPU tensors (profiler)"
+    print(f"  {work.name:<12} {n_params:>12,} params: agent peak {peaks['agent'] / 2**20:9.1f} "
+          f"MiB, baseline {peaks['baseline'] / 2**20:9.1f} MiB, extra "
+          f"{extra / 2**20:7.2f} MiB ({how}); budget {budget.total / 2**20:.2f} MiB")
 
 
 # ---------------------------------------------------------------- main
@@ -312,6 +369,9 @@ def main() -> int:
         for work in works:
             for amp in precisions:
                 ok &= sync_check(work, amp, endpoint, device, max(steps // 2, 30))
+        print("\nmemory (fp32, the first steps from watch(): the dense early cadence):")
+        for work in works:  # on CPU the profiler records every op: fewer steps
+            memory(work, endpoint, device, steps=40 if device == "cuda" else 10)
         print("\noverhead (interleaved round-robin, wall time per step incl. sync):")
         for work in works:
             for amp in precisions:
