@@ -118,3 +118,38 @@ class TrainingInEvalModeDetector:
 def _inside(module: str, prefixes: tuple[str, ...]) -> bool:
     """True when ``module`` is one of ``prefixes`` or nested under one."""
     return any(module == p or module.startswith(p + ".") or p == "" for p in prefixes)
+
+
+class NotInOptimizerDetector:
+    """Active while parameters that require gradients are held by no optimizer param group.
+
+    They receive gradients and never change: a layer added after the optimizer
+    was built is the classic cause. Sometimes intended (a GAN's generator seen
+    from the discriminator's optimizer), so the default rule is informational.
+
+    Example::
+
+        NotInOptimizerDetector().observe_stats(stats).evidence["not_in_optimizer"]
+    """
+
+    @validated_params
+    def __init__(self, *, max_named: Annotated[int, Field(ge=1)] = 10) -> None:
+        self.max_named = max_named
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no census."""
+        census = stats.census
+        if census is None:
+            return None
+        if census.params_not_in_optimizer <= 0:
+            return INACTIVE
+        names = list(census.not_in_optimizer[: self.max_named])
+        share = census.params_not_in_optimizer / census.params_total if census.params_total else 0.0
+        summary = (
+            f"{census.params_not_in_optimizer:,} parameter elements ({share:.1%} of the model) require "
+            f"gradients but are in no optimizer param group, so they never change"
+            + (f": {', '.join(repr(n) for n in names)}" if names else "")
+            + "; built after the optimizer?"
+        )
+        return Finding(True, summary, {"not_in_optimizer": names, "elements": census.params_not_in_optimizer,
+                                       "share": share})

@@ -29,7 +29,7 @@ from gradwatch.rules.events import ExtremeStepDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
 from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
-from gradwatch.rules.modelstate import FrozenMidRunDetector, TrainingInEvalModeDetector
+from gradwatch.rules.modelstate import FrozenMidRunDetector, NotInOptimizerDetector, TrainingInEvalModeDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.stepping import OptimizerIdleDetector
@@ -130,6 +130,7 @@ register_detector("small_init", SmallInitDetector)
 register_detector("loss_scale", LossScaleCollapseDetector)
 register_detector("frozen_mid_run", FrozenMidRunDetector)
 register_detector("train_in_eval_mode", TrainingInEvalModeDetector)
+register_detector("not_in_optimizer", NotInOptimizerDetector)
 register_detector("stalled", StalledDetector)
 register_detector("silent_rank", SilentRankDetector)
 register_detector("straggler", StragglerDetector)

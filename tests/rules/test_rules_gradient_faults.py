@@ -119,3 +119,10 @@ def test_a_logged_total_of_zero_is_not_evidence_of_zero_gradients() -> None:
     zero = Step(job="j", step=2, time=0.0, layers=("a.weight",), layer_norms=np.zeros(1))
     assert det.observe(zero).active  # type: ignore[union-attr]
     assert det.observe(replace(zero, step=3, skipped=True)) is None
+
+
+def test_parameters_outside_the_optimizer_are_named_as_info() -> None:
+    outside = Census(params_total=TOTAL, params_trainable=TOTAL - 4096, params_frozen=0,
+                     params_not_in_optimizer=4096, not_in_optimizer=("head.weight",))
+    fired = alerts(with_census(run(), lambda t: outside if t >= ONSET else census()))
+    assert [a[:3] for a in fired] == [("ParametersNotInOptimizer", "update_ratio", "info")]

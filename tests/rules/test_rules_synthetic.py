@@ -45,7 +45,7 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     # test_rules_liveness and test_rules_straggler. Checked here: the signal groups.
     elsewhere = {"GradientNormGrowingGeometrically", "LayerGradNormRatioVanishing", "LayerGradNormRatioExploding",
                  "GradientsAllZero", "LayersLagging", "LayersFrozenMidRun", "TrainingInEvalMode", "DeadGELUSiLUUnits",
-                 "WeightsStartedTooSmall"}
+                 "WeightsStartedTooSmall", "ParametersNotInOptimizer"}
     groups = {"numerical", "gradients", "activations", "weights", "model", "mixed-precision"}
     assert {r.name for r in RULES if r.group in groups} <= covered | elsewhere
     assert covered | elsewhere <= {r.name for r in RULES}
