@@ -430,8 +430,9 @@ class Monitor:
                     self._open = False
                     self._commit({}, 0.0)
                 self._buffer.flush()
-                if self._wstats is not None and self._wstats.round is not None:
-                    self._queue_stats(self._wstats.finish())
+                if self._wstats is not None:
+                    for done in self._wstats.finish():  # samples still waiting for norms
+                        self._queue_stats(done)
             except Exception as exc:
                 self._fail("flushing the last steps in Monitor.close()", exc)
             # After the last batch: the collector forgets a job soon once every rank closed.
@@ -564,7 +565,7 @@ class Monitor:
         self._began, self._data_s, self._forward_s = False, 0.0, 0.0
         self._since = time.perf_counter()
         self._counters.steps_logged += 1
-        if self._wstats is not None and (self._stats_now or self._wstats.round is not None):
+        if self._wstats is not None and (self._stats_now or self._wstats.busy):
             try:
                 self._cadence_work(now)
             except Exception as exc:  # an optional statistic: the steps go on without it
@@ -588,16 +589,14 @@ class Monitor:
 
     def _cadence_work(self, now: float) -> None:
         """A cadence step measures what only it can see (activations of its forward,
-        update ratios of its update) and opens a round; the round's weight norms are
-        read a slice per step (agent/weightstats.py), so no step pays them whole."""
+        update ratios of its update); its weight norms are read a slice per step
+        (agent/weightstats.py), so no step pays them whole, and it ships once they are."""
         ws = self._wstats
         assert ws is not None
         if not self._stats_now:
             done = ws.advance()
         else:
             self._stats_now = False
-            if ws.round is not None:  # dense cadence: the previous round ends now
-                self._queue_stats(ws.finish())
             columns: tuple[str, ...] = ()
             parts: list[torch.Tensor] = []
             acts = self._acts
@@ -608,14 +607,13 @@ class Monitor:
                 columns = (*columns, *self._ratio_columns)
                 parts.append(ws.ratios())
             done = ws.begin(self._step, now, columns, parts)
-        if done is not None:
-            self._queue_stats(done)
+        for sample in done:
+            self._queue_stats(sample)
 
-    def _queue_stats(self, done: Round | None) -> None:
-        """Queue a finished round's statistics without waiting for them."""
-        if done is None or self._wstats is None:
-            return
-        values = self._wstats.norms(done)
+    def _queue_stats(self, done: Round) -> None:
+        """Queue a complete sample's statistics without waiting for them."""
+        values = done.norms
+        assert values is not None
         if done.parts:
             values = torch.cat((*done.parts, values))
         values, ready = _to_host_async(values)

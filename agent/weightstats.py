@@ -20,9 +20,9 @@ parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
   whole, so its ratio is exact.
 * **Weight norms spread over steps.** The parameters' flattened element space
   is cut into at most ``MAX_PHASES`` ranges of about equal size (cutting
-  through tensors); a cadence *round* reads one range per step, from the
-  cadence step on, and the per-layer norm is the root of the summed squared
-  partial norms. The norms of a large model therefore mix the weights of up
+  through tensors); while a sample waits, one range is read per step, in
+  rotation, and a sample ships once a full rotation was read since its step;
+  the per-layer norm is the root of the summed squared partial norms. The norms of a large model therefore mix the weights of up
   to ``MAX_PHASES`` consecutive steps: off by at most what those updates
   moved them (an update ratio of ~1e-3 per step), while no step pays more
   than ``1/MAX_PHASES`` of a full read. A model under ``MIN_PHASE_ELEMENTS``
@@ -70,14 +70,14 @@ _NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 @dataclass
 class Round:
-    """One cadence sample in progress: what was measured at its step, and the norms so far."""
+    """One cadence sample waiting for its weight norms: what was measured at its step."""
 
     step: int
     time: float
     columns: tuple[str, ...]
     parts: list[torch.Tensor]
-    partials: torch.Tensor       # squared norms of each slice, filled phase by phase
-    phase: int = 0
+    left: int                          # phases still to read before its norms are complete
+    norms: torch.Tensor | None = None  # the per-layer weight norms, once complete
 
 
 class WeightStats:
@@ -111,7 +111,10 @@ class WeightStats:
         self._after = torch.empty_like(self._before)
         self._have_before = False
         self._plan_phases(weights, max_phases, min_phase_elements)
-        self.round: Round | None = None
+        # The latest norm of each slice (read in rotation) and the samples waiting on them.
+        self._partials = torch.zeros(self._n_slices, dtype=torch.float32, device=self._device)
+        self._next_phase = 0
+        self._waiting: list[Round] = []
 
     # ------------------------------------------------------------ plan
 
@@ -179,9 +182,9 @@ class WeightStats:
         return out
 
     def drop(self) -> None:
-        """Forget a pending before-sample and any open round (switching off)."""
+        """Forget a pending before-sample and the waiting samples (switching off)."""
         self._have_before = False
-        self.round = None
+        self._waiting = []
 
     def _gather(self, into: torch.Tensor) -> None:
         views = []
@@ -199,59 +202,76 @@ class WeightStats:
 
     # ------------------------------------------------------------ weight norms
 
-    def begin(self, step: int, time: float, columns: tuple[str, ...],
-              parts: list[torch.Tensor]) -> Round | None:
-        """Open a round for a cadence step and read its first phase.
+    @property
+    def busy(self) -> bool:
+        """Samples are waiting for their weight norms: read a phase at each step."""
+        return bool(self._waiting)
 
-        Returns the round when it is already complete (a one-phase model), else
-        None: later :meth:`advance` calls read the rest. A round still open is
-        the caller's to finish first.
+    def begin(self, step: int, time: float, columns: tuple[str, ...],
+              parts: list[torch.Tensor]) -> list[Round]:
+        """Queue a cadence step's sample and read one phase; return the samples complete now.
+
+        Phases are read in rotation into one vector of slice norms that every
+        waiting sample shares: a sample is complete once a full rotation has
+        been read since its step. Samples closer together than ``phases`` steps
+        (the dense early cadence) thus share reads, and no step reads more than
+        one phase.
         """
-        partials = torch.empty(self._n_slices, dtype=torch.float32, device=self._device)
-        self.round = Round(step, time, columns, parts, partials)
+        self._waiting.append(Round(step, time, columns, parts, self.phases))
         return self.advance()
 
-    def advance(self) -> Round | None:
-        """Read the open round's next phase; return the round once its norms are complete."""
-        current = self.round
-        if current is None:
-            return None
+    def advance(self) -> list[Round]:
+        """Read the next phase if a sample waits; return the samples it completes."""
+        if not self._waiting:
+            return []
         with torch.no_grad():
-            self._read_phase(current)
-        current.phase += 1
-        if current.phase < self.phases:
-            return None
-        self.round = None
-        return current
+            self._read_phase(self._next_phase)
+        self._next_phase = (self._next_phase + 1) % self.phases
+        for waiting in self._waiting:
+            waiting.left -= 1
+        return self._complete()
 
-    def finish(self) -> Round | None:
-        """Read every phase left of the open round at once (close, or a new round)."""
-        done = None
-        while self.round is not None and done is None:
-            done = self.advance()
+    def finish(self) -> list[Round]:
+        """Complete every waiting sample now (closing): one full rotation at once."""
+        if not self._waiting:
+            return []
+        with torch.no_grad():
+            for phase in range(self.phases):
+                self._read_phase(phase)
+        for waiting in self._waiting:
+            waiting.left = 0
+        return self._complete()
+
+    def _complete(self) -> list[Round]:
+        done = [w for w in self._waiting if w.left <= 0]
+        if not done:
+            return []
+        self._waiting = [w for w in self._waiting if w.left > 0]
+        with torch.no_grad():
+            norms = torch.zeros(len(self._counts), dtype=torch.float32, device=self._device)
+            norms.index_add_(0, self._slice_layer, self._partials.square())
+            norms.sqrt_()
+        for sample in done:
+            sample.norms = norms
         return done
 
-    def norms(self, done: Round) -> torch.Tensor:
-        """The per-layer weight norms of a complete round (a device vector; no sync)."""
-        out = torch.zeros(len(self._counts), dtype=torch.float32, device=self._device)
-        out.index_add_(0, self._slice_layer, done.partials.square_())
-        return out.sqrt_()
-
-    def _read_phase(self, current: Round) -> None:
-        weights = self._weights()
+    def _read_phase(self, phase: int) -> None:
+        params = self._reader.params
         slices = []
-        for i, start, stop in self._plan[current.phase]:
-            w = weights[i]
+        for i, start, stop in self._plan[phase]:
+            w = params[i]
+            if self._reader.sharded and _is_dtensor(w):
+                w = w.to_local()
             slices.append(w if stop is None else _flat(w)[start:stop])  # type: ignore[index]
-        a, b = self._bounds[current.phase]
-        reader = self._reader
-        if reader.wide or reader.multi_device:
-            # Normed in their own precision and place, then cast and moved: still no sync.
-            norms = [torch.linalg.vector_norm(s).to(self._device, torch.float32,
-                                                    non_blocking=True) for s in slices]
+        a, b = self._bounds[phase]
+        if any(t.dtype not in _NARROW or t.device != self._device for t in slices):
+            # float64, or model parallel: normed in their own precision and place,
+            # then cast and moved: still no sync.
+            norms = [torch.linalg.vector_norm(t).to(self._device, torch.float32,
+                                                    non_blocking=True) for t in slices]
         else:
             norms = torch._foreach_norm(slices, 2, dtype=torch.float32)
-        torch.stack(norms, out=current.partials[a:b])
+        torch.stack(norms, out=self._partials[a:b])
 
     def _weights(self) -> list[torch.Tensor]:
         return [(p.to_local() if _is_dtensor(p) else p).detach() for p in self._reader.params]

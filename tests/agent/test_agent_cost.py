@@ -56,8 +56,7 @@ def test_watch_ships_dense_early_statistics_and_again_after_data_changed() -> No
     original = mon._queue_stats
 
     def record(done):  # what would be shipped, without a collector
-        if done is not None:
-            queued.append(done.step)
+        queued.append(done.step)
         original(done)
 
     mon._queue_stats = record  # type: ignore[method-assign]
@@ -124,13 +123,19 @@ def test_weight_norms_read_over_several_phases_equal_the_exact_norms() -> None:
     assert ws.phases == 5
     done = ws.begin(1, 0.0, (), [])
     steps = 1
-    while done is None:
-        done = ws.advance()
+    while not done:
+        later = ws.begin(steps + 1, 0.0, (), []) if steps == 2 else ws.advance()
+        done = later
         steps += 1
     assert steps == 5  # one phase per step, each a fifth of the elements or less
+    assert [d.step for d in done] == [1] and ws.busy  # step 3's sample waits on
     assert ws.largest_phase <= -(-sum(p.numel() for p in model.parameters()) // 5)
     exact = [p.detach().norm().item() for p in model.parameters()]
-    assert ws.norms(done).tolist() == pytest.approx(exact, rel=1e-5)
+    assert done[0].norms is not None
+    assert done[0].norms.tolist() == pytest.approx(exact, rel=1e-5)
+    (second,) = [d for _ in range(2) for d in ws.advance()]  # shares the reads since step 3
+    assert second.step == 3 and not ws.busy
+    assert second.norms is not None and second.norms.tolist() == pytest.approx(exact, rel=1e-5)
 
 
 def test_close_finishes_an_open_round_so_the_last_sample_is_not_lost() -> None:
@@ -144,7 +149,7 @@ def test_close_finishes_an_open_round_so_the_last_sample_is_not_lost() -> None:
         opt.step()
         mon.log(loss=1.0)
         opt.zero_grad()
-    assert mon._wstats.round is not None and mon._wstats.round.step == 5
+    assert mon._wstats.busy  # the step-5 sample waits for the rest of its weight norms
     mon.close()
-    assert mon._wstats.round is None
+    assert not mon._wstats.busy
     assert mon.stats.stats_dropped + mon.stats.stats_sent == 1
