@@ -244,8 +244,9 @@ def report(name: str, result: dict[str, Any], memory: tuple[int, int, int] | Non
           f" = {a50 / b50 * 100:.2f}% / {a99 / b50 * 100:.2f}% / {amean / b50 * 100:.2f}% of "
           "the baseline p50 step")
     print(f"  one fused gradient read (_foreach_norm + stack), same run: p50 "
-          f"{r50 * 1e6:.0f} us, mean {rmean * 1e6:.0f} us; agent / read: p50 "
-          f"{a50 / r50:.2f}x, mean {amean / rmean:.2f}x")
+          f"{r50 * 1e6:.0f} us, p99 {_q(read, 99) * 1e6:.0f} us, max {max(read) * 1e6:.0f} us,"
+          f" mean {rmean * 1e6:.0f} us; agent / read: p50 {a50 / r50:.2f}x, p99 "
+          f"{a99 / _q(read, 99):.2f}x, mean {amean / rmean:.2f}x")
     if memory is not None:
         kept, peak, budget = memory
         print(f"  extra memory: {kept / 1024:.0f} KiB kept by watch() + {peak / 1024:.1f} KiB "
