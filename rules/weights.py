@@ -360,7 +360,9 @@ class SmallInitDetector:
     zero head) barely move the total of the others, and the median weight
     matrix (of at least ``min_layers``) must have grown as much: a fresh head
     trained alone on a frozen backbone can grow 10x from its small default
-    init. Weight matrices only, as for the layer ratio (roles).
+    init. And the growth must be settling (at most ``settle`` times over the
+    latest half of the run so far): weights that keep growing are exploding,
+    not waking. Weight matrices only, as for the layer ratio (roles).
 
     Example::
 
@@ -375,14 +377,17 @@ class SmallInitDetector:
         growth: Annotated[float, Field(gt=1.0)] = 10.0,
         first_step: Annotated[int, Field(ge=1)] = 20,
         min_layers: Annotated[int, Field(ge=1)] = 3,
+        settle: Annotated[float, Field(gt=1.0)] = 2.0,
         max_named: Annotated[int, Field(ge=1)] = 5,
     ) -> None:
         self.growth, self.first_step, self.max_named = growth, first_step, max_named
-        self.min_layers = min_layers
+        self.min_layers, self.settle = min_layers, settle
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._first: tuple[int, float, np.ndarray] | None = None
         self._layers: tuple[str, ...] = ()
         self._seen = False
+        self._totals: deque[tuple[int, float]] = deque(maxlen=256)
+        self._latched = False
 
     def observe(self, step: Step) -> None:
         """Keep the roles the agent sent with the step's layers, for the cadence samples."""
@@ -407,6 +412,7 @@ class SmallInitDetector:
             return None  # joined mid-run, or another layout: the init is unknown
         step0, total0, norms0 = self._first
         grown = total / total0
+        self._totals.append((stats.step, total))
         with np.errstate(divide="ignore", invalid="ignore"):
             layer_growth = np.where(weight & (norms0 > 0), norms / norms0, 0.0)
         judged = layer_growth[weight & (norms0 > 0)]
@@ -414,6 +420,9 @@ class SmallInitDetector:
         # zero-initialised one) can grow 10x from a small default init on its own.
         if grown < self.growth or judged.size < self.min_layers or float(np.median(judged)) < self.growth:
             return INACTIVE
+        if not self._latched and not self._settling(step0, stats.step, total):
+            return INACTIVE  # still growing fast: exploding weights (lr too high) look the same so far
+        self._latched = True  # once seen settling, a later growth spurt does not end the incident
         top = np.argsort(-layer_growth)[: self.max_named]
         names = [stats.layers[i] for i in top if layer_growth[i] >= self.growth]
         summary = (
@@ -425,9 +434,21 @@ class SmallInitDetector:
         )
         evidence = {
             "growth": grown,
+            "settle": self.settle,
             "first_step": step0,
             "first_weight_norm": total0,
             "weight_norm": total,
             "fastest_layers": names,
         }
         return Finding(True, summary, evidence)
+
+    def _settling(self, step0: int, now: int, total: float) -> bool:
+        """True when the second half of the run so far grew the norm at most ``settle`` times.
+
+        Waking weights approach the scale they settle at; exploding ones keep
+        growing (lr far too high). Growth of 10x overall with at most 2x in the
+        latest half is the first shape only.
+        """
+        half = step0 + (now - step0) / 2.0
+        earlier = [t for s_, t in self._totals if s_ <= half]
+        return bool(earlier) and total <= self.settle * earlier[-1]

@@ -217,14 +217,26 @@ def weight_stats(t: int, scale: float) -> Stats:
                  weight_norms=np.array([scale, 0.01] * 6 + [1.0]))
 
 
-def test_weights_grown_tenfold_from_the_init_are_a_small_init() -> None:
+def waking(t: int) -> float:
+    """A x0.02 init waking up: the norm climbs to ~1 and settles there."""
+    return 1.0 - 0.98 * math.exp(-t / 30.0)
+
+
+def test_weights_grown_tenfold_from_the_init_and_settling_are_a_small_init() -> None:
     from gradwatch.rules.weights import SmallInitDetector
     det = SmallInitDetector()
-    found = [det.observe_stats(weight_stats(t, 0.02 * 1.05**t)) for t in (1, 10, 50, 100)]
-    assert [bool(f and f.active) for f in found] == [False, False, True, True]
-    ev = found[2].evidence  # type: ignore[union-attr]
-    assert ev["first_step"] == 1 and ev["growth"] == pytest.approx(1.05**49, rel=1e-6)
+    found = [det.observe_stats(weight_stats(t, waking(t))) for t in (1, 10, 50, 100, 200)]
+    assert [bool(f and f.active) for f in found] == [False, False, False, True, True]
+    ev = found[3].evidence  # type: ignore[union-attr]
+    assert ev["first_step"] == 1 and ev["growth"] == pytest.approx(waking(100) / waking(1), rel=1e-6)
     assert "h.0.weight" in ev["fastest_layers"]
+
+
+def test_weights_that_keep_growing_are_exploding_not_waking() -> None:
+    # lr far too high: the weights grow 10x as fast, and keep growing.
+    from gradwatch.rules.weights import SmallInitDetector
+    det = SmallInitDetector()
+    assert not any(det.observe_stats(weight_stats(t, 0.5 * 1.05**t)).active for t in range(1, 300, 10))  # type: ignore[union-attr]
 
 
 def test_a_standard_init_and_a_late_first_sample_are_not_judged() -> None:
