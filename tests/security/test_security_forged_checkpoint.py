@@ -67,11 +67,11 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
                              command_listen="tcp://127.0.0.1:*", rules=rules,
                              command_key=KEY.decode(), data_dir=tmp_path / "state")
     ctx: zmq.Context[Any] = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.linger = 0
     caplog.set_level(logging.WARNING, logger="gradwatch")
     try:
         with running(config) as server:
-            push = ctx.socket(zmq.PUSH)
-            push.linger = 0
             push.connect(server.bound_endpoint)
             model, opt = model_and_optimizer()
             with agent(server, model, opt, JOB, command_endpoint=server.command_endpoint,
@@ -100,8 +100,8 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
                                   == {"unvouched": 1}), "the refusal never reached the collector"
             with urllib.request.urlopen(server.metrics_url, timeout=WAIT_S) as response:
                 metrics = response.read().decode()
-            push.close(linger=0)
     finally:
+        push.close(linger=0)
         ctx.term()
     assert 'gradwatch_rollbacks_refused_by_agent_total{reason="unvouched"} 1.0' in metrics
     assert "gradwatch_checkpoint_overwrites_refused_total 1.0" in metrics
