@@ -17,7 +17,9 @@ that pushed units into a dead regime."
   the flat negative tail), whose healthy level is near zero.
 
 Both must hold on ``samples`` consecutive cadence samples of one module, so
-one odd batch decides nothing. Memory is one counter per module.
+one odd batch decides nothing, and a reported module is released only below
+90% of the threshold (one episode, one incident). Memory is one counter per
+module.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.step import ActStats, Stats
+
+
+RELEASE = 0.9  # a reported module is released below this share of the threshold
 
 
 class _ShareDetector:
@@ -49,7 +54,10 @@ class _ShareDetector:
             return None
         over: list[tuple[str, float, int]] = []
         for act, share in measured:
-            if share >= self.threshold:
+            # Hysteresis: a module already reported stays so until it falls below 90% of the
+            # threshold, so a share hovering at the threshold is one incident, not many.
+            reported = self._held.get(act.module, 0) >= self.samples
+            if share >= (RELEASE * self.threshold if reported else self.threshold):
                 held = self._held.get(act.module, 0) + 1
                 self._held[act.module] = held
                 self._since.setdefault(act.module, stats.step)

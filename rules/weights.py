@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
-from gradwatch.rules.growth import fit_line
+from gradwatch.rules.growth import fit_line, total_grad_norm
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
 
@@ -362,7 +362,10 @@ class SmallInitDetector:
     trained alone on a frozen backbone can grow 10x from its small default
     init. And the growth must be settling (at most ``settle`` times over the
     latest half of the run so far): weights that keep growing are exploding,
-    not waking. Weight matrices only, as for the layer ratio (roles).
+    not waking. Where grad norms are reported, they must have risen ``wake``
+    times from the first steps' too (a small init starts with tiny gradients;
+    a too-high lr that inflates the weights starts with normal ones). Weight
+    matrices only, as for the layer ratio (roles).
 
     Example::
 
@@ -378,21 +381,35 @@ class SmallInitDetector:
         first_step: Annotated[int, Field(ge=1)] = 20,
         min_layers: Annotated[int, Field(ge=1)] = 3,
         settle: Annotated[float, Field(gt=1.0)] = 2.0,
+        wake: Annotated[float, Field(ge=1.0)] = 3.0,
         max_named: Annotated[int, Field(ge=1)] = 5,
     ) -> None:
         self.growth, self.first_step, self.max_named = growth, first_step, max_named
-        self.min_layers, self.settle = min_layers, settle
+        self.min_layers, self.settle, self.wake = min_layers, settle, wake
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._first: tuple[int, float, np.ndarray] | None = None
         self._layers: tuple[str, ...] = ()
         self._seen = False
         self._totals: deque[tuple[int, float]] = deque(maxlen=256)
         self._latched = False
+        self._first_grads: list[float] = []
+        self._grads: deque[float] = deque(maxlen=20)
 
     def observe(self, step: Step) -> None:
-        """Keep the roles the agent sent with the step's layers, for the cadence samples."""
+        """Keep the roles the agent sent, and the grad norms of the first and latest steps."""
         if step.layer_roles:
             self._sent = (step.layers, step.layer_roles)
+        norm = total_grad_norm(step)
+        if norm is not None and math.isfinite(norm) and norm > 0.0:
+            if len(self._first_grads) < 3:
+                self._first_grads.append(norm)
+            self._grads.append(norm)
+
+    def _woke(self) -> bool:
+        """The grad norm rose from tiny first steps (a small init); True when never measured."""
+        if len(self._first_grads) < 3 or not self._grads:
+            return True  # no grad norms in this stream: judge on the weights alone
+        return float(np.median(self._grads)) >= self.wake * float(np.median(self._first_grads))
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable weight norms."""
@@ -420,7 +437,7 @@ class SmallInitDetector:
         # zero-initialised one) can grow 10x from a small default init on its own.
         if grown < self.growth or judged.size < self.min_layers or float(np.median(judged)) < self.growth:
             return INACTIVE
-        if not self._latched and not self._settling(step0, stats.step, total):
+        if not self._latched and not (self._settling(step0, stats.step, total) and self._woke()):
             return INACTIVE  # still growing fast: exploding weights (lr too high) look the same so far
         self._latched = True  # once seen settling, a later growth spurt does not end the incident
         top = np.argsort(-layer_growth)[: self.max_named]

@@ -284,3 +284,11 @@ def test_large_updates_that_keep_lowering_the_loss_are_a_fast_healthy_run() -> N
     assert not any(run(lambda t: 2.0 * 0.99**t))  # falling fast: no page
     stuck = run(lambda t: 3.2 + 0.1 * math.sin(t))  # stuck far above where it should be
     assert stuck.index(True) == 4  # samples at 25, 50, 75, 100, 125: the span is reached at 125
+
+
+def test_a_share_hovering_at_the_threshold_is_one_incident() -> None:
+    det = DeadUnitsDetector(threshold=0.7, samples=2, kinds=("gelu",))
+    shares = [0.72, 0.75, 0.69, 0.71, 0.68, 0.74, 0.5, 0.5]
+    active = [det.observe_stats(stats(k, act=[ActStats("m", "gelu", 0.0, 1.0, zero_frac=z)])).active  # type: ignore[union-attr]
+              for k, z in enumerate(shares)]
+    assert active == [False, True, True, True, True, True, False, False]
