@@ -150,7 +150,7 @@ class UpdateRatioDetector:
     ) -> None:
         self.span, self.min_progress = span, min_progress
         # (step, loss) of recent steps: "high" holds only while the loss makes no progress.
-        self._losses: deque[tuple[int, float]] = deque(maxlen=2048)
+        self._losses: deque[tuple[int, float]] = deque(maxlen=1024)
         self.direction, self.high, self.low, self.moving = direction, high, low, moving
         self.samples, self.lr_fraction = samples, lr_fraction
         self._lr: float | None = None
