@@ -394,13 +394,6 @@ def _warmup(ctx: Ctx, stuck: bool) -> None:
         classify(ctx, model, opt, 400, sched=sched)
 
 
-# Known false alarms of rules being rebuilt now (issue 13): xfail(strict=False) until they
-# are fixed, then the mark goes (or becomes a strict ``needs`` if the alarm stays).
-EARLY_UPDATE_RATIO = ("known false alarm: UpdateRatioTooLarge (warning) on the first cadence "
-                      "samples of a healthy Adam run, where ||dw||/||w|| is naturally large")
-WAKING = ("known false alarm: UpdateRatioTooLarge, WeightNormRunaway and WeightsStartedTooSmall "
-          "(warnings) while small-init weights wake in a run that trains normally")
-
 FAMILIES: tuple[Scenario, ...] = (
     Scenario("corrupt_batch_one_step", "loss_spike", 200, lambda c: _corrupt_batch(c, True)),
     Scenario("healthy_twin_corrupt_batch", None, 0, lambda c: _corrupt_batch(c, False)),
@@ -434,10 +427,9 @@ FAMILIES: tuple[Scenario, ...] = (
     Scenario("healthy_gelu", None, 0, lambda c: _smooth_act(c, nn.GELU, 0.0)),
     Scenario("healthy_silu", None, 0, lambda c: _smooth_act(c, nn.SiLU, 0.0)),
     Scenario("healthy_tied_embedding_gpt", None, 0, _tied_gpt, slow=True),
-    Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged,
-             pending=EARLY_UPDATE_RATIO),
+    Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged),
     Scenario("healthy_weights_waking_from_small_init", None, 0, _weights_waking,
-             allow="info", pending=WAKING),
+             allow="info"),
     # HELD OUT (see HELD_OUT below)
     Scenario("adam_eps_too_large", "update_ratio", 1, lambda c: _adam_eps(c, 1.0),
              also=("lr_too_low", "dead_pipeline")),
