@@ -9,7 +9,8 @@ the shipper now holds. Measured on a shared 2-core machine, that one
 :class:`WorkQueue` is a bounded ``collections.deque`` (append and popleft are
 atomic under the GIL) that the shipper *polls*: it looks every ``poll_s``
 seconds (and sends heartbeats in between), so the training thread's ``put``
-is an append and nothing else. Shipping is ``poll_s`` later at most; only
+is an append and nothing else (a backlog wakes it, see ``WAKE_BACKLOG``).
+Shipping is ``poll_s`` later at most; only
 ``put(..., wake=True)`` (closing, not a training step) wakes it at once.
 The interface is the part of ``queue.Queue`` the agent uses.
 
@@ -36,6 +37,11 @@ from typing import Any
 
 # How often an idle shipper looks for work: the most a batch waits to be sent.
 POLL_S = 0.02
+# A backlog this long wakes the shipper at once. A loop whose steps are far
+# shorter than POLL_S / flush_every fills the agent's few staging buffers
+# (``pool_size``, 4) between two polls, and what finds no buffer is dropped;
+# waking only under such a backlog keeps the common put a plain append.
+WAKE_BACKLOG = 2
 
 
 class WorkQueue:
@@ -54,10 +60,13 @@ class WorkQueue:
         return len(self._items)
 
     def put_nowait(self, item: Any) -> None:
-        """Append ``item``; ``queue.Full`` when ``maxsize`` items wait. Never blocks or wakes."""
+        """Append ``item``; ``queue.Full`` when ``maxsize`` items wait. Never blocks; wakes
+        the consumer only when ``WAKE_BACKLOG`` items wait (a fast loop, see above)."""
         if len(self._items) >= self.maxsize:
             raise queue.Full
         self._items.append(item)
+        if len(self._items) >= WAKE_BACKLOG:
+            self._wake.set()
 
     def put(self, item: Any, timeout: float = 0.0, wake: bool = True) -> None:
         """Append ``item``, waiting up to ``timeout`` s for room; wake the consumer."""

@@ -139,7 +139,7 @@ def test_a_stalled_rank_is_reported_as_hung_and_named(tmp_path: Path) -> None:
             job.wait(JOB_TIMEOUT_S)
     assert alert.rank == 1 and alert.category == "stalled"
     assert alert.evidence["last_step"] == 2 and alert.evidence["waiting_ranks"] == [0]
-    assert "rank 1 is alive but stalled at step 2" in alert.summary
+    assert "rank 1 is alive but stuck in step 3 (last completed: 2)" in alert.summary
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])

@@ -66,8 +66,11 @@ def train(collector: Server, job: str, steps: int, nan_step: int | None = None) 
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     sent = []
     heard = collector.messages_handled
+    # early_stats=False: no cadence statistics in 20 steps, so the batches the
+    # collector counts are exactly the step batches (steps // flush_every).
     with gradwatch.watch(model, optimizer, job=job, endpoint=collector.bound_endpoint,
-                         flush_every=FLUSH_EVERY, heartbeat_every=HEARTBEAT_S) as mon:
+                         flush_every=FLUSH_EVERY, heartbeat_every=HEARTBEAT_S,
+                         early_stats=False) as mon:
         assert collector.wait_for_messages(heard + 1, CONNECT_TIMEOUT_S), \
             f"the collector heard nothing from the agent within {CONNECT_TIMEOUT_S}s"
         for step in range(1, steps + 1):
