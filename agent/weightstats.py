@@ -173,10 +173,13 @@ class WeightStats:
         with torch.no_grad():
             self._gather(self._after)
             self._before.sub_(self._after)
-            moved = torch._foreach_norm(self._before.split(self._counts), 2, dtype=torch.float32)
-            size = torch._foreach_norm(self._after.split(self._counts), 2, dtype=torch.float32)
-            torch.stack(moved, out=out)
-            out.div_(torch.stack(size).clamp_min_(_TINY))
+            # float64 weights (model.double()) cannot be normed into float32 directly:
+            # norm in their own dtype, then narrow the per-layer results.
+            dtype = torch.float32 if self._before.dtype in _NARROW else None
+            moved = torch._foreach_norm(self._before.split(self._counts), 2, dtype=dtype)
+            size = torch._foreach_norm(self._after.split(self._counts), 2, dtype=dtype)
+            out.copy_(torch.stack(moved))
+            out.div_(torch.stack(size).to(torch.float32).clamp_min_(_TINY))
             if self._unsampled.numel():
                 out.view(torch.int32).index_fill_(0, self._unsampled, MISSING_I32)
         return out
