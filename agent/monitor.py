@@ -190,10 +190,13 @@ class Monitor:
         self._phase_columns = (wc.scalar(wc.DATA_SECONDS_SCALAR),
                                wc.scalar(wc.FORWARD_SECONDS_SCALAR))
         self._shipper = Shipper(config, self.incarnation, self._work, self._buffer.pool,
-                                self._counters, last_step=lambda: self._step,
+                                # Steps on the wire are >= 0; a run numbered from 0
+                                # (start_step=0) has logged "step -1" before its first.
+                                self._counters, last_step=lambda: max(self._step, 0),
                                 on_failure=self._fail,
                                 on_command=self._on_command if config.command_endpoint else None,
-                                started=lambda: self._step + 1 if self._began else self._step)
+                                started=lambda: max(self._step + 1 if self._began
+                                                    else self._step, 0))
         self._shipper.start()
         # Every hook is Detached: a pickled or copied model or optimizer gets an inert
         # one (agent/hooks.py), so torch.save(model) and deepcopy work as unwatched.
@@ -330,7 +333,9 @@ class Monitor:
             training = [name for name, module in self._mode_sensitive
                         if module.training and mode_matters(module)]
             extra["train_mode_modules"] = training[:MAX_TRAIN_MODE_NAMES]
-        self._event("eval", self._step, values, extra)
+        # An evaluation before the first logged step of a run numbered from 0
+        # (start_step=0, nanoGPT's iter_num) is at step 0, not -1: steps are >= 0.
+        self._event("eval", max(self._step, 0), values, extra)
 
     def data_changed(self, note: str = "") -> None:
         """Announce a planned change of data or task before the next step (e.g. a new shard

@@ -261,3 +261,21 @@ def test_log_step_rewind_starts_a_new_incarnation_and_bad_steps_are_ignored(pull
     assert got.step_order == [10, 11, 5, 6, 7, 8]
     assert got.steps[10].incarnation != got.steps[5].incarnation
     assert "needs a non-negative Python int" in caplog.text
+
+
+def test_an_eval_before_the_first_step_of_a_run_numbered_from_zero_is_step_zero(pull) -> None:
+    # nanoGPT evaluates at iter_num 0 before training; with start_step=0 the eval
+    # must not carry step -1 (traces and replay refuse negative steps).
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon, seen = monitor(pull, model, opt, start_step=0)
+    mon.log_eval(loss=2.0)
+    for _ in range(2):
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mon.log(loss=1.0)
+    got = finish(pull, mon, seen)
+    assert [e.step for e in got.kinds("eval")] == [0]
+    assert sorted(got.steps) == [0, 1]
