@@ -33,14 +33,22 @@ from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
 
 
+# The most cadence samples a weight-runaway window may hold: min_span steps at the
+# agent's densest steady cadence (every step) would need more, but the early dense
+# phase lasts ~20 samples (agent/cadence.py) and later ones are stats_every apart.
+_MAX_SPAN_SAMPLES = 64
+
+
 class WeightRunawayDetector:
     """Active while the total weight norm grows geometrically over ``window`` cadence samples.
 
-    Conditions: growth of at least ``min_growth`` across the window, a
-    straight line in log(norm) (R² >= ``min_r2``), the newest half still
-    growing at ``min_recent`` of the window's rate (no deceleration), and a
-    window covering at least ``min_span`` steps (the agent samples densely at
-    the start of a run, where weights grow out of their init).
+    The window is the newest ``window`` samples, widened to the newest ones
+    spanning at least ``min_span`` steps (the agent samples densely at the start
+    of a run, where weights grow out of their init; a fixed count of samples would
+    span a different number of steps at every cadence). Conditions: growth of at
+    least ``min_growth`` across the window, a straight line in log(norm) against
+    the step (R² >= ``min_r2``), and the newest half still growing at
+    ``min_recent`` of the window's rate (no deceleration).
 
     Example::
 
@@ -60,9 +68,11 @@ class WeightRunawayDetector:
     ) -> None:
         self.window, self.min_growth, self.min_r2, self.min_recent = window, min_growth, min_r2, min_recent
         self.min_span = min_span
-        self._steps: deque[int] = deque(maxlen=window)
-        self._logs: deque[float] = deque(maxlen=window)
-        self._layers: deque[np.ndarray] = deque(maxlen=window)
+        # Enough samples to span min_span steps at a dense cadence, still bounded.
+        keep = max(window, _MAX_SPAN_SAMPLES)
+        self._steps: deque[int] = deque(maxlen=keep)
+        self._logs: deque[float] = deque(maxlen=keep)
+        self._layers: deque[np.ndarray] = deque(maxlen=keep)
         self._names: tuple[str, ...] = ()
 
     def observe_stats(self, stats: Stats) -> Finding | None:
@@ -84,36 +94,50 @@ class WeightRunawayDetector:
         self._steps.append(stats.step)
         self._logs.append(math.log(total))
         self._layers.append(norms)
-        return self._judge(total) if len(self._logs) == self.window else INACTIVE
+        n = self._window_size()
+        return self._judge(total, n) if n else INACTIVE
 
-    def _judge(self, total: float) -> Finding:
-        x = np.arange(self.window, dtype=np.float64)
-        y = np.fromiter(self._logs, dtype=np.float64, count=self.window)
+    def _window_size(self) -> int:
+        """How many of the newest samples make the window; 0 while too few or too short."""
+        steps = self._steps
+        if len(steps) < self.window:
+            return 0
+        newest = steps[-1]
+        for n in range(self.window, len(steps) + 1):
+            if newest - steps[-n] >= self.min_span:
+                return n
+        return 0  # dense early samples: a warm-up or waking weights, not a runaway trend
+
+    def _judge(self, total: float, n: int) -> Finding:
+        steps = list(self._steps)[-n:]
+        # Against the step, not the sample index: early samples are dense, and growth
+        # that slows in time would look straight over the index.
+        x = np.asarray(steps, dtype=np.float64)
+        y = np.asarray(list(self._logs)[-n:], dtype=np.float64)
         slope, r2 = fit_line(x, y)
-        half = self.window // 2
+        half = n // 2
         recent, _ = fit_line(x[-half:], y[-half:])
         growth = math.exp(min(y[-1] - y[0], 700.0))
         if growth < self.min_growth or r2 < self.min_r2 or slope <= 0 or recent < self.min_recent * slope:
             return INACTIVE
-        if self._steps[-1] - self._steps[0] < self.min_span:
-            return INACTIVE  # dense early samples: a warm-up or waking weights, not a runaway trend
-        first, last = self._layers[0], self._layers[-1]
+        per_sample = math.exp(min(slope * (steps[-1] - steps[0]) / (n - 1), 700.0))
+        first, last = self._layers[-n], self._layers[-1]
         # Layers with a non-trivial share of the weights: a zero-initialised bias "grows" infinitely.
         big = first >= 0.01 * float(first.max())
         ratios = np.where(big, last / np.where(first > 0, first, 1.0), 0.0)
         top = int(np.argmax(ratios))
         layer = self._names[top] if top < len(self._names) else f"#{top}"
         summary = (
-            f"weight norm growing without bound: total {total:.4g} grew ×{growth:.2f} over {self.window} "
-            f"samples (×{math.exp(slope):.3f} per sample, steps {self._steps[0]}–{self._steps[-1]}); "
+            f"weight norm growing without bound: total {total:.4g} grew ×{growth:.2f} over {n} "
+            f"samples (×{per_sample:.3f} per sample, steps {steps[0]}–{steps[-1]}); "
             f"fastest layer {layer!r} ×{float(ratios[top]):.2f}"
         )
         evidence = {
             "weight_norm": total,
             "growth": growth,
-            "factor_per_sample": math.exp(slope),
+            "factor_per_sample": per_sample,
             "r2": r2,
-            "since_step": self._steps[0],
+            "since_step": steps[0],
             "fastest_layer": layer,
             "fastest_layer_growth": float(ratios[top]),
         }

@@ -744,10 +744,6 @@ PARTIAL_FREEZE = ("a backbone frozen with requires_grad_(False) before watch(): 
                   "counts it (params_frozen) but no rule pages on it, since a deliberate "
                   "head-only fine-tune (families.healthy_head_only_finetune) looks the same "
                   "except that its optimizer does not hold the frozen parameters")
-RUNAWAY_SPAN = ("regression (caught until ~14:00 on 2026-12-03): WeightNormRunaway now needs its "
-                "8-sample window to span >= 100 steps (min_span, which spares weights waking "
-                "from a small init); at stats_every=10 eight samples span 70 steps, so it "
-                "cannot fire in these 200-step runs")
 TASK_SWITCH = ("known false alarm: an unannounced switch to a new task mid-run is, in the "
                "loss alone, a spike that does not recover (LossSpike, LossDiverging, "
                "LossRising); announce it with mon.data_changed() (the announced control passes)")
@@ -805,9 +801,9 @@ SCENARIOS: tuple[Scenario, ...] = (
              lambda c: _eval_train_mode(c, bn=False, dropout=0.3)),
     # weights
     Scenario("negative_weight_decay", "weight_runaway", 1,
-             lambda c: _weight_runaway(c, in_loss=False), needs=RUNAWAY_SPAN),
+             lambda c: _weight_runaway(c, in_loss=False)),
     Scenario("negative_l2_penalty_in_loss", "weight_runaway", 1,
-             lambda c: _weight_runaway(c, in_loss=True), needs=RUNAWAY_SPAN),
+             lambda c: _weight_runaway(c, in_loss=True)),
     # AMP
     Scenario("amp_fp16_overflow_storm", "loss_scale_collapse", 100, _amp_overflow_storm),
     # liveness
