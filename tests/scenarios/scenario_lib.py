@@ -101,7 +101,11 @@ class Ctx:
         self._clock.offset += seconds
 
     def drain(self, mon: Any) -> None:
-        """Wait until the collector has handled everything this monitor sent so far."""
+        """Wait until the collector has handled every step this monitor logged so far.
+
+        Call it at a flush boundary (steps a multiple of ``flush_every``): rows still
+        in the agent's device buffer are not shipped until the next flush.
+        """
         _wait_drained(self.server, [mon])
 
 
@@ -118,9 +122,20 @@ def _sent(mon: Any) -> int:
     return s.batches_sent + s.heartbeats_sent + s.events_sent + s.stats_sent
 
 
+def _shipped(mon: Any) -> bool:
+    """Every logged step has left the agent (sent or dropped): none waits in its queue."""
+    s = mon.stats
+    return s.steps_sent + s.steps_dropped >= s.steps_logged
+
+
 def _wait_drained(server: Server, monitors: Sequence[Any]) -> None:
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while time.monotonic() < deadline:
+        # The shipper polls its queue (agent/workqueue.py): a batch logged just now may
+        # not be sent yet, and counting only what was sent would return before it is.
+        if not all(_shipped(m) for m in monitors):
+            time.sleep(0.01)  # bounded poll of the agent's own counters, not a settle wait
+            continue
         want = sum(_sent(m) for m in monitors)
         if server.wait_for_messages(want, timeout=0.2) and sum(_sent(m) for m in monitors) == want:
             return
