@@ -37,19 +37,9 @@ from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.limits import current_rss
 from gradwatch.collector.server import Server
 from gradwatch.collector.sinks import SinkStats
-from tests.security.forge import batch, checkpoint, heartbeat
+from tests.security.forge import NAN_RULE, batch, checkpoint, heartbeat
 
 ROOT = Path(__file__).resolve().parents[1]
-NAN_RULE = """
-groups:
-  - name: nan
-    rules:
-      - alert: NaN
-        detector: nonfinite
-        for: 1
-        severity: critical
-        category: numerical
-"""
 
 
 class Recorder:

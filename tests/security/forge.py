@@ -11,6 +11,18 @@ import numpy as np
 
 from gradwatch.wire import Batch, Event, Heartbeat, Schema, encode, encode_event, encode_heartbeat
 
+# A rule file with only the NaN rule: what a flood must not delay (test and benchmark).
+NAN_RULE = """
+groups:
+  - name: nan
+    rules:
+      - alert: NaN
+        detector: nonfinite
+        for: 1
+        severity: critical
+        category: numerical
+"""
+
 
 def heartbeat(job: str, rank: int = 0, world: int = 1) -> list[bytes]:
     return encode_heartbeat(Heartbeat(job, rank, max(world, rank + 1), "forged", 0.0, 1, 0))

@@ -25,20 +25,11 @@ from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.limits import current_rss
 from gradwatch.collector.server import Server
 from gradwatch.collector.sinks import SinkStats
+from tests.security.forge import NAN_RULE
 from tests.security.helpers import WAIT_S, agent, model_and_optimizer, wait_until
 
 FLOOD_S = 6.0
 FLUSH = 5
-RULES = """
-groups:
-  - name: nan
-    rules:
-      - alert: NaN
-        detector: nonfinite
-        for: 1
-        severity: critical
-        category: numerical
-"""
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +60,7 @@ class Recorder:
 
 def test_a_real_nan_alert_arrives_within_a_second_under_a_flood(tmp_path: Path) -> None:
     rules = tmp_path / "rules.yaml"
-    rules.write_text(RULES)
+    rules.write_text(NAN_RULE)
     bound = current_rss() + 256 * 1024 * 1024
     config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
                              rules=rules, max_memory_bytes=bound)
