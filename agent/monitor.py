@@ -12,6 +12,11 @@ gradients are read at ``log()`` (agent/manual.py). A model that changes under
 the agent (dtype, sparse gradients, device) is handled by agent/recovery.py,
 which tells the collector what it can no longer measure (contract C3).
 
+The Monitor is one class chain, one job per module, each importing only the
+one below: agent/failsafe.py (shared state, events, switching off),
+agent/rollback_exit.py (rollback commands), agent/recording.py (the hooks and
+the per-step recording), and here the public methods and ``watch()``.
+
 Example::
 
     >>> import torch, gradwatch
@@ -33,63 +38,43 @@ from __future__ import annotations
 import logging
 import numbers
 import os
-import queue
 import secrets
-import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradwatch.agent.activations import ActHooks, check_activation_modules, is_compiled
+from gradwatch.agent.activations import check_activation_modules
 from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
-from gradwatch.agent.commands import (
-    ROLLBACK_EXIT_CODE,
-    Rollback,
-    command_settings,
-    resume_file_path,
-    write_resume_file,
-)
-from gradwatch.agent.config import (
-    DEFAULT_ENDPOINT,
-    AgentConfig,
-    SetupError,
-    resolve_rank_world,
-)
+from gradwatch.agent.commands import command_settings
+from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
+from gradwatch.agent.failsafe import MAX_NOTE_CHARS
 from gradwatch.agent.gradients import GradReader
-from gradwatch.agent.hooks import Detached
-from gradwatch.agent.layout import Columns, HostValue
+from gradwatch.agent.layout import Columns
 from gradwatch.agent.manual import ParamsOnly
-from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader, recover
-from gradwatch.agent.shipper import Counters, EventItem, Reincarnate, Shipper, StatsItem
-from gradwatch.agent.steps import check_watch_args, user_step
+from gradwatch.agent.recording import Scalar, StepRecorder
+from gradwatch.agent.recovery import NoticeBoard
+from gradwatch.agent.shipper import Counters, Shipper
+from gradwatch.agent.steps import check_watch_args
 from gradwatch.agent.topology import resolve_shards
-from gradwatch.agent.weightstats import Round, WeightStats
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import columns as wc
-from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE, DEGRADED
+from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
 
 logger = logging.getLogger(__name__)
 
-Scalar = torch.Tensor | float | int
 # BatchNorm and Dropout behave differently in training mode (preflight's wiring
 # check); the agent itself reports only those whose mode changes the output
 # (gradwatch.agent.census.mode_matters: not Dropout(p=0.0)).
 MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
-MAX_NOTE_CHARS = 512  # a data_change note: a sentence, not a payload
-# After an internal error, how long the shipper may take to send the last notice.
-FAIL_SEND_S = 1.0
-# Checked by exact type first: an ABC isinstance costs a microsecond.
-_NUMBERS = (float, int, bool)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,8 +100,13 @@ class MonitorStats:
     commands_refused: int = 0
 
 
-class Monitor:
-    """Watches one model and optimizer; create it with :func:`watch`."""
+class Monitor(StepRecorder):
+    """Watches one model and optimizer; create it with :func:`watch`.
+
+    Its parts, one module each: the shared state, events and failure
+    (agent/failsafe.py), rollback commands (agent/rollback_exit.py), the hooks
+    and the per-step recording (agent/recording.py); the public methods here.
+    """
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  config: AgentConfig, scaler: Any = None, enabled: bool = True) -> None:
@@ -130,23 +120,23 @@ class Monitor:
         self._open = False  # the pre-hook wrote this step's norms; log() not yet called
         # The rates this step's update used, read in the pre-hook: loops (and Trainer
         # callbacks) often step the scheduler before log(), which would report the next.
-        self._step_lrs: list[Any] | None = None
+        self._step_lrs = None
         self._in_hook = False  # torch iterates its hook dict while our pre-hook runs
         self._closed = False
-        self._disabled: str | None = None if enabled else "switched off by watch(enabled=False)"
+        self._disabled = None if enabled else "switched off by watch(enabled=False)"
         # One flag for the hot path: closed, switched off, or failed.
         self._off = not enabled
         self._fail_lock = threading.Lock()
-        self._warned: set[str] = set()
-        self._hooks: list[Any] = []
-        self._acts: ActHooks | None = None
+        self._warned = set()
+        self._hooks = []
+        self._acts = None
         # Which steps carry cadence statistics (agent/cadence.py), whether the
         # running one does, and its weight statistics (agent/weightstats.py).
         self._cadence = Cadence(config.stats_every, config.early_stats)
         self._stats_now = False
-        self._wstats: WeightStats | None = None
+        self._wstats = None
         # Set by the shipper thread (one attribute store), taken by the training thread.
-        self._pending: Rollback | None = None
+        self._pending = None
         self._command_ready = threading.Event()
         self._command_lock = threading.Lock()
         if not enabled:
@@ -154,7 +144,7 @@ class Monitor:
         if optimizer is None:
             optimizer = ParamsOnly(model)  # type: ignore[assignment]
         assert optimizer is not None
-        self._reader: Reader = GradReader.attach(model, optimizer)
+        self._reader = GradReader.attach(model, optimizer)
         # Found once: walking a large model's modules on every eval is wasted work.
         self._mode_sensitive = mode_modules(model)
         # Contract C2: the census rides on every cadence sample. The root's mode is
@@ -172,7 +162,7 @@ class Monitor:
             base.append(wc.LOSS_SCALE)
         self._columns = Columns(self._reader.names, base, config.device_columns)
         self._columns.layer_roles = self._census.roles(self._reader.params)
-        self._column_of: dict[str, str] = {wc.LOSS: wc.LOSS}
+        self._column_of = {wc.LOSS: wc.LOSS}
         if self._manual:
             self._column_of["lr"] = wc.lr(0)  # the hand-written update's rate, if logged
         # Appended to, never woken: the shipper polls it (agent/workqueue.py).
@@ -185,7 +175,7 @@ class Monitor:
         # seconds spent waiting for data and in forward passes this step.
         self._began = False
         self._since = time.perf_counter()
-        self._forward_t0: float | None = None
+        self._forward_t0 = None
         self._data_s = self._forward_s = 0.0
         self._phase_columns = (wc.scalar(wc.DATA_SECONDS_SCALAR),
                                wc.scalar(wc.FORWARD_SECONDS_SCALAR))
@@ -198,42 +188,7 @@ class Monitor:
                                 started=lambda: max(self._step + 1 if self._began
                                                     else self._step, 0))
         self._shipper.start()
-        # Every hook is Detached: a pickled or copied model or optimizer gets an inert
-        # one (agent/hooks.py), so torch.save(model) and deepcopy work as unwatched.
-        if getattr(optimizer, "gradwatch_stand_in", False):
-            # A framework callback's stand-in (integrations/_attach.py): it alone decides
-            # when the gradients are read.
-            self._hooks.append(optimizer.register_step_pre_hook(Detached(self._pre_hook)))
-        elif not self._manual:
-            # Process-wide, so an optimizer the loop re-creates mid-run (a new phase, a
-            # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
-            self._follow = Follower(self._reader.params, optimizer)
-            self._hooks.append(register_optimizer_step_pre_hook(
-                self._any_pre_hook))
-        began, ended = self._forward_began, self._forward_ended
-        if "torch._dynamo" in sys.modules:
-            # A compiled model would trace these clock reads into its graph (and
-            # break it there); disabled, they run eagerly at the graph's edge.
-            began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
-        # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
-        # parameters, which waits for the slowest rank; that wait is not "data".
-        self._hooks.append(model.register_forward_pre_hook(Detached(began, compile_safe=True),
-                                                           prepend=True))
-        self._hooks.append(model.register_forward_hook(Detached(ended, compile_safe=True)))
-        self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
-        if config.activation_stats and config.stats_every:
-            self._acts = ActHooks.attach(model, self._device, on_error=self._acts_failed,
-                                         max_modules=config.max_act_modules,
-                                         inputs=dict(config.activation_modules))
-            if self._acts is None and is_compiled(model):
-                self._degrade(Notice("activation statistics", "the model is compiled "
-                                     "(torch.compile); forward hooks would recompile it",
-                                     optional=True))
-        if config.stats_every:
-            self._wstats = WeightStats(self._reader)
-            self._stats_now = self._cadence.due(self._step + 1)
-            if self._acts is not None and self._stats_now:
-                self._acts.arm()  # the first step is a cadence step
+        self._attach(model, optimizer)
 
     # ------------------------------------------------------------ public
 
@@ -356,73 +311,6 @@ class Monitor:
             return
         self._event("checkpoint", int(step), {"path": os.fspath(path)})
 
-    def pending_rollback(self) -> Rollback | None:
-        """The rollback the collector asked for since the last call, or ``None``; cheap.
-
-        Call it at a step boundary. Taking the command clears it: load
-        ``cmd.checkpoint``, skip ``cmd.skip_batches`` batches, then call
-        :meth:`rollback_done` with the checkpoint's step (see docs/rollback.md).
-        """
-        if self._pending is None:  # the per-step case: one attribute read
-            return None
-        with self._command_lock:
-            cmd, self._pending = self._pending, None
-            self._command_ready.clear()
-        return cmd
-
-    def wait_for_command(self, timeout: float) -> bool:
-        """Block up to ``timeout`` s for a rollback command; True if one is pending.
-
-        For tests and loops that pause anyway (e.g. at an eval); never needed
-        in a normal loop, which polls :meth:`pending_rollback` per step.
-        """
-        return self._command_ready.wait(timeout)
-
-    def rollback_done(self, step: int) -> None:
-        """Say the loop resumed from the checkpoint of ``step``: steps count on from there.
-
-        Also removes the resume file (``on_rollback="exit"``'s plan) if there
-        is one, continues as a new ``incarnation`` (the collector then sees the
-        rewound steps as a restart, not a stall) and sends a ``note`` event.
-        """
-        if isinstance(step, torch.Tensor) or not isinstance(step, numbers.Integral):
-            self._warn_once("rollback_done", "rollback_done(step) needs a Python int; ignored")
-            return
-        self._step = int(step)
-        self._open = False
-        if not self._off:
-            self._reincarnate("rollback_done")
-        try:
-            resume_file_path(self.config.resume_file).unlink(missing_ok=True)
-        except OSError as exc:
-            self._warn_once("resume_file", f"cannot remove the resume file: {exc}; delete it "
-                            "or the next restart resumes from the same plan")
-        self._event("note", self._step, {"note": "rollback_done"})
-
-    def _reincarnate(self, why: str) -> None:
-        """Continue as a new incarnation: rewound step numbers are then a restart, not a stall."""
-        incarnation = secrets.token_hex(8)
-        try:
-            self._work.put_nowait(Reincarnate(incarnation))  # ordered after earlier steps
-            self.incarnation = incarnation
-        except queue.Full:
-            self._warn_once("reincarnate", f"{why}: the send queue is full, so the "
-                            "collector may briefly see the rewound steps as a stall")
-
-    def _renumber(self, step: Any) -> None:
-        """Make the step being logged number ``step`` (log(step=...)); see agent/steps.py."""
-        number = user_step(step)
-        if number is None:
-            self._warn_once("log_step", f"log(step=<{type(step).__name__}>) needs a "
-                            "non-negative Python int (the loop's own counter); the agent "
-                            "counts on by itself")
-            return
-        if number <= self._step and self._counters.steps_logged:
-            # The loop rewound (a resume, or a rollback done by hand): what was
-            # logged goes out first, under the old incarnation.
-            self._buffer.flush()
-            self._reincarnate(f"log(step={number})")
-        self._step = number - 1
 
     def close(self) -> None:
         """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
@@ -453,369 +341,6 @@ class Monitor:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-    # ------------------------------------------------------------ hot path
-
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._off:
-            # Not removed here: torch is iterating its hook dict, and removing an entry
-            # would raise into the loop when another hook follows ours. log()/close() do it.
-            return
-        self._in_hook = True
-        try:
-            if self._open:
-                # Two optimizer steps without a log(): the first still counts.
-                self._commit({}, 0.0)
-            self._read_grads()
-            self._step_lrs = [group["lr"] for group in optimizer.param_groups]
-            self._open = True
-            self._before_update()
-        except Exception as exc:
-            self._fail("reading gradient norms in the optimizer step pre-hook", exc)
-        finally:
-            self._in_hook = False
-
-    def _any_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        # Any optimizer's step in the process: one identity test for the watched one.
-        if optimizer is not self._optimizer:
-            if self._open or self._off or not self._follow.adopts(optimizer):
-                return  # another model's optimizer, or one stepping inside ours (a wrapper)
-            self._optimizer = optimizer
-            logger.info("gradwatch: following a new optimizer (%s) that updates the watched "
-                        "parameters", type(optimizer).__name__)
-        self._pre_hook(optimizer, args, kwargs)
-
-    def _before_update(self) -> None:
-        """What must be seen before the parameters change: the pre-hook's, or (no optimizer)
-        the end of log(), where the next hand-written update has not happened yet."""
-        if self._root.training is not self._was_training:
-            self._was_training = self._root.training  # model.eval() left on, or back
-            self._cadence.force_next()
-        if self._cadence.take_forced():
-            self._stats_now = True  # forced during this step: it is a cadence step
-        if self._stats_now and self.config.update_ratios and self._wstats is not None:
-            self._wstats.sample_before()  # a cadence step's update ratios
-
-    def _read_grads(self) -> None:
-        """Read this step's gradient norms into the open row; after a failure caused by a
-        change of the model (dtype, sparse gradients, device), carry on without what
-        cannot be read (agent/recovery.py) and tell the collector."""
-        row = self._buffer.current_layers
-        try:
-            self._reader.read_into(row)
-            return
-        except Exception:
-            fixed = recover(self._reader)
-            if fixed is None:
-                raise
-        self._reader, notice = fixed
-        if self._wstats is not None:  # it reads the weights through the old reader
-            weights = getattr(self._reader, "weights_reader", self._reader)
-            self._wstats = None if weights is None else WeightStats(weights)
-        if notice is not None:
-            self._degrade(notice)
-        self._reader.read_into(row)
-
-    def _forward_began(self, module: torch.nn.Module, args: Any) -> None:
-        # Evaluation forwards between steps are not part of the step.
-        if self._off or not module.training:
-            return
-        now = time.perf_counter()
-        if not self._began:
-            self._began = True
-            self._data_s = now - self._since
-        self._forward_t0 = now
-
-    def _forward_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if self._forward_t0 is not None:
-            self._forward_s += time.perf_counter() - self._forward_t0
-            self._forward_t0 = None
-
-    def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
-        dev: list[tuple[int, torch.Tensor]] = []
-        host: list[tuple[int, HostValue]] = [(self._columns.host_slot(wc.SKIPPED), skipped)]
-        if self._began:
-            data, forward = self._phase_columns
-            host.append((self._columns.host_slot(data), self._data_s))
-            host.append((self._columns.host_slot(forward), self._forward_s))
-        for name, value in scalars.items():
-            column = self._column_of.get(name) or self._name_column(name)
-            self._route(column, value, dev, host)
-        # Without an optimizer the rate is known only if the loop logs ``lr``.
-        groups = [] if self._manual else self._optimizer.param_groups
-        if len(groups) != len(self._lr_columns):
-            self._lr_columns = [wc.lr(g) for g in range(len(groups))]
-        lrs = self._step_lrs if self._step_lrs is not None else [g["lr"] for g in groups]
-        self._step_lrs = None
-        if len(lrs) != len(groups):
-            lrs = [g["lr"] for g in groups]  # param groups added between the step and log()
-        for column, lr in zip(self._lr_columns, lrs, strict=True):
-            self._route(column, lr, dev, host)
-        if self._scaler is not None:
-            # The scale as a device tensor; get_scale() would sync.
-            scale = getattr(self._scaler, "_scale", None)
-            if isinstance(scale, torch.Tensor):
-                self._route(wc.LOSS_SCALE, scale, dev, host)
-        if self._columns.dirty:
-            self._buffer.relayout()
-        cell = self._buffer.cell
-        for slot, tensor in dev:
-            cell(slot).copy_(tensor)
-        host_row: list[HostValue] = [None] * self._columns.host_width
-        for slot, value in host:
-            host_row[slot] = value
-        self._step += 1
-        now = time.time()
-        self._buffer.commit(self._step, now, host_row)
-        self._began, self._data_s, self._forward_s = False, 0.0, 0.0
-        self._since = time.perf_counter()
-        self._counters.steps_logged += 1
-        if self._wstats is not None and (self._stats_now or self._wstats.busy):
-            try:
-                self._cadence_work(now)
-            except Exception as exc:  # an optional statistic: the steps go on without it
-                self._wstats = None
-                self._cadence.every = 0
-                self.config = replace(self.config, stats_every=0)
-                if self._acts is not None:
-                    self._acts.disarm()
-                    self._acts = None
-                self._degrade(Notice("cadence statistics (weight norms, update ratios, "
-                                     "activations)", f"reading them failed: "
-                                     f"{type(exc).__name__}: {exc}", optional=True))
-        self._stats_now = self._cadence.due(self._step + 1)
-        acts = self._acts
-        if acts is not None:
-            # Hooks live only for a cadence step's forward pass: armed now when
-            # the next step is one, removed here at its log().
-            acts.disarm()
-            if self._stats_now:
-                acts.arm()
-
-    def _cadence_work(self, now: float) -> None:
-        """A cadence step measures what only it can see (activations of its forward,
-        update ratios of its update); its weight norms are read a slice per step
-        (agent/weightstats.py), so no step pays them whole, and it ships once they are."""
-        ws = self._wstats
-        assert ws is not None
-        if not self._stats_now:
-            done = ws.advance()
-        else:
-            self._stats_now = False
-            columns: tuple[str, ...] = ()
-            parts: list[torch.Tensor] = []
-            acts = self._acts
-            if acts is not None:
-                columns = acts.columns
-                parts.append(acts.snapshot())
-            if self.config.update_ratios:
-                columns = (*columns, *self._ratio_columns)
-                parts.append(ws.ratios())
-            done = ws.begin(self._step, now, columns, parts)
-        for sample in done:
-            self._queue_stats(sample)
-
-    def _queue_stats(self, done: Round) -> None:
-        """Queue a complete sample's statistics without waiting for them."""
-        values = done.norms
-        assert values is not None
-        if done.parts:
-            values = torch.cat((*done.parts, values))
-        values, ready = _to_host_async(values)
-        try:
-            self._work.put_nowait(StatsItem(done.step, done.time, self._reader.names, values,
-                                            ready, done.columns, self._census.take()))
-        except queue.Full:
-            with self._counters.lock:
-                self._counters.stats_dropped += 1
-
-    def _route(self, column: str, value: Any, dev: list[tuple[int, torch.Tensor]],
-               host: list[tuple[int, HostValue]]) -> None:
-        """Send a value to its device slot (tensors) or host slot (numbers)."""
-        if isinstance(value, torch.Tensor):
-            if value.numel() != 1:
-                self._warn_once(column, f"{column!r} is {_describe(value)}; only "
-                                "one-element tensors are logged, so it was skipped")
-                return
-            value = value.detach()
-            if value.dim():
-                value = value.reshape(())
-            if value.device == self._device:
-                dev.append((self._columns.device_slot(column), value))
-            elif value.device.type == "cpu":
-                # A CPU tensor next to a device buffer: read later by the
-                # shipper; cloned since the loop may change it in place.
-                host.append((self._columns.host_slot(column), value.clone()))
-            else:
-                moved = value.to(self._device, non_blocking=True)
-                dev.append((self._columns.device_slot(column), moved))
-        elif type(value) in _NUMBERS or isinstance(value, numbers.Real):
-            host.append((self._columns.host_slot(column), value))
-        else:
-            self._warn_once(column, f"{column!r} is {_describe(value)}; log tensors "
-                            "or numbers, so it was skipped")
-
-    def _name_column(self, name: str) -> str:
-        column = self._column_of[name] = wc.scalar(name)
-        return column
-
-    # ------------------------------------------------------------ events
-
-    def _event(self, kind: str, step: int, values: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> None:
-        """Queue an event of ``values`` (checked) and ``extra`` (the agent's own, sent as is)."""
-        if self._off:
-            return
-        try:
-            item = self._event_item(kind, step, values, extra or {})
-            try:
-                self._work.put_nowait(item)
-            except queue.Full:
-                with self._counters.lock:
-                    self._counters.events_dropped += 1
-        except Exception as exc:
-            self._fail(f"queueing a {kind!r} event", exc)
-
-    def _event_item(self, kind: str, step: int, values: dict[str, Any],
-                    extra: dict[str, Any]) -> EventItem:
-        plain: dict[str, Any] = dict(extra)
-        tensors: dict[str, torch.Tensor] = {}
-        for key, value in values.items():
-            if isinstance(value, torch.Tensor) and value.numel() == 1:
-                if value.device.type == "cpu" and self._device.type != "cpu":
-                    # Read by the shipper; a pageable host-to-device copy could block.
-                    plain[key] = value.detach().clone()
-                else:
-                    tensors[key] = value.detach().reshape(())
-            elif isinstance(value, (str, bool, int)):
-                plain[key] = value
-            elif isinstance(value, numbers.Real):
-                plain[key] = float(value)  # e.g. a numpy scalar, which JSON cannot encode
-            else:
-                self._warn_once(f"{kind}:{key}", f"{kind} field {key!r} ({_describe(value)}) "
-                                "is not a number, one-element tensor or string; skipped")
-        if not tensors:
-            return EventItem(kind, step, plain)
-        on_device = [t.to(self._device, dtype=torch.float32, non_blocking=True)
-                     for t in tensors.values()]
-        stacked = torch.stack(on_device)
-        stacked, ready = _to_host_async(stacked)
-        return EventItem(kind, step, plain, tuple(tensors), stacked, ready)
-
-    # ------------------------------------------------------------ commands
-
-    def _on_command(self, rollback: Rollback) -> None:
-        # Shipper thread; the training thread takes it at a step boundary.
-        with self._command_lock:
-            self._pending = rollback
-            self._command_ready.set()
-
-    def _exit_for_rollback(self) -> None:
-        """Write the plan for the restarted process, then leave the loop with the exit code."""
-        cmd = self.pending_rollback()
-        assert cmd is not None
-        where = resume_file_path(self.config.resume_file)
-        try:
-            write_resume_file(where, cmd)
-        except OSError as exc:
-            # Exiting without a plan would restart from the newest (maybe poisoned)
-            # checkpoint: keep training and say so instead.
-            self._warn_once("resume_write", f"cannot write the resume file {where}: {exc}; "
-                            "the rollback was NOT done, training continues")
-            return
-        logger.warning("gradwatch: exiting with code %d for a rollback to %s (step %d); the "
-                       "restarted process reads %s with gradwatch.agent.resume_plan()",
-                       ROLLBACK_EXIT_CODE, cmd.checkpoint, cmd.step, where)
-        self.close()
-        raise SystemExit(ROLLBACK_EXIT_CODE)
-
-    # ------------------------------------------------------------ failure
-
-    def _fail(self, what: str, exc: BaseException) -> None:
-        """Switch off for good, logging once; safe from either thread."""
-        with self._fail_lock:
-            if self._disabled is not None:
-                return
-            self._disabled = f"internal error while {what}: {type(exc).__name__}: {exc}"
-            self._off = True
-        if isinstance(exc, SetupError):  # the user's settings, not a gradwatch bug
-            logger.error("gradwatch: %s: %s. Monitoring is switched off for this run; training "
-                         "continues unaffected.", what, exc)
-        else:
-            logger.error(
-                "gradwatch: internal error while %s (%s: %s). Monitoring is now switched off "
-                "for this run; training continues unaffected. Please report this with the "
-                "traceback below; watch(enabled=False) silences gradwatch entirely.",
-                what, type(exc).__name__, exc, exc_info=exc)
-        shipper = getattr(self, "_shipper", None)
-        if shipper is not None and not shipper.on_its_thread():
-            if not self._in_hook:  # inside the pre-hook, log()/close() remove the hooks
-                self._drop_hooks()
-            # Tell the collector (contract C3) and close this rank there, so the silence
-            # that follows is not taken for a dead rank; the shipper gets a second to send
-            # both, on a thread of its own: the training thread never waits for it.
-            self._queue_notice(Notice("monitoring", self._disabled or what))
-            self._queue_event_item(EventItem("note", self._step, {"note": CLOSED_NOTE}))
-            threading.Thread(target=shipper.stop, args=(FAIL_SEND_S,), daemon=True,
-                             name="gradwatch-stop").start()
-
-    def _degrade(self, notice: Notice) -> None:
-        """Switch one part off (the rest goes on): log once, and tell the collector."""
-        if not self._notices.add(notice, time.monotonic(), self._counters.heartbeats_sent > 0):
-            return
-        level = logging.INFO if notice.optional else logging.WARNING
-        logger.log(level, "gradwatch: %s switched off: %s. Training and the rest of the "
-                   "monitoring continue; the collector raises AgentDegraded.", notice.off,
-                   notice.reason)
-        if not self._off:
-            self._queue_notice(notice)
-
-    def _queue_notice(self, notice: Notice) -> None:
-        fields = {"off": notice.off, "reason": notice.reason[:MAX_NOTE_CHARS],
-                  "optional": notice.optional}
-        self._queue_event_item(EventItem(DEGRADED, max(self._step, 0), fields))
-
-    def _queue_event_item(self, item: EventItem) -> None:
-        try:
-            self._work.put_nowait(item)
-        except queue.Full:
-            with self._counters.lock:
-                self._counters.events_dropped += 1
-
-    def _resend_notices(self) -> None:
-        # One float compare per step while nothing is off.
-        # Read from the shipper's counter: a stale value only delays the resend by a step.
-        for notice in self._notices.due(time.monotonic(), self._counters.heartbeats_sent > 0):
-            self._queue_notice(notice)
-
-    def _acts_failed(self, what: str, exc: BaseException) -> None:
-        """Activation statistics failed (in a forward hook): switch off only them."""
-        acts, self._acts = self._acts, None
-        if acts is not None:
-            acts.disarm()
-        self._degrade(Notice("activation statistics",
-                             f"{what} failed: {type(exc).__name__}: {exc}", optional=True))
-
-    def _drop_hooks(self) -> None:
-        # Removing a hook is only done on the training thread, which owns them.
-        while self._hooks:
-            self._hooks.pop().remove()
-        if self._acts is not None:
-            self._acts.disarm()
-        if self._wstats is not None:
-            self._wstats.drop()  # a cadence step's samples, if held
-
-    def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            logger.warning("gradwatch: %s", message)
-
-
-def _describe(value: Any) -> str:
-    """Name a value's type (and shape) without printing it: a device tensor's repr syncs."""
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
 
 
 def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -901,17 +426,3 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                          early_stats=early_stats)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
-
-def _to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Queue a copy of CUDA ``values`` into pinned host memory, without waiting.
-
-    Returns the host tensor and an event the shipper thread waits on before it
-    reads it; CPU tensors come back as they are, with no event.
-    """
-    if values.device.type != "cuda":
-        return values, None
-    host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready

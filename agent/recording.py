@@ -1,0 +1,321 @@
+"""The per-step path: the hooks the agent leaves, and how each step is recorded.
+
+On every training step, on the training thread, and without reading a device
+value on the host:
+
+* the optimizer's step pre-hook (process-wide, so a re-created optimizer is
+  followed: agent/recovery.py) writes every layer's gradient norm into the
+  open device row with one fused read (agent/gradients.py);
+* forward pre/post hooks on the model time the step's phases (waiting for
+  data, forward) on the host clock;
+* ``Monitor.log`` commits the row (:meth:`StepRecorder._commit`): device
+  scalars copied into it, Python numbers into a host list, and on cadence
+  steps the statistics work of agent/cadence.py and agent/weightstats.py.
+
+Every hook is :class:`~gradwatch.agent.hooks.Detached`, so a pickled or copied
+model or optimizer carries an inert one.
+
+Example::
+
+    >>> import torch, gradwatch
+    >>> model = torch.nn.Linear(2, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> mon = gradwatch.watch(model, opt, job="doc", endpoint="tcp://127.0.0.1:1")
+    >>> len(model._forward_pre_hooks), len(model._forward_hooks)  # the phase clock
+    (1, 1)
+    >>> mon.close(); len(model._forward_pre_hooks)
+    0
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import queue
+import sys
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from gradwatch.agent.activations import ActHooks, is_compiled
+from gradwatch.agent.failsafe import describe, to_host_async
+from gradwatch.agent.hooks import Detached
+from gradwatch.agent.layout import HostValue
+from gradwatch.agent.recovery import Follower, Notice, recover
+from gradwatch.agent.rollback_exit import RollbackExit
+from gradwatch.agent.shipper import StatsItem
+from gradwatch.agent.steps import user_step
+from gradwatch.agent.weightstats import Round, WeightStats
+from gradwatch.wire import columns as wc
+
+logger = logging.getLogger(__name__)
+
+Scalar = torch.Tensor | float | int
+# Checked by exact type first: an ABC isinstance costs a microsecond.
+_NUMBERS = (float, int, bool)
+
+
+class StepRecorder(RollbackExit):
+    """The hooks and the per-step recording of a Monitor; see the module docstring."""
+
+    def _attach(self, model: torch.nn.Module, optimizer: Any) -> None:
+        """Leave the hooks on ``model`` and ``optimizer``, and set up the cadence statistics."""
+        # Every hook is Detached: a pickled or copied model or optimizer gets an inert
+        # one (agent/hooks.py), so torch.save(model) and deepcopy work as unwatched.
+        if getattr(optimizer, "gradwatch_stand_in", False):
+            # A framework callback's stand-in (integrations/_attach.py): it alone decides
+            # when the gradients are read.
+            self._hooks.append(optimizer.register_step_pre_hook(Detached(self._pre_hook)))
+        elif not self._manual:
+            # Process-wide, so an optimizer the loop re-creates mid-run (a new phase, a
+            # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
+            self._follow = Follower(self._reader.params, optimizer)
+            self._hooks.append(register_optimizer_step_pre_hook(
+                self._any_pre_hook))
+        began, ended = self._forward_began, self._forward_ended
+        if "torch._dynamo" in sys.modules:
+            # A compiled model would trace these clock reads into its graph (and
+            # break it there); disabled, they run eagerly at the graph's edge.
+            began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
+        # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
+        # parameters, which waits for the slowest rank; that wait is not "data".
+        self._hooks.append(model.register_forward_pre_hook(Detached(began, compile_safe=True),
+                                                           prepend=True))
+        self._hooks.append(model.register_forward_hook(Detached(ended, compile_safe=True)))
+        self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
+        if self.config.activation_stats and self.config.stats_every:
+            self._acts = ActHooks.attach(model, self._device, on_error=self._acts_failed,
+                                         max_modules=self.config.max_act_modules,
+                                         inputs=dict(self.config.activation_modules))
+            if self._acts is None and is_compiled(model):
+                self._degrade(Notice("activation statistics", "the model is compiled "
+                                     "(torch.compile); forward hooks would recompile it",
+                                     optional=True))
+        if self.config.stats_every:
+            self._wstats = WeightStats(self._reader)
+            self._stats_now = self._cadence.due(self._step + 1)
+            if self._acts is not None and self._stats_now:
+                self._acts.arm()  # the first step is a cadence step
+
+    def _renumber(self, step: Any) -> None:
+        """Make the step being logged number ``step`` (log(step=...)); see agent/steps.py."""
+        number = user_step(step)
+        if number is None:
+            self._warn_once("log_step", f"log(step=<{type(step).__name__}>) needs a "
+                            "non-negative Python int (the loop's own counter); the agent "
+                            "counts on by itself")
+            return
+        if number <= self._step and self._counters.steps_logged:
+            # The loop rewound (a resume, or a rollback done by hand): what was
+            # logged goes out first, under the old incarnation.
+            self._buffer.flush()
+            self._reincarnate(f"log(step={number})")
+        self._step = number - 1
+
+
+    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._off:
+            # Not removed here: torch is iterating its hook dict, and removing an entry
+            # would raise into the loop when another hook follows ours. log()/close() do it.
+            return
+        self._in_hook = True
+        try:
+            if self._open:
+                # Two optimizer steps without a log(): the first still counts.
+                self._commit({}, 0.0)
+            self._read_grads()
+            self._step_lrs = [group["lr"] for group in optimizer.param_groups]
+            self._open = True
+            self._before_update()
+        except Exception as exc:
+            self._fail("reading gradient norms in the optimizer step pre-hook", exc)
+        finally:
+            self._in_hook = False
+
+    def _any_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Any optimizer's step in the process: one identity test for the watched one.
+        if optimizer is not self._optimizer:
+            if self._open or self._off or not self._follow.adopts(optimizer):
+                return  # another model's optimizer, or one stepping inside ours (a wrapper)
+            self._optimizer = optimizer
+            logger.info("gradwatch: following a new optimizer (%s) that updates the watched "
+                        "parameters", type(optimizer).__name__)
+        self._pre_hook(optimizer, args, kwargs)
+
+    def _before_update(self) -> None:
+        """What must be seen before the parameters change: the pre-hook's, or (no optimizer)
+        the end of log(), where the next hand-written update has not happened yet."""
+        if self._root.training is not self._was_training:
+            self._was_training = self._root.training  # model.eval() left on, or back
+            self._cadence.force_next()
+        if self._cadence.take_forced():
+            self._stats_now = True  # forced during this step: it is a cadence step
+        if self._stats_now and self.config.update_ratios and self._wstats is not None:
+            self._wstats.sample_before()  # a cadence step's update ratios
+
+    def _read_grads(self) -> None:
+        """Read this step's gradient norms into the open row; after a failure caused by a
+        change of the model (dtype, sparse gradients, device), carry on without what
+        cannot be read (agent/recovery.py) and tell the collector."""
+        row = self._buffer.current_layers
+        try:
+            self._reader.read_into(row)
+            return
+        except Exception:
+            fixed = recover(self._reader)
+            if fixed is None:
+                raise
+        self._reader, notice = fixed
+        if self._wstats is not None:  # it reads the weights through the old reader
+            weights = getattr(self._reader, "weights_reader", self._reader)
+            self._wstats = None if weights is None else WeightStats(weights)
+        if notice is not None:
+            self._degrade(notice)
+        self._reader.read_into(row)
+
+    def _forward_began(self, module: torch.nn.Module, args: Any) -> None:
+        # Evaluation forwards between steps are not part of the step.
+        if self._off or not module.training:
+            return
+        now = time.perf_counter()
+        if not self._began:
+            self._began = True
+            self._data_s = now - self._since
+        self._forward_t0 = now
+
+    def _forward_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self._forward_t0 is not None:
+            self._forward_s += time.perf_counter() - self._forward_t0
+            self._forward_t0 = None
+
+    def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
+        dev: list[tuple[int, torch.Tensor]] = []
+        host: list[tuple[int, HostValue]] = [(self._columns.host_slot(wc.SKIPPED), skipped)]
+        if self._began:
+            data, forward = self._phase_columns
+            host.append((self._columns.host_slot(data), self._data_s))
+            host.append((self._columns.host_slot(forward), self._forward_s))
+        for name, value in scalars.items():
+            column = self._column_of.get(name) or self._name_column(name)
+            self._route(column, value, dev, host)
+        # Without an optimizer the rate is known only if the loop logs ``lr``.
+        groups = [] if self._manual else self._optimizer.param_groups
+        if len(groups) != len(self._lr_columns):
+            self._lr_columns = [wc.lr(g) for g in range(len(groups))]
+        lrs = self._step_lrs if self._step_lrs is not None else [g["lr"] for g in groups]
+        self._step_lrs = None
+        if len(lrs) != len(groups):
+            lrs = [g["lr"] for g in groups]  # param groups added between the step and log()
+        for column, lr in zip(self._lr_columns, lrs, strict=True):
+            self._route(column, lr, dev, host)
+        if self._scaler is not None:
+            # The scale as a device tensor; get_scale() would sync.
+            scale = getattr(self._scaler, "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                self._route(wc.LOSS_SCALE, scale, dev, host)
+        if self._columns.dirty:
+            self._buffer.relayout()
+        cell = self._buffer.cell
+        for slot, tensor in dev:
+            cell(slot).copy_(tensor)
+        host_row: list[HostValue] = [None] * self._columns.host_width
+        for slot, value in host:
+            host_row[slot] = value
+        self._step += 1
+        now = time.time()
+        self._buffer.commit(self._step, now, host_row)
+        self._began, self._data_s, self._forward_s = False, 0.0, 0.0
+        self._since = time.perf_counter()
+        self._counters.steps_logged += 1
+        if self._wstats is not None and (self._stats_now or self._wstats.busy):
+            try:
+                self._cadence_work(now)
+            except Exception as exc:  # an optional statistic: the steps go on without it
+                self._wstats = None
+                self._cadence.every = 0
+                self.config = replace(self.config, stats_every=0)
+                if self._acts is not None:
+                    self._acts.disarm()
+                    self._acts = None
+                self._degrade(Notice("cadence statistics (weight norms, update ratios, "
+                                     "activations)", f"reading them failed: "
+                                     f"{type(exc).__name__}: {exc}", optional=True))
+        self._stats_now = self._cadence.due(self._step + 1)
+        acts = self._acts
+        if acts is not None:
+            # Hooks live only for a cadence step's forward pass: armed now when
+            # the next step is one, removed here at its log().
+            acts.disarm()
+            if self._stats_now:
+                acts.arm()
+
+    def _cadence_work(self, now: float) -> None:
+        """A cadence step measures what only it can see (activations of its forward,
+        update ratios of its update); its weight norms are read a slice per step
+        (agent/weightstats.py), so no step pays them whole, and it ships once they are."""
+        ws = self._wstats
+        assert ws is not None
+        if not self._stats_now:
+            done = ws.advance()
+        else:
+            self._stats_now = False
+            columns: tuple[str, ...] = ()
+            parts: list[torch.Tensor] = []
+            acts = self._acts
+            if acts is not None:
+                columns = acts.columns
+                parts.append(acts.snapshot())
+            if self.config.update_ratios:
+                columns = (*columns, *self._ratio_columns)
+                parts.append(ws.ratios())
+            done = ws.begin(self._step, now, columns, parts)
+        for sample in done:
+            self._queue_stats(sample)
+
+    def _queue_stats(self, done: Round) -> None:
+        """Queue a complete sample's statistics without waiting for them."""
+        values = done.norms
+        assert values is not None
+        if done.parts:
+            values = torch.cat((*done.parts, values))
+        values, ready = to_host_async(values)
+        try:
+            self._work.put_nowait(StatsItem(done.step, done.time, self._reader.names, values,
+                                            ready, done.columns, self._census.take()))
+        except queue.Full:
+            with self._counters.lock:
+                self._counters.stats_dropped += 1
+
+    def _route(self, column: str, value: Any, dev: list[tuple[int, torch.Tensor]],
+               host: list[tuple[int, HostValue]]) -> None:
+        """Send a value to its device slot (tensors) or host slot (numbers)."""
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                self._warn_once(column, f"{column!r} is {describe(value)}; only "
+                                "one-element tensors are logged, so it was skipped")
+                return
+            value = value.detach()
+            if value.dim():
+                value = value.reshape(())
+            if value.device == self._device:
+                dev.append((self._columns.device_slot(column), value))
+            elif value.device.type == "cpu":
+                # A CPU tensor next to a device buffer: read later by the
+                # shipper; cloned since the loop may change it in place.
+                host.append((self._columns.host_slot(column), value.clone()))
+            else:
+                moved = value.to(self._device, non_blocking=True)
+                dev.append((self._columns.device_slot(column), moved))
+        elif type(value) in _NUMBERS or isinstance(value, numbers.Real):
+            host.append((self._columns.host_slot(column), value))
+        else:
+            self._warn_once(column, f"{column!r} is {describe(value)}; log tensors "
+                            "or numbers, so it was skipped")
+
+    def _name_column(self, name: str) -> str:
+        column = self._column_of[name] = wc.scalar(name)
+        return column
+
