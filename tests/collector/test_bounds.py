@@ -44,7 +44,7 @@ def test_a_job_name_bomb_is_refused_past_max_jobs_and_metrics_stay_small(
     baseline, _ = scrape(server)
     caplog.set_level(logging.WARNING, logger="gradwatch")
     for i in range(5000):  # finding 2: 47k names took 1.63 GB and a 14.8 s /metrics
-        server._handle(heartbeat(f"bomb-{i}"))
+        server.pipeline.handle(heartbeat(f"bomb-{i}"))
     assert len(server.state.jobs()) == 50
     assert server.admission.refused()["jobs"] == 4950
     text, took = scrape(server)
@@ -59,12 +59,12 @@ def test_a_job_name_bomb_is_refused_past_max_jobs_and_metrics_stay_small(
 
 def test_ranks_rows_and_layers_are_bounded(server: Server) -> None:
     for rank in range(20):  # a header may claim up to 2^20 ranks
-        server._handle(heartbeat("wide", rank=rank, world=1 << 20))
+        server.pipeline.handle(heartbeat("wide", rank=rank, world=1 << 20))
     job = server.state.job("wide")
     assert job is not None and len(job.ranks) == 8
-    server._handle(batch("rows", rows=15_000 // 100))           # finding 4, scaled: over 64 rows
-    server._handle(batch("layers", layers=1001))                 # one layer over the cap
-    server._handle(batch("fine", rows=64, layers=1000))          # exactly at both caps
+    server.pipeline.handle(batch("rows", rows=15_000 // 100))           # finding 4, scaled: over 64 rows
+    server.pipeline.handle(batch("layers", layers=1001))                 # one layer over the cap
+    server.pipeline.handle(batch("fine", rows=64, layers=1000))          # exactly at both caps
     refused = server.admission.refused()
     assert (refused["ranks"], refused["rows"], refused["layers"]) == (12, 1, 1)
     assert server.state.job("rows") is None and server.state.job("layers") is None
@@ -118,7 +118,7 @@ def test_a_layer_name_bomb_keeps_metrics_within_the_family_caps() -> None:
     server.start()
     try:
         for i in range(60):  # finding 2: distinct layer (and so block) names per job
-            server._handle(batch(f"layers-{i}", layers=670, prefix=f"m{i}."))
+            server.pipeline.handle(batch(f"layers-{i}", layers=670, prefix=f"m{i}."))
         text, took = scrape(server)
     finally:
         assert server.stop()

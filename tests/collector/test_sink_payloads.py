@@ -14,7 +14,7 @@ from gradwatch.collector.alertmanager import AlertmanagerChannel, AlertmanagerSi
 from gradwatch.collector.config import ConfigError, load_config
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pagerduty import PagerDutyChannel, pagerduty_event
-from gradwatch.collector.server import build_sinks
+from gradwatch.collector.wiring import build_sinks
 from gradwatch.collector.signing import decode_secret, verify
 from gradwatch.collector.sinks import alert_payload
 from gradwatch.collector.slack import SlackChannel, slack_message
