@@ -16,7 +16,7 @@ Example::
 
     from gradwatch.collector.grafana import GrafanaAnnotationSink, push_dashboard
 
-    push_dashboard("http://grafana:3000", token, "deploy/grafana/dashboards/gradwatch.json")
+    push_dashboard("http://grafana:3000", token, "collector/dashboards/gradwatch.json")
     sink = GrafanaAnnotationSink("http://grafana:3000", token)
     sink.start()
     # for transition in engine.observe(step): sink.notify(transition)

@@ -2,7 +2,8 @@
 
 The URL and token come from flags or, like the collector's settings, from
 ``GRADWATCH_GRAFANA_URL`` and ``GRADWATCH_GRAFANA_TOKEN``; ``--token-file``
-reads a mounted secret. Exit statuses: 0 pushed; 1 Grafana refused or could
+reads a mounted secret. The dashboard pushed by default is the one installed
+with the package (``packaged_dashboard()``). Exit statuses: 0 pushed; 1 Grafana refused or could
 not be reached; 2 bad usage (no URL, no token, unreadable dashboard).
 
 Example::
@@ -18,11 +19,19 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from importlib.resources import files
 from pathlib import Path
 
 from gradwatch.collector.grafana import GrafanaError, load_dashboard, push_dashboard
 
-DEFAULT_DASHBOARD = Path("deploy/grafana/dashboards/gradwatch.json")
+
+
+def packaged_dashboard() -> Path:
+    """The dashboard JSON installed with the package (``gradwatch/collector/dashboards/``)."""
+    return Path(str(files("gradwatch.collector").joinpath("dashboards", "gradwatch.json")))
+
+
+DEFAULT_DASHBOARD = packaged_dashboard()
 
 
 def grafana_parser(prog: str = "gradwatch grafana") -> argparse.ArgumentParser:
@@ -35,7 +44,8 @@ def grafana_parser(prog: str = "gradwatch grafana") -> argparse.ArgumentParser:
                       help="file holding a service-account token (default "
                       "$GRADWATCH_GRAFANA_TOKEN)")
     push.add_argument("--dashboard", type=Path, default=DEFAULT_DASHBOARD, metavar="FILE",
-                      help=f"dashboard JSON (default {DEFAULT_DASHBOARD})")
+                      help="dashboard JSON (default: the one installed with gradwatch, "
+                      f"{DEFAULT_DASHBOARD})")
     push.add_argument("--folder-uid", help="put the dashboard in this folder")
     push.add_argument("--no-overwrite", dest="overwrite", action="store_false",
                       help="fail (412) instead of replacing a dashboard changed in Grafana")
@@ -81,4 +91,4 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-__all__ = ["grafana_main", "grafana_parser"]
+__all__ = ["DEFAULT_DASHBOARD", "grafana_main", "grafana_parser", "packaged_dashboard"]

@@ -105,8 +105,8 @@ def test_compose_mounts_the_files_the_other_configs_name(compose: dict[str, Any]
     assert grafana["/etc/grafana/provisioning/dashboards"] == "./grafana/provisioning/dashboards"
     # The dashboards provider reads the folder the dashboard JSON is mounted at.
     (provider,) = load_yaml(DEPLOY / "grafana/provisioning/dashboards/gradwatch.yaml")["providers"]
-    assert grafana[provider["options"]["path"]] == "./grafana/dashboards"
-    assert (DEPLOY / "grafana/dashboards/gradwatch.json").is_file()
+    assert grafana[provider["options"]["path"]] == "../collector/dashboards"
+    assert (DEPLOY / "../collector/dashboards/gradwatch.json").is_file()
 
 
 def test_compose_host_names_match_prometheus_and_grafana(compose: dict[str, Any]) -> None:

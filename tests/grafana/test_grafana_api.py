@@ -21,7 +21,7 @@ from gradwatch.collector.grafana_cli import grafana_main
 from gradwatch.rules.alert import Alert, Transition
 from tests.grafana.fake_grafana import FakeGrafana
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/gradwatch.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "collector/dashboards/gradwatch.json"
 T0 = 1_700_000_000.0
 
 

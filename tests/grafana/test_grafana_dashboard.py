@@ -32,7 +32,7 @@ from gradwatch.collector.server import Server
 from tests.binaries import require_binary
 from tests.grafana.fake_grafana import FakeGrafana
 
-DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/gradwatch.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "collector/dashboards/gradwatch.json"
 METRIC = re.compile(r"\b(gradwatch_[a-z0-9_]+)\b")
 LEGEND_LABEL = re.compile(r"\{\{\s*(\w+)\s*\}\}")
 PROMETHEUS = {"type": "prometheus", "uid": "${datasource}"}
