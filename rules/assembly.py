@@ -1,12 +1,21 @@
 """Assemble one job-wide step from every rank's report, exactly, with no collective in the job.
 
 Each rank's agent sends, per layer, the L2 norm of *its* gradient (its shard
-under FSDP/ZeRO, the whole all-reduced gradient under DDP) and declares how
-many ranks one replica's gradients are split across (``shards``, docs/wire.md).
-The :class:`Assembler` squares the norms in float64 and adds one report per
-shard, so a layer's assembled norm is the global norm the job would compute
-with an all-reduce. Rank ``r`` holds shard ``r % shards`` (DDP: every rank
-holds shard 0, so any one rank suffices).
+under FSDP/ZeRO/tensor parallelism, the whole all-reduced gradient under DDP)
+and declares how many ranks one pipeline stage's gradients are split across
+(``shards``, docs/wire.md). The :class:`Assembler` squares the norms in
+float64 and adds one report per shard, so a layer's assembled norm is the
+global norm the job would compute with an all-reduce. Rank ``r`` holds shard
+``r % shards`` (DDP: every rank holds shard 0, so any one rank suffices).
+
+Pipeline stages hold different layers, so a step's layers are the union of
+every rank's, by name (:class:`_Catalog`), in model order: by the lowest rank
+that reported a layer, then its position there (stage ``s``'s lowest rank grows
+with ``s`` in every row-major DeviceMesh). Replicas are told apart per stage:
+two reports are of one replica group when they have the same shard index and
+begin with the same layer. A rank that sends no layers (a data-parallel replica
+whose group already has a reporter, agent/topology.py) still counts as having
+reported its step: its loss, flags and timing are its own.
 
 A step is emitted, in step order per job, as soon as every rank heard from
 (a step or a heartbeat, :meth:`Assembler.heard`) has reported it and every
@@ -61,6 +70,9 @@ from gradwatch.wire.census import roles_for
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
 MAX_BLAMED = 64  # layers named in one step's blame
+# A scalar a rank that sends no per-layer norms sets to 1.0 when any of its own
+# gradients is NaN/Inf (agent/topology.reports_layers): a replica gone bad alone.
+NONFINITE_SCALAR = "grad_nonfinite"
 
 Record = Step | Stats
 
@@ -81,23 +93,80 @@ class AssemblyCounts:
     restarts: int = 0
 
 
+MAX_LAYOUTS = 4096  # distinct layer lists remembered per job (one per stage and schema)
+
+
+@dataclass(slots=True)
+class _Catalog:
+    """Every layer name a job's ranks reported, and their model order across stages."""
+
+    names: list[str] = field(default_factory=list)
+    index: dict[str, int] = field(default_factory=dict)
+    # Per name: (lowest rank that reported it, its position in that rank's list).
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    roles: dict[str, str] = field(default_factory=dict)
+    order: np.ndarray | None = None  # catalog rows in model order; None: to be sorted
+    # id(layers tuple) -> (that tuple, its catalog rows, lowest rank seen with it).
+    cache: dict[int, tuple[tuple[str, ...], np.ndarray, int]] = field(default_factory=dict)
+    # The last emitted layer tuple and its rows: reused while unchanged, so
+    # rules that key on a step's layers see one object step after step.
+    emitted: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())
+
+    def rows(self, layers: tuple[str, ...], roles: tuple[str, ...], rank: int) -> np.ndarray:
+        """Catalog rows of ``layers``, adding new names (ingest shares one tuple per schema)."""
+        hit = self.cache.get(id(layers))
+        if hit is not None and hit[0] is layers and hit[2] <= rank:
+            return hit[1]
+        rows = np.empty(len(layers), np.int64)
+        for pos, name in enumerate(layers):
+            i = self.index.get(name)
+            if i is None:
+                i = self.index[name] = len(self.names)
+                self.names.append(name)
+                self.keys.append((rank, pos))
+                self.order = None
+            elif rank < self.keys[i][0]:
+                self.keys[i] = (rank, pos)
+                self.order = None
+            rows[pos] = i
+        if roles and len(roles) == len(layers):
+            self.roles.update(zip(layers, roles, strict=True))
+        if len(self.cache) >= MAX_LAYOUTS:
+            self.cache.clear()
+        self.cache[id(layers)] = (layers, rows, rank)
+        return rows
+
+    def names_of(self, rows: np.ndarray) -> tuple[str, ...]:
+        last_rows, last = self.emitted
+        if not np.array_equal(rows, last_rows):
+            last = tuple(self.names[i] for i in rows.tolist())
+            self.emitted = (rows, last)
+        return last
+
+    def model_order(self) -> np.ndarray:
+        if self.order is None or len(self.order) != len(self.names):
+            self.order = np.array(sorted(range(len(self.names)), key=self.keys.__getitem__),
+                                  np.int64)
+        return self.order
+
+
 @dataclass(slots=True)
 class _Pending:
-    """One step (or cadence sample) being assembled."""
+    """One step (or cadence sample) being assembled; arrays are indexed by catalog row."""
 
     step: int
     first: float  # collector clock at its first report
-    layers: tuple[str, ...]
-    index: dict[str, int]
     acc: np.ndarray  # per layer: sum of squares over shards (weights for stats)
     seen: np.ndarray  # per layer: shard reports added
-    shards_seen: set[int] = field(default_factory=set)
+    # (shard index, first layer's catalog row) of each replica group already added.
+    shards_seen: set[tuple[int, int]] = field(default_factory=set)
     ranks: set[int] = field(default_factory=set)
     lowest: Record | None = None
     last_time: float = 0.0
     loss_sum: float = 0.0
     loss_n: int = 0
     skipped: bool = False
+    flagged: bool = False  # a rank without layers flagged a non-finite gradient
     updates: np.ndarray | None = None  # stats: per layer sum of ||dw||^2
     updates_seen: np.ndarray | None = None
     # Reports with something non-finite: (agent time, rank, layers, loss non-finite).
@@ -117,6 +186,7 @@ class _Stream:
     rank_step: dict[int, int] = field(default_factory=dict)
     first_bad: dict[str, int] = field(default_factory=dict)
     counts: AssemblyCounts = field(default_factory=AssemblyCounts)
+    catalog: _Catalog = field(default_factory=_Catalog)
 
 
 class Assembler:
@@ -154,7 +224,7 @@ class Assembler:
         if pending is None:
             pending = stream.pending[record.step] = _new(record, self._clock())
         stream.absent.discard(record.rank)  # it reports a step still being assembled
-        _add(pending, record, stream.shards)
+        _add(pending, record, stream)
         out += self._ready(stream)
         return out
 
@@ -239,30 +309,42 @@ class Assembler:
 
     def _emit(self, stream: _Stream, pending: _Pending) -> Record:
         stream.emitted = max(stream.emitted, pending.step)
-        exact = pending.seen >= stream.shards
-        norms = np.sqrt(pending.acc)
+        catalog = stream.catalog
+        _grow(pending, len(catalog.names))
+        # Model order, and only layers some rank reported this step.
+        rows = catalog.model_order()
+        rows = rows[pending.seen[rows] > 0]
+        acc = pending.acc[rows]
+        exact = pending.seen[rows] >= stream.shards
+        norms = np.sqrt(acc)
         keep = exact | ~np.isfinite(norms)
-        stream.counts.inexact += not keep.all()
+        # A whole stage missing leaves no partial layer, only absent ones: inexact too.
+        gone = bool((pending.seen[catalog.emitted[0]] == 0).any())
+        stream.counts.inexact += gone or not keep.all()
         stream.counts.steps += 1
-        layers = pending.layers if keep.all() else tuple(
-            name for name, k in zip(pending.layers, keep.tolist(), strict=True) if k)
+        kept_rows = rows if keep.all() else rows[keep]
+        layers = catalog.names_of(kept_rows)
         kept = norms if keep.all() else norms[keep]
         kept.flags.writeable = False
         lowest = pending.lowest
         assert lowest is not None
         if isinstance(lowest, Stats):
             return replace(lowest, layers=layers, weight_norms=kept,
-                           update_ratios=_ratios(pending, keep, norms, stream.shards),
+                           update_ratios=_ratios(pending, rows, keep, norms, stream.shards),
                            assembled=len(pending.ranks), time=pending.last_time)
         loss = pending.loss_sum / pending.loss_n if pending.loss_n else None
         # The total needs every layer exactly, unless a non-finite layer already decides it.
-        total = float(np.sqrt(pending.acc.sum())) if exact.all() or not np.isfinite(
-            pending.acc).all() else None
+        total = float(np.sqrt(acc.sum())) if len(rows) and (
+            exact.all() or not np.isfinite(acc).all()) else None
         grad_norm = lowest.grad_norm if lowest.grad_norm_logged else total
+        if pending.flagged and grad_norm is not None and math.isfinite(grad_norm):
+            grad_norm = math.nan  # a replica's own gradients went bad: the job's did
+        roles = catalog.roles
+        layer_roles = tuple(roles[n] for n in layers) if all(n in roles for n in layers) else ()
         return replace(lowest, layers=layers, layer_norms=kept, loss=loss, grad_norm=grad_norm,
-                       layer_roles=roles_for(layers, lowest.layers, lowest.layer_roles),
-                       skipped=pending.skipped, assembled=len(pending.ranks),
-                       time=pending.last_time, blame=_blame(stream, pending, norms, loss))
+                       layer_roles=layer_roles, skipped=pending.skipped,
+                       assembled=len(pending.ranks), time=pending.last_time,
+                       blame=_blame(stream, pending, layers, kept, loss, grad_norm))
 
 
 def _complete(stream: _Stream, pending: _Pending) -> bool:
@@ -306,17 +388,25 @@ def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:
 
 
 def _new(record: Record, now: float) -> _Pending:
-    layers = record.layers
-    n = len(layers)
-    pending = _Pending(step=record.step, first=now, layers=layers,
-                       index={name: i for i, name in enumerate(layers)},
-                       acc=np.zeros(n), seen=np.zeros(n, np.int32))
+    pending = _Pending(step=record.step, first=now, acc=np.zeros(0), seen=np.zeros(0, np.int32))
     if isinstance(record, Stats):
-        pending.updates, pending.updates_seen = np.zeros(n), np.zeros(n, np.int32)
+        pending.updates, pending.updates_seen = np.zeros(0), np.zeros(0, np.int32)
     return pending
 
 
-def _add(pending: _Pending, record: Record, shards: int) -> None:
+def _grow(pending: _Pending, n: int) -> None:
+    """Widen the per-layer arrays to ``n`` catalog rows (a stage's layers seen first)."""
+    extra = n - len(pending.acc)
+    if extra <= 0:
+        return
+    pending.acc = np.concatenate([pending.acc, np.zeros(extra)])
+    pending.seen = np.concatenate([pending.seen, np.zeros(extra, np.int32)])
+    if pending.updates is not None and pending.updates_seen is not None:
+        pending.updates = np.concatenate([pending.updates, np.zeros(extra)])
+        pending.updates_seen = np.concatenate([pending.updates_seen, np.zeros(extra, np.int32)])
+
+
+def _add(pending: _Pending, record: Record, stream: _Stream) -> None:
     if record.rank in pending.ranks:
         return  # a duplicate (a resent batch): counted once
     pending.ranks.add(record.rank)
@@ -330,69 +420,67 @@ def _add(pending: _Pending, record: Record, shards: int) -> None:
             pending.loss_n += 1
         pending.skipped |= record.skipped
         names, loss_bad = nonfinite_layers(record), _loss_bad(record)
+        if record.scalars.get(NONFINITE_SCALAR, 0.0) > 0.5 and not names:
+            names = frozenset({"grad_norm"})
+            pending.flagged = True
         if names or loss_bad:
             pending.bad.append((record.time, record.rank, names, loss_bad))
-    if values is None:
-        return
-    shard = record.rank % shards
-    if shard in pending.shards_seen:
+    if values is None or not record.layers:
+        return  # nothing per layer from this rank (another replica reports them)
+    roles = record.layer_roles if isinstance(record, Step) else ()
+    rows = stream.catalog.rows(record.layers, roles, record.rank)
+    _grow(pending, len(stream.catalog.names))
+    group = (record.rank % stream.shards, int(rows[0]))
+    values = np.asarray(values, np.float64)
+    if group in pending.shards_seen:
         # Another replica of this shard was added: replicas hold the same gradient,
         # unless one went bad on its own (a faulty device): its non-finite values count.
-        _poison(pending, record.layers, np.asarray(values, np.float64))
+        _poison(pending, rows, values)
         return
-    pending.shards_seen.add(shard)
-    squares = np.square(np.asarray(values, np.float64))
-    known: np.ndarray | None = None
-    if record.layers == pending.layers:
-        pending.acc += squares
-        pending.seen += 1
-        rows: np.ndarray | slice = slice(None)
-    else:  # some cells not measured on this rank, or another layout: align by name
-        rows = np.array([pending.index.get(name, -1) for name in record.layers], np.int64)
-        known = rows >= 0
-        rows, squares = rows[known], squares[known]
-        pending.acc[rows] += squares
-        pending.seen[rows] += 1
+    pending.shards_seen.add(group)
+    squares = np.square(values)
+    pending.acc[rows] += squares
+    pending.seen[rows] += 1
     if isinstance(record, Stats) and record.update_ratios is not None \
             and pending.updates is not None and pending.updates_seen is not None:
         ratios = np.asarray(record.update_ratios, np.float64)
-        if known is not None:
-            ratios = ratios[known]
         measured = np.isfinite(ratios)  # NaN: not measured on this rank
         dw = np.where(measured, ratios, 0.0) ** 2 * squares
         pending.updates[rows] += dw
         pending.updates_seen[rows] += measured
 
 
-def _poison(pending: _Pending, layers: tuple[str, ...], values: np.ndarray) -> None:
+def _poison(pending: _Pending, rows: np.ndarray, values: np.ndarray) -> None:
     """Make the layers where ``values`` is non-finite non-finite in the sum too."""
     for j in np.flatnonzero(~np.isfinite(values)).tolist():
-        i = pending.index.get(layers[j])
-        if i is not None:
-            pending.acc[i] += values[j] * values[j]  # nan stays nan; inf makes the sum inf
+        i = int(rows[j])
+        pending.acc[i] += values[j] * values[j]  # nan stays nan; inf makes the sum inf
 
 
 def _loss_bad(step: Step) -> bool:
     return step.loss is not None and not math.isfinite(step.loss)
 
 
-def _ratios(pending: _Pending, keep: np.ndarray, norms: np.ndarray,
+def _ratios(pending: _Pending, rows: np.ndarray, keep: np.ndarray, norms: np.ndarray,
             shards: int) -> np.ndarray | None:
     if pending.updates is None or pending.updates_seen is None or not pending.updates_seen.any():
         return None
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = np.where(pending.updates_seen >= shards,
-                          np.sqrt(pending.updates) / np.maximum(norms, 1e-30), np.nan)
+        ratios = np.where(pending.updates_seen[rows] >= shards,
+                          np.sqrt(pending.updates[rows]) / np.maximum(norms, 1e-30), np.nan)
     out = ratios[keep]
     out.flags.writeable = False
     return out
 
 
-def _blame(stream: _Stream, pending: _Pending, norms: np.ndarray,
-           loss: float | None) -> dict[str, int]:
+def _blame(stream: _Stream, pending: _Pending, layers: tuple[str, ...], norms: np.ndarray,
+           loss: float | None, grad_norm: float | None) -> dict[str, int]:
     """Per non-finite layer (and "loss"), the rank where it first went non-finite."""
-    bad_layers = [name for name, ok in zip(pending.layers, np.isfinite(norms).tolist(), strict=True)
+    bad_layers = [name for name, ok in zip(layers, np.isfinite(norms).tolist(), strict=True)
                   if not ok]
+    if pending.flagged and not bad_layers and grad_norm is not None \
+            and not math.isfinite(grad_norm):
+        bad_layers = ["grad_norm"]  # only a flag: no layer to name
     loss_bad = loss is not None and not math.isfinite(loss)  # the mean over ranks
     if not bad_layers and not loss_bad:
         stream.first_bad.clear()  # a clean step ends the incident

@@ -103,8 +103,8 @@ class Launch:
 
 
 def launch(world: int, mode: str, endpoint: str, job: str, steps: int, out_dir: Path,
-           **options: float | str) -> Launch:
-    """Start ``world`` ranks of the worker, each in its own session.
+           worker: str = "tests.distributed.worker", **options: float | str) -> Launch:
+    """Start ``world`` ranks of the worker (module ``worker``), each in its own session.
 
     ``options`` become the worker's flags (``stall_at=3`` -> ``--stall-at 3``).
     Each rank's stdout and stderr go to ``out_dir/rank{r}.stdout|stderr``.
@@ -120,7 +120,7 @@ def launch(world: int, mode: str, endpoint: str, job: str, steps: int, out_dir: 
         # gloo picks its interface from the hostname otherwise; keep it on loopback.
         "GLOO_SOCKET_IFNAME": "lo",
     }
-    argv = [sys.executable, "-m", "tests.distributed.worker", "--mode", mode,
+    argv = [sys.executable, "-m", worker, "--mode", mode,
             "--steps", str(steps), "--endpoint", endpoint, "--job", job, "--out", str(out_dir)]
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
