@@ -7,7 +7,8 @@ top-level ``gradwatch`` script dispatches to them; ``python -m
 gradwatch.collector`` runs ``collector_main`` directly.
 
 Exit statuses: 0 clean stop / rules valid; 1 runtime failure / rules invalid;
-2 bad configuration, bad rule file or bad usage.
+2 bad configuration, bad rule file or bad usage. ``gradwatch collector --help``
+lists every setting of ``CollectorConfig`` with its environment variable.
 
 Example::
 
@@ -18,25 +19,27 @@ Example::
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradwatch.collector.config import CollectorError, ConfigError, load_config
-from gradwatch.collector.replay import run_replay
-from gradwatch.collector.server import Server
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
+
+from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError, load_config
+from gradwatch.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging, log_format_from_env
 from gradwatch.rules import RuleFileError, load_rules
 
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+ENV_PREFIX = str(CollectorConfig.model_config.get("env_prefix", "")).upper()
 
 
 def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Receive gradwatch agents' signals, evaluate rules, "
-        "serve Prometheus metrics and send alerts. Flags beat GRADWATCH_* environment "
-        "variables, which beat the config file.")
+        prog=prog, description="Receive gradwatch agents' signals, evaluate rules, serve "
+        "Prometheus metrics and send alerts.\nFlags beat GRADWATCH_* environment variables, "
+        "which beat the config file.")
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config file")
     parser.add_argument("--listen", metavar="ENDPOINT",
                         help="ZeroMQ endpoint to bind (default tcp://127.0.0.1:5555)")
@@ -57,7 +60,45 @@ def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentPars
                         help="record every job as DIR/<job>.jsonl for `gradwatch replay`")
     parser.add_argument("--log-level", metavar="LEVEL",
                         help="DEBUG, INFO (default), WARNING, ERROR")
+    parser.add_argument("--log-format", choices=LOG_FORMATS,
+                        help=f"text (default) or json: one JSON object per line for cluster log "
+                        f"collectors (default ${LOG_FORMAT_ENV})")
+    parser.epilog = settings_help(parser)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
+
+
+def settings_help(parser: argparse.ArgumentParser) -> str:
+    """Every setting: config-file key, environment variable, flag, default, description."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions
+             if action.option_strings}
+    lines = ["settings: each is a key of the --config YAML file and a GRADWATCH_<KEY> environment",
+             "variable (lists: JSON or comma-separated; routes: JSON). Flags beat the environment,",
+             "which beats the file.", ""]
+    for name, field in CollectorConfig.model_fields.items():
+        lines += _setting_lines(name, field, flags.get(name))
+    lines += [f"  log_format  {LOG_FORMAT_ENV}  --log-format  (default: text)",
+              "      text, or json: one JSON object per log line.", ""]
+    return "\n".join(lines)
+
+
+def _setting_lines(name: str, field: FieldInfo, flag: str | None) -> list[str]:
+    default = field.get_default(call_default_factory=True)
+    shown = "none" if default is None or default is PydanticUndefined else \
+        str(default).lower() if isinstance(default, bool) else str(default)
+    if isinstance(default, (list, dict)) and not default:
+        shown = "empty"
+    head = f"  {name}  {ENV_PREFIX}{name.upper()}" + (f"  {flag}" if flag else "") + \
+        f"  (default: {shown})"
+    about = field.description or _choices(field) or ""
+    body = textwrap.wrap(about, width=88, initial_indent="      ", subsequent_indent="      ")
+    return [head, *body]
+
+
+def _choices(field: FieldInfo) -> str:
+    args = getattr(field.annotation, "__args__", ())
+    return "one of " + ", ".join(str(a) for a in args) if args and all(
+        isinstance(a, str) for a in args) else ""
 
 
 def collector_main(argv: Sequence[str] | None = None) -> int:
@@ -70,9 +111,12 @@ def collector_main(argv: Sequence[str] | None = None) -> int:
         "record_dir": args.record_dir, "data_dir": args.data_dir}
     try:
         config = load_config(args.config, overrides)
-    except ConfigError as exc:
+        log_format = args.log_format or log_format_from_env()
+    except (ConfigError, ValueError) as exc:
         return _fail(str(exc), 2)
-    logging.basicConfig(level=config.log_level, format=LOG_FORMAT)
+    configure_logging(config.log_level, log_format)
+    from gradwatch.collector.server import Server  # here: `rules check` and `replay` never need it
+
     try:
         return Server(config).run_until_signal()
     except RuleFileError as exc:
@@ -125,6 +169,8 @@ def replay_parser(prog: str = "gradwatch replay") -> argparse.ArgumentParser:
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
     """``gradwatch replay FILE [--rules FILE] [--json] [--strict]``; see ``gradwatch.collector.replay``."""
+    from gradwatch.collector.replay import run_replay
+
     args = replay_parser().parse_args(argv)
     return run_replay(args.file, args.rules, json_lines=args.json, strict=args.strict)
 

@@ -10,7 +10,8 @@ JSON object per line with ``--json``: ``{"transition", "previous", "alert"}``
 where ``alert`` is ``Alert.to_dict()`` with ``last_good_checkpoint`` filled
 from the trace's checkpoint events. Exit status: 0 when the trace was read
 (alerts or not); 2 for an unreadable or invalid trace (``--strict``) or log,
-or a bad rule file.
+or a bad rule file. When stderr is a terminal, a progress bar there counts the
+trace's bytes read (nothing is drawn into a pipe or a log).
 
 Example::
 
@@ -27,6 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
+from gradwatch.progress import progress_lines
 from gradwatch.rules import RuleFileError, RuleSpec, Transition, load_default_rules, load_rules
 from gradwatch.rules.imports import HistoryError, history_format, read_history
 from gradwatch.rules.replay import Replay, replay_records
@@ -69,9 +71,11 @@ def run_replay(path: Path, rules_path: Path | None = None, *, json_lines: bool =
         return _replay_history(path, rules, json_lines, out, err)
     run = Replay(rules, strict=strict)
     try:
-        transitions = run.run(path)
+        with progress_lines(path, f"replay {path.name}", stream=err) as lines:
+            transitions = run.run(lines)
     except TraceError as exc:
-        print(f"gradwatch replay: {exc}\nRerun without --strict to skip bad lines.", file=err)
+        named = TraceError(exc.problems, str(path))  # lines carry no name: the message gets it back
+        print(f"gradwatch replay: {named}\nRerun without --strict to skip bad lines.", file=err)
         return 2
     except (OSError, UnicodeDecodeError) as exc:
         print(f"gradwatch replay: cannot read {path}: {exc}", file=err)

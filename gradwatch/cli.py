@@ -1,15 +1,26 @@
 """The ``gradwatch`` command: dispatches to the part that owns each subcommand.
 
 Imports are lazy so ``gradwatch collector`` never imports torch and
-``gradwatch --help`` stays instant.
+``gradwatch --help`` stays instant. A base install (``pip install gradwatch``)
+has none of the extras; a command that needs one says which, in one line,
+instead of ending in an ImportError traceback. Output into a pipe that closes
+early (``gradwatch replay ... | head``) ends the command quietly, as a Unix
+tool does.
+
+Example::
+
+    from gradwatch.cli import main
+    raise SystemExit(main(["replay", "traces/run-42.jsonl", "--json"]))
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = """usage: gradwatch COMMAND [ARGS...]
+USAGE = """usage: gradwatch [--version] COMMAND [ARGS...]
 
 commands:
   collector     run the collector daemon (ingest, rules, /metrics, alert webhooks)
@@ -20,10 +31,59 @@ commands:
   restart-hook  run one allow-listed command when a signed alert arrives
   keys          CurveZMQ key pairs and the collector's allow-list (SECURITY.md)
   demo          agent + collector + rules + alert on loopback; ends by itself
-  version       print the version
+  version       print the version (also: gradwatch --version)
 
 Run 'gradwatch COMMAND --help' for a command's options.
 """
+
+# The importable modules each extra brings (pyproject.toml [project.optional-dependencies]);
+# tests/packaging checks this table against pyproject.
+EXTRA_MODULES: dict[str, tuple[str, ...]] = {
+    "agent": ("torch",),
+    "collector": ("numpy", "pydantic", "pydantic_settings", "yaml", "prometheus_client",
+                  "grafana_client"),
+    "preflight": ("torch", "matplotlib"),
+    "hf": ("torch", "transformers", "accelerate"),
+    "lightning": ("torch", "lightning"),
+}
+
+# The extras each command needs; a command not listed runs on the base install.
+COMMAND_EXTRAS: dict[str, tuple[str, ...]] = {
+    "collector": ("collector",),
+    "rules": ("collector",),
+    "replay": ("collector",),
+    "report": ("collector",),
+    "grafana": ("collector",),
+    "restart-hook": ("collector",),
+    "keys": ("collector",),
+    "demo": ("agent", "collector"),
+}
+
+# 128 + SIGPIPE: what a shell reports for a tool that stopped because its reader went away.
+EXIT_BROKEN_PIPE = 141
+
+
+def install_hint(extras: Sequence[str]) -> str:
+    """The pip command that brings ``extras``, quoted for a shell."""
+    return f"pip install 'gradwatch[{','.join(extras)}]'"
+
+
+def missing_extras(command: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The extras ``command`` needs that are not installed, and their missing modules."""
+    extras: list[str] = []
+    modules: list[str] = []
+    for extra in COMMAND_EXTRAS.get(command, ()):
+        absent = [m for m in EXTRA_MODULES[extra] if importlib.util.find_spec(m) is None]
+        if absent:
+            extras.append(extra)
+            modules += [m for m in absent if m not in modules]
+    return tuple(extras), tuple(modules)
+
+
+def extra_for_module(module: str) -> str | None:
+    """The extra that brings top-level ``module``, or None when no extra does."""
+    top = module.partition(".")[0]
+    return next((extra for extra, mods in EXTRA_MODULES.items() if top in mods), None)
 
 
 def _collector(argv: Sequence[str]) -> int:
@@ -75,10 +135,21 @@ def _demo(argv: Sequence[str]) -> int:
 
 
 def _version(argv: Sequence[str]) -> int:
-    from gradwatch import __version__
-
-    print(f"gradwatch {__version__}")
+    print(f"gradwatch {version()}")
     return 0
+
+
+def version() -> str:
+    """The installed distribution's version (the one pip reports), else the source tree's."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("gradwatch")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        from gradwatch import __version__
+
+        return __version__
 
 
 COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
@@ -95,12 +166,48 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gradwatch ARGS``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        args[0] = "version"
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"gradwatch: unknown command {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)
         return 2
-    return command(args[1:])
+    extras, modules = missing_extras(args[0])
+    if extras:
+        return _need(args[0], extras, modules)
+    try:
+        try:
+            return command(args[1:])
+        finally:
+            # Here, not at interpreter exit (argparse's --help exits too), so that a
+            # closed pipe is caught below instead of printed as "Exception ignored".
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _closed_pipe()
+    except ModuleNotFoundError as exc:
+        extra = extra_for_module(exc.name or "")
+        if extra is None:
+            raise
+        return _need(args[0], (extra,), (exc.name or "?",))
+
+
+def _need(command: str, extras: Sequence[str], modules: Sequence[str]) -> int:
+    print(f"gradwatch {command}: needs the {', '.join(extras)} extra{'s' * (len(extras) > 1)} "
+          f"({', '.join(modules)} not installed): {install_hint(extras)}", file=sys.stderr)
+    return 2
+
+
+def _closed_pipe() -> int:
+    # The reader is gone: point stdout at /dev/null so the interpreter's final
+    # flush does not raise again (the recipe of Python's signal module docs).
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout without a file descriptor (captured in a test)
+        pass
+    return EXIT_BROKEN_PIPE

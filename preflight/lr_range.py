@@ -6,7 +6,9 @@ The loss is smoothed (a bias-corrected exponential moving average); the
 *instability boundary* is the first learning rate where the smoothed loss
 exceeds ``diverge_factor`` x its minimum so far, or goes non-finite; the sweep
 stops there. The suggested learning rate is an order of magnitude below the
-boundary. A PNG of loss against learning rate (log x) marks both.
+boundary. Asked for (``plot=PATH``), a PNG of loss against learning rate (log x)
+marks both; nothing is written otherwise. At a terminal, a progress bar on
+stderr counts the steps.
 
 Example::
 
@@ -31,6 +33,7 @@ from pathlib import Path
 import torch
 
 from gradwatch.preflight.batches import Batch, LossFn, cycle, forward_loss, scalar
+from gradwatch.progress import progress
 
 DIVERGE_FACTOR = 4.0  # smoothed loss above 4x its minimum: past the boundary (fastai's convention)
 SMOOTHING = 0.7  # EMA weight of the past; short sweeps need a short memory or the boundary lags
@@ -69,13 +72,14 @@ class LRRangeResult:
 
 def lr_range_test(model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn,
                   batches: Iterable[Batch] | Callable[[], Batch], start: float = 1e-7, end: float = 10.0,
-                  steps: int = 100, plot: str | PathLike[str] | None = "lr_range.png",
+                  steps: int = 100, plot: str | PathLike[str] | None = None,
                   diverge_factor: float = DIVERGE_FACTOR, smoothing: float = SMOOTHING) -> LRRangeResult:
     """Sweep the lr exponentially over ``steps`` steps; see the module docstring.
 
     ``optimizer`` is your optimizer (copied with the model, state included) or a
     factory ``f(params)``. ``batches`` is re-iterated when it runs out (a list,
-    a DataLoader) or called each step. ``plot=None`` skips the PNG.
+    a DataLoader) or called each step. ``plot=PATH`` writes the PNG there (needs
+    matplotlib, the ``preflight`` extra); the default writes no file.
     """
     if not (0 < start < end) or steps < 2:
         raise ValueError(f"need 0 < start < end and steps >= 2, got start={start}, end={end}, steps={steps}")
@@ -118,23 +122,25 @@ def _sweep(work: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: LossFn, b
     smoothed: list[float] = []
     avg, best = 0.0, math.inf
     growth = (end / start) ** (1.0 / (steps - 1))
-    for i, batch in zip(range(steps), batches):
-        lr = start * growth**i
-        for group in opt.param_groups:
-            group["lr"] = lr
-        loss = forward_loss(work, loss_fn, batch)
-        value = scalar(loss)  # the sweep decides each step whether to stop: it must read the loss
-        avg = smoothing * avg + (1 - smoothing) * value
-        smooth = avg / (1 - smoothing ** (i + 1))
-        lrs.append(lr)
-        losses.append(value)
-        smoothed.append(smooth if math.isfinite(value) else math.nan)
-        if not math.isfinite(smooth) or smooth > diverge_factor * best:
-            break
-        best = min(best, smooth)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+    with progress(steps, "lr range test", unit="step") as bar:
+        for i, batch in zip(range(steps), batches):
+            lr = start * growth**i
+            for group in opt.param_groups:
+                group["lr"] = lr
+            loss = forward_loss(work, loss_fn, batch)
+            value = scalar(loss)  # the sweep decides each step whether to stop: it must read the loss
+            avg = smoothing * avg + (1 - smoothing) * value
+            smooth = avg / (1 - smoothing ** (i + 1))
+            lrs.append(lr)
+            losses.append(value)
+            smoothed.append(smooth if math.isfinite(value) else math.nan)
+            bar.update(1)
+            if not math.isfinite(smooth) or smooth > diverge_factor * best:
+                break
+            best = min(best, smooth)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
     return lrs, losses, smoothed
 
 
