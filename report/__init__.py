@@ -1,9 +1,12 @@
 """gradwatch.report: a self-contained HTML post-mortem of a recorded trace.
 
 ``gradwatch report TRACE -o report.html`` replays the trace through the rules
-and draws the loss (alerts marked), total and per-layer gradient norms, the
-first/last layer ratio, activation saturation and dead fractions, the AMP loss
-scale, and every alert with its diagnosis, evidence and next checks. No torch.
+and draws the loss (alerts marked), the learning rate, total and per-layer
+gradient norms, the first/last layer ratio, activation saturation and dead
+fractions, the AMP loss scale, and every alert with its diagnosis, evidence and
+next checks. No torch. The page stays small whatever the model: the per-layer
+heatmap bins layers and steps into at most ``binning.MAX_CELLS`` cells, each
+showing its bin's largest norm (about 0.9 MB for 1,000 layers x 2,000 steps).
 
 Example::
 

@@ -48,6 +48,7 @@ class ReportData:
     loss: np.ndarray
     grad_norm: np.ndarray
     loss_scale: np.ndarray
+    lr: np.ndarray  # param groups x steps; NaN = not logged
     layer_norms: np.ndarray  # layers x steps; NaN = not measured, +inf = measured non-finite
     eval_steps: np.ndarray
     eval_loss: np.ndarray
@@ -103,7 +104,7 @@ def load_report_data(path: Path, rules: Sequence[RuleSpec] | None = None) -> Rep
         job=header.job, layers=tuple(layers), rank=rank,
         steps=np.array([r.step for r in steps], dtype=np.int64),
         loss=_column(steps, "loss"), grad_norm=_column(steps, "grad_norm"),
-        loss_scale=_column(steps, "loss_scale"),
+        loss_scale=_column(steps, "loss_scale"), lr=_lr_matrix(steps),
         layer_norms=_layer_matrix(steps, tuple(layers)),
         eval_steps=np.array([r.step for r in evals], dtype=np.int64),
         eval_loss=np.array([r.loss for r in evals], dtype=np.float64),
@@ -118,16 +119,36 @@ def _column(steps: Sequence[TraceStep], name: str) -> np.ndarray:
     return np.array([math.nan if v is None else v for v in values], dtype=np.float64)
 
 
+def _lr_matrix(steps: Sequence[TraceStep]) -> np.ndarray:
+    out = np.full((max((len(r.lr) for r in steps), default=0), len(steps)), np.nan)
+    for j, rec in enumerate(steps):
+        out[:len(rec.lr), j] = rec.lr
+    return out
+
+
 def _layer_matrix(steps: Sequence[TraceStep], layers: tuple[str, ...]) -> np.ndarray:
     out = np.full((len(layers), len(steps)), np.nan)
     position = {name: i for i, name in enumerate(layers)}
     for j, rec in enumerate(steps):
-        names = rec.layers if rec.layers is not None else layers
-        for name, value in zip(names, rec.layer_grad_norms, strict=False):
+        values = rec.layer_grad_norms
+        if rec.layers is None or rec.layers == layers:
+            # The common case, one C-level conversion per step: None becomes NaN ("not measured").
+            row = np.array(values[:len(layers)], dtype=np.float64)
+            out[:len(row), j] = _measured_non_finite(row, values)
+            continue
+        for name, value in zip(rec.layers, values, strict=False):
             if value is not None and name in position:
-                # Measured but non-finite is +inf here; NaN stays "not measured".
                 out[position[name], j] = value if math.isfinite(value) else math.inf
     return out
+
+
+def _measured_non_finite(row: np.ndarray, values: Sequence[float | None]) -> np.ndarray:
+    """``row`` with measured non-finite values as +inf, so NaN keeps meaning "not measured"."""
+    bad = ~np.isfinite(row)
+    if bad.any():
+        for i in np.flatnonzero(bad):
+            row[i] = np.nan if values[i] is None else math.inf
+    return row
 
 
 def _acts(stats: Sequence[TraceStats]) -> dict[str, ActSeries]:

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from gradwatch.report.binning import bin_max
 from gradwatch.report.data import ReportData
 from gradwatch.report.svg import Line, Marker, fmt, heatmap, line_chart, not_recorded
 from gradwatch.rules import Alert
@@ -87,15 +88,12 @@ def render_report(data: ReportData, source: str = "") -> str:
         f'<p class="sub">gradwatch {escape(_version())} report of <code>{escape(source)}</code></p>',
         _summary(data),
         _section("loss", "Loss", _loss_chart(data, markers)),
+        _section("lr", "Learning rate", _lr_chart(data, markers)),
         _section("grad-norm", "Total gradient norm",
                  line_chart([Line(data.steps, data.grad_norm, "grad norm", PALETTE[0])],
                             title="‖∇θ L‖ per step (log scale)", y_label="grad norm", log_y=True,
                             markers=markers)),
-        _section("layers", "Per-layer gradient norms",
-                 heatmap(data.layer_norms, data.steps, data.layers,
-                         title="gradient norm per parameter tensor (log colour)")
-                 + '<p class="note">Rows in model order; grey cells were not measured, red ones were nan/inf. '
-                 "Early layers orders of magnitude darker than late ones point at vanishing gradients.</p>"),
+        _section("layers", "Per-layer gradient norms", _layer_heatmap(data)),
         _section("ratio", "First / last layer ratio", _ratio_chart(data, markers)),
         _section("activations", "Activations", _activation_charts(data)),
         _section("census", "Model census", _census(data)),
@@ -163,6 +161,62 @@ def _loss_chart(data: ReportData, markers: Sequence[Marker]) -> str:
     title = "training and validation loss" + (" (log scale)" if log_y else "")
     note = "" if len(data.eval_steps) else '<p class="note">Validation loss: not recorded.</p>'
     return line_chart(lines, title=title, y_label="loss", log_y=log_y, markers=markers) + note
+
+
+def _lr_chart(data: ReportData, markers: Sequence[Marker]) -> str:
+    title = "learning rate per step"
+    groups = [g for g in data.lr if np.isfinite(g).any()]
+    if not groups:
+        return not_recorded(title)
+    # Param groups on one schedule (decay / no-decay) draw as one line.
+    distinct = [g for i, g in enumerate(groups) if not any(np.array_equal(g, h, equal_nan=True)
+                                                           for h in groups[:i])]
+    lines = [Line(data.steps, g, "lr" if len(distinct) == 1 else f"group {i}", PALETTE[i % len(PALETTE)])
+             for i, g in enumerate(distinct[:MAX_ACT_SERIES])]
+    finite = np.concatenate(distinct)
+    finite = finite[np.isfinite(finite) & (finite > 0)]
+    # Warm-up, decay and an lr fault span orders of magnitude: a log axis keeps each readable.
+    log_y = bool(len(finite)) and finite.max() / finite.min() > 10
+    chart = line_chart(lines, title=title + (" (log scale)" if log_y else ""), y_label="lr", log_y=log_y,
+                       markers=markers)
+    return chart + f'<p class="note">{escape(_lr_note(data, distinct[0]))}</p>'
+
+
+def _lr_note(data: ReportData, lr: np.ndarray) -> str:
+    """The lr's largest step-to-step rise, and where it stood when the first alert fired."""
+    prev, cur = lr[:-1], lr[1:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rise = np.where((prev > 0) & np.isfinite(prev) & np.isfinite(cur), cur / prev, np.nan)
+    parts = []
+    if np.isfinite(rise).any():
+        k = int(np.nanargmax(rise))
+        parts.append(f"Largest step-to-step rise: ×{fmt(rise[k])} at step {int(data.steps[k + 1])} "
+                     f"({fmt(prev[k])} → {fmt(cur[k])}).")
+    first = data.first_alert
+    logged = np.flatnonzero((data.steps <= first.step) & np.isfinite(lr)) if first is not None else []
+    if first is not None and len(logged):
+        parts.append(f"At the first alert ({first.rule}, step {first.step}) the lr was {fmt(lr[logged[-1]])}.")
+    parts.append("A rise shortly before the loss or the gradients break points at the lr (schedule, "
+                 "warm-up, a scheduler restored wrongly on resume).")
+    return " ".join(parts)
+
+
+def _layer_heatmap(data: ReportData) -> str:
+    title = "gradient norm per parameter tensor (log colour)"
+    if not data.layer_norms.size:
+        return not_recorded(title)
+    cells = bin_max(data.layer_norms)
+    rows = max(b - a + 1 for a, b in cells.rows)
+    cols = max(b - a + 1 for a, b in cells.columns)
+    if rows == 1 and cols == 1:
+        what = "Each cell is one parameter tensor at one step"
+    else:
+        what = (f"Each cell is the largest gradient norm among up to {rows} consecutive tensor(s) × {cols} "
+                "step(s) (the largest, so a one-step spike in one tensor stays visible; hover a cell for its "
+                "range, largest and smallest)")
+    return (heatmap(cells, data.steps, data.layers, title=title)
+            + f'<p class="note">{what}. Rows in model order; grey cells were not measured, red ones hold a '
+            "nan/inf. Early layers orders of magnitude darker than late ones point at vanishing gradients.</p>")
 
 
 def _ratio_chart(data: ReportData, markers: Sequence[Marker]) -> str:

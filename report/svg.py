@@ -14,19 +14,20 @@ Example::
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from html import escape
 
 import numpy as np
 
+from gradwatch.report.binning import Cells, envelope
+
 WIDTH = 1040
 FONT = "font-family:inherit"
 GRID = "#e3e6ea"
 AXIS = "#5f6b7a"
 NONFINITE = "#c0392b"
-MAX_POINTS = 3000  # a line keeps at most this many points; longer ones are strided
+MAX_POINTS = 3000  # a longer line keeps each bin's lowest and highest point (binning.envelope)
 # Viridis stops: perceptually uniform and readable by most colour-blind readers.
 VIRIDIS = ((68, 1, 84), (72, 40, 120), (62, 74, 137), (49, 104, 142), (38, 130, 142), (31, 158, 137),
            (53, 183, 121), (110, 206, 88), (181, 222, 43), (253, 231, 37))
@@ -109,50 +110,52 @@ def line_chart(lines: Sequence[Line], *, title: str, y_label: str, log_y: bool =
     return "\n".join(parts)
 
 
-def heatmap(matrix: np.ndarray, steps: np.ndarray, names: Sequence[str], *, title: str,
-            width: int = WIDTH, max_columns: int = 240) -> str:
-    """Rows = ``names``, columns = ``steps`` (binned to at most ``max_columns``), log10 colour."""
-    positive = np.isfinite(matrix) & (matrix > 0)
-    if not matrix.size or not (positive.any() or np.isinf(matrix).any()):
+def heatmap(cells: Cells, steps: np.ndarray, names: Sequence[str], *, title: str, width: int = WIDTH) -> str:
+    """Binned ``cells`` (rows: runs of ``names``, columns: runs of ``steps``) in log10 colour.
+
+    A cell is coloured by its bin's largest value; hovering shows the layers,
+    steps, largest and smallest values it covers.
+    """
+    positive = np.isfinite(cells.high) & (cells.high > 0)
+    if not (positive.any() or cells.broken.any()):
         return not_recorded(title, width)
-    logs = np.where(positive, np.log10(np.where(positive, matrix, 1.0)), np.nan)
-    bins = np.array_split(np.arange(matrix.shape[1]), min(max_columns, matrix.shape[1]))
-    with warnings.catch_warnings():
-        # An all-NaN bin is a "not measured" cell, drawn grey: nanmean's warning is expected.
-        warnings.simplefilter("ignore", RuntimeWarning)
-        cells = np.stack([np.nanmean(logs[:, b], axis=1) for b in bins], axis=1)
-    broken = np.stack([np.isinf(matrix[:, b]).any(axis=1) for b in bins], axis=1)
-    finite = cells[np.isfinite(cells)]
-    lo, hi = (math.floor(float(finite.min())), math.ceil(float(finite.max()))) if finite.size else (0, 1)
+    logs = np.log10(np.where(positive, cells.high, 1.0))
+    lo, hi = ((math.floor(float(logs[positive].min())), math.ceil(float(logs[positive].max())))
+              if positive.any() else (0, 1))
     hi = hi if hi > lo else lo + 1
-    label_chars = min(36, max(len(n) for n in names))
+    labels = [_row_label(names, a, b) for a, b in cells.rows]
+    label_chars = min(36, max(len(label) for label in labels))
     left = 16 + 6.6 * label_chars
-    row = max(4.0, min(18.0, 420.0 / len(names)))
+    n_rows, n_cols = cells.shape
+    row = max(4.0, min(18.0, 420.0 / n_rows))
     plot_w = width - left - 90
-    height = int(34 + row * len(names) + 44)
-    col_w = plot_w / len(bins)
-    parts = [_open(width, height, title)]
-    for i, name in enumerate(names):
+    height = int(34 + row * n_rows + 44)
+    col_w = plot_w / n_cols
+    parts = [_open(width, height, title), '<g class="cells">']
+    for i, (a, b) in enumerate(cells.rows):
         y = 34 + i * row
-        for j, b in enumerate(bins):
-            value = cells[i, j]
-            tip = f"{name} @ steps {int(steps[b[0]])}-{int(steps[b[-1]])}: "
-            if broken[i, j]:
+        who = names[a] if a == b else f"{names[a]} … {names[b]} ({b - a + 1} layers)"
+        for j, (s0, s1) in enumerate(cells.columns):
+            tip = f"{who}, steps {int(steps[s0])}–{int(steps[s1])}: "
+            if cells.broken[i, j]:
                 color, tip = NONFINITE, tip + "non-finite"
-            elif math.isnan(value):
+            elif math.isnan(cells.high[i, j]):
                 color, tip = "#d9dce1", tip + "not measured"
             else:
-                color, tip = _viridis((value - lo) / (hi - lo)), tip + f"{10 ** value:.3g}"
+                color = _viridis((logs[i, j] - lo) / (hi - lo)) if positive[i, j] else _viridis(0.0)
+                tip += f"max {fmt(cells.high[i, j])}, min {fmt(cells.low[i, j])}"
             parts.append(f'<rect x="{left + j * col_w:.1f}" y="{y:.1f}" width="{col_w + 0.6:.1f}" '
                          f'height="{row + 0.3:.1f}" fill="{color}"><title>{escape(tip)}</title></rect>')
+    parts.append("</g>")
+    for i, label in enumerate(labels):
         if row >= 9 or i % math.ceil(9 / row) == 0:
-            shown = name if len(name) <= label_chars else "…" + name[-(label_chars - 1):]
-            parts.append(f'<text x="{left - 6:.0f}" y="{y + row / 2 + 4:.1f}" text-anchor="end" '
+            shown = label if len(label) <= label_chars else "…" + label[-(label_chars - 1):]
+            parts.append(f'<text x="{left - 6:.0f}" y="{34 + i * row + row / 2 + 4:.1f}" text-anchor="end" '
                          f'class="tick">{escape(shown)}</text>')
-    bottom = 34 + row * len(names)
-    for j in _tick_columns(len(bins)):
+    bottom = 34 + row * n_rows
+    for j in _tick_columns(n_cols):
         parts.append(f'<text x="{left + (j + 0.5) * col_w:.1f}" y="{bottom + 16:.0f}" text-anchor="middle" '
-                     f'class="tick">{int(steps[bins[j][0]])}</text>')
+                     f'class="tick">{int(steps[cells.columns[j][0]])}</text>')
     parts.append(f'<text x="{left + plot_w / 2:.0f}" y="{height - 6}" text-anchor="middle" '
                  'class="axis-label">step</text>')
     parts.append(_colour_bar(width - 70, 34, min(220.0, bottom - 34), lo, hi))
@@ -224,8 +227,7 @@ def _polyline(frame: _Frame, line: Line) -> str:
     x = np.asarray(line.x, dtype=np.float64)
     y = np.asarray(line.y, dtype=np.float64)
     if len(x) > MAX_POINTS:
-        keep = np.unique(np.concatenate([np.linspace(0, len(x) - 1, MAX_POINTS).astype(int),
-                                         np.flatnonzero(~np.isfinite(y))]))
+        keep = envelope(y, MAX_POINTS)
         x, y = x[keep], y[keep]
     ok = np.isfinite(y) & ((y > 0) if frame.log_y else True)
     dash = ' stroke-dasharray="6 4"' if line.dashed else ""
@@ -239,11 +241,16 @@ def _polyline(frame: _Frame, line: Line) -> str:
         if len(segment) > 1:
             parts.append(f'<polyline points="{points}" fill="none" stroke="{line.color}" '
                          f'stroke-width="1.8"{dash}/>')
-    for a, b in zip(x[~np.isfinite(y)], y[~np.isfinite(y)], strict=True):
-        px = frame.px(a)
-        parts.append(f'<path d="M{px - 5:.1f},{frame.top - 1} L{px + 5:.1f},{frame.top - 1} L{px:.1f},'
-                     f'{frame.top + 8}Z" fill="{NONFINITE}"><title>{escape(line.label)} = {fmt(b)} at step '
-                     f'{int(a)}</title></path>')
+    # One marker per run of non-finite points: a run that never recovers stays one element.
+    for run in _runs(~np.isfinite(y)):
+        px, values = frame.px(x[run[0]]), {fmt(v) for v in y[run]}
+        what = values.pop() if len(values) == 1 else "non-finite"
+        where = f"step {int(x[run[0]])}" if len(run) == 1 else \
+            f"steps {int(x[run[0]])}–{int(x[run[-1]])} ({len(run)} points)"
+        end = max(px + 5, frame.px(x[run[-1]]))
+        parts.append(f'<path d="M{px - 5:.1f},{frame.top - 1} L{end:.1f},{frame.top - 1} L{end:.1f},'
+                     f'{frame.top + 2} L{px + 5:.1f},{frame.top + 2} L{px:.1f},{frame.top + 8}Z" '
+                     f'fill="{NONFINITE}"><title>{escape(line.label)} = {what} at {where}</title></path>')
     return "\n".join(parts)
 
 
@@ -280,6 +287,19 @@ def _legend(frame: _Frame, lines: Sequence[Line]) -> str:
                      f'stroke="{line.color}" stroke-width="3"{dash}/><text x="{x + 22:.0f}" '
                      f'y="{frame.top - 6}" class="tick">{escape(line.label)}</text>')
     return "\n".join(parts)
+
+
+def _row_label(names: Sequence[str], first: int, last: int) -> str:
+    """A heatmap row's label: the layer's name, or the run of layers a binned row covers."""
+    if first == last:
+        return names[first]
+    a, b = names[first].split("."), names[last].split(".")
+    common = 0
+    while common < min(len(a), len(b)) - 1 and a[common] == b[common]:
+        common += 1
+    if a[common].isdigit() and b[common].isdigit():  # blocks.0… to blocks.6…: "blocks.0–6"
+        return ".".join(a[:common] + [f"{a[common]}–{b[common]}"])
+    return f"{names[first]} … {names[last]}"
 
 
 def _viridis(t: float) -> str:

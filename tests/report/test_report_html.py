@@ -14,7 +14,7 @@ from gradwatch.wire.census import Census
 from gradwatch.wire.trace import TraceEval, TraceHeader, TraceStats, TraceStep, TraceAct, encode_record
 from tests.report.recorded import JOB, NAN_STEP, STEPS
 
-SECTIONS = ("summary", "loss", "grad-norm", "layers", "ratio", "activations", "census", "loss-scale",
+SECTIONS = ("summary", "loss", "lr", "grad-norm", "layers", "ratio", "activations", "census", "loss-scale",
             "alerts")
 # Attributes through which a page pulls something in from elsewhere.
 FETCHING = {"src", "href", "srcset", "xlink:href", "data", "poster", "action", "formaction", "background"}
@@ -86,10 +86,13 @@ def test_a_recorded_trace_becomes_a_self_contained_post_mortem(recorded_trace: P
     assert "latest_finite_loss" in alerts and "ckpt/25.pt" in alerts  # evidence, last good checkpoint
     # The recorded run has evals and activation stats but no AMP: only that panel is empty.
     assert "not recorded" in page.sections["loss-scale"]
-    for name in ("loss", "grad-norm", "layers", "ratio", "activations"):
+    for name in ("loss", "lr", "grad-norm", "layers", "ratio", "activations"):
         assert "not recorded" not in page.sections[name], name
     assert "0.weight" in page.sections["layers"] and "4.bias" in page.sections["layers"]
-    assert html.count("<svg") == 7
+    assert html.count("<svg") == 8
+    # Six tensors and 60 steps need no binning: one cell per tensor and step.
+    assert "Each cell is one parameter tensor at one step" in page.sections["layers"]
+    assert "the lr was 0.02" in page.sections["lr"]  # constant SGD lr at the NaN alert
     assert 'class="badge">A1<' in html  # the alert is marked on the charts
 
 
@@ -114,7 +117,7 @@ def test_a_trace_with_nothing_but_a_header_renders_every_panel_as_not_recorded(t
     html = build_report(write_trace(tmp_path / "empty.jsonl", [TraceHeader(job="empty")]))
     page = parse(html)
     assert tuple(page.sections) == SECTIONS
-    for name in ("loss", "grad-norm", "layers", "ratio", "census", "loss-scale"):
+    for name in ("loss", "lr", "grad-norm", "layers", "ratio", "census", "loss-scale"):
         assert "not recorded" in page.sections[name], name
     assert page.sections["activations"].count("not recorded") == 2
     assert "none recorded" in page.sections["summary"] and "no alert fired" in page.sections["summary"]
