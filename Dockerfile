@@ -8,7 +8,13 @@
 # name beat both (e.g. `--webhook URL --per-layer-metrics`). The default rule
 # pack ships inside the installed package; mount a file and pass --rules to
 # replace it.
-FROM python:3.11-slim
+#
+# The base image is pinned by digest, so a rebuild starts from the same bytes: the
+# multi-arch index of python:3.11-slim (Python 3.11.16 on Debian trixie, pushed
+# 2026-08-16, official-images commit fe89472b), as recorded by public projects
+# that pin it. To move it: `docker pull python:3.11-slim`, copy the Digest: it
+# prints, rebuild and rerun tests/deploy and tests/packaging.
+FROM python:3.11-slim@sha256:9c900dea9e8fb7e16277c179b555cc72d29a352dbc33cff48ad5a0412fd5bfc7
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -16,7 +22,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY gradwatch/ gradwatch/
 COPY wire/ wire/
 COPY agent/ agent/
@@ -28,10 +34,11 @@ COPY preflight/ preflight/
 COPY report/ report/
 COPY integrations/ integrations/
 
-# The collector extra only; the build fails if anything pulled torch in.
-# DL3013: this installs the project itself; its dependencies' ranges live in pyproject.toml.
+# The collector extra only, every dependency at the version constraints.txt pins
+# (the versions the tests ran with); the build fails if anything pulled torch in.
+# DL3013: this installs the project itself; its dependencies are pinned by constraints.txt.
 # hadolint ignore=DL3013
-RUN pip install --no-cache-dir ".[collector]" \
+RUN pip install --no-cache-dir -c constraints.txt ".[collector]" \
     && if pip show torch >/dev/null 2>&1; then echo "torch must not be in the collector image" >&2; exit 1; fi \
     && rm -rf /src \
     && groupadd --system --gid 10001 gradwatch \

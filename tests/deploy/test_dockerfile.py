@@ -52,7 +52,7 @@ def copy_sources() -> set[str]:
 
 
 def test_base_image_user_and_ports() -> None:
-    assert single("FROM") == "python:3.11-slim"
+    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", single("FROM")), "pin the base image by digest"
     user = single("USER")
     assert user.split(":")[0] not in ("root", "0"), "the collector must not run as root"
     assert user.split(":")[0].isdigit(), "a numeric USER lets Kubernetes verify runAsNonRoot"

@@ -48,16 +48,6 @@ def test_every_top_level_folder_with_python_is_mapped() -> None:
     assert not unmapped, f"folders {unmapped} hold a package but pyproject maps none of them"
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(out), str(ROOT)], check=True, timeout=300)
-    (built,) = out.glob("gradwatch-*.whl")
-    return built
-
-
 def test_wheel_contains_every_module_and_the_default_rules(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     for dotted, folder in _package_folders().items():
