@@ -102,7 +102,10 @@ def fuzz_rules(data: bytes) -> None:
 
 
 TARGETS: dict[str, Callable[[bytes], None]] = {
-    "wire": fuzz_wire, "trace": fuzz_trace, "rules": fuzz_rules}
+    "wire": fuzz_wire,
+    "trace": fuzz_trace,
+    "rules": fuzz_rules,
+}
 
 
 def seeds(target: str) -> list[bytes]:
@@ -112,20 +115,48 @@ def seeds(target: str) -> list[bytes]:
         values = struct.pack("<8f", 2.5, 0.1, 0.5, 0.25, 2.4, 0.1, 0.5, 0.2)
         batch = Batch("run-1", 0, 1, 1, 0, "inc", 0, (1, 2), (1.0, 2.0), values, schema)
         hb = b'GW\x01\x02{"job":"j","rank":0,"world":1,"inc":"i","time":1.0,"step":1,"dropped":0}'
-        ev = b'GW\x01\x03' + json.dumps({"job": "j", "rank": 0, "inc": "i", "time": 1.0,
-                                         "kind": "eval", "step": 2, "fields": {"loss": "nan"}}).encode()
+        ev = (
+            b"GW\x01\x03"
+            + json.dumps(
+                {
+                    "job": "j",
+                    "rank": 0,
+                    "inc": "i",
+                    "time": 1.0,
+                    "kind": "eval",
+                    "step": 2,
+                    "fields": {"loss": "nan"},
+                }
+            ).encode()
+        )
         return [SEP.join(encode(batch)), hb, ev]
     if target == "trace":
-        body = "\n".join(json.dumps(record) for record in [
-            {"type": "step", "step": 1, "loss": 2.5, "lr": [0.1], "layer_grad_norms": [0.5, None]},
-            {"type": "stats", "step": 1, "layer_weight_norms": [1, 2],
-             "act": {"m": {"mean": 0, "std": 1}}},
-            {"type": "eval", "step": 2, "loss": "inf", "metrics": {"acc": 0.9}},
-            {"type": "event", "step": 2, "kind": "checkpoint", "path": "c.pt"},
-            {"type": "heartbeat", "rank": 0, "time": 3.0, "step": 2}])
+        body = "\n".join(
+            json.dumps(record)
+            for record in [
+                {
+                    "type": "step",
+                    "step": 1,
+                    "loss": 2.5,
+                    "lr": [0.1],
+                    "layer_grad_norms": [0.5, None],
+                },
+                {
+                    "type": "stats",
+                    "step": 1,
+                    "layer_weight_norms": [1, 2],
+                    "act": {"m": {"mean": 0, "std": 1}},
+                },
+                {"type": "eval", "step": 2, "loss": "inf", "metrics": {"acc": 0.9}},
+                {"type": "event", "step": 2, "kind": "checkpoint", "path": "c.pt"},
+                {"type": "heartbeat", "rank": 0, "time": 3.0, "step": 2},
+            ]
+        )
         return [b"\x00" + body.encode(), b"\xff" + HEADER.encode() + b"\n" + body.encode()]
-    small = (b"groups:\n  - name: g\n    rules:\n      - alert: A\n        detector: nonfinite\n"
-             b"        severity: critical\n        category: numerical\n        for: 2\n")
+    small = (
+        b"groups:\n  - name: g\n    rules:\n      - alert: A\n        detector: nonfinite\n"
+        b"        severity: critical\n        category: numerical\n        for: 2\n"
+    )
     bomb = b"a: &a [x, x, x]\nb: &b [*a, *a, *a]\ngroups: [*b, *b]\n"
     return [default_rules_path().read_bytes(), small, bomb]
 

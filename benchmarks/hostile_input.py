@@ -71,8 +71,11 @@ def scrape(server: Server) -> tuple[int, float]:
 
 def bomb(name: str, messages: list[list[bytes]], **bounds: Any) -> None:
     """Send ``messages`` to a fresh collector, wait until handled, report."""
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                                    **bounds), registry=CollectorRegistry(), sinks=[])
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", **bounds),
+        registry=CollectorRegistry(),
+        sinks=[],
+    )
     server.start()
     ctx: zmq.Context[Any] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
@@ -90,10 +93,13 @@ def bomb(name: str, messages: list[list[bytes]], **bounds: Any) -> None:
     refused = {k: v for k, v in server.admission.refused().items() if v}
     refused.update({f"wire:{k}": v for k, v in server.ingest.stats().rejected.items() if v})
     rows = server.actions.checkpoints.rows() if server.actions is not None else 0
-    print(f"{name:<22} {len(messages):>6} msgs in {took:6.1f} s{'' if done else ' (NOT ALL)'}"
-          f" | RSS +{rss / 2**20:6.0f} MiB | /metrics {size / 1024:6.0f} KiB in "
-          f"{scrape_s:5.2f} s | jobs {len(server.state.jobs()):>4} | checkpoint rows {rows:>6}"
-          f" | refused {refused}", flush=True)
+    print(
+        f"{name:<22} {len(messages):>6} msgs in {took:6.1f} s{'' if done else ' (NOT ALL)'}"
+        f" | RSS +{rss / 2**20:6.0f} MiB | /metrics {size / 1024:6.0f} KiB in "
+        f"{scrape_s:5.2f} s | jobs {len(server.state.jobs()):>4} | checkpoint rows {rows:>6}"
+        f" | refused {refused}",
+        flush=True,
+    )
     push.close(linger=0)
     ctx.term()
     server.stop()
@@ -106,8 +112,11 @@ def nan_latency(flood: bool, rules: Path) -> tuple[float, int]:
     import gradwatch
 
     sink = Recorder()
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                                    rules=rules), registry=CollectorRegistry(), sinks=[sink])
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", rules=rules),
+        registry=CollectorRegistry(),
+        sinks=[sink],
+    )
     server.start()
     proc = None
     peak = current_rss()
@@ -115,8 +124,16 @@ def nan_latency(flood: bool, rules: Path) -> tuple[float, int]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        with gradwatch.watch(model, opt, job="real", endpoint=server.bound_endpoint,
-                             flush_every=5, stats_every=0, heartbeat_every=0.05) as mon:
+        with gradwatch.watch(
+            model,
+            opt,
+            job="real",
+            endpoint=server.bound_endpoint,
+            flush_every=5,
+            stats_every=0,
+            heartbeat_every=0.05,
+        ) as mon:
+
             def steps(n: int, nan: bool) -> float:
                 logged = time.monotonic()
                 for _ in range(n):
@@ -132,12 +149,15 @@ def nan_latency(flood: bool, rules: Path) -> tuple[float, int]:
 
             steps(20, False)
             if flood:
-                proc = subprocess.Popen([sys.executable, "-m", "tests.security.flood",
-                                         server.bound_endpoint, "8"], cwd=ROOT,
-                                        stdout=subprocess.DEVNULL)
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "tests.security.flood", server.bound_endpoint, "8"],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                )
                 deadline = time.monotonic() + 20
-                while sum(server.admission.refused().values()) < 100 and \
-                        time.monotonic() < deadline:
+                while (
+                    sum(server.admission.refused().values()) < 100 and time.monotonic() < deadline
+                ):
                     peak = max(peak, current_rss())
                     time.sleep(0.05)
             for _ in range(20):
@@ -145,8 +165,7 @@ def nan_latency(flood: bool, rules: Path) -> tuple[float, int]:
                 peak = max(peak, current_rss())
             flushed = steps(5, True)
             deadline = flushed + 30
-            while not any(a.job == "real" for _, a in sink.arrived) and \
-                    time.monotonic() < deadline:
+            while not any(a.job == "real" for _, a in sink.arrived) and time.monotonic() < deadline:
                 peak = max(peak, current_rss())
                 time.sleep(0.005)
         arrived = [t for t, a in sink.arrived if a.job == "real"]
@@ -164,12 +183,17 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
     bomb("job-name bomb", [heartbeat(f"bomb-{i}") for i in range(47_000)])
-    bomb("layer-name bomb", [batch(f"layers-{i}", layers=670, schema_id=1, prefix=f"m{i}.")
-                             for i in range(300)])
-    bomb("checkpoint bomb", [checkpoint(f"ckpt-{i % 245}", i, f"/tmp/attacker-{i}.pt")
-                             for i in range(24_500)])
-    bomb("4,096-row batches", [batch("rows", rows=4096, first_step=1 + 4096 * i)
-                               for i in range(40)])
+    bomb(
+        "layer-name bomb",
+        [batch(f"layers-{i}", layers=670, schema_id=1, prefix=f"m{i}.") for i in range(300)],
+    )
+    bomb(
+        "checkpoint bomb",
+        [checkpoint(f"ckpt-{i % 245}", i, f"/tmp/attacker-{i}.pt") for i in range(24_500)],
+    )
+    bomb(
+        "4,096-row batches", [batch("rows", rows=4096, first_step=1 + 4096 * i) for i in range(40)]
+    )
     rules = Path("/tmp") / f"gradwatch-hostile-{time.time_ns()}.yaml"
     rules.write_text(NAN_RULE)
     quiet, flooded = [], []
@@ -179,10 +203,12 @@ def main() -> None:
     rules.unlink()
     for name, runs in (("no flood", quiet), ("flood", flooded)):
         lat = [r[0] for r in runs]
-        print(f"NaN alert after its flush, {name:<9}: median {statistics.median(lat):.3f} s, "
-              f"max {max(lat):.3f} s over {len(lat)} trials; peak RSS "
-              f"{max(r[1] for r in runs) / 2**20:.0f} MiB (whole process, torch included)",
-              flush=True)
+        print(
+            f"NaN alert after its flush, {name:<9}: median {statistics.median(lat):.3f} s, "
+            f"max {max(lat):.3f} s over {len(lat)} trials; peak RSS "
+            f"{max(r[1] for r in runs) / 2**20:.0f} MiB (whole process, torch included)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ PACKAGES: dict[str, str] = {
     "chromium": "chromium",
 }
 SEARCH_PATH = os.pathsep.join(
-    [os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/usr/local/bin"])
+    [os.environ.get("PATH", ""), "/usr/sbin", "/usr/bin", "/usr/local/bin"]
+)
 
 
 def find_binary(name: str) -> str | None:
@@ -49,8 +50,10 @@ def require_binary(name: str) -> str:
     if found:
         return found
     package = PACKAGES.get(name, name)
-    message = (f"{name} is not installed; `bash run.sh setup` installs it, or "
-               f"`apt-get install -y {package}`")
+    message = (
+        f"{name} is not installed; `bash run.sh setup` installs it, or "
+        f"`apt-get install -y {package}`"
+    )
     if os.environ.get("CI", "").lower() == "true":
         pytest.fail(f"{message} (CI must not skip this test)")
     pytest.skip(message)

@@ -94,7 +94,9 @@ def capped_name(name: str) -> str:
 def census_body(c: Census) -> dict[str, Any]:
     """The JSON object of ``c`` (wire batch header ``census``, trace stats line ``census``)."""
     return {
-        "total": c.params_total, "trainable": c.params_trainable, "frozen": c.params_frozen,
+        "total": c.params_total,
+        "trainable": c.params_trainable,
+        "frozen": c.params_frozen,
         "not_in_optimizer": c.params_not_in_optimizer,
         "frozen_modules": [[name, n] for name, n in c.frozen_modules],
         "not_in_optimizer_names": list(c.not_in_optimizer),
@@ -117,8 +119,9 @@ def census_of(body: Any) -> Census:
         if not (isinstance(item, list) and len(item) == 2):
             raise CensusError("census.frozen_modules: expected [name, elements] pairs")
         frozen_modules.append((_name(item[0], "frozen_modules"), _count(item[1], "frozen_modules")))
-    tied = tuple(_names(group, "tied", MAX_TIED_NAMES)
-                 for group in _list(body, "tied", MAX_TIED_GROUPS))
+    tied = tuple(
+        _names(group, "tied", MAX_TIED_NAMES) for group in _list(body, "tied", MAX_TIED_GROUPS)
+    )
     training = body.get("model_training", True)
     if not isinstance(training, bool):
         raise CensusError("census.model_training: expected true or false")
@@ -128,11 +131,13 @@ def census_of(body: Any) -> Census:
         params_frozen=_count(body.get("frozen"), "frozen"),
         params_not_in_optimizer=_count(body.get("not_in_optimizer"), "not_in_optimizer"),
         frozen_modules=tuple(frozen_modules),
-        not_in_optimizer=_names(body.get("not_in_optimizer_names", []), "not_in_optimizer_names",
-                                MAX_CENSUS_NAMES),
+        not_in_optimizer=_names(
+            body.get("not_in_optimizer_names", []), "not_in_optimizer_names", MAX_CENSUS_NAMES
+        ),
         tied=tied,
         eval_modules=_names(body.get("eval_modules", []), "eval_modules", MAX_CENSUS_NAMES),
-        model_training=training)
+        model_training=training,
+    )
 
 
 def roles_of(value: Any, layers: int) -> tuple[str, ...]:
@@ -143,12 +148,15 @@ def roles_of(value: Any, layers: int) -> tuple[str, ...]:
     if not isinstance(value, list) or len(value) != layers:
         raise CensusError(f"layer_roles: expected a list of {layers} role names, one per layer")
     if any(not isinstance(v, str) or not 0 < len(v) <= MAX_ROLE_CHARS for v in value):
-        raise CensusError(f"layer_roles: every role must be a string of 1 to {MAX_ROLE_CHARS} chars")
+        raise CensusError(
+            f"layer_roles: every role must be a string of 1 to {MAX_ROLE_CHARS} chars"
+        )
     return tuple(v if v in ROLES else ROLE_OTHER for v in value)
 
 
-def roles_for(names: Sequence[str], all_names: Sequence[str],
-              all_roles: Sequence[str]) -> tuple[str, ...]:
+def roles_for(
+    names: Sequence[str], all_names: Sequence[str], all_roles: Sequence[str]
+) -> tuple[str, ...]:
     """The roles of ``names`` (a subset of ``all_names``), or ``()`` when unknown.
 
     For records that keep only some layers (unmeasured ones left out): their

@@ -33,8 +33,9 @@ def command_signature(key: bytes, body: bytes) -> bytes:
 
 def encode_command(command: Mapping[str, Any], key: bytes) -> list[bytes]:
     """The frames of one command: topic (the job), canonical JSON body, signature."""
-    body = json.dumps(dict(command), sort_keys=True, separators=(",", ":"),
-                      allow_nan=False).encode("utf-8")
+    body = json.dumps(dict(command), sort_keys=True, separators=(",", ":"), allow_nan=False).encode(
+        "utf-8"
+    )
     return [str(command["job"]).encode("utf-8"), body, command_signature(key, body)]
 
 

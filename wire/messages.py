@@ -161,8 +161,12 @@ def _header(kind: int, body: Mapping[str, Any]) -> bytes:
 
 
 def encode_schema(schema: Schema) -> bytes:
-    body: dict[str, Any] = {"id": schema.id, "columns": list(schema.columns),
-                            "layers": list(schema.layers), "dtype": schema.dtype}
+    body: dict[str, Any] = {
+        "id": schema.id,
+        "columns": list(schema.columns),
+        "layers": list(schema.layers),
+        "dtype": schema.dtype,
+    }
     if schema.layer_roles:
         body["layer_roles"] = list(schema.layer_roles)
     return json.dumps(body, separators=(",", ":")).encode()
@@ -171,9 +175,15 @@ def encode_schema(schema: Schema) -> bytes:
 def encode_batch(batch: Batch) -> list[bytes]:
     """Frames of a batch: header, optional schema, values."""
     body = {
-        "job": batch.job, "rank": batch.rank, "world": batch.world,
-        "schema": batch.schema_id, "seq": batch.seq, "inc": batch.incarnation,
-        "dropped": batch.dropped, "steps": list(batch.steps), "times": list(batch.times),
+        "job": batch.job,
+        "rank": batch.rank,
+        "world": batch.world,
+        "schema": batch.schema_id,
+        "seq": batch.seq,
+        "inc": batch.incarnation,
+        "dropped": batch.dropped,
+        "steps": list(batch.steps),
+        "times": list(batch.times),
     }
     if batch.shards is not None:
         body["shards"] = batch.shards
@@ -187,16 +197,30 @@ def encode_batch(batch: Batch) -> list[bytes]:
 
 
 def encode_heartbeat(hb: Heartbeat) -> list[bytes]:
-    body = {"job": hb.job, "rank": hb.rank, "world": hb.world, "inc": hb.incarnation,
-            "time": hb.time, "step": hb.step, "dropped": hb.dropped}
+    body = {
+        "job": hb.job,
+        "rank": hb.rank,
+        "world": hb.world,
+        "inc": hb.incarnation,
+        "time": hb.time,
+        "step": hb.step,
+        "dropped": hb.dropped,
+    }
     if hb.started is not None:
         body["started"] = hb.started
     return [_header(KIND_HEARTBEAT, body)]
 
 
 def encode_event(ev: Event) -> list[bytes]:
-    body = {"job": ev.job, "rank": ev.rank, "inc": ev.incarnation, "time": ev.time,
-            "kind": ev.kind, "step": ev.step, "fields": dict(ev.fields)}
+    body = {
+        "job": ev.job,
+        "rank": ev.rank,
+        "inc": ev.incarnation,
+        "time": ev.time,
+        "kind": ev.kind,
+        "step": ev.step,
+        "fields": dict(ev.fields),
+    }
     return [_header(KIND_EVENT, body)]
 
 
@@ -230,29 +254,42 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
     if version != VERSION:
         raise WireVersionError(
             f"wire version {version} is not supported (this build speaks {VERSION}); "
-            "upgrade the collector or pin the agent to a matching gradwatch release")
-    body = _json_object(head[_PREAMBLE.size:], "header")
+            "upgrade the collector or pin the agent to a matching gradwatch release"
+        )
+    body = _json_object(head[_PREAMBLE.size :], "header")
     if kind == KIND_BATCH:
         return _decode_batch(body, frames[1:])
     if len(frames) != 1:
         raise WireError(f"message kind {kind} takes 1 frame, got {len(frames)}")
     if kind == KIND_HEARTBEAT:
         return Heartbeat(
-            job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=_world(body),
-            incarnation=_str(body, "inc", 64), time=_float(body, "time"),
-            step=_int(body, "step", -1, 2**62), dropped=_int(body, "dropped", 0, 2**62),
-            started=_optional_int(body, "started", 0, 2**62))
+            job=_job(body),
+            rank=_int(body, "rank", 0, MAX_RANK),
+            world=_world(body),
+            incarnation=_str(body, "inc", 64),
+            time=_float(body, "time"),
+            step=_int(body, "step", -1, 2**62),
+            dropped=_int(body, "dropped", 0, 2**62),
+            started=_optional_int(body, "started", 0, 2**62),
+        )
     if kind == KIND_EVENT:
         ev_kind = _str(body, "kind", 32)
         if ev_kind not in EVENT_KINDS:
-            raise WireError(f"unknown event kind {ev_kind!r}; expected one of {sorted(EVENT_KINDS)}")
+            raise WireError(
+                f"unknown event kind {ev_kind!r}; expected one of {sorted(EVENT_KINDS)}"
+            )
         fields = body.get("fields", {})
         if not isinstance(fields, dict):
             raise WireError("event 'fields' must be an object")
         return Event(
-            job=_job(body), rank=_int(body, "rank", 0, MAX_RANK),
-            incarnation=_str(body, "inc", 64), time=_float(body, "time"), kind=ev_kind,
-            step=_int(body, "step", -1, 2**62), fields=fields)
+            job=_job(body),
+            rank=_int(body, "rank", 0, MAX_RANK),
+            incarnation=_str(body, "inc", 64),
+            time=_float(body, "time"),
+            kind=ev_kind,
+            step=_int(body, "step", -1, 2**62),
+            fields=fields,
+        )
     raise WireError(f"unknown message kind {kind}")
 
 
@@ -275,8 +312,13 @@ def decode_schema(raw: bytes | memoryview) -> Schema:
             roles = roles_of(body["layer_roles"], len(layers))
         except CensusError as exc:
             raise WireError(f"schema {exc}") from None
-    return Schema(id=_int(body, "id", 0, 2**31), columns=columns, layers=layers, dtype=dtype,
-                  layer_roles=roles)
+    return Schema(
+        id=_int(body, "id", 0, 2**31),
+        columns=columns,
+        layers=layers,
+        dtype=dtype,
+        layer_roles=roles,
+    )
 
 
 def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> Batch:
@@ -298,7 +340,8 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
     if schema is not None and len(values) != 4 * len(steps) * schema.width:
         raise WireError(
             f"values frame holds {len(values) // 4} floats; schema {schema.id} needs "
-            f"{len(steps)} x {schema.width}")
+            f"{len(steps)} x {schema.width}"
+        )
     world = _world(body)
     shards = _optional_int(body, "shards", 1, world)
     if shards is not None and world % shards:
@@ -310,10 +353,20 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
         except CensusError as exc:
             raise WireError(str(exc)) from None
     return Batch(
-        job=_job(body), rank=_int(body, "rank", 0, MAX_RANK), world=world,
-        schema_id=schema_id, seq=_int(body, "seq", 0, 2**62), incarnation=_str(body, "inc", 64),
-        dropped=_int(body, "dropped", 0, 2**62), steps=steps, times=times, values=values,
-        schema=schema, shards=shards, census=census)
+        job=_job(body),
+        rank=_int(body, "rank", 0, MAX_RANK),
+        world=world,
+        schema_id=schema_id,
+        seq=_int(body, "seq", 0, 2**62),
+        incarnation=_str(body, "inc", 64),
+        dropped=_int(body, "dropped", 0, 2**62),
+        steps=steps,
+        times=times,
+        values=values,
+        schema=schema,
+        shards=shards,
+        census=census,
+    )
 
 
 def row_width(batch: Batch) -> int:
@@ -390,7 +443,8 @@ def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...]:
 def _float_list(body: Mapping[str, Any], key: str) -> tuple[float, ...]:
     value = body.get(key)
     if not isinstance(value, list) or any(
-            type(v) not in (int, float) or not _finite(v) for v in value):
+        type(v) not in (int, float) or not _finite(v) for v in value
+    ):
         raise WireError(f"field {key!r} must be a list of finite numbers")
     return tuple(float(v) for v in value)
 
@@ -398,6 +452,7 @@ def _float_list(body: Mapping[str, Any], key: str) -> tuple[float, ...]:
 def _names(body: Mapping[str, Any], key: str) -> tuple[str, ...]:
     value = body.get(key)
     if not isinstance(value, list) or any(
-            not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS for v in value):
+        not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS for v in value
+    ):
         raise WireError(f"schema {key!r} must be a list of names of 1 to {MAX_NAME_CHARS} chars")
     return tuple(value)

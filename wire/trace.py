@@ -36,8 +36,9 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.
 class TraceError(ValueError):
     """A trace that cannot be read; ``problems`` lists ``(line, message)`` pairs."""
 
-    def __init__(self, problems: Iterable[tuple[int, str]], source: str = "<trace>",
-                 total: int | None = None) -> None:
+    def __init__(
+        self, problems: Iterable[tuple[int, str]], source: str = "<trace>", total: int | None = None
+    ) -> None:
         self.problems = tuple(problems)
         self.source = source
         count = len(self.problems) if total is None else total
@@ -186,8 +187,12 @@ def _act_body(a: TraceAct) -> dict[str, Any]:
 def record_body(rec: TraceRecord) -> dict[str, Any]:
     """The JSON object of one record (what :func:`encode_record` serialises)."""
     if isinstance(rec, TraceHeader):
-        body: dict[str, Any] = {"type": "header", "version": rec.version, "job": rec.job,
-                                "layers": list(rec.layers)}
+        body: dict[str, Any] = {
+            "type": "header",
+            "version": rec.version,
+            "job": rec.job,
+            "layers": list(rec.layers),
+        }
         _put(body, "dtype_max", rec.dtype_max)
         if rec.world is not None and rec.shards is not None:
             body["world"], body["shards"] = rec.world, rec.shards
@@ -237,7 +242,12 @@ def _step_body(rec: TraceStep, body: dict[str, Any]) -> None:
         body["scalars"] = {k: _num(v) for k, v in rec.scalars.items()}
 
 
-_TYPE_OF: dict[type, str] = {TraceStep: "step", TraceStats: "stats", TraceEval: "eval", TraceEvent: "event"}
+_TYPE_OF: dict[type, str] = {
+    TraceStep: "step",
+    TraceStats: "stats",
+    TraceEval: "eval",
+    TraceEvent: "event",
+}
 
 
 def encode_record(rec: TraceRecord) -> str:
@@ -272,7 +282,7 @@ def _as_float(value: Any, what: str) -> float:
             return math.inf if value > 0 else -math.inf
     if isinstance(value, str) and value.strip().lower() in _NONFINITE:
         return _NONFINITE[value.strip().lower()]
-    raise _Bad(f"{what}: expected a number or \"nan\"/\"inf\"/\"-inf\", got {value!r:.40}")
+    raise _Bad(f'{what}: expected a number or "nan"/"inf"/"-inf", got {value!r:.40}')
 
 
 def _int(obj: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -315,10 +325,12 @@ def _float_map(value: Any, what: str) -> dict[str, float]:
 
 def _header(obj: Any) -> TraceHeader:
     if not isinstance(obj, dict) or obj.get("type") != "header":
-        raise _Bad("the first line must be the header {\"type\": \"header\", \"version\": 1, ...}")
+        raise _Bad('the first line must be the header {"type": "header", "version": 1, ...}')
     version = obj.get("version")
     if version != TRACE_VERSION:
-        raise _Bad(f"unsupported trace version {version!r}; this gradwatch reads version {TRACE_VERSION}")
+        raise _Bad(
+            f"unsupported trace version {version!r}; this gradwatch reads version {TRACE_VERSION}"
+        )
     world, shards = obj.get("world"), obj.get("shards")
     if (world is None) != (shards is None):
         raise _Bad("world and shards come together in a header, or neither")
@@ -333,15 +345,23 @@ def _header(obj: Any) -> TraceHeader:
             roles = roles_of(obj["layer_roles"], len(layers))
         except CensusError as exc:
             raise _Bad(str(exc)) from None
-    return TraceHeader(job=_str(obj, "job"), layers=layers, dtype_max=_float(obj, "dtype_max"),
-                       world=world, shards=shards, layer_roles=roles)
+    return TraceHeader(
+        job=_str(obj, "job"),
+        layers=layers,
+        dtype_max=_float(obj, "dtype_max"),
+        world=world,
+        shards=shards,
+        layer_roles=roles,
+    )
 
 
 def _common(obj: Mapping[str, Any]) -> tuple[int, int, float | None]:
     return _int(obj, "step"), _int(obj, "rank", 0), _float(obj, "time")
 
 
-def _layers(obj: Mapping[str, Any], header: TraceHeader) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
+def _layers(
+    obj: Mapping[str, Any], header: TraceHeader
+) -> tuple[tuple[str, ...], tuple[str, ...] | None]:
     if "layers" in obj:
         own = _names(obj["layers"], "layers")
         return own, own
@@ -362,12 +382,23 @@ def _step(obj: Mapping[str, Any], header: TraceHeader) -> list[TraceRecord]:
     if not isinstance(skipped, bool):
         raise _Bad(f"skipped: expected true or false, got {skipped!r:.40}")
     norms = obj.get("layer_grad_norms")
-    out: list[TraceRecord] = [TraceStep(
-        step=step, rank=rank, time=time, loss=_float(obj, "loss"), lr=lr,
-        grad_norm=_float(obj, "grad_norm"), layers=own,
-        layer_grad_norms=() if norms is None else _float_list(norms, "layer_grad_norms", len(names)),
-        loss_scale=_float(obj, "loss_scale"), skipped=skipped,
-        scalars=_float_map(obj.get("scalars", {}), "scalars"))]
+    out: list[TraceRecord] = [
+        TraceStep(
+            step=step,
+            rank=rank,
+            time=time,
+            loss=_float(obj, "loss"),
+            lr=lr,
+            grad_norm=_float(obj, "grad_norm"),
+            layers=own,
+            layer_grad_norms=()
+            if norms is None
+            else _float_list(norms, "layer_grad_norms", len(names)),
+            loss_scale=_float(obj, "loss_scale"),
+            skipped=skipped,
+            scalars=_float_map(obj.get("scalars", {}), "scalars"),
+        )
+    ]
     # DESIGN's folded form: cadence statistics on the step line itself.
     if any(k in obj for k in ("layer_weight_norms", "update_ratios", "act", "census")):
         out.append(_stats(obj, header))
@@ -380,10 +411,17 @@ def _stats(obj: Mapping[str, Any], header: TraceHeader) -> TraceStats:
     weights = obj.get("layer_weight_norms")
     ratios = obj.get("update_ratios")
     return TraceStats(
-        step=step, rank=rank, time=time, layers=own,
-        layer_weight_norms=None if weights is None else _float_list(weights, "layer_weight_norms", len(names)),
+        step=step,
+        rank=rank,
+        time=time,
+        layers=own,
+        layer_weight_norms=None
+        if weights is None
+        else _float_list(weights, "layer_weight_norms", len(names)),
         update_ratios=None if ratios is None else _float_list(ratios, "update_ratios", len(names)),
-        act=_acts(obj.get("act", {})), census=_census(obj.get("census")))
+        act=_acts(obj.get("act", {})),
+        census=_census(obj.get("census")),
+    )
 
 
 def _census(value: Any) -> Census | None:
@@ -405,11 +443,16 @@ def _acts(value: Any) -> tuple[TraceAct, ...]:
         kind = body.get("kind", "other")
         if not isinstance(kind, str):
             raise _Bad(f"act.{module}.kind: expected a string")
-        acts.append(TraceAct(
-            module=str(module), kind=kind,
-            mean=_float(body, "mean") if body.get("mean") is not None else math.nan,
-            std=_float(body, "std") if body.get("std") is not None else math.nan,
-            zero_frac=_fraction(body, "zero_frac", module), sat_frac=_fraction(body, "sat_frac", module)))
+        acts.append(
+            TraceAct(
+                module=str(module),
+                kind=kind,
+                mean=_float(body, "mean") if body.get("mean") is not None else math.nan,
+                std=_float(body, "std") if body.get("std") is not None else math.nan,
+                zero_frac=_fraction(body, "zero_frac", module),
+                sat_frac=_fraction(body, "sat_frac", module),
+            )
+        )
     return tuple(acts)
 
 
@@ -423,9 +466,14 @@ def _fraction(body: Mapping[str, Any], key: str, module: str) -> float | None:
 def _eval(obj: Mapping[str, Any]) -> TraceEval:
     step, rank, time = _common(obj)
     modules = obj.get("train_mode_modules", [])
-    return TraceEval(step=step, rank=rank, time=time, loss=_float(obj, "loss"),
-                     metrics=_float_map(obj.get("metrics", {}), "metrics"),
-                     train_mode_modules=_names(modules, "train_mode_modules"))
+    return TraceEval(
+        step=step,
+        rank=rank,
+        time=time,
+        loss=_float(obj, "loss"),
+        metrics=_float_map(obj.get("metrics", {}), "metrics"),
+        train_mode_modules=_names(modules, "train_mode_modules"),
+    )
 
 
 def _event(obj: Mapping[str, Any]) -> TraceEvent:
@@ -438,8 +486,9 @@ def _heartbeat(obj: Mapping[str, Any]) -> TraceHeartbeat:
     time = _float(obj, "time", required=True)
     assert time is not None
     started = _int(obj, "started") if obj.get("started") is not None else None
-    return TraceHeartbeat(rank=_int(obj, "rank", 0), time=time, step=_int(obj, "step"),
-                          started=started)
+    return TraceHeartbeat(
+        rank=_int(obj, "rank", 0), time=time, step=_int(obj, "step"), started=started
+    )
 
 
 def decode_record(obj: Any, header: TraceHeader) -> list[TraceRecord]:
@@ -459,7 +508,9 @@ def decode_record(obj: Any, header: TraceHeader) -> list[TraceRecord]:
         return [_heartbeat(obj)]
     if kind == "header":
         raise _Bad("a second header: one trace file holds one job")
-    raise _Bad(f"type: unknown record type {kind!r}; expected step, stats, eval, event or heartbeat")
+    raise _Bad(
+        f"type: unknown record type {kind!r}; expected step, stats, eval, event or heartbeat"
+    )
 
 
 class TraceReader:
@@ -478,7 +529,9 @@ class TraceReader:
         print(reader.header.job, reader.skipped)
     """
 
-    def __init__(self, lines: Iterable[str], *, strict: bool = True, source: str = "<trace>") -> None:
+    def __init__(
+        self, lines: Iterable[str], *, strict: bool = True, source: str = "<trace>"
+    ) -> None:
         self._lines = iter(lines)
         self.strict = strict
         self.source = source
@@ -516,7 +569,9 @@ class TraceReader:
                 return _header(self._parse(text))
             except _Bad as exc:
                 raise TraceError([(self.lineno, str(exc))], self.source) from None
-        raise TraceError([(max(self.lineno, 1), "the trace is empty; expected a header line")], self.source)
+        raise TraceError(
+            [(max(self.lineno, 1), "the trace is empty; expected a header line")], self.source
+        )
 
     @staticmethod
     def _parse(text: str) -> Any:

@@ -31,8 +31,11 @@ class SparseNet(nn.Module):
 
 def started() -> tuple[Server, RecordingSink]:
     sink = RecordingSink()
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
-                    registry=CollectorRegistry(), sinks=[sink])
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
+        registry=CollectorRegistry(),
+        sinks=[sink],
+    )
     server.start()
     return server, sink
 
@@ -43,8 +46,14 @@ def test_sparse_gradients_raise_agent_degraded_naming_the_layer() -> None:
         torch.manual_seed(0)
         model = SparseNet()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with gradwatch.watch(model, opt, job="sparse", endpoint=server.bound_endpoint,
-                             flush_every=2, heartbeat_every=0.05) as mon:
+        with gradwatch.watch(
+            model,
+            opt,
+            job="sparse",
+            endpoint=server.bound_endpoint,
+            flush_every=2,
+            heartbeat_every=0.05,
+        ) as mon:
             assert server.wait_for_messages(1, timeout=10.0)  # connected: nothing is lost
             for _ in range(6):
                 loss = model(torch.randint(0, 20, (8,))).pow(2).mean()
@@ -66,11 +75,18 @@ def test_a_compiled_model_raises_only_an_info_alert() -> None:
     server, sink = started()
     try:
         torch.manual_seed(0)
-        model = torch.compile(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)),
-                              backend="eager")
+        model = torch.compile(
+            nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), backend="eager"
+        )
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        with gradwatch.watch(model, opt, job="compiled", endpoint=server.bound_endpoint,
-                             flush_every=2, heartbeat_every=0.05) as mon:
+        with gradwatch.watch(
+            model,
+            opt,
+            job="compiled",
+            endpoint=server.bound_endpoint,
+            flush_every=2,
+            heartbeat_every=0.05,
+        ) as mon:
             # The notice queued at attach had no peer yet; the agent sends it again at the
             # first step after it connected, so train until then (bounded).
             for _ in range(2000):
@@ -91,16 +107,26 @@ def test_a_compiled_model_raises_only_an_info_alert() -> None:
 
 def test_a_recorded_trace_replays_the_agent_degraded_alert(tmp_path) -> None:
     sink = RecordingSink()
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                                    record_dir=tmp_path), registry=CollectorRegistry(),
-                    sinks=[sink])
+    server = Server(
+        CollectorConfig(
+            listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", record_dir=tmp_path
+        ),
+        registry=CollectorRegistry(),
+        sinks=[sink],
+    )
     server.start()
     try:
         torch.manual_seed(0)
         model = SparseNet()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with gradwatch.watch(model, opt, job="sparse-rec", endpoint=server.bound_endpoint,
-                             flush_every=2, heartbeat_every=0.05) as mon:
+        with gradwatch.watch(
+            model,
+            opt,
+            job="sparse-rec",
+            endpoint=server.bound_endpoint,
+            flush_every=2,
+            heartbeat_every=0.05,
+        ) as mon:
             assert server.wait_for_messages(1, timeout=10.0)  # connected: nothing is lost
             for _ in range(4):
                 model(torch.randint(0, 20, (8,))).pow(2).mean().backward()

@@ -39,10 +39,23 @@ def receiver() -> Iterator[WebhookReceiver]:
 def collector(tmp_path: Path, receiver: WebhookReceiver) -> Iterator[dict[str, Any]]:
     ready_file = tmp_path / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch", "collector", "--listen", "tcp://127.0.0.1:*",
-         "--metrics-addr", "127.0.0.1:0", "--webhook", receiver.url,
-         "--ready-file", str(ready_file)],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "gradwatch",
+            "collector",
+            "--listen",
+            "tcp://127.0.0.1:*",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--webhook",
+            receiver.url,
+            "--ready-file",
+            str(ready_file),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + READY_TIMEOUT_S
     try:
         while not ready_file.exists():
@@ -73,12 +86,14 @@ def _scrape_until(url: str, wanted: str, timeout: float) -> str:
 
 
 def test_nan_at_a_known_step_alerts_within_two_flush_intervals(
-        collector: dict[str, Any], receiver: WebhookReceiver) -> None:
+    collector: dict[str, Any], receiver: WebhookReceiver
+) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(model, optimizer, job="e2e", endpoint=collector["listen"],
-                          flush_every=FLUSH_EVERY)
+    mon = gradwatch.watch(
+        model, optimizer, job="e2e", endpoint=collector["listen"], flush_every=FLUSH_EVERY
+    )
     last_step = NAN_STEP + 2 * FLUSH_EVERY - (NAN_STEP % FLUSH_EVERY)
     try:
         for step in range(1, last_step + 1):
@@ -106,8 +121,11 @@ def test_nan_at_a_known_step_alerts_within_two_flush_intervals(
         wanted = f'gradwatch_job_step{{job="e2e"}} {float(last_step)}'
         text = _scrape_until(collector["metrics_url"], wanted, timeout=20.0)
         assert wanted in text
-        firing = [line for line in text.splitlines()
-                  if line.startswith("gradwatch_alerts_firing{") and 'category="numerical"' in line]
+        firing = [
+            line
+            for line in text.splitlines()
+            if line.startswith("gradwatch_alerts_firing{") and 'category="numerical"' in line
+        ]
         assert firing and firing[0].endswith(" 1.0"), text
     finally:
         mon.close()
@@ -116,8 +134,14 @@ def test_nan_at_a_known_step_alerts_within_two_flush_intervals(
 def _train(model: Any, job: str, endpoint: str, steps: int, inputs: Any) -> None:
     """A plain classification loop with the agent on the activation-statistics cadence."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(model, optimizer, job=job, endpoint=endpoint, flush_every=FLUSH_EVERY,
-                          stats_every=STATS_EVERY)
+    mon = gradwatch.watch(
+        model,
+        optimizer,
+        job=job,
+        endpoint=endpoint,
+        flush_every=FLUSH_EVERY,
+        stats_every=STATS_EVERY,
+    )
     # Until its socket connects the agent drops what it sends (by design: training never
     # waits); the first heartbeat through means connected. On a busy machine that can
     # take longer than the first cadence steps, whose statistics the test counts on.
@@ -140,14 +164,15 @@ STATS_EVERY = 5
 
 
 def test_saturation_and_dead_unit_alerts_come_from_the_agents_activation_hooks(
-        collector: dict[str, Any], receiver: WebhookReceiver) -> None:
+    collector: dict[str, Any], receiver: WebhookReceiver
+) -> None:
     torch.manual_seed(0)
     nn = torch.nn
     tanh = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 2))
     relu = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 2))
     with torch.no_grad():
-        tanh[0].weight.mul_(30.0)   # an init far too large: tanh pinned at +-1
-        relu[0].bias.fill_(-20.0)   # biases that switch every ReLU off
+        tanh[0].weight.mul_(30.0)  # an init far too large: tanh pinned at +-1
+        relu[0].bias.fill_(-20.0)  # biases that switch every ReLU off
     _train(tanh, "e2e-tanh", collector["listen"], 40, lambda: torch.randn(32, 8))
     _train(relu, "e2e-relu", collector["listen"], 40, lambda: torch.randn(32, 8))
 
@@ -156,8 +181,11 @@ def test_saturation_and_dead_unit_alerts_come_from_the_agents_activation_hooks(
         return {("e2e-tanh", "saturation"), ("e2e-relu", "dead_units")} <= firing
 
     bodies = receiver.wait_for(both, timeout=30.0)
-    by_job = {b["job"]: b for b in bodies if b["state"] == "firing"
-              and b["category"] in ("saturation", "dead_units")}
+    by_job = {
+        b["job"]: b
+        for b in bodies
+        if b["state"] == "firing" and b["category"] in ("saturation", "dead_units")
+    }
     saturated, dead = by_job["e2e-tanh"], by_job["e2e-relu"]
     # The evidence names the hooked module and a share measured on the device.
     assert saturated["rule"] == "ActivationsSaturated" and "'1'" in saturated["summary"]

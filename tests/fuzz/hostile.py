@@ -16,16 +16,47 @@ from hypothesis import strategies as st
 # Values that break naive parsers: wrong types, floats beyond range, NaN spelled
 # every way, numbers at the edges of int64/float64, control characters, lone
 # surrogates, and containers.
-huge_ints = st.sampled_from([2**31, 2**62, 2**63, 2**64, -(2**63) - 1, 10**308, 10**400, -(10**400)])
-edge_floats = st.sampled_from([0.0, -0.0, 1e-320, 1.7976931348623157e308, float("nan"),
-                               float("inf"), float("-inf")])
-nasty_strings = st.sampled_from(["", "nan", "NaN", "inf", "-Infinity", "\x00", "a\nb", "\x1b[2J",
-                                 "\ud800", "\ufeff", "😀" * 40, "x" * 5000, "1e999", "0x10"])
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), huge_ints,
-                    st.floats(), edge_floats, st.text(max_size=20), nasty_strings)
-json_values = st.recursive(scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-    max_leaves=12)
+huge_ints = st.sampled_from(
+    [2**31, 2**62, 2**63, 2**64, -(2**63) - 1, 10**308, 10**400, -(10**400)]
+)
+edge_floats = st.sampled_from(
+    [0.0, -0.0, 1e-320, 1.7976931348623157e308, float("nan"), float("inf"), float("-inf")]
+)
+nasty_strings = st.sampled_from(
+    [
+        "",
+        "nan",
+        "NaN",
+        "inf",
+        "-Infinity",
+        "\x00",
+        "a\nb",
+        "\x1b[2J",
+        "\ud800",
+        "\ufeff",
+        "😀" * 40,
+        "x" * 5000,
+        "1e999",
+        "0x10",
+    ]
+)
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    huge_ints,
+    st.floats(),
+    edge_floats,
+    st.text(max_size=20),
+    nasty_strings,
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
 
 
 def nested(depth: int, open_: str = "[", close: str = "]") -> str:

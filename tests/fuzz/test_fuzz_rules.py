@@ -93,7 +93,7 @@ def test_any_text(text: str) -> None:
 @FUZZ
 @given(st.integers(0, len(DEFAULT_TEXT)), st.integers(0, 40), st.text(max_size=12))
 def test_spliced_default_pack(at: int, cut: int, junk: str) -> None:
-    check(DEFAULT_TEXT[:at] + junk + DEFAULT_TEXT[at + cut:])
+    check(DEFAULT_TEXT[:at] + junk + DEFAULT_TEXT[at + cut :])
 
 
 RULE = """groups:
@@ -106,34 +106,57 @@ RULE = """groups:
 """
 
 
-@pytest.mark.parametrize("field", ["for", "keep_firing_for", "params", "labels", "annotations",
-                                   "actions", "severity", "alert", "detector"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "for",
+        "keep_firing_for",
+        "params",
+        "labels",
+        "annotations",
+        "actions",
+        "severity",
+        "alert",
+        "detector",
+    ],
+)
 def test_billion_laughs_in_a_rule_field_is_refused_quickly(field: str) -> None:
     # Regression: `for: *bomb` took 80 s building the repr of 9**9 strings for its message.
     error = check(laughs() + RULE + f"        {field}: *l9\n")
     assert isinstance(error, RuleFileError)
 
 
-@pytest.mark.parametrize("where", ["groups: *l9\n", "groups:\n  - name: g\n    rules: *l9\n",
-                                   "groups:\n  - *l9\n", "groups:\n  - name: *l9\n"])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "groups: *l9\n",
+        "groups:\n  - name: g\n    rules: *l9\n",
+        "groups:\n  - *l9\n",
+        "groups:\n  - name: *l9\n",
+    ],
+)
 def test_billion_laughs_in_the_file_structure_is_refused_quickly(where: str) -> None:
     assert isinstance(check(laughs() + where), RuleFileError)
 
 
-@pytest.mark.parametrize("text", [
-    "groups: &a [*a]\n",
-    "groups:\n  - &g {name: g, rules: [*g]}\n",
-    "groups: " + nested(600) + "\n",
-    "groups: " + nested(600, "{a: ", "}") + "\n",
-    RULE + "        for: 1" + "0" * 5000 + "\n",
-    RULE + "        for: 1" + "0" * 400 + "\n",
-    RULE + "        keep_firing_for: 99999999999999999999999999\n",
-    RULE + "        for: 2024-13-45\n",
-    RULE + "        params: {max_named: 1e999}\n",
-    RULE + "        params: {max_named: .nan}\n",
-    RULE + "        for: !!python/object:os.system x\n",
-    RULE + "        ? [unhashable]\n        : key\n",
-], ids=lambda text: text.splitlines()[-1][:40])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "groups: &a [*a]\n",
+        "groups:\n  - &g {name: g, rules: [*g]}\n",
+        "groups: " + nested(600) + "\n",
+        "groups: " + nested(600, "{a: ", "}") + "\n",
+        RULE + "        for: 1" + "0" * 5000 + "\n",
+        RULE + "        for: 1" + "0" * 400 + "\n",
+        RULE + "        keep_firing_for: 99999999999999999999999999\n",
+        RULE + "        for: 2024-13-45\n",
+        RULE + "        params: {max_named: 1e999}\n",
+        RULE + "        params: {max_named: .nan}\n",
+        RULE + "        for: !!python/object:os.system x\n",
+        RULE + "        ? [unhashable]\n        : key\n",
+    ],
+    ids=lambda text: text.splitlines()[-1][:40],
+)
 def test_pathological_documents(text: str) -> None:
     # Regression: deep nesting raised RecursionError and over-long integers or bad dates ValueError.
     check(text)
@@ -142,4 +165,6 @@ def test_pathological_documents(text: str) -> None:
 def test_duplicate_keys_are_reported_with_their_line() -> None:
     error = check(RULE + "        severity: warning\n")
     assert isinstance(error, RuleFileError)
-    assert any(line == 8 and re.search("duplicate key", message) for line, message in error.problems)
+    assert any(
+        line == 8 and re.search("duplicate key", message) for line, message in error.problems
+    )

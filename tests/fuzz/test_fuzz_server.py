@@ -9,7 +9,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
-import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
@@ -78,8 +77,9 @@ def test_hostile_messages_are_counted_and_a_valid_batch_still_arrives() -> None:
             push.send_multipart(frames)
         schema = Schema(1, ("loss", "lr/0"), ("fc.weight",))
         rows = np.array([[2.0, 0.1, 0.5], [1.9, 0.1, 0.4]], "<f4").tobytes()
-        push.send_multipart(encode(Batch("run-ok", 0, 1, 1, 0, "inc", 0, (7, 8), (1.0, 2.0),
-                                         rows, schema)))
+        push.send_multipart(
+            encode(Batch("run-ok", 0, 1, 1, 0, "inc", 0, (7, 8), (1.0, 2.0), rows, schema))
+        )
         assert server.wait_for_messages(len(HOSTILE) + 1, timeout=20)
         assert server.ready, "a hostile message took the collector down"
         text = metrics(server)
@@ -109,8 +109,23 @@ def test_a_collector_bug_on_a_valid_message_is_counted_as_internal() -> None:
     with collector(engine=_BrokenEngine(load_default_rules())) as (server, push):
         schema = Schema(1, ("loss",), ("w",))
         for seq in range(2):
-            push.send_multipart(encode(Batch("run-bug", 0, 1, 1, seq, "inc", 0, (seq,), (0.0,),
-                                             np.array([[1.0, 0.5]], "<f4").tobytes(), schema)))
+            push.send_multipart(
+                encode(
+                    Batch(
+                        "run-bug",
+                        0,
+                        1,
+                        1,
+                        seq,
+                        "inc",
+                        0,
+                        (seq,),
+                        (0.0,),
+                        np.array([[1.0, 0.5]], "<f4").tobytes(),
+                        schema,
+                    )
+                )
+            )
         assert server.wait_for_messages(2, timeout=20)
         assert server.ready, "an internal error took the collector down"
         text = metrics(server)
@@ -118,12 +133,10 @@ def test_a_collector_bug_on_a_valid_message_is_counted_as_internal() -> None:
 
 
 def test_a_single_frame_over_the_limit_is_counted_as_oversized() -> None:
-    with collector(max_message_bytes=64 * 1024) as (server, big), \
-            pushing(server) as ok:
+    with collector(max_message_bytes=64 * 1024) as (server, big), pushing(server) as ok:
         big.send_multipart([GW.pack(b"GW", 1, 2) + HB + b" " * 100_000])
         ok.send_multipart([GW.pack(b"GW", 1, 2) + HB])  # a fresh connection: always arrives
         # A frame up to 4x the limit reaches Ingest (MAXMSGSIZE headroom) and is counted.
         assert server.wait_for_messages(2, timeout=10)
         assert server.ingest.stats().messages["heartbeat"] == 1
         assert server.ingest.stats().rejected["oversized"] == 1
-

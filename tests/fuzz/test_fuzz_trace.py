@@ -22,11 +22,31 @@ from tests.fuzz.hostile import dumps, json_values, mutated_object, nested
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 HEADER = {"type": "header", "version": 1, "job": "run-1", "layers": ["a", "b"]}
 RECORDS = [
-    {"type": "step", "step": 1, "rank": 0, "time": 1.0, "loss": 2.5, "lr": [0.1, 0.01],
-     "grad_norm": 1.0, "layer_grad_norms": [0.5, None], "scalars": {"tok": 3}},
-    {"type": "stats", "step": 1, "layer_weight_norms": [1.0, 2.0], "update_ratios": ["nan", 0.1],
-     "act": {"fc": {"kind": "relu", "mean": 0.1, "std": 1.0, "zero_frac": 0.5}}},
-    {"type": "eval", "step": 2, "loss": "inf", "metrics": {"acc": 0.9}, "train_mode_modules": ["d"]},
+    {
+        "type": "step",
+        "step": 1,
+        "rank": 0,
+        "time": 1.0,
+        "loss": 2.5,
+        "lr": [0.1, 0.01],
+        "grad_norm": 1.0,
+        "layer_grad_norms": [0.5, None],
+        "scalars": {"tok": 3},
+    },
+    {
+        "type": "stats",
+        "step": 1,
+        "layer_weight_norms": [1.0, 2.0],
+        "update_ratios": ["nan", 0.1],
+        "act": {"fc": {"kind": "relu", "mean": 0.1, "std": 1.0, "zero_frac": 0.5}},
+    },
+    {
+        "type": "eval",
+        "step": 2,
+        "loss": "inf",
+        "metrics": {"acc": 0.9},
+        "train_mode_modules": ["d"],
+    },
     {"type": "event", "step": 2, "kind": "checkpoint", "path": "c.pt"},
     {"type": "heartbeat", "rank": 1, "time": 3.0, "step": 2},
 ]
@@ -36,7 +56,7 @@ def garble(draw: st.DrawFn, line: str) -> str:
     """One byte-ish level mutation of a line: truncate, splice garbage, BOM, CRLF, NaN literal."""
     op = draw(st.sampled_from(["truncate", "splice", "bom", "crlf", "nan", "huge", "keep"]))
     if op == "truncate":
-        return line[:draw(st.integers(0, len(line)))]
+        return line[: draw(st.integers(0, len(line)))]
     if op == "splice":
         at = draw(st.integers(0, len(line)))
         junk = draw(st.binary(max_size=12)).decode("latin-1")
@@ -79,7 +99,9 @@ def read(lines: list[str], strict: bool) -> tuple[TraceReader, list[object], Tra
 
 @FUZZ
 @given(hostile_traces())
-def test_strict_raises_trace_error_with_a_line_and_lenient_skips_and_counts(lines: list[str]) -> None:
+def test_strict_raises_trace_error_with_a_line_and_lenient_skips_and_counts(
+    lines: list[str],
+) -> None:
     _, _, error = read(lines, strict=True)
     if error is not None:
         assert error.problems and all(1 <= line <= len(lines) for line, _ in error.problems)
@@ -103,10 +125,18 @@ def test_any_lines_at_all(lines: list[str]) -> None:
         read(lines, strict)  # TraceError or records; anything else propagates and fails
 
 
-@pytest.mark.parametrize("bad", [nested(100_000), '{"type":"step","step":1,"loss":1' + "0" * 400 + "}",
-                                 '{"type":"step","step":' + "9" * 5000 + "}", "\x00\xff\xfe", "[]",
-                                 '{"type":"stats","step":1,"act":{"m":{"mean":1,"std":1,"zero_frac":NaN}}}'],
-                         ids=lambda text: text[:30])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        nested(100_000),
+        '{"type":"step","step":1,"loss":1' + "0" * 400 + "}",
+        '{"type":"step","step":' + "9" * 5000 + "}",
+        "\x00\xff\xfe",
+        "[]",
+        '{"type":"stats","step":1,"act":{"m":{"mean":1,"std":1,"zero_frac":NaN}}}',
+    ],
+    ids=lambda text: text[:30],
+)
 def test_pathological_lines(bad: str) -> None:
     # Regression: deep nesting raised RecursionError and 1e400-as-an-integer OverflowError.
     lines = [dumps(HEADER), bad, dumps(RECORDS[0])]
@@ -127,12 +157,20 @@ def test_an_integer_beyond_float_range_reads_as_infinity_like_1e999() -> None:
     assert step.loss == same.loss == float("inf")
 
 
-@pytest.mark.parametrize("content", [b"\x00\x01\xff garbage \xfe" * 50, b"", b"not json\n",
-                                     b'{"type":"header","version":99,"job":"j"}\n',
-                                     json.dumps(HEADER).encode() + b"\n{broken\n"],
-                         ids=["binary", "empty", "text", "version", "broken"])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x00\x01\xff garbage \xfe" * 50,
+        b"",
+        b"not json\n",
+        b'{"type":"header","version":99,"job":"j"}\n',
+        json.dumps(HEADER).encode() + b"\n{broken\n",
+    ],
+    ids=["binary", "empty", "text", "version", "broken"],
+)
 def test_replay_cli_on_garbage_exits_2_without_a_traceback(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes
+) -> None:
     trace = tmp_path / "garbage.jsonl"
     trace.write_bytes(content)
     assert cli_main(["replay", "--strict", str(trace)]) == 2
@@ -144,8 +182,13 @@ def test_replay_cli_on_garbage_exits_2_without_a_traceback(
 def test_replay_cli_entry_point_in_a_real_process(tmp_path: Path) -> None:
     trace = tmp_path / "garbage.jsonl"
     trace.write_bytes(b"\x00\x01\xff garbage \xfe" * 50)
-    result = subprocess.run([sys.executable, "-m", "gradwatch", "replay", str(trace)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "gradwatch", "replay", str(trace)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith(f"gradwatch replay: cannot read {trace}")

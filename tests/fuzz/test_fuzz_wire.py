@@ -33,12 +33,35 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 PREAMBLE = struct.Struct("<2sBB")
 
 SCHEMA = {"id": 1, "columns": ["loss", "lr/0"], "layers": ["a", "b"], "dtype": "float32"}
-BATCH = {"job": "run-1", "rank": 0, "world": 2, "schema": 1, "seq": 3, "inc": "inc-a",
-         "dropped": 0, "steps": [10, 11], "times": [1.0, 2.0]}
-HEARTBEAT = {"job": "run-1", "rank": 1, "world": 2, "inc": "inc-a", "time": 3.0, "step": 11,
-             "dropped": 0}
-EVENT = {"job": "run-1", "rank": 0, "inc": "inc-a", "time": 3.0, "kind": "eval", "step": 11,
-         "fields": {"loss": 1.5, "acc": "nan", "train_mode_modules": ["drop"]}}
+BATCH = {
+    "job": "run-1",
+    "rank": 0,
+    "world": 2,
+    "schema": 1,
+    "seq": 3,
+    "inc": "inc-a",
+    "dropped": 0,
+    "steps": [10, 11],
+    "times": [1.0, 2.0],
+}
+HEARTBEAT = {
+    "job": "run-1",
+    "rank": 1,
+    "world": 2,
+    "inc": "inc-a",
+    "time": 3.0,
+    "step": 11,
+    "dropped": 0,
+}
+EVENT = {
+    "job": "run-1",
+    "rank": 0,
+    "inc": "inc-a",
+    "time": 3.0,
+    "kind": "eval",
+    "step": 11,
+    "fields": {"loss": 1.5, "acc": "nan", "train_mode_modules": ["drop"]},
+}
 VALID = {KIND_BATCH: BATCH, KIND_HEARTBEAT: HEARTBEAT, KIND_EVENT: EVENT}
 
 
@@ -101,17 +124,29 @@ def test_mutated_headers_decode_or_raise_wire_error_and_count_once(frames: list[
 
 
 @FUZZ
-@given(st.sampled_from([KIND_BATCH, KIND_HEARTBEAT, KIND_EVENT, 0, 4, 255]),
-       st.sampled_from([0, 1, 2, 255]), json_values, st.integers(0, 3))
-def test_any_json_header_any_kind_and_version(kind: int, version: int, body: Any, extra: int) -> None:
+@given(
+    st.sampled_from([KIND_BATCH, KIND_HEARTBEAT, KIND_EVENT, 0, 4, 255]),
+    st.sampled_from([0, 1, 2, 255]),
+    json_values,
+    st.integers(0, 3),
+)
+def test_any_json_header_any_kind_and_version(
+    kind: int, version: int, body: Any, extra: int
+) -> None:
     check([header(kind, body, version)] + [values(1, 2)] * extra)
 
 
 @FUZZ
-@given(st.integers(0, 4), st.integers(0, 6), st.lists(st.text(max_size=4), max_size=6),
-       st.lists(st.text(max_size=4), max_size=6), st.booleans())
+@given(
+    st.integers(0, 4),
+    st.integers(0, 6),
+    st.lists(st.text(max_size=4), max_size=6),
+    st.lists(st.text(max_size=4), max_size=6),
+    st.booleans(),
+)
 def test_column_counts_that_disagree_with_the_values_frame(
-        rows: int, width: int, columns: list[str], layers: list[str], send_schema: bool) -> None:
+    rows: int, width: int, columns: list[str], layers: list[str], send_schema: bool
+) -> None:
     body = {**BATCH, "steps": list(range(rows)), "times": [0.0] * rows}
     schema = {**SCHEMA, "columns": columns, "layers": layers}
     frames = [header(KIND_BATCH, body)]
@@ -121,15 +156,22 @@ def test_column_counts_that_disagree_with_the_values_frame(
 
 
 @FUZZ
-@given(st.sampled_from(["rank", "world"]), st.one_of(
-    st.integers(-(2**70), 2**70), st.sampled_from([-1, 2**20, 2**20 + 1, 2**63, 10**400])))
+@given(
+    st.sampled_from(["rank", "world"]),
+    st.one_of(
+        st.integers(-(2**70), 2**70), st.sampled_from([-1, 2**20, 2**20 + 1, 2**63, 10**400])
+    ),
+)
 def test_negative_and_huge_ranks(key: str, value: int) -> None:
     check([header(KIND_HEARTBEAT, {**HEARTBEAT, key: value})])
 
 
 @FUZZ
-@given(st.text(st.characters(max_codepoint=0x9F), min_size=1, max_size=8)
-       .filter(lambda s: not s.isprintable()))
+@given(
+    st.text(st.characters(max_codepoint=0x9F), min_size=1, max_size=8).filter(
+        lambda s: not s.isprintable()
+    )
+)
 def test_job_names_with_control_characters_are_refused(job: str) -> None:
     frames = [header(KIND_HEARTBEAT, {**HEARTBEAT, "job": job})]
     with pytest.raises(WireError, match="printable"):
@@ -141,16 +183,28 @@ def test_job_names_with_control_characters_are_refused(job: str) -> None:
 @pytest.mark.parametrize("number", [10**400, -(10**400), 2**1024])
 def test_integers_beyond_float_range_are_wire_errors(key: str, number: int) -> None:
     # Regression: math.isfinite(10**400) raised OverflowError out of decode().
-    kind, body = (KIND_HEARTBEAT, {**HEARTBEAT, "time": number}) if key == "time" else \
-        (KIND_BATCH, {**BATCH, "times": [0.0, number]})
+    kind, body = (
+        (KIND_HEARTBEAT, {**HEARTBEAT, "time": number})
+        if key == "time"
+        else (KIND_BATCH, {**BATCH, "times": [0.0, number]})
+    )
     frames = [header(kind, body)] + ([values(2, 4)] if kind == KIND_BATCH else [])
     with pytest.raises(WireError, match="finite number"):
         decode(frames)
     check(frames)
 
 
-@pytest.mark.parametrize("text", [nested(100_000), nested(50_000, "{\"a\":", "}"),
-                                  '{"job": NaN}', '{"time": Infinity}', "\ufeff{}", "{}" * 40_000],
-                         ids=["deep-list", "deep-object", "nan", "infinity", "bom", "long"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        nested(100_000),
+        nested(50_000, '{"a":', "}"),
+        '{"job": NaN}',
+        '{"time": Infinity}',
+        "\ufeff{}",
+        "{}" * 40_000,
+    ],
+    ids=["deep-list", "deep-object", "nan", "infinity", "bom", "long"],
+)
 def test_pathological_header_text(text: str) -> None:
     check([PREAMBLE.pack(b"GW", 1, KIND_HEARTBEAT) + text.encode()])

@@ -37,8 +37,14 @@ def messages() -> list[list[bytes]]:
             pool.append(batch(f"flood-{i % 300}", rows=256, nan=True, first_step=1 + i))
             pool.append(batch(f"flood-{i % 300}", rows=1024, nan=True, first_step=1 + i))
         if i % 60 == 0:  # new schemas of ~16k layer names: under the cap, and over it
-            pool.append(batch(f"layers-{i % 50}", layers=16_000 + 500 * (i % 120 == 0),
-                              schema_id=i, prefix=f"x{i}-"))
+            pool.append(
+                batch(
+                    f"layers-{i % 50}",
+                    layers=16_000 + 500 * (i % 120 == 0),
+                    schema_id=i,
+                    prefix=f"x{i}-",
+                )
+            )
     return pool
 
 

@@ -24,25 +24,30 @@ WAIT_S = 10.0
 @dataclass(frozen=True)
 class Keys:
     collector: KeyPair
-    trainer: KeyPair      # allowed for run-* only
-    stranger: KeyPair     # in no allow-list
+    trainer: KeyPair  # allowed for run-* only
+    stranger: KeyPair  # in no allow-list
     allow_file: Path
 
 
 def make_keys(tmp_path: Path) -> Keys:
     directory = tmp_path / "keys"
-    collector, trainer, stranger = (generate_keypair(name, directory)
-                                    for name in ("collector", "trainer", "stranger"))
+    collector, trainer, stranger = (
+        generate_keypair(name, directory) for name in ("collector", "trainer", "stranger")
+    )
     allow_file = tmp_path / "allow.yaml"
     allow_key(allow_file, trainer.public_key, ["run-*"], name="trainer")
     return Keys(collector, trainer, stranger, allow_file)
 
 
 def curve_config(keys: Keys, **extra: Any) -> CollectorConfig:
-    return CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                           command_listen="tcp://127.0.0.1:*",
-                           curve_secret_key_file=keys.collector.secret_file,
-                           curve_allow_file=keys.allow_file, **extra)
+    return CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        command_listen="tcp://127.0.0.1:*",
+        curve_secret_key_file=keys.collector.secret_file,
+        curve_allow_file=keys.allow_file,
+        **extra,
+    )
 
 
 @contextmanager
@@ -55,24 +60,28 @@ def running(config: CollectorConfig) -> Iterator[Server]:
         assert server.stop(), "the collector did not stop cleanly"
 
 
-def use_agent_keys(monkeypatch: pytest.MonkeyPatch, server_key: Path | None,
-                   pair: KeyPair | None) -> None:
+def use_agent_keys(
+    monkeypatch: pytest.MonkeyPatch, server_key: Path | None, pair: KeyPair | None
+) -> None:
     """Point the next ``watch()`` at these keys (the documented environment variables)."""
-    for name, value in (("GRADWATCH_CURVE_SERVER_KEY_FILE", server_key),
-                        ("GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE",
-                         None if pair is None else pair.secret_file)):
+    for name, value in (
+        ("GRADWATCH_CURVE_SERVER_KEY_FILE", server_key),
+        ("GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE", None if pair is None else pair.secret_file),
+    ):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, str(value))
 
 
-def agent(server: Server, model: torch.nn.Module, opt: torch.optim.Optimizer, job: str,
-          **kwargs: Any) -> gradwatch.Monitor:
+def agent(
+    server: Server, model: torch.nn.Module, opt: torch.optim.Optimizer, job: str, **kwargs: Any
+) -> gradwatch.Monitor:
     """A real agent of ``job`` reporting to ``server``, with quick heartbeats."""
     options: dict[str, Any] = {"flush_every": 1, "heartbeat_every": 0.05, "stats_every": 0}
-    return gradwatch.watch(model, opt, job=job, endpoint=server.bound_endpoint,
-                           **{**options, **kwargs})
+    return gradwatch.watch(
+        model, opt, job=job, endpoint=server.bound_endpoint, **{**options, **kwargs}
+    )
 
 
 def wait_until(condition: Callable[[], bool], timeout: float = WAIT_S) -> bool:
@@ -91,8 +100,13 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.05)
 
 
-def train_steps(mon: gradwatch.Monitor, model: torch.nn.Module, opt: torch.optim.Optimizer,
-                steps: int, nan_from: int | None = None) -> None:
+def train_steps(
+    mon: gradwatch.Monitor,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    nan_from: int | None = None,
+) -> None:
     for step in range(1, steps + 1):
         x = torch.randn(8, 4)
         loss = model(x).pow(2).mean()

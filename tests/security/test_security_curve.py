@@ -40,8 +40,8 @@ KEY = "c" * 32
 
 
 def test_allowed_key_reports_and_strangers_are_refused_and_counted(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = make_keys(tmp_path)
     with running(curve_config(keys)) as server:
         model, opt = model_and_optimizer()
@@ -51,8 +51,13 @@ def test_allowed_key_reports_and_strangers_are_refused_and_counted(
             assert wait_until(lambda: server.state.job("run-1") is not None), "no handshake"
             train_steps(mon, model, opt, 10)
         job = server.state.job("run-1")
-        assert wait_until(lambda: job is not None and job.ranks[0].latest is not None
-                          and job.ranks[0].latest.step == 10)
+        assert wait_until(
+            lambda: (
+                job is not None
+                and job.ranks[0].latest is not None
+                and job.ranks[0].latest.step == 10
+            )
+        )
         # No key at all (plain ZeroMQ): the handshake fails, nothing is ingested.
         use_agent_keys(monkeypatch, None, None)
         with agent(server, model, opt, "run-plain") as mon:
@@ -60,15 +65,28 @@ def test_allowed_key_reports_and_strangers_are_refused_and_counted(
             train_steps(mon, model, opt, 3)
         # A CURVE key that is in no allow-list: refused by the ZAP handler.
         use_agent_keys(monkeypatch, keys.collector.public_file, keys.stranger)
-        with caplog.at_level(logging.ERROR, logger="gradwatch.agent"), \
-                agent(server, model, opt, "run-stranger") as mon:
+        with (
+            caplog.at_level(logging.ERROR, logger="gradwatch.agent"),
+            agent(server, model, opt, "run-stranger") as mon,
+        ):
             assert wait_until(lambda: refused(server, "unknown_key") >= 1)
             # The agent says why, once, at its next batch after the refusal reached it.
-            assert wait_until(lambda: train_steps(mon, model, opt, 1) or any(
-                "not in the collector's allow-list" in r.getMessage() for r in caplog.records))
+            assert wait_until(
+                lambda: (
+                    train_steps(mon, model, opt, 1)
+                    or any(
+                        "not in the collector's allow-list" in r.getMessage()
+                        for r in caplog.records
+                    )
+                )
+            )
         assert mon.stats.steps_sent == 0 and mon.stats.steps_dropped == mon.step
-        assert len([r for r in caplog.records
-                    if "not in the collector's allow-list" in r.getMessage()]) == 1
+        assert (
+            len(
+                [r for r in caplog.records if "not in the collector's allow-list" in r.getMessage()]
+            )
+            == 1
+        )
         # An allowed pair but the wrong server key (an impostor collector's): no handshake.
         use_agent_keys(monkeypatch, keys.stranger.public_file, keys.trainer)
         with agent(server, model, opt, "run-impostor"):
@@ -77,20 +95,25 @@ def test_allowed_key_reports_and_strangers_are_refused_and_counted(
             metrics = response.read().decode()
         assert server.state.jobs() == ["run-1"]
     for reason in ("no_key", "unknown_key"):
-        line = next(x for x in metrics.splitlines()
-                    if x.startswith(f'gradwatch_auth_refused_total{{reason="{reason}"}}'))
+        line = next(
+            x
+            for x in metrics.splitlines()
+            if x.startswith(f'gradwatch_auth_refused_total{{reason="{reason}"}}')
+        )
         assert float(line.split()[-1]) >= 1.0
 
 
 def test_key_allowed_for_run_star_cannot_report_another_job(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = make_keys(tmp_path)
     with running(curve_config(keys)) as server:
         model, opt = model_and_optimizer()
         use_agent_keys(monkeypatch, keys.collector.public_file, keys.trainer)
-        with caplog.at_level(logging.WARNING, logger="gradwatch.collector.auth"), \
-                agent(server, model, opt, "other") as mon:
+        with (
+            caplog.at_level(logging.WARNING, logger="gradwatch.collector.auth"),
+            agent(server, model, opt, "other") as mon,
+        ):
             train_steps(mon, model, opt, 5)
             assert wait_until(lambda: refused(server, "job_not_allowed") >= 3)
         assert server.state.job("other") is None
@@ -101,7 +124,8 @@ def test_key_allowed_for_run_star_cannot_report_another_job(
 
 
 def test_revoked_key_is_refused_without_a_restart(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     keys = make_keys(tmp_path)
     with running(curve_config(keys)) as server:
         model, opt = model_and_optimizer()
@@ -109,8 +133,9 @@ def test_revoked_key_is_refused_without_a_restart(
         with agent(server, model, opt, "run-2") as mon:
             assert wait_until(lambda: server.state.job("run-2") is not None)
             keys.allow_file.write_text("version: 1\nclients: []\n")  # revoke every key
-            assert wait_until(lambda: refused(server, "unknown_key") >= 1), \
+            assert wait_until(lambda: refused(server, "unknown_key") >= 1), (
                 "the allow-list change was not picked up"
+            )
             before = server.state.job("run-2").ranks[0].last_step  # type: ignore[union-attr]
             train_steps(mon, model, opt, 3)
             assert wait_until(lambda: refused(server, "unknown_key") >= 4)
@@ -118,7 +143,8 @@ def test_revoked_key_is_refused_without_a_restart(
 
 
 def test_commands_reach_an_allowed_agent_over_curve(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     keys = make_keys(tmp_path)
     rules = tmp_path / "rules.yaml"
     rules.write_text(ROLLBACK_RULES)
@@ -128,8 +154,9 @@ def test_commands_reach_an_allowed_agent_over_curve(
     with running(config) as server:
         model, opt = model_and_optimizer()
         use_agent_keys(monkeypatch, keys.collector.public_file, keys.trainer)
-        with agent(server, model, opt, "run-cmd", command_endpoint=server.command_endpoint,
-                   command_key=KEY) as mon:
+        with agent(
+            server, model, opt, "run-cmd", command_endpoint=server.command_endpoint, command_key=KEY
+        ) as mon:
             assert server.wait_for_listener("run-cmd", WAIT_S), "no CURVE subscription"
             assert wait_until(lambda: server.state.job("run-cmd") is not None)
             train_steps(mon, model, opt, 2)
@@ -142,15 +169,18 @@ def test_commands_reach_an_allowed_agent_over_curve(
 
 
 def test_bad_agent_key_file_switches_monitoring_off_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     keys = make_keys(tmp_path)
     keys.trainer.secret_file.chmod(0o644)  # a leaked-looking secret is refused, like ssh does
     model, opt = model_and_optimizer()
     use_agent_keys(monkeypatch, keys.collector.public_file, keys.trainer)
-    with caplog.at_level(logging.ERROR, logger="gradwatch"), \
-            gradwatch.watch(model, opt, job="run-3", endpoint="tcp://127.0.0.1:1",
-                            stats_every=0) as mon:
+    with (
+        caplog.at_level(logging.ERROR, logger="gradwatch"),
+        gradwatch.watch(
+            model, opt, job="run-3", endpoint="tcp://127.0.0.1:1", stats_every=0
+        ) as mon,
+    ):
         assert wait_until(lambda: mon.stats.disabled is not None)
         train_steps(mon, model, opt, 3)  # the loop goes on, unharmed
     assert "chmod 600" in str(mon.stats.disabled)
@@ -169,8 +199,12 @@ def test_hostile_frames_from_an_allowed_key_are_counted_not_fatal(tmp_path: Path
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)  # type: ignore[arg-type]
             sock.connect(server.bound_endpoint)
-            hostile = [b"GW\x01\x02" + b"[" * 50_000 + b"]" * 50_000, b"GW\x01\x02not json",
-                       b"", b"GW\x01\x02" + b" " * (70 * 1024) + b"{}"]
+            hostile = [
+                b"GW\x01\x02" + b"[" * 50_000 + b"]" * 50_000,
+                b"GW\x01\x02not json",
+                b"",
+                b"GW\x01\x02" + b" " * (70 * 1024) + b"{}",
+            ]
             for frame in hostile:
                 sock.send(frame)
             sock.send(encode_heartbeat(Heartbeat("run-9", 0, 1, "inc", 0.0, 1, 0))[0])

@@ -62,8 +62,9 @@ def test_a_real_nan_alert_arrives_within_a_second_under_a_flood(tmp_path: Path) 
     rules = tmp_path / "rules.yaml"
     rules.write_text(NAN_RULE)
     bound = current_rss() + 256 * 1024 * 1024
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             rules=rules, max_memory_bytes=bound)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", rules=rules, max_memory_bytes=bound
+    )
     sink = Recorder()
     peak = [0]
     sampling = threading.Event()
@@ -83,14 +84,18 @@ def test_a_real_nan_alert_arrives_within_a_second_under_a_flood(tmp_path: Path) 
             train(mon, model, opt, FLUSH * 4, nan=False)
             assert wait_until(lambda: server.state.job("real") is not None)
             flood = subprocess.Popen(
-                [sys.executable, "-m", "tests.security.flood", server.bound_endpoint,
-                 str(FLOOD_S)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+                [sys.executable, "-m", "tests.security.flood", server.bound_endpoint, str(FLOOD_S)],
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
             # Into the flood: the forged jobs, layers and alerts are arriving.
             assert wait_until(lambda: sum(server.admission.refused().values()) > 100)
             train(mon, model, opt, FLUSH * 20, nan=False)  # the real job goes on meanwhile
             flushed = train(mon, model, opt, FLUSH, nan=True)  # the NaN step ends a flush
-            assert wait_until(lambda: any(a.job == "real" for _, a in sink.arrived), WAIT_S), \
+            assert wait_until(lambda: any(a.job == "real" for _, a in sink.arrived), WAIT_S), (
                 "the real NaN alert never arrived"
+            )
             latency = min(t for t, a in sink.arrived if a.job == "real") - flushed
             began = time.monotonic()
             with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
@@ -107,10 +112,12 @@ def test_a_real_nan_alert_arrives_within_a_second_under_a_flood(tmp_path: Path) 
         sampling.set()
         assert server.stop()
     refused = server.admission.refused()
-    print(f"\nflood: {out.strip()}; refused {refused}; real alert {latency:.3f} s after its "
-          f"flush; peak RSS {peak[0] / 2**20:.0f} MiB (bound {bound / 2**20:.0f}); "
-          f"/metrics {size / 1024:.0f} KiB in {scrape_s:.2f} s; "
-          f"{len(server.state.jobs())} jobs tracked")
+    print(
+        f"\nflood: {out.strip()}; refused {refused}; real alert {latency:.3f} s after its "
+        f"flush; peak RSS {peak[0] / 2**20:.0f} MiB (bound {bound / 2**20:.0f}); "
+        f"/metrics {size / 1024:.0f} KiB in {scrape_s:.2f} s; "
+        f"{len(server.state.jobs())} jobs tracked"
+    )
     assert latency < 1.0
     assert peak[0] < bound
     assert scrape_s < 10.0 and size < 2 * 1024 * 1024  # Prometheus's scrape timeout

@@ -48,14 +48,24 @@ groups:
 
 def forge(push: zmq.Socket[Any], step: int, path: str) -> None:
     """What the attacker sent: a well-formed checkpoint event for someone else's job."""
-    push.send_multipart(encode_event(Event(job=JOB, rank=0, incarnation="forged", time=0.0,
-                                           kind="checkpoint", step=step,
-                                           fields={"path": path})))
+    push.send_multipart(
+        encode_event(
+            Event(
+                job=JOB,
+                rank=0,
+                incarnation="forged",
+                time=0.0,
+                kind="checkpoint",
+                step=step,
+                fields={"path": path},
+            )
+        )
+    )
 
 
 def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     root = tmp_path / "ckpt"
     root.mkdir()
     monkeypatch.setenv("GRADWATCH_CHECKPOINT_ROOT", str(root))
@@ -63,9 +73,14 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
     rules.write_text(RULES)
     attacker_file = tmp_path / "attacker-controlled.pt"
     attacker_file.write_bytes(b"a pickle that runs code when loaded")
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             command_listen="tcp://127.0.0.1:*", rules=rules,
-                             command_key=KEY.decode(), data_dir=tmp_path / "state")
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        command_listen="tcp://127.0.0.1:*",
+        rules=rules,
+        command_key=KEY.decode(),
+        data_dir=tmp_path / "state",
+    )
     ctx: zmq.Context[Any] = zmq.Context()
     push = ctx.socket(zmq.PUSH)
     push.linger = 0
@@ -74,21 +89,24 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
         with running(config) as server:
             push.connect(server.bound_endpoint)
             model, opt = model_and_optimizer()
-            with agent(server, model, opt, JOB, command_endpoint=server.command_endpoint,
-                       command_key=KEY) as mon:
+            with agent(
+                server, model, opt, JOB, command_endpoint=server.command_endpoint, command_key=KEY
+            ) as mon:
                 assert server.wait_for_listener(JOB, WAIT_S), "the agent never subscribed"
                 train_steps(mon, model, opt, 2)
                 real = root / "2.pt"
                 real.write_bytes(b"the job's own weights at step 2")
                 mon.checkpoint_saved(2, real)
-                assert wait_until(lambda: [c.path for c in server.actions.checkpoints.of(JOB)]
-                                  == [str(real)])  # type: ignore[union-attr]
+                assert wait_until(
+                    lambda: [c.path for c in server.actions.checkpoints.of(JOB)] == [str(real)]
+                )  # type: ignore[union-attr]
                 # The attacker: overwrite the real entry, then add a newer one.
                 forge(push, 2, str(attacker_file))
                 forge(push, 3, str(attacker_file))
                 assert wait_until(lambda: len(server.actions.checkpoints.of(JOB)) == 2)  # type: ignore[union-attr]
                 assert server.actions.stats().checkpoints_refused == 1  # type: ignore[union-attr]
                 assert server.actions.checkpoints.of(JOB)[0].path == str(real)  # type: ignore[union-attr]
+
                 # A NaN burst from step 5 on, until the rule fires and a signed rollback goes
                 # out (the agent may drop a step when its shipper lags: it never blocks the loop).
                 def nan_step() -> bool:
@@ -97,12 +115,18 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
 
                 assert wait_until(nan_step), (  # type: ignore[union-attr]
                     f"the collector never sent the rollback: {server.actions.stats()}, "  # type: ignore[union-attr]
-                    f"admission {server.admission.refused()}, steps sent {mon.stats.steps_sent}")
-                assert wait_until(lambda: mon.stats.commands_refused == 1), \
+                    f"admission {server.admission.refused()}, steps sent {mon.stats.steps_sent}"
+                )
+                assert wait_until(lambda: mon.stats.commands_refused == 1), (
                     "the agent did not refuse the forged rollback"
+                )
                 assert mon.pending_rollback() is None  # the loop never sees it
-                assert wait_until(lambda: server.actions.stats().agent_refused  # type: ignore[union-attr]
-                                  == {"unvouched": 1}), "the refusal never reached the collector"
+                assert wait_until(
+                    lambda: (
+                        server.actions.stats().agent_refused  # type: ignore[union-attr]
+                        == {"unvouched": 1}
+                    )
+                ), "the refusal never reached the collector"
             with urllib.request.urlopen(server.metrics_url, timeout=WAIT_S) as response:
                 metrics = response.read().decode()
     finally:

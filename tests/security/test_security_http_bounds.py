@@ -25,8 +25,12 @@ CAP = 8
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             http_max_connections=CAP, http_read_timeout_seconds=1.0)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        http_max_connections=CAP,
+        http_read_timeout_seconds=1.0,
+    )
     server = Server(config, registry=CollectorRegistry(), sinks=[])
     server.start()
     yield server
@@ -38,8 +42,9 @@ def get(url: str) -> tuple[int, bytes]:
         return response.status, response.read()
 
 
-def test_idle_connections_are_evicted_not_obeyed(server: Server,
-                                                 caplog: pytest.LogCaptureFixture) -> None:
+def test_idle_connections_are_evicted_not_obeyed(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
     caplog.set_level(logging.WARNING, logger="gradwatch")
     threads = threading.active_count()
     base = server.metrics_url.rsplit("/", 1)[0]
@@ -57,8 +62,7 @@ def test_idle_connections_are_evicted_not_obeyed(server: Server,
         for sock in idle:
             sock.close()
     assert server._http is not None and server._http.connections.refused["evicted_idle"] >= 190
-    assert any("closed the oldest idle HTTP connection" in r.getMessage()
-               for r in caplog.records)
+    assert any("closed the oldest idle HTTP connection" in r.getMessage() for r in caplog.records)
 
 
 def test_a_silent_client_is_disconnected_after_the_read_timeout(server: Server) -> None:
@@ -69,8 +73,9 @@ def test_a_silent_client_is_disconnected_after_the_read_timeout(server: Server) 
         assert 0.5 < time.monotonic() - began < 5.0
 
 
-def test_open_file_limit_is_checked_against_the_caps(monkeypatch: pytest.MonkeyPatch,
-                                                     caplog: pytest.LogCaptureFixture) -> None:
+def test_open_file_limit_is_checked_against_the_caps(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     config = CollectorConfig(http_max_connections=500)
     raised: list[tuple[int, int]] = []
     monkeypatch.setattr(resource, "setrlimit", lambda kind, pair: raised.append(pair))

@@ -18,7 +18,8 @@ from tests.security.helpers import curve_config, make_keys, running
 
 
 def test_generate_writes_a_zmq_compatible_pair_with_a_0600_secret(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["keys", "generate", "--name", "collector", "--dir", str(tmp_path)]) == 0
     public_file, secret_file = tmp_path / "collector.key", tmp_path / "collector.key_secret"
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
@@ -30,8 +31,7 @@ def test_generate_writes_a_zmq_compatible_pair_with_a_0600_secret(
     assert main(["keys", "generate", "--name", "collector", "--dir", str(tmp_path)]) == 1
     assert "--force" in capsys.readouterr().err
     assert zmq.auth.load_certificate(secret_file)[1] == secret
-    assert main(["keys", "generate", "--name", "collector", "--dir", str(tmp_path),
-                 "--force"]) == 0
+    assert main(["keys", "generate", "--name", "collector", "--dir", str(tmp_path), "--force"]) == 0
     assert zmq.auth.load_certificate(secret_file)[1] != secret
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
 
@@ -39,8 +39,21 @@ def test_generate_writes_a_zmq_compatible_pair_with_a_0600_secret(
 def test_allow_and_revoke_edit_the_allow_list(tmp_path: Path) -> None:
     assert main(["keys", "generate", "--name", "trainer", "--dir", str(tmp_path)]) == 0
     allow_file, public_file = tmp_path / "allow.yaml", tmp_path / "trainer.key"
-    assert main(["keys", "allow", "--public", str(public_file), "--jobs", "run-*, eval-*",
-                 "--allow-file", str(allow_file)]) == 0
+    assert (
+        main(
+            [
+                "keys",
+                "allow",
+                "--public",
+                str(public_file),
+                "--jobs",
+                "run-*, eval-*",
+                "--allow-file",
+                str(allow_file),
+            ]
+        )
+        == 0
+    )
     public = zmq.auth.load_certificate(public_file)[0].decode()
     allow = load_allow_list(allow_file)
     assert allow.jobs_of(public) == ("run-*", "eval-*") and allow.name_of(public) == "trainer"
@@ -77,8 +90,9 @@ def test_bad_key_material_is_refused_with_a_reason(tmp_path: Path) -> None:
 
 
 def test_production_without_keys_refuses_to_start(tmp_path: Path) -> None:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             profile="production")
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", profile="production"
+    )
     with pytest.raises(ConfigError) as refused, running(config):
         pass
     message = str(refused.value)
@@ -90,11 +104,17 @@ def test_production_rules(tmp_path: Path) -> None:
     keys = make_keys(tmp_path)
     ok = curve_config(keys, profile="production")
     assert production_problems(ok, {"NaN": ("notify", "rollback")}) == [
-        "rules NaN ask for rollback: set command_key_file (or remove the rollback action)"]
-    assert production_problems(ok.model_copy(update={"command_key": "k" * 32}),
-                               {"NaN": ("notify", "rollback")}) == []
-    exposed = ok.model_copy(update={"metrics_addr": "0.0.0.0:9400",
-                                    "webhooks": ["https://hooks.example/x"]})
+        "rules NaN ask for rollback: set command_key_file (or remove the rollback action)"
+    ]
+    assert (
+        production_problems(
+            ok.model_copy(update={"command_key": "k" * 32}), {"NaN": ("notify", "rollback")}
+        )
+        == []
+    )
+    exposed = ok.model_copy(
+        update={"metrics_addr": "0.0.0.0:9400", "webhooks": ["https://hooks.example/x"]}
+    )
     problems = " ".join(production_problems(exposed, {}))
     assert "metrics_basic_auth_user" in problems and "metrics_tls_cert_file" in problems
     assert "webhook_secret_file" in problems
@@ -107,17 +127,25 @@ def test_agent_key_settings(tmp_path: Path) -> None:
     keys = make_keys(tmp_path)
     config = AgentConfig(job="run-1", rank=0, world=1)
     assert load_curve_keys(config, env={}) is None
-    env = {"GRADWATCH_CURVE_SERVER_KEY": keys.collector.public_key,  # Z85 text works too
-           "GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE": str(keys.trainer.secret_file)}
+    env = {
+        "GRADWATCH_CURVE_SERVER_KEY": keys.collector.public_key,  # Z85 text works too
+        "GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE": str(keys.trainer.secret_file),
+    }
     curve = load_curve_keys(config, env=env)
     assert curve is not None and curve.server_public == keys.collector.public_key.encode()
     assert curve.public == keys.trainer.public_key.encode() and "secret" not in repr(curve)
-    explicit = AgentConfig(job="run-1", rank=0, world=1,
-                           curve_server_public_key_file=str(keys.collector.public_file),
-                           curve_secret_key_file=str(keys.trainer.secret_file))
+    explicit = AgentConfig(
+        job="run-1",
+        rank=0,
+        world=1,
+        curve_server_public_key_file=str(keys.collector.public_file),
+        curve_secret_key_file=str(keys.trainer.secret_file),
+    )
     assert load_curve_keys(explicit, env={}) == curve
     with pytest.raises(ValueError, match="only one is set"):
         load_curve_keys(config, env={"GRADWATCH_CURVE_SERVER_KEY": keys.collector.public_key})
     with pytest.raises(ValueError, match="holds no secret key"):
-        load_curve_keys(config, env={**env, "GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE":
-                                     str(keys.trainer.public_file)})
+        load_curve_keys(
+            config,
+            env={**env, "GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE": str(keys.trainer.public_file)},
+        )

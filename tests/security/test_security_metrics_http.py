@@ -31,11 +31,31 @@ def self_signed(tmp_path: Path) -> tuple[Path, Path]:
 
 def _with_openssl(tmp_path: Path) -> tuple[Path, Path]:
     cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run([require_binary("openssl"), "req", "-x509", "-newkey", "ec",
-                    "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1",
-                    "-subj", "/CN=gradwatch-test", "-addext", "subjectAltName=IP:127.0.0.1",
-                    "-keyout", str(key_file), "-out", str(cert_file)],
-                   check=True, capture_output=True, timeout=WAIT_S)
+    subprocess.run(
+        [
+            require_binary("openssl"),
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=gradwatch-test",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key_file),
+            "-out",
+            str(cert_file),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=WAIT_S,
+    )
     return cert_file, key_file
 
 
@@ -48,29 +68,40 @@ def _with_cryptography(tmp_path: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gradwatch-test")])
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
     cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
     cert_file.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_file.write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+    key_file.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     key_file.chmod(0o600)
     return cert_file, key_file
 
 
-def get(url: str, auth: str | None = None,
-        context: ssl.SSLContext | None = None) -> tuple[int, str]:
+def get(
+    url: str, auth: str | None = None, context: ssl.SSLContext | None = None
+) -> tuple[int, str]:
     request = urllib.request.Request(url)
     if auth is not None:
-        request.add_header("Authorization",
-                           "Basic " + base64.b64encode(auth.encode()).decode())
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
     try:
         with urllib.request.urlopen(request, timeout=WAIT_S, context=context) as response:
             return response.status, response.read().decode()
@@ -81,9 +112,12 @@ def get(url: str, auth: str | None = None,
 def test_basic_auth_guards_metrics_only(tmp_path: Path) -> None:
     password_file = tmp_path / "password"
     password_file.write_text(PASSWORD + "\n")
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             metrics_basic_auth_user="prometheus",
-                             metrics_basic_auth_password_file=password_file)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        metrics_basic_auth_user="prometheus",
+        metrics_basic_auth_password_file=password_file,
+    )
     with running(config) as server:
         base = server.metrics_url.removesuffix("/metrics")
         assert get(server.metrics_url)[0] == 401
@@ -96,10 +130,14 @@ def test_basic_auth_guards_metrics_only(tmp_path: Path) -> None:
 
 def test_tls_scrape_with_the_test_ca(tmp_path: Path) -> None:
     cert_file, key_file = self_signed(tmp_path)
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             metrics_tls_cert_file=cert_file, metrics_tls_key_file=key_file,
-                             metrics_basic_auth_user="prometheus",
-                             metrics_basic_auth_password=PASSWORD)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        metrics_tls_cert_file=cert_file,
+        metrics_tls_key_file=key_file,
+        metrics_basic_auth_user="prometheus",
+        metrics_basic_auth_password=PASSWORD,
+    )
     with running(config) as server:
         https = server.metrics_url.replace("http://", "https://")
         trusted = ssl.create_default_context(cafile=str(cert_file))
@@ -121,9 +159,14 @@ def test_half_configured_metrics_security_is_refused(tmp_path: Path) -> None:
         CollectorConfig(metrics_tls_cert_file=tmp_path / "cert.pem")
     with pytest.raises(ValueError, match="metrics_basic_auth_user needs"):
         CollectorConfig(metrics_basic_auth_user="prometheus")
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             metrics_tls_cert_file=tmp_path / "missing.pem",
-                             metrics_tls_key_file=tmp_path / "missing.key")
-    with pytest.raises(ConfigError, match="cannot load the metrics TLS certificate"), \
-            running(config):
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        metrics_tls_cert_file=tmp_path / "missing.pem",
+        metrics_tls_key_file=tmp_path / "missing.key",
+    )
+    with (
+        pytest.raises(ConfigError, match="cannot load the metrics TLS certificate"),
+        running(config),
+    ):
         pass

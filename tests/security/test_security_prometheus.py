@@ -31,10 +31,14 @@ def test_prometheus_scrapes_with_the_documented_tls_and_basic_auth(tmp_path: Pat
     cert_file, key_file = self_signed(tmp_path)
     password_file = tmp_path / "password"
     password_file.write_text(PASSWORD)
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             metrics_tls_cert_file=cert_file, metrics_tls_key_file=key_file,
-                             metrics_basic_auth_user="prometheus",
-                             metrics_basic_auth_password_file=password_file)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        metrics_tls_cert_file=cert_file,
+        metrics_tls_key_file=key_file,
+        metrics_basic_auth_user="prometheus",
+        metrics_basic_auth_password_file=password_file,
+    )
     prom_config = documented_scrape_config()
     (job,) = prom_config["scrape_configs"]
     with running(config) as server:
@@ -46,12 +50,18 @@ def test_prometheus_scrapes_with_the_documented_tls_and_basic_auth(tmp_path: Pat
         config_file.write_text(yaml.safe_dump(prom_config))
 
         def argv(port: int) -> list[str]:
-            return [f"--config.file={config_file}", f"--storage.tsdb.path={tmp_path / 'data'}",
-                    f"--web.listen-address=127.0.0.1:{port}"]
+            return [
+                f"--config.file={config_file}",
+                f"--storage.tsdb.path={tmp_path / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+            ]
 
         with _serve(binary, argv, tmp_path / "prometheus.log", "prometheus") as prom:
-            up = wait_until(lambda: query(prom.url, 'up{job="gradwatch"} == 1') or None,
-                            SCRAPE_WAIT_S, "a successful https + basic auth scrape")
+            up = wait_until(
+                lambda: query(prom.url, 'up{job="gradwatch"} == 1') or None,
+                SCRAPE_WAIT_S,
+                "a successful https + basic auth scrape",
+            )
             assert up[0]["value"][1] == "1"
             built = query(prom.url, "gradwatch_build_info")
             assert built and built[0]["metric"]["job"] == "gradwatch"

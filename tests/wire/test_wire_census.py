@@ -31,17 +31,31 @@ from gradwatch.wire.census import (
 )
 from gradwatch.wire.trace import encode_record
 
-CENSUS = Census(params_total=100, params_trainable=60, params_frozen=30, params_not_in_optimizer=10,
-                frozen_modules=(("backbone", 30),), not_in_optimizer=("neck.weight",),
-                tied=(("wte.weight", "lm_head.weight"),), eval_modules=("bn",), model_training=False)
+CENSUS = Census(
+    params_total=100,
+    params_trainable=60,
+    params_frozen=30,
+    params_not_in_optimizer=10,
+    frozen_modules=(("backbone", 30),),
+    not_in_optimizer=("neck.weight",),
+    tied=(("wte.weight", "lm_head.weight"),),
+    eval_modules=("bn",),
+    model_training=False,
+)
 
 names = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=20)
 censuses = st.builds(
-    Census, st.integers(0, 2**40), st.integers(0, 2**40), st.integers(0, 2**40), st.integers(0, 2**40),
+    Census,
+    st.integers(0, 2**40),
+    st.integers(0, 2**40),
+    st.integers(0, 2**40),
+    st.integers(0, 2**40),
     st.lists(st.tuples(names, st.integers(0, 2**40)), max_size=5).map(tuple),
     st.lists(names, max_size=5).map(tuple),
     st.lists(st.lists(names, min_size=2, max_size=4).map(tuple), max_size=3).map(tuple),
-    st.lists(names, max_size=5).map(tuple), st.booleans())
+    st.lists(names, max_size=5).map(tuple),
+    st.booleans(),
+)
 
 
 def stats_batch(census: Census | None, schema: Schema | None = None) -> Batch:
@@ -53,8 +67,10 @@ def stats_batch(census: Census | None, schema: Schema | None = None) -> Batch:
 def test_census_round_trips_through_json_wire_and_trace(census: Census) -> None:
     assert census_of(json.loads(json.dumps(census_body(census)))) == census
     assert decode(encode(stats_batch(census))).census == census
-    lines = [encode_record(TraceHeader(job="j", layers=("w",))),
-             encode_record(TraceStats(step=5, layer_weight_norms=(1.0,), census=census))]
+    lines = [
+        encode_record(TraceHeader(job="j", layers=("w",))),
+        encode_record(TraceStats(step=5, layer_weight_norms=(1.0,), census=census)),
+    ]
     (rec,) = list(TraceReader(lines))
     assert isinstance(rec, TraceStats) and rec.census == census
 
@@ -72,12 +88,27 @@ def test_roles_ride_in_the_schema_and_the_trace_header_and_are_optional() -> Non
 
 
 def test_an_unknown_role_reads_as_other_and_a_misaligned_list_is_refused() -> None:
-    frames = encode(Batch("job", 0, 1, 3, 0, "inc", 0, (1,), (1.0,), bytes(12),
-                          Schema(3, ("loss",), ("a", "b"), layer_roles=("weight", "norm"))))
+    frames = encode(
+        Batch(
+            "job",
+            0,
+            1,
+            3,
+            0,
+            "inc",
+            0,
+            (1,),
+            (1.0,),
+            bytes(12),
+            Schema(3, ("loss",), ("a", "b"), layer_roles=("weight", "norm")),
+        )
+    )
     schema = json.loads(frames[1])
     schema["layer_roles"] = ["weight", "lora_adapter"]  # a later agent's role
-    assert decode([frames[0], json.dumps(schema).encode(), frames[2]]).schema.layer_roles == \
-        ("weight", "other")
+    assert decode([frames[0], json.dumps(schema).encode(), frames[2]]).schema.layer_roles == (
+        "weight",
+        "other",
+    )
     schema["layer_roles"] = ["weight"]
     with pytest.raises(WireError, match="layer_roles"):
         decode([frames[0], json.dumps(schema).encode(), frames[2]])
@@ -86,15 +117,18 @@ def test_an_unknown_role_reads_as_other_and_a_misaligned_list_is_refused() -> No
         TraceReader([json.dumps(bad_header)]).header  # noqa: B018
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"total": -1}, "census.total"),
-    ({"frozen": 1.5}, "census.frozen"),
-    ({"eval_modules": ["x"] * (MAX_CENSUS_NAMES + 1)}, "census.eval_modules"),
-    ({"eval_modules": ["x" * (MAX_CENSUS_NAME_CHARS + 1)]}, "census.eval_modules"),
-    ({"frozen_modules": [["a"]]}, "census.frozen_modules"),
-    ({"model_training": "yes"}, "census.model_training"),
-    ({"tied": [["a", "b"]] * 100}, "census.tied"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"total": -1}, "census.total"),
+        ({"frozen": 1.5}, "census.frozen"),
+        ({"eval_modules": ["x"] * (MAX_CENSUS_NAMES + 1)}, "census.eval_modules"),
+        ({"eval_modules": ["x" * (MAX_CENSUS_NAME_CHARS + 1)]}, "census.eval_modules"),
+        ({"frozen_modules": [["a"]]}, "census.frozen_modules"),
+        ({"model_training": "yes"}, "census.model_training"),
+        ({"tied": [["a", "b"]] * 100}, "census.tied"),
+    ],
+)
 def test_hostile_census_fields_are_wire_errors(change: dict, message: str) -> None:
     body = census_body(CENSUS) | change
     with pytest.raises(CensusError, match=message):
@@ -108,10 +142,16 @@ def test_hostile_census_fields_are_wire_errors(change: dict, message: str) -> No
 
 def test_a_census_at_its_caps_fits_a_wire_header() -> None:
     long = ["m" * 2000] * 100
-    worst = Census(2**40, 2**40, 2**40, 2**40,
-                   frozen_modules=tuple((n, 2**40) for n in capped_names(long)),
-                   not_in_optimizer=capped_names(long), tied=(capped_names(long, 4),) * 16,
-                   eval_modules=capped_names(long))
+    worst = Census(
+        2**40,
+        2**40,
+        2**40,
+        2**40,
+        frozen_modules=tuple((n, 2**40) for n in capped_names(long)),
+        not_in_optimizer=capped_names(long),
+        tied=(capped_names(long, 4),) * 16,
+        eval_modules=capped_names(long),
+    )
     assert decode(encode(stats_batch(worst))).census == worst
 
 

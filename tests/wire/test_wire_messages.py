@@ -13,8 +13,9 @@ from gradwatch import wire
 from gradwatch.wire import Batch, Event, Heartbeat, Schema, WireError, WireVersionError
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20)
-jobs = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1,
-               max_size=30).filter(str.isprintable)
+jobs = st.text(
+    st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=30
+).filter(str.isprintable)
 finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
 
 
@@ -25,16 +26,22 @@ def batches(draw: st.DrawFn) -> Batch:
     schema = Schema(id=draw(st.integers(0, 100)), columns=columns, layers=layers)
     rows = draw(st.integers(1, 6))
     world = draw(st.integers(1, 64))
-    floats = draw(st.lists(st.floats(width=32), min_size=rows * schema.width,
-                           max_size=rows * schema.width))
+    floats = draw(
+        st.lists(st.floats(width=32), min_size=rows * schema.width, max_size=rows * schema.width)
+    )
     return Batch(
-        job=draw(jobs), rank=draw(st.integers(0, world - 1)), world=world,
-        schema_id=schema.id, seq=draw(st.integers(0, 2**40)), incarnation="a1b2",
+        job=draw(jobs),
+        rank=draw(st.integers(0, world - 1)),
+        world=world,
+        schema_id=schema.id,
+        seq=draw(st.integers(0, 2**40)),
+        incarnation="a1b2",
         dropped=draw(st.integers(0, 10**9)),
         steps=tuple(draw(st.lists(st.integers(0, 2**40), min_size=rows, max_size=rows))),
         times=tuple(draw(st.lists(finite, min_size=rows, max_size=rows))),
         values=struct.pack(f"<{len(floats)}f", *floats),
-        schema=schema if draw(st.booleans()) or schema.width == 0 else None)
+        schema=schema if draw(st.booleans()) or schema.width == 0 else None,
+    )
 
 
 @given(batches())
@@ -44,14 +51,22 @@ def test_batch_round_trips(batch: Batch) -> None:
 
 @given(jobs, st.integers(0, 10), finite, st.integers(-1, 2**40), st.integers(0, 2**40))
 def test_heartbeat_round_trips(job: str, rank: int, t: float, step: int, dropped: int) -> None:
-    hb = Heartbeat(job=job, rank=rank, world=rank + 1, incarnation="x", time=t, step=step,
-                   dropped=dropped)
+    hb = Heartbeat(
+        job=job, rank=rank, world=rank + 1, incarnation="x", time=t, step=step, dropped=dropped
+    )
     assert wire.decode(wire.encode(hb)) == hb
 
 
 def test_event_round_trips() -> None:
-    ev = Event(job="j", rank=0, incarnation="x", time=1.0, kind="checkpoint", step=100,
-               fields={"path": "ckpt/100.pt"})
+    ev = Event(
+        job="j",
+        rank=0,
+        incarnation="x",
+        time=1.0,
+        kind="checkpoint",
+        step=100,
+        fields={"path": "ckpt/100.pt"},
+    )
     assert wire.decode(wire.encode(ev)) == ev
 
 
@@ -76,7 +91,7 @@ def test_mutated_frames_decode_or_raise_wire_error(batch: Batch, data: st.DataOb
             i = data.draw(st.integers(0, len(frame) - 1))
             frame[i] ^= data.draw(st.integers(1, 255))
         elif op == "truncate":
-            del frame[data.draw(st.integers(0, len(frame))):]
+            del frame[data.draw(st.integers(0, len(frame))) :]
         else:
             frame.extend(data.draw(st.binary(min_size=1, max_size=16)))
     try:
@@ -90,10 +105,21 @@ def test_mutated_frames_decode_or_raise_wire_error(batch: Batch, data: st.DataOb
             assert wire.row_width(msg) == msg.schema.width
 
 
-@given(st.dictionaries(st.sampled_from(
-    ["job", "rank", "world", "schema", "seq", "inc", "dropped", "steps", "times"]),
-    st.one_of(st.none(), st.integers(-5, 5), finite, st.text(max_size=3),
-              st.lists(st.integers(-2, 3), max_size=3)), max_size=9))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            ["job", "rank", "world", "schema", "seq", "inc", "dropped", "steps", "times"]
+        ),
+        st.one_of(
+            st.none(),
+            st.integers(-5, 5),
+            finite,
+            st.text(max_size=3),
+            st.lists(st.integers(-2, 3), max_size=3),
+        ),
+        max_size=9,
+    )
+)
 def test_hostile_header_fields_raise_wire_error(body: dict) -> None:
     frames = [b"GW\x01\x01" + json.dumps(body).encode(), b"\x00" * 8]
     try:
@@ -104,8 +130,9 @@ def test_hostile_header_fields_raise_wire_error(body: dict) -> None:
 
 
 def test_other_version_is_a_version_error() -> None:
-    frames = wire.encode(Heartbeat(job="j", rank=0, world=1, incarnation="x", time=0.0, step=1,
-                                   dropped=0))
+    frames = wire.encode(
+        Heartbeat(job="j", rank=0, world=1, incarnation="x", time=0.0, step=1, dropped=0)
+    )
     frames[0] = b"GW\x02" + frames[0][3:]
     with pytest.raises(WireVersionError, match="upgrade the collector"):
         wire.decode(frames)
@@ -113,8 +140,19 @@ def test_other_version_is_a_version_error() -> None:
 
 def test_values_that_do_not_match_the_schema_are_rejected() -> None:
     schema = Schema(id=3, columns=("loss",), layers=("a", "b"))
-    batch = Batch(job="j", rank=0, world=1, schema_id=3, seq=0, incarnation="x", dropped=0,
-                  steps=(1, 2), times=(0.0, 0.1), values=b"\x00" * 4 * 8, schema=schema)
+    batch = Batch(
+        job="j",
+        rank=0,
+        world=1,
+        schema_id=3,
+        seq=0,
+        incarnation="x",
+        dropped=0,
+        steps=(1, 2),
+        times=(0.0, 0.1),
+        values=b"\x00" * 4 * 8,
+        schema=schema,
+    )
     with pytest.raises(WireError, match="needs 2 x 3"):
         wire.decode(wire.encode(batch))
 
