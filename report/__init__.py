@@ -18,7 +18,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from gradwatch.report.data import ReportData, load_report_data
@@ -26,14 +26,20 @@ from gradwatch.report.html import render_report
 from gradwatch.rules import RuleSpec
 
 
-def build_report(trace: Path, rules: Sequence[RuleSpec] | None = None) -> str:
-    """The report of ``trace`` as an HTML string (rules default to the packaged pack)."""
-    return render_report(load_report_data(trace, rules), source=str(trace))
+def build_report(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | None = None, *,
+                 source: str | None = None) -> str:
+    """The report of ``trace`` (a path, or its lines named by ``source``) as an HTML string.
+
+    ``rules`` default to the packaged pack.
+    """
+    name = source or (str(trace) if isinstance(trace, Path) else "<trace>")
+    return render_report(load_report_data(trace, rules, source=name), source=name)
 
 
-def write_report(trace: Path, out: Path, rules: Sequence[RuleSpec] | None = None) -> Path:
+def write_report(trace: Path | Iterable[str], out: Path, rules: Sequence[RuleSpec] | None = None, *,
+                 source: str | None = None) -> Path:
     """Write the report of ``trace`` to ``out`` (parent folders created); returns ``out``."""
-    html = build_report(trace, rules)
+    html = build_report(trace, rules, source=source)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
     return out

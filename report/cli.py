@@ -1,7 +1,9 @@
 """``gradwatch report TRACE -o report.html [--rules FILE]``: the HTML post-mortem of a trace.
 
 Exit status: 0 when the report was written; 2 for an unreadable or invalid
-trace, a bad rule file, or an output path that cannot be written.
+trace, a bad rule file, or an output path that cannot be written. When stderr
+is a terminal, a progress bar there counts the trace's bytes read and replayed
+(nothing is drawn into a pipe or a log).
 
 Example::
 
@@ -16,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from gradwatch.progress import progress_lines
 from gradwatch.report import write_report
 from gradwatch.rules import RuleFileError, load_default_rules, load_rules
 from gradwatch.wire.trace import TraceError
@@ -42,7 +45,8 @@ def report_main(argv: Sequence[str]) -> int:
         print(f"gradwatch report: {exc}", file=sys.stderr)
         return 2
     try:
-        out = write_report(args.trace, args.output, rules)
+        with progress_lines(args.trace, f"report {args.trace.name}") as lines:
+            out = write_report(lines, args.output, rules, source=str(args.trace))
     except TraceError as exc:
         print(f"gradwatch report: {exc}\nIs {args.trace} a trace written by `gradwatch collector --record`?",
               file=sys.stderr)

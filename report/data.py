@@ -14,7 +14,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,7 +24,7 @@ from gradwatch.rules import Alert, RuleSpec, load_default_rules
 from gradwatch.rules.ratio import group_layers
 from gradwatch.rules.replay import Replay
 from gradwatch.rules.step import Census
-from gradwatch.wire.trace import TraceEval, TraceReader, TraceStats, TraceStep
+from gradwatch.wire.trace import TraceError, TraceEval, TraceReader, TraceStats, TraceStep
 
 
 @dataclass(slots=True)
@@ -79,20 +79,32 @@ class ReportData:
         return ratio, names[0], names[-1]
 
 
-def load_report_data(path: Path, rules: Sequence[RuleSpec] | None = None) -> ReportData:
-    """Read ``path`` and replay it through ``rules`` (default: the packaged pack).
+def load_report_data(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | None = None, *,
+                     source: str | None = None) -> ReportData:
+    """Read ``trace`` (a path, or its lines) and replay it through ``rules`` (default: the packaged pack).
 
-    Raises ``gradwatch.wire.trace.TraceError`` for a trace without a valid
-    header, and ``OSError`` when the file cannot be read.
+    Lines are read once, so a caller may pass a file it is drawing progress
+    for (``gradwatch.progress.progress_lines``); ``source`` names the trace in
+    error messages. Raises ``gradwatch.wire.trace.TraceError`` for a trace
+    without a valid header, and ``OSError`` when the file cannot be read.
     """
+    if isinstance(trace, Path):
+        with trace.open(encoding="utf-8") as lines:
+            return load_report_data(lines, rules, source=source or str(trace))
+    name = source or "<trace>"
+    kept: list[str] = []
     run = Replay(load_default_rules() if rules is None else rules, strict=False)
-    transitions = run.run(path)
+    try:
+        transitions = run.run(_keeping(trace, kept))
+    except TraceError as exc:  # lines carry no file name: the message gets it back
+        raise TraceError(exc.problems, name) from None
     alerts = [replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step))
               for t in transitions if t.current == "firing"]
-    with path.open(encoding="utf-8") as lines:
-        reader = TraceReader(lines, strict=False, source=str(path))
-        header = reader.header
-        records = list(reader)
+    # The curves need the records themselves, which the replay does not hand out: parse the kept
+    # lines again (about a third of the load time of a large trace).
+    reader = TraceReader(kept, strict=False, source=name)
+    header = reader.header
+    records = list(reader)
     steps = [r for r in records if isinstance(r, TraceStep)]
     rank = min((r.rank for r in steps), default=None)
     steps = sorted((r for r in steps if r.rank == rank), key=lambda r: r.step)
@@ -112,6 +124,12 @@ def load_report_data(path: Path, rules: Sequence[RuleSpec] | None = None) -> Rep
         problems=list(run.problems),
         censuses=[(r.step, r.census) for r in sorted(stats, key=lambda r: r.step)
                   if r.census is not None])
+
+
+def _keeping(lines: Iterable[str], kept: list[str]) -> Iterator[str]:
+    for line in lines:
+        kept.append(line)
+        yield line
 
 
 def _column(steps: Sequence[TraceStep], name: str) -> np.ndarray:

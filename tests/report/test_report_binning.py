@@ -1,13 +1,15 @@
-"""Binning for the report: bounded cells whatever the size, and a spike never averaged away."""
+"""Binning for the report: bounded cells and points whatever the size, and a spike never averaged away."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
 
 from gradwatch.report.binning import MAX_CELLS, bin_max, edges, envelope
+from gradwatch.report.svg import MAX_POINTS, Line, line_chart
 
 
 @pytest.mark.parametrize(("layers", "steps"), [(1, 1), (6, 60), (39, 3), (1000, 2000), (10_007, 997)])
@@ -70,3 +72,17 @@ def test_the_envelope_keeps_extremes_and_every_non_finite_point() -> None:
     assert {12_345, 54_321} <= set(keep.tolist())
     assert set(range(70_000, 70_010)) <= set(keep.tolist())
     assert envelope(y[:50], 3000).tolist() == list(range(50))
+
+
+def test_a_nan_run_that_never_recovers_is_one_marker_and_a_long_line_keeps_its_spike() -> None:
+    steps = np.arange(1, 20_001)
+    loss = np.full(len(steps), 2.0)
+    loss[7_000] = 900.0  # one step: striding would drop it
+    loss[15_000:] = np.nan
+    svg = line_chart([Line(steps, loss, "train loss", "#000")], title="loss", y_label="loss")
+    assert svg.count("<title>train loss = ") == 1  # the legend's nan/inf sample aside
+    assert "train loss = nan at steps 15001–20000 (5000 points)" in svg
+    top = re.findall(r'points="([^"]+)"', svg)[0].split()
+    ys = [float(p.split(",")[1]) for p in top]
+    assert min(ys) < 50 < max(ys)  # the 900 spike is drawn at the top of the plot, the 2.0s low
+    assert len(top) <= MAX_POINTS

@@ -3,6 +3,9 @@ self-contained; traces missing signals render with "not recorded" panels."""
 
 from __future__ import annotations
 
+import io
+import re
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -181,8 +184,35 @@ def test_the_cli_writes_the_report_and_explains_failures(recorded_trace: Path, t
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"type": "step"}\n', encoding="utf-8")
     assert main(["report", str(bad), "-o", str(out)]) == 2
-    assert "gradwatch collector --record" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "gradwatch collector --record" in err and f"{bad}:1:" in err  # the trace is named
     rules = tmp_path / "rules.yaml"
     rules.write_text("groups: [{bad: 1}]\n", encoding="utf-8")
     assert main(["report", str(recorded_trace), "--rules", str(rules), "-o", str(out)]) == 2
     assert capsys.readouterr().err.startswith("gradwatch report:")
+
+
+class Terminal(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_cli_draws_progress_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    trace = write_trace(tmp_path / "run.jsonl", [TraceHeader(job="p", layers=("w",))] + [
+        TraceStep(step=s, time=float(s), loss=1.0, lr=(0.1,), layer_grad_norms=(1.0,)) for s in range(1, 50)])
+    assert main(["report", str(trace), "-o", str(tmp_path / "piped.html")]) == 0
+    assert capsys.readouterr().err == ""
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    assert main(["report", str(trace), "-o", str(tmp_path / "screen.html")]) == 0
+    assert "report run.jsonl" in screen.getvalue()
+    # The bar goes to stderr only: the page is the same.
+    piped, shown = ((tmp_path / f"{n}.html").read_text(encoding="utf-8") for n in ("piped", "screen"))
+    assert _without_time(piped) == _without_time(shown)
+
+
+def _without_time(html: str) -> str:
+    return re.sub(r"Generated [0-9: -]+ UTC", "", html)
