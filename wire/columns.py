@@ -16,6 +16,10 @@ LR_PREFIX: Final = "lr/"
 SCALAR_PREFIX: Final = "s/"
 # A scalar the loop logs under this name is the *pre-clip* total grad norm.
 GRAD_NORM_SCALAR: Final = "grad_norm"
+# 1.0 when any gradient on the sending rank is NaN/Inf, else 0.0: sent by
+# data-parallel replicas that send no per-layer norms (a replica whose model
+# shard already has a reporter), so a non-finite gradient is still seen.
+GRAD_NONFINITE_SCALAR: Final = "grad_nonfinite"
 # Host seconds of a step before its gradient sync, measured by the agent: from
 # the previous log() to the first training forward (waiting for data), and in
 # training forward passes (on CUDA: launch time, unless the queue is full). In a

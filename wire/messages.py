@@ -401,7 +401,8 @@ def _optional_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | 
 
 def _float(body: Mapping[str, Any], key: str) -> float:
     value = body.get(key)
-    if type(value) not in (int, float) or not _finite(value):
+    # bool is an int subclass, and JSON's true/false are not numbers here.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
         raise WireError(f"field {key!r} must be a finite number, got {value!r:.40}")
     return float(value)
 

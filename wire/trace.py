@@ -31,6 +31,8 @@ MAX_LINE_CHARS: Final = 64 * 1024 * 1024
 MAX_PROBLEMS_KEPT: Final = 100
 
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "+inf": math.inf, "-inf": -math.inf}
+# The element types of a layer list that need no conversion (see _float_list).
+_PLAIN_FLOATS: frozenset[type] = frozenset({float, type(None)})
 
 
 class TraceError(ValueError):
@@ -314,6 +316,11 @@ def _float_list(value: Any, what: str, width: int) -> tuple[float | None, ...]:
         raise _Bad(f"{what}: expected a list of numbers")
     if len(value) != width:
         raise _Bad(f"{what}: {len(value)} values for {width} layers")
+    # Fast path: what encode_record writes is floats and nulls, and a long trace holds
+    # millions of them (per layer per step): type() over the list runs in C, while the
+    # general path below costs a call and an error label per element.
+    if set(map(type, value)) <= _PLAIN_FLOATS:
+        return tuple(value)
     return tuple(None if v is None else _as_float(v, f"{what}[{i}]") for i, v in enumerate(value))
 
 
@@ -443,12 +450,13 @@ def _acts(value: Any) -> tuple[TraceAct, ...]:
         kind = body.get("kind", "other")
         if not isinstance(kind, str):
             raise _Bad(f"act.{module}.kind: expected a string")
+        mean, std = _float(body, "mean"), _float(body, "std")
         acts.append(
             TraceAct(
                 module=str(module),
                 kind=kind,
-                mean=_float(body, "mean") if body.get("mean") is not None else math.nan,
-                std=_float(body, "std") if body.get("std") is not None else math.nan,
+                mean=math.nan if mean is None else mean,
+                std=math.nan if std is None else std,
                 zero_frac=_fraction(body, "zero_frac", module),
                 sat_frac=_fraction(body, "sat_frac", module),
             )
@@ -593,7 +601,10 @@ class TraceReader:
 
 
 def validate_trace(lines: Iterable[str], source: str = "<trace>") -> TraceHeader:
-    """Check every line; raise one :class:`TraceError` listing all bad lines, else return the header."""
+    """Check every line; raise one :class:`TraceError` listing every bad line.
+
+    Returns the header when no line is bad.
+    """
     reader = TraceReader(lines, strict=False, source=source)
     for _ in reader:
         pass

@@ -107,7 +107,7 @@ def train_steps(
     steps: int,
     nan_from: int | None = None,
 ) -> None:
-    for step in range(1, steps + 1):
+    for _ in range(steps):
         x = torch.randn(8, 4)
         loss = model(x).pow(2).mean()
         if nan_from is not None and mon.step + 1 >= nan_from:
