@@ -234,6 +234,9 @@ class CollectorConfig(BaseSettings):
     rollback_cooldown_s: float = Field(
         default=600.0, ge=0, le=YEAR, description="Least time between two rollbacks of one job.")
     log_level: LogLevel = "INFO"
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="Log lines as text, or one JSON object per line for "
+        "cluster log collectors (Loki, Fluent Bit).")
     grafana_url: str | None = Field(
         default=None,
         description="Grafana base URL (http(s)://host:port); alerts become annotations there.")
@@ -336,6 +339,11 @@ class CollectorConfig(BaseSettings):
     @classmethod
     def _upper_level(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("log_format", mode="before")
+    @classmethod
+    def _lower_format(cls, value: Any) -> Any:
+        return value.lower() if isinstance(value, str) else value
 
     @property
     def metrics_host_port(self) -> tuple[str, int]:
