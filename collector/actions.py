@@ -58,6 +58,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from gradwatch.collector.checkpoints import CheckpointStore, SavedCheckpoint, connect
 from gradwatch.collector.config import CollectorConfig, ConfigError
+from gradwatch.collector.exposition import JOB_LABEL
 from gradwatch.collector.ingest import RateLimitedLog
 from gradwatch.wire.commands import MIN_KEY_BYTES, encode_command
 
@@ -446,7 +447,7 @@ class ActionsMetrics:
                                 value=int(enabled))
         left = GaugeMetricFamily("gradwatch_rollback_budget_remaining",
                                  "Rollbacks a job may still get in the budget window.",
-                                 labels=["job"])
+                                 labels=[JOB_LABEL])
         for job, count in sorted(remaining.items()):
             left.add_metric([job], count)
         yield left

@@ -1,7 +1,8 @@
 """Prometheus Alertmanager (API v2): gradwatch alerts routed, grouped and silenced there.
 
 ``POST {base}/api/v2/alerts`` with a JSON list of postable alerts: ``labels``
-(``alertname`` = the rule, ``severity``, ``category``, ``job``, ``rank``, plus
+(``alertname`` = the rule, ``severity``, ``category``, ``training_job`` and, for
+routes written before it, ``job`` (both the training job), ``rank``, plus
 the rule's own labels), ``annotations`` (``summary``, ``description``,
 ``diagnosis``), ``startsAt``, ``endsAt`` and ``generatorURL``. Alertmanager
 forgets an alert that is not updated, so while an alert fires it is posted
@@ -47,8 +48,11 @@ def alertmanager_alert(alert: Mapping[str, Any], now: float, valid_for: float,
                        generator_url: str | None = None) -> dict[str, Any]:
     """One postable alert for ``alert`` (``Alert.to_dict()`` form) as of ``now``."""
     labels = {str(k): str(v) for k, v in (alert.get("labels") or {}).items()}
+    # training_job, as on the collector's metrics and Prometheus' gradwatch alerts, so one
+    # inhibition or route matches both; job (the same value) stays for existing routes.
     labels.update({"alertname": alert["rule"], "severity": alert["severity"],
-                   "category": alert["category"], "job": alert["job"]})
+                   "category": alert["category"], "training_job": alert["job"],
+                   "job": alert["job"]})
     if alert.get("rank") is not None:
         labels["rank"] = str(alert["rank"])
     annotations = {str(k): str(v) for k, v in (alert.get("annotations") or {}).items()}

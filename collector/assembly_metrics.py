@@ -16,6 +16,7 @@ from collections.abc import Iterable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from gradwatch.collector.exposition import JOB_LABEL
 from gradwatch.rules.assembly import Assembler
 
 _COUNTERS = (
@@ -44,14 +45,14 @@ class AssemblyMetrics:
             counts = self._assembler.counts()
             absent = {job: len(self._assembler.absent(job)) for job in counts}
         for field, name, help_text in _COUNTERS:
-            family = CounterMetricFamily(name, help_text, labels=["job"])
+            family = CounterMetricFamily(name, help_text, labels=[JOB_LABEL])
             for job, count in sorted(counts.items()):
                 family.add_metric([job], getattr(count, field))
             yield family
         gauge = GaugeMetricFamily(
             "gradwatch_job_absent_ranks",
             "Ranks of a multi-rank job that missed the assembly deadline and have not "
-            "reported since; steps are judged without them.", labels=["job"])
+            "reported since; steps are judged without them.", labels=[JOB_LABEL])
         for job, n in sorted(absent.items()):
             gauge.add_metric([job], n)
         yield gauge

@@ -44,7 +44,12 @@ from gradwatch.collector.sinks import Sink
 from gradwatch.collector.state import AlertLike, JobView, StateStore
 from gradwatch.rules.ratio import group_layers, group_norms
 
-ALERT_LABELS = ["job", "rule", "category", "severity"]
+# The training job rides in a label of its own: Prometheus' ``job`` stays the
+# collector's scrape job (whatever the scrape config or the Prometheus Operator
+# names it), so no ``honor_labels`` is needed and self-alerts can find the
+# collector by its own ``up`` (docs/operations.md, "Labels").
+JOB_LABEL = "training_job"
+ALERT_LABELS = [JOB_LABEL, "rule", "category", "severity"]
 
 
 class GradwatchCollector(Collector):
@@ -103,11 +108,11 @@ class GradwatchCollector(Collector):
             "Gradient L2 norm of each layer at the job's latest step (assembled across ranks "
             "for a multi-rank job, else its reporting rank); "
             "when capped, the top max_layer_series offenders: non-finite first, then the "
-            "largest norms.", labels=["job", "layer"])
+            "largest norms.", labels=[JOB_LABEL, "layer"])
         capped = GaugeMetricFamily(
             "gradwatch_layer_series_capped",
             "1 when the job has more layers than max_layer_series and only the top "
-            "offenders are exposed.", labels=["job"])
+            "offenders are exposed.", labels=[JOB_LABEL])
         for job in jobs:
             layers, norms = _top_layers(job.layers, job.layer_norms, cap)
             for name, value in zip(layers, norms, strict=True):
@@ -128,12 +133,12 @@ def _ingest_families(ingest: IngestStats) -> Iterator[Metric]:
         rejected.add_metric([reason], count)
     lost = CounterMetricFamily(
         "gradwatch_ingest_lost_batches",
-        "Batches missing from an agent's sequence (lost in transit).", labels=["job"])
+        "Batches missing from an agent's sequence (lost in transit).", labels=[JOB_LABEL])
     for job, count in sorted(ingest.lost_batches.items()):
         lost.add_metric([job], count)
     dropped = CounterMetricFamily(
         "gradwatch_agent_dropped_steps",
-        "Steps agents report they could not ship (queue full, no collector).", labels=["job"])
+        "Steps agents report they could not ship (queue full, no collector).", labels=[JOB_LABEL])
     for job, count in sorted(ingest.agent_dropped.items()):
         dropped.add_metric([job], count)
     yield from (messages, rejected, lost, dropped)
@@ -141,7 +146,7 @@ def _ingest_families(ingest: IngestStats) -> Iterator[Metric]:
 
 def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
     def gauge(name: str, doc: str, extra: Sequence[str] = ()) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, doc, labels=["job", *extra])
+        return GaugeMetricFamily(name, doc, labels=[JOB_LABEL, *extra])
 
     step = gauge("gradwatch_job_step", "Latest step reported by any rank.")
     loss = gauge("gradwatch_job_loss", "Latest training loss: the mean over ranks of a multi-rank job's "
@@ -195,15 +200,15 @@ def _rank_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
         "gradwatch_rank_last_seen_timestamp_seconds",
         "Unix time the collector last heard from each rank; when capped, only the "
         "max_rank_series ranks silent longest (gradwatch_job_ranks counts them all).",
-        labels=["job", "rank"])
+        labels=[JOB_LABEL, "rank"])
     oldest = GaugeMetricFamily(
         "gradwatch_job_oldest_rank_last_seen_timestamp_seconds",
         "Unix time the collector last heard from the job's most silent rank "
-        "(time() minus this is the worst rank's silence).", labels=["job"])
+        "(time() minus this is the worst rank's silence).", labels=[JOB_LABEL])
     capped = GaugeMetricFamily(
         "gradwatch_rank_series_capped",
         "1 when the job has more ranks than max_rank_series and only the ranks silent "
-        "longest are exposed.", labels=["job"])
+        "longest are exposed.", labels=[JOB_LABEL])
     for job in jobs:
         if not job.rank_last_seen:
             continue
@@ -222,11 +227,11 @@ def _block_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
         "Gradient L2 norm of each block (layer names cut after their first numeric part) at "
         "the job's latest step (assembled across ranks, else the reporting rank): sqrt of the sum of its layers' squared "
         "norms (NaN or +Inf when one of them is); when capped, the top max_block_series "
-        "offenders: non-finite first, then the largest norms.", labels=["job", "block"])
+        "offenders: non-finite first, then the largest norms.", labels=[JOB_LABEL, "block"])
     capped = GaugeMetricFamily(
         "gradwatch_block_series_capped",
         "1 when the job has more blocks than max_block_series and only the top offenders "
-        "are exposed.", labels=["job"])
+        "are exposed.", labels=[JOB_LABEL])
     for job in jobs:
         if not job.layers or len(job.layers) != job.layer_norms.size:
             continue
@@ -243,11 +248,11 @@ def _activation_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
     sat = GaugeMetricFamily(
         "gradwatch_activation_saturated_fraction",
         "Share of tanh/sigmoid outputs pinned near their bounds, per module, at the latest "
-        "cadence step (top modules per job).", labels=["job", "module", "kind"])
+        "cadence step (top modules per job).", labels=[JOB_LABEL, "module", "kind"])
     dead = GaugeMetricFamily(
         "gradwatch_activation_dead_fraction",
         "Share of exact-zero ReLU-family outputs, per module, at the latest cadence step "
-        "(top modules per job).", labels=["job", "module", "kind"])
+        "(top modules per job).", labels=[JOB_LABEL, "module", "kind"])
     for job in jobs:
         for family, values in ((sat, [(a.sat_frac, a) for a in job.act if a.sat_frac is not None]),
                                (dead, [(a.zero_frac, a) for a in job.act if a.zero_frac is not None])):
@@ -262,7 +267,7 @@ def _ratio_family(jobs: list[JobView]) -> Metric:
     ratio = GaugeMetricFamily(
         "gradwatch_job_first_last_grad_ratio",
         "Grad norm of the first module over the last at the job's latest step "
-        "(<0.01 vanishing, >100 exploding by the default rules).", labels=["job"])
+        "(<0.01 vanishing, >100 exploding by the default rules).", labels=[JOB_LABEL])
     for job in jobs:
         if len(job.layers) != job.layer_norms.size or job.layer_norms.size < 2:
             continue

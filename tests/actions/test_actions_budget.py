@@ -138,6 +138,6 @@ def test_metrics_text() -> None:
     for line in ('gradwatch_rollbacks_sent_total 1.0',
                  'gradwatch_rollbacks_refused_total{reason="cooldown"} 1.0',
                  'gradwatch_rollback_enabled 1.0',
-                 'gradwatch_rollback_budget_remaining{job="run-1"} 2.0'):
+                 'gradwatch_rollback_budget_remaining{training_job="run-1"} 2.0'):
         assert line in text.splitlines(), text
     actions.close()

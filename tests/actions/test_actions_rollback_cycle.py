@@ -118,7 +118,7 @@ def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert fired and fired[0].step == FAULT_STEP
     assert fired[0].last_good_checkpoint == str(tmp_path / "ckpt-20.pt")
     assert "gradwatch_rollbacks_sent_total 1.0" in metrics
-    assert 'gradwatch_rollback_budget_remaining{job="cycle"} 2.0' in metrics
+    assert 'gradwatch_rollback_budget_remaining{training_job="cycle"} 2.0' in metrics
     stats = server.actions.stats() if server.actions is not None else None
     assert stats is not None and stats.sent == 1 and stats.refused == {}
 

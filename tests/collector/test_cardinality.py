@@ -81,7 +81,7 @@ def scrape(store: StateStore, **kwargs: Any) -> dict[str, list[tuple[dict[str, s
     families: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for sample in family.samples:
-            if sample.labels.get("job") == JOB:
+            if sample.labels.get("training_job") == JOB:
                 families.setdefault(family.name, []).append((sample.labels, sample.value))
     return families
 

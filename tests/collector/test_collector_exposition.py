@@ -79,85 +79,85 @@ gradwatch_ingest_rejected_total{reason="unknown_schema"} 2.0
 gradwatch_ingest_rejected_total{reason="version"} 0.0
 # HELP gradwatch_ingest_lost_batches_total Batches missing from an agent's sequence (lost in transit).
 # TYPE gradwatch_ingest_lost_batches_total counter
-gradwatch_ingest_lost_batches_total{job="run-1"} 1.0
+gradwatch_ingest_lost_batches_total{training_job="run-1"} 1.0
 # HELP gradwatch_agent_dropped_steps_total Steps agents report they could not ship (queue full, no collector).
 # TYPE gradwatch_agent_dropped_steps_total counter
-gradwatch_agent_dropped_steps_total{job="run-1"} 5.0
+gradwatch_agent_dropped_steps_total{training_job="run-1"} 5.0
 # HELP gradwatch_job_step Latest step reported by any rank.
 # TYPE gradwatch_job_step gauge
-gradwatch_job_step{job="run-1"} 13.0
+gradwatch_job_step{training_job="run-1"} 13.0
 # HELP gradwatch_job_loss Latest training loss: the mean over ranks of a multi-rank job's assembled step, else the reporting rank's.
 # TYPE gradwatch_job_loss gauge
-gradwatch_job_loss{job="run-1"} 2.5
+gradwatch_job_loss{training_job="run-1"} 2.5
 # HELP gradwatch_job_grad_norm Latest total gradient L2 norm (pre-clip when reported): assembled across ranks for a multi-rank job, else the reporting rank's.
 # TYPE gradwatch_job_grad_norm gauge
-gradwatch_job_grad_norm{job="run-1"} 5.0
+gradwatch_job_grad_norm{training_job="run-1"} 5.0
 # HELP gradwatch_job_learning_rate Latest learning rate per optimizer param group.
 # TYPE gradwatch_job_learning_rate gauge
-gradwatch_job_learning_rate{group="0",job="run-1"} 0.1
-gradwatch_job_learning_rate{group="1",job="run-1"} 0.01
+gradwatch_job_learning_rate{group="0",training_job="run-1"} 0.1
+gradwatch_job_learning_rate{group="1",training_job="run-1"} 0.01
 # HELP gradwatch_job_nonfinite_layers Layers whose latest gradient norm is NaN or Inf on any rank.
 # TYPE gradwatch_job_nonfinite_layers gauge
-gradwatch_job_nonfinite_layers{job="run-1"} 1.0
+gradwatch_job_nonfinite_layers{training_job="run-1"} 1.0
 # HELP gradwatch_job_ranks Ranks heard from.
 # TYPE gradwatch_job_ranks gauge
-gradwatch_job_ranks{job="run-1"} 2.0
+gradwatch_job_ranks{training_job="run-1"} 2.0
 # HELP gradwatch_job_last_seen_timestamp_seconds Unix time the collector last heard from the job.
 # TYPE gradwatch_job_last_seen_timestamp_seconds gauge
-gradwatch_job_last_seen_timestamp_seconds{job="run-1"} 1.7e+09
+gradwatch_job_last_seen_timestamp_seconds{training_job="run-1"} 1.7e+09
 # HELP gradwatch_job_eval_loss Latest validation loss (mon.log_eval).
 # TYPE gradwatch_job_eval_loss gauge
-gradwatch_job_eval_loss{job="run-1"} 3.0
+gradwatch_job_eval_loss{training_job="run-1"} 3.0
 # HELP gradwatch_job_loss_scale Latest AMP loss scale of the reporting rank.
 # TYPE gradwatch_job_loss_scale gauge
-gradwatch_job_loss_scale{job="run-1"} 1024.0
+gradwatch_job_loss_scale{training_job="run-1"} 1024.0
 # HELP gradwatch_job_world_size Ranks in the job, as its agents declare it.
 # TYPE gradwatch_job_world_size gauge
-gradwatch_job_world_size{job="run-1"} 1.0
+gradwatch_job_world_size{training_job="run-1"} 1.0
 # HELP gradwatch_job_ingest_lag_seconds Largest, over the job's ranks, of the seconds from a rank logging its newest step (agent clock) to the collector handling it; batching adds up to one flush interval, more means the collector falls behind (or clocks disagree).
 # TYPE gradwatch_job_ingest_lag_seconds gauge
-gradwatch_job_ingest_lag_seconds{job="run-1"} 0.0
+gradwatch_job_ingest_lag_seconds{training_job="run-1"} 0.0
 # HELP gradwatch_rank_last_seen_timestamp_seconds Unix time the collector last heard from each rank; when capped, only the max_rank_series ranks silent longest (gradwatch_job_ranks counts them all).
 # TYPE gradwatch_rank_last_seen_timestamp_seconds gauge
-gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="0"} 1.7e+09
-gradwatch_rank_last_seen_timestamp_seconds{job="run-1",rank="1"} 1.7e+09
+gradwatch_rank_last_seen_timestamp_seconds{rank="0",training_job="run-1"} 1.7e+09
+gradwatch_rank_last_seen_timestamp_seconds{rank="1",training_job="run-1"} 1.7e+09
 # HELP gradwatch_job_oldest_rank_last_seen_timestamp_seconds Unix time the collector last heard from the job's most silent rank (time() minus this is the worst rank's silence).
 # TYPE gradwatch_job_oldest_rank_last_seen_timestamp_seconds gauge
-gradwatch_job_oldest_rank_last_seen_timestamp_seconds{job="run-1"} 1.7e+09
+gradwatch_job_oldest_rank_last_seen_timestamp_seconds{training_job="run-1"} 1.7e+09
 # HELP gradwatch_rank_series_capped 1 when the job has more ranks than max_rank_series and only the ranks silent longest are exposed.
 # TYPE gradwatch_rank_series_capped gauge
-gradwatch_rank_series_capped{job="run-1"} 0.0
+gradwatch_rank_series_capped{training_job="run-1"} 0.0
 # HELP gradwatch_job_first_last_grad_ratio Grad norm of the first module over the last at the job's latest step (<0.01 vanishing, >100 exploding by the default rules).
 # TYPE gradwatch_job_first_last_grad_ratio gauge
 # HELP gradwatch_block_grad_norm Gradient L2 norm of each block (layer names cut after their first numeric part) at the job's latest step (assembled across ranks, else the reporting rank): sqrt of the sum of its layers' squared norms (NaN or +Inf when one of them is); when capped, the top max_block_series offenders: non-finite first, then the largest norms.
 # TYPE gradwatch_block_grad_norm gauge
-gradwatch_block_grad_norm{block="a",job="run-1"} 3.0
-gradwatch_block_grad_norm{block="b",job="run-1"} NaN
-gradwatch_block_grad_norm{block="c",job="run-1"} 4.0
-gradwatch_block_grad_norm{block="d",job="run-1"} 0.5
+gradwatch_block_grad_norm{block="a",training_job="run-1"} 3.0
+gradwatch_block_grad_norm{block="b",training_job="run-1"} NaN
+gradwatch_block_grad_norm{block="c",training_job="run-1"} 4.0
+gradwatch_block_grad_norm{block="d",training_job="run-1"} 0.5
 # HELP gradwatch_block_series_capped 1 when the job has more blocks than max_block_series and only the top offenders are exposed.
 # TYPE gradwatch_block_series_capped gauge
-gradwatch_block_series_capped{job="run-1"} 0.0
+gradwatch_block_series_capped{training_job="run-1"} 0.0
 # HELP gradwatch_activation_saturated_fraction Share of tanh/sigmoid outputs pinned near their bounds, per module, at the latest cadence step (top modules per job).
 # TYPE gradwatch_activation_saturated_fraction gauge
-gradwatch_activation_saturated_fraction{job="run-1",kind="tanh",module="tanh1"} 0.25
+gradwatch_activation_saturated_fraction{kind="tanh",module="tanh1",training_job="run-1"} 0.25
 # HELP gradwatch_activation_dead_fraction Share of exact-zero ReLU-family outputs, per module, at the latest cadence step (top modules per job).
 # TYPE gradwatch_activation_dead_fraction gauge
-gradwatch_activation_dead_fraction{job="run-1",kind="relu",module="act2"} 0.9
-gradwatch_activation_dead_fraction{job="run-1",kind="relu",module="act3"} 0.7
+gradwatch_activation_dead_fraction{kind="relu",module="act2",training_job="run-1"} 0.9
+gradwatch_activation_dead_fraction{kind="relu",module="act3",training_job="run-1"} 0.7
 # HELP gradwatch_alerts_firing Alerts firing now (one per incident, summed by labels).
 # TYPE gradwatch_alerts_firing gauge
-gradwatch_alerts_firing{category="numerical",job="run-1",rule="NonFiniteGradients",severity="critical"} 2.0
+gradwatch_alerts_firing{category="numerical",rule="NonFiniteGradients",severity="critical",training_job="run-1"} 2.0
 # HELP gradwatch_alerts_total Transitions of alerts into firing.
 # TYPE gradwatch_alerts_total counter
-gradwatch_alerts_total{category="numerical",job="run-1",rule="NonFiniteGradients",severity="critical"} 1.0
+gradwatch_alerts_total{category="numerical",rule="NonFiniteGradients",severity="critical",training_job="run-1"} 1.0
 # HELP gradwatch_layer_grad_norm Gradient L2 norm of each layer at the job's latest step (assembled across ranks for a multi-rank job, else its reporting rank); when capped, the top max_layer_series offenders: non-finite first, then the largest norms.
 # TYPE gradwatch_layer_grad_norm gauge
-gradwatch_layer_grad_norm{job="run-1",layer="b"} NaN
-gradwatch_layer_grad_norm{job="run-1",layer="c"} 4.0
+gradwatch_layer_grad_norm{layer="b",training_job="run-1"} NaN
+gradwatch_layer_grad_norm{layer="c",training_job="run-1"} 4.0
 # HELP gradwatch_layer_series_capped 1 when the job has more layers than max_layer_series and only the top offenders are exposed.
 # TYPE gradwatch_layer_series_capped gauge
-gradwatch_layer_series_capped{job="run-1"} 1.0
+gradwatch_layer_series_capped{training_job="run-1"} 1.0
 # HELP gradwatch_notifications_total Alert notifications by sink and final outcome.
 # TYPE gradwatch_notifications_total counter
 gradwatch_notifications_total{outcome="delivered",sink="webhook-0"} 3.0
@@ -187,15 +187,15 @@ def test_exact_text_for_a_fixed_state() -> None:
 def test_layer_series_are_opt_in_and_uncapped_below_the_limit() -> None:
     assert "gradwatch_layer_grad_norm" not in render(fixed_state())
     text = render(fixed_state(), per_layer_metrics=True, max_layer_series=4)
-    assert 'gradwatch_layer_grad_norm{job="run-1",layer="a"} 3.0' in text
-    assert 'gradwatch_layer_series_capped{job="run-1"} 0.0' in text
+    assert 'gradwatch_layer_grad_norm{layer="a",training_job="run-1"} 3.0' in text
+    assert 'gradwatch_layer_series_capped{training_job="run-1"} 0.0' in text
 
 
 def test_forgotten_jobs_have_no_series() -> None:
     now = [NOW]
     store = StateStore(job_ttl_seconds=10, clock=lambda: now[0])
     store.observe_step(Step(job="run-1", step=1, time=NOW, loss=1.0))
-    assert 'gradwatch_job_step{job="run-1"}' in render(store)
+    assert 'gradwatch_job_step{training_job="run-1"}' in render(store)
     now[0] += 11
     assert store.expire() == ["run-1"]
     samples = [line for line in render(store, firing=()).splitlines()

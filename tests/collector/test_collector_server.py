@@ -95,10 +95,10 @@ def test_nan_layer_norm_fires_a_numerical_alert_end_to_end(connect: Connect) -> 
         assert server.wait_for_messages(2, timeout=10)
         status, text = get(server)
         assert status == 200
-        assert 'gradwatch_job_step{job="run-1"} 5.0' in text
-        assert 'gradwatch_job_nonfinite_layers{job="run-1"} 1.0' in text
-        assert ('gradwatch_alerts_firing{category="numerical",job="run-1",'
-                'rule="NonFiniteGradients",severity="critical"} 1.0') in text
+        assert 'gradwatch_job_step{training_job="run-1"} 5.0' in text
+        assert 'gradwatch_job_nonfinite_layers{training_job="run-1"} 1.0' in text
+        assert ('gradwatch_alerts_firing{category="numerical",rule="NonFiniteGradients",'
+                'severity="critical",training_job="run-1"} 1.0') in text
         (alert,) = receiver.wait_for(lambda got: len(got) >= 1, timeout=10)
         assert (alert["category"], alert["state"], alert["step"]) == ("numerical", "firing", 5)
         assert alert["evidence"]["first_nonfinite"] == ["embed.weight"]
@@ -114,7 +114,7 @@ def test_heartbeats_events_and_unknown_schemas(connect: Connect) -> None:
         assert server.wait_for_messages(3, timeout=10)
         _, text = get(server)
         assert 'gradwatch_ingest_rejected_total{reason="unknown_schema"} 1.0' in text
-        assert 'gradwatch_agent_dropped_steps_total{job="run-1"} 3.0' in text
+        assert 'gradwatch_agent_dropped_steps_total{training_job="run-1"} 3.0' in text
         job = server.state.job("run-1")
         assert job is not None and job.checkpoints[0].path == "ckpt/100.pt"
 

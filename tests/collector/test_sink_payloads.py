@@ -118,8 +118,8 @@ def test_alertmanager_postable_alert() -> None:
     assert request.url == "http://am:9093/api/v2/alerts"
     (posted,) = json.loads(request.body)
     assert posted["labels"] == {"alertname": "NonFiniteGradients", "severity": "critical",
-                                "category": "numerical", "job": "run-42", "rank": "3",
-                                "team": "ml"}
+                                "category": "numerical", "training_job": "run-42",
+                                "job": "run-42", "rank": "3", "team": "ml"}
     assert set(posted["annotations"]) >= {"summary", "description", "diagnosis"}
     assert posted["startsAt"] == "2023-11-14T22:13:20.000Z"
     assert posted["endsAt"] == "2023-11-14T22:19:00.000Z"  # NOW + 4 x 60 s

@@ -4,14 +4,16 @@ against what the collector really accepts and serves.
 
 Schemas come inside packages (no network): the Compose spec vendored by
 check-jsonschema, Kubernetes' by kubernetes-validate. No package ships the
-Prometheus Operator's ServiceMonitor CRD schema, so the ServiceMonitor gets
-structural checks against the Service it selects.
+Prometheus Operator's CRD schemas, so the ServiceMonitor and PodMonitor get
+structural checks against what they select, and the PrometheusRule's groups go
+through promtool.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from importlib.resources import files
@@ -28,6 +30,8 @@ from gradwatch.collector.cli import collector_parser
 from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.server import Server
 from gradwatch.rules import load_rules
+from tests.binaries import require_binary
+from tests.deploy.k8s_alerts import render as render_prometheus_rules
 from tests.deploy.k8s_rules import render as render_rules_configmap
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -148,8 +152,9 @@ def test_k8s_manifests_are_valid_kubernetes_objects(version: str) -> None:
             pytest.fail(f"{name} {doc['kind']} is invalid for Kubernetes {version}: {exc}")
         checked += 1
     assert {d["kind"] for _, d in k8s_documents()} >= {
-        "Deployment", "Service", "ServiceMonitor", "ConfigMap", "Secret", "Job"}
-    assert checked >= 5
+        "Deployment", "Service", "ServiceMonitor", "ConfigMap", "Secret", "Job",
+        "PersistentVolumeClaim", "PrometheusRule", "PodMonitor"}
+    assert checked >= 6
 
 
 def test_service_monitor_selects_the_collector_service() -> None:
@@ -158,10 +163,13 @@ def test_service_monitor_selects_the_collector_service() -> None:
     (service,) = by_kind("Service")
     wanted = monitor["spec"]["selector"]["matchLabels"]
     assert wanted.items() <= service["metadata"]["labels"].items()
+    # The Operator names the scrape job after this Service label (else the Service's name).
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "gradwatch"
     port_names = {p["name"] for p in service["spec"]["ports"]}
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in port_names and endpoint["path"] == "/metrics"
-        assert endpoint["honorLabels"] is True  # alerts.yml needs the training job label
+        # The training job has its own label: `job` must stay the scrape job's.
+        assert not endpoint.get("honorLabels", False)
         assert re.fullmatch(r"\d+[smh]", endpoint["interval"])
     (deployment,) = by_kind("Deployment")
     assert service["spec"]["selector"].items() <= \
@@ -231,3 +239,55 @@ def test_rules_configmap_is_the_packaged_pack(tmp_path: Path) -> None:
     rule_file = tmp_path / "rules.yaml"
     rule_file.write_text(rules_map["data"]["rules.yaml"])
     assert load_rules(rule_file)
+
+
+def test_the_outbox_is_on_a_persistent_volume_claim_of_this_manifest() -> None:
+    (deployment,) = by_kind("Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    (container,) = spec["containers"]
+    data_dir = env_fields(container["env"])["data_dir"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == data_dir]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    claims = {c["metadata"]["name"]: c for c in by_kind("PersistentVolumeClaim")}
+    claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+    # One pod at a time may hold a ReadWriteOnce volume: Recreate, never a rolling update.
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert deployment["spec"]["replicas"] == 1
+
+
+def test_prometheus_rule_is_alerts_yml_and_promtool_accepts_it(tmp_path: Path) -> None:
+    text = (K8S / "prometheus-rules.yaml").read_text(encoding="utf-8")
+    assert text == render_prometheus_rules(), (
+        "deploy/k8s/prometheus-rules.yaml differs from deploy/prometheus/alerts.yml; "
+        "regenerate it: python tests/deploy/k8s_alerts.py > deploy/k8s/prometheus-rules.yaml")
+    (rule,) = by_kind("PrometheusRule")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1"
+    assert rule["spec"]["groups"] == load_yaml(DEPLOY / "prometheus/alerts.yml")["groups"]
+    groups = tmp_path / "groups.yml"
+    groups.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    done = subprocess.run([require_binary("promtool"), "check", "rules", str(groups)],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_sidecar_is_scraped_by_annotations_and_by_a_pod_monitor() -> None:
+    (job,) = by_kind("Job")
+    template = job["spec"]["template"]
+    (sidecar,) = template["spec"]["initContainers"]
+    (port,) = [p for p in sidecar["ports"] if p["name"] == "metrics"]
+    metrics_addr = collector_parser().parse_args(sidecar["args"]).metrics_addr
+    assert metrics_addr.rsplit(":", 1)[1] == str(port["containerPort"])
+    # The usual kubernetes-pods scrape config reads these annotations.
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port["containerPort"])
+    assert annotations["prometheus.io/path"] == "/metrics"
+    # The Prometheus Operator ignores annotations: its PodMonitor selects the pod.
+    (monitor,) = by_kind("PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    assert wanted.items() <= template["metadata"]["labels"].items()
+    for endpoint in monitor["spec"]["podMetricsEndpoints"]:
+        assert endpoint["port"] == port["name"] and endpoint["path"] == "/metrics"
+        assert not endpoint.get("honorLabels", False)

@@ -88,7 +88,9 @@ def test_dashboard_model_is_what_grafana_expects(dashboard: dict[str, Any]) -> N
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    assert variables["job"]["definition"] == "label_values(gradwatch_job_step, job)"
+    # The variable keeps its name (links and annotation tags use $job); its values are
+    # the training jobs, in their own label (`job` is Prometheus' scrape job).
+    assert variables["job"]["definition"] == "label_values(gradwatch_job_step, training_job)"
     # Grafana's own dashboard model (grafana-foundation-sdk, generated from its schema)
     # decodes it and keeps what matters.
     decoded = json.loads(json.dumps(Dashboard.from_json(dashboard), cls=JSONEncoder))
@@ -199,7 +201,9 @@ def test_every_dashboard_metric_is_exported_by_a_live_collector(
                  "gradwatch_job_eval_loss", "gradwatch_job_loss_scale",
                  "gradwatch_activation_saturated_fraction", "gradwatch_activation_dead_fraction",
                  "gradwatch_rank_last_seen_timestamp_seconds"):
-        assert "job" in exported[name], f"{name} has no series for the job"
+        assert "training_job" in exported[name], f"{name} has no series for the job"
+    assert not any("job" in labels for labels in exported.values()), \
+        "a collector series has a `job` label: it would clash with the scrape job's"
 
 
 def test_the_numerical_alert_is_an_annotation_the_dashboard_shows(
@@ -236,7 +240,7 @@ def test_a_real_prometheus_evaluates_every_dashboard_query(
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({
         "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "gradwatch", "honor_labels": True,
+        "scrape_configs": [{"job_name": "gradwatch-collector",
                             "static_configs": [{"targets": [target]}]}]}))
     base = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
@@ -244,7 +248,7 @@ def test_a_real_prometheus_evaluates_every_dashboard_query(
          f"--web.listen-address={base.removeprefix('http://')}", "--log.level=warn"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wanted = f'count_over_time(gradwatch_job_step{{job="{JOB}"}}[1m]) >= 3'
+        wanted = f'count_over_time(gradwatch_job_step{{training_job="{JOB}"}}[1m]) >= 3'
         deadline = time.monotonic() + PROMETHEUS_TIMEOUT_S
         while True:
             assert proc.poll() is None, f"prometheus exited: {proc.stderr.read() if proc.stderr else ''}"

@@ -20,7 +20,7 @@ def ratios(*steps: Step) -> dict[str, float]:
     registry = CollectorRegistry()
     registry.register(GradwatchCollector(state, Ingest().stats))
     (family,) = [m for m in registry.collect() if m.name == NAME]
-    return {s.labels["job"]: s.value for s in family.samples}
+    return {s.labels["training_job"]: s.value for s in family.samples}
 
 
 def step(job: str, layers: tuple[str, ...], norms: list[float]) -> Step:

@@ -145,15 +145,19 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
 
 def prometheus_config(targets: Sequence[str], alertmanagers: Sequence[str] = (),
                       interval: str = "1s",
-                      rule_files: Sequence[Path] | None = None) -> dict[str, Any]:
+                      rule_files: Sequence[Path] | None = None,
+                      job_name: str = "gradwatch",
+                      target_labels: dict[str, str] | None = None) -> dict[str, Any]:
     """``deploy/prometheus/prometheus.yml`` pointed at ``targets``, fast, with the repo's
-    rules (or ``rule_files``)."""
+    rules (or ``rule_files``); the scrape job renamed ``job_name``, its targets labelled
+    ``target_labels`` (as the Prometheus Operator names and labels a ServiceMonitor's)."""
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
     config["rule_files"] = [str(PROMETHEUS_DIR / name) for name in config["rule_files"]] \
         if rule_files is None else [str(path) for path in rule_files]
     (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "gradwatch"]
-    job["static_configs"] = [{"targets": list(targets)}]
+    job["job_name"] = job_name
+    job["static_configs"] = [{"targets": list(targets), "labels": dict(target_labels or {})}]
     if alertmanagers:
         config["alerting"]["alertmanagers"] = [{"static_configs": [
             {"targets": [urllib.parse.urlsplit(url).netloc for url in alertmanagers]}]}]
@@ -177,12 +181,14 @@ def alertmanager_config(webhook_url: str) -> dict[str, Any]:
 
 @contextmanager
 def start_prometheus(workdir: Path, targets: Sequence[str], alertmanagers: Sequence[str] = (),
-                     rule_files: Sequence[Path] | None = None) -> Iterator[Running]:
+                     rule_files: Sequence[Path] | None = None, job_name: str = "gradwatch",
+                     target_labels: dict[str, str] | None = None) -> Iterator[Running]:
     binary = require_binary("prometheus")
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.yml"
     config.write_text(yaml.safe_dump(prometheus_config(
-        targets, alertmanagers, rule_files=rule_files)))
+        targets, alertmanagers, rule_files=rule_files, job_name=job_name,
+        target_labels=target_labels)))
 
     def argv(port: int) -> list[str]:
         return [f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",

@@ -7,12 +7,14 @@ Alertmanager sink do) and the test reads back which ones it suppresses.
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gradwatch.collector.alertmanager import alertmanager_alert
 from gradwatch.collector.receiver import WebhookReceiver
 
 from tests.integration.promstack import (
@@ -24,6 +26,9 @@ from tests.integration.promstack import (
 
 TIMEOUT_S = 15.0
 COLLECTOR = "collector:9400"
+NAN_ALERT = {"rule": "NonFiniteGradients", "severity": "critical", "category": "numerical",
+             "job": "run-42", "rank": 0, "state": "firing", "step": 7,
+             "summary": "NaN in the loss", "evidence": {}}
 
 
 @pytest.fixture()
@@ -42,13 +47,14 @@ def _post(am: Running, *labels: dict[str, str]) -> None:
         assert response.status == 200
 
 
-Key = tuple[str, str]  # (alertname, job or instance)
+Key = tuple[str, str]  # (alertname, training job, else scrape job, else instance)
 
 
 def _held(am: Running) -> dict[Key, str]:
-    """What Alertmanager holds: (alertname, job or instance) -> active/suppressed/..."""
+    """What Alertmanager holds: (alertname, training job, job or instance) -> its state."""
     alerts: list[dict[str, Any]] = json.loads(http_get(f"{am.url}/api/v2/alerts"))
-    return {(a["labels"]["alertname"], a["labels"].get("job") or a["labels"]["instance"]):
+    return {(a["labels"]["alertname"], a["labels"].get("training_job")
+             or a["labels"].get("job") or a["labels"].get("instance", "")):
             a["status"]["state"] for a in alerts}
 
 
@@ -65,26 +71,29 @@ def test_a_collector_down_mutes_its_warnings_but_not_other_collectors(
         alertmanager: Running) -> None:
     _post(alertmanager,
           {"alertname": "GradwatchCollectorDown", "severity": "critical",
-           "job": "gradwatch", "instance": COLLECTOR},
+           "job": "gradwatch-collector", "instance": COLLECTOR},
           {"alertname": "GradwatchNotificationBacklog", "severity": "warning",
-           "job": "gradwatch", "instance": COLLECTOR, "sink": "webhook-0"},
+           "job": "gradwatch-collector", "instance": COLLECTOR, "sink": "webhook-0"},
+          {"alertname": "GradwatchCollectorAbsent", "severity": "warning"},
           {"alertname": "GradwatchIngestRejecting", "severity": "warning",
            "instance": "other:9400", "reason": "malformed"})
     _assert_states(alertmanager, {
-        ("GradwatchCollectorDown", "gradwatch"): "active",
-        ("GradwatchNotificationBacklog", "gradwatch"): "suppressed",
+        ("GradwatchCollectorDown", "gradwatch-collector"): "active",
+        ("GradwatchNotificationBacklog", "gradwatch-collector"): "suppressed",
+        ("GradwatchCollectorAbsent", ""): "suppressed",
         ("GradwatchIngestRejecting", "other:9400"): "active"})
 
 
 def test_the_collectors_own_nan_alert_mutes_the_prometheus_backup_for_that_job_only(
         alertmanager: Running) -> None:
     _post(alertmanager,
-          {"alertname": "NonFiniteGradients", "severity": "critical",
-           "category": "numerical", "job": "run-42", "rank": "0"},
+          # The labels each producer really sets: the collector's Alertmanager sink, and
+          # Prometheus (job = its scrape job, the training job in training_job).
+          alertmanager_alert(NAN_ALERT, now=time.time(), valid_for=300.0)["labels"],
           {"alertname": "GradwatchNonFiniteGradients", "severity": "critical",
-           "job": "run-42", "instance": COLLECTOR},
+           "job": "gradwatch-collector", "training_job": "run-42", "instance": COLLECTOR},
           {"alertname": "GradwatchNonFiniteGradients", "severity": "critical",
-           "job": "run-43", "instance": COLLECTOR})
+           "job": "gradwatch-collector", "training_job": "run-43", "instance": COLLECTOR})
     _assert_states(alertmanager, {
         ("NonFiniteGradients", "run-42"): "active",
         ("GradwatchNonFiniteGradients", "run-42"): "suppressed",

@@ -25,6 +25,9 @@ SEVERITIES = {"info", "warning", "critical"}
 ANNOTATIONS = {"summary", "description", "runbook"}
 SELECTOR = re.compile(r"\b(gradwatch_[a-z0-9_]+)\s*(?:\{([^}]*)\})?")
 MATCHER = re.compile(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"')
+GROUPING = re.compile(r"\b(?:by|on)\s*\(([^)]*)\)")
+TEMPLATE_LABEL = re.compile(r"\$labels\.(\w+)")
+TARGET_LABELS = {"job", "instance"}  # set by Prometheus on every scraped series
 TOOL_TIMEOUT_S = 30
 
 
@@ -36,14 +39,18 @@ def _run(tool: str, *args: str, cwd: Path) -> str:
     return output
 
 
-def _alert_rules() -> list[dict[str, Any]]:
+def _rules() -> list[dict[str, Any]]:
     groups = yaml.safe_load(ALERTS.read_text())["groups"]
-    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    return [rule for rule in _rules() if "alert" in rule]
 
 
 def test_promtool_checks_the_alert_rules() -> None:
     output = _run("promtool", "check", "rules", ALERTS.name, cwd=PROMETHEUS_DIR)
-    assert f"SUCCESS: {len(_alert_rules())} rules found" in output
+    assert f"SUCCESS: {len(_rules())} rules found" in output
 
 
 def test_promtool_runs_the_alert_unit_tests() -> None:
@@ -126,4 +133,31 @@ def test_every_metric_the_alerts_use_is_exported_by_a_live_collector() -> None:
                 problems += [f"{rule['alert']}: {p}"
                              for p in _check_matchers(name, matchers, exported[name])]
     assert used, "no gradwatch metric found in alerts.yml"
+    assert not problems, "\n".join(problems)
+
+
+def test_every_label_the_alerts_group_by_or_print_is_one_the_collector_exports() -> None:
+    """A label renamed in the collector (``job`` -> ``training_job``) must not leave an
+    alert grouping by, or a summary printing, a label no series has."""
+    pytest.importorskip("torch")
+    from gradwatch.collector.receiver import WebhookReceiver
+
+    from tests.integration.training import running_collector, train
+
+    with WebhookReceiver() as receiver, \
+            running_collector(webhooks=[receiver.url]) as collector:
+        train(collector, "it-labels", 10)
+        exported = _exported(http_get(collector.metrics_url).decode())
+    labels = TARGET_LABELS | {label for samples in exported.values()
+                              for sample in samples for label in sample}
+    assert "training_job" in labels and "job" not in \
+        {label for samples in exported.values() for sample in samples for label in sample}
+    problems = []
+    for rule in _alert_rules():
+        text = rule["expr"] + " ".join(rule["annotations"].values())
+        used = {label.strip() for group in GROUPING.findall(rule["expr"])
+                for label in group.split(",") if label.strip()}
+        used |= set(TEMPLATE_LABEL.findall(text))
+        problems += [f"{rule['alert']}: label {label!r} is on no series" for label in
+                     sorted(used - labels)]
     assert not problems, "\n".join(problems)

@@ -33,6 +33,8 @@ from tests.integration.training import (
 )
 
 JOB = "it-scrape"
+# The training job has a label of its own; `job` is the scrape job, whatever it is named.
+OF_JOB = f'job="gradwatch",training_job="{JOB}"'
 STEPS = 20
 TIMEOUT_S = 30.0
 
@@ -54,7 +56,7 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Sen
         sent = train(collector, JOB, STEPS)
         target = urlsplit(collector.metrics_url).netloc
         with start_prometheus(tmp_path_factory.mktemp("prometheus"), [target]) as prom:
-            step = f'gradwatch_job_step{{job="{JOB}"}}'
+            step = f'gradwatch_job_step{{training_job="{JOB}"}}'
             wait_until(lambda: query(prom.url, f"{step} == {STEPS}") or None, TIMEOUT_S,
                        f"{step} reaching {STEPS} in Prometheus; log:\n{prom.log_tail()}")
             yield sent, prom
@@ -73,15 +75,15 @@ def test_the_collector_target_is_up(scraped: tuple[list[Sent], Running]) -> None
 def test_prometheus_holds_what_the_agent_sent(scraped: tuple[list[Sent], Running]) -> None:
     sent, prom = scraped
     last = sent[-1]
-    # honor_labels keeps the training job's name in `job` (no exported_job).
-    assert _value(prom.url, f'gradwatch_job_loss{{job="{JOB}"}}') == \
+    # The training job has a label of its own; `job` stays the scrape job on every series.
+    assert _value(prom.url, f'gradwatch_job_loss{{{OF_JOB}}}') == \
         pytest.approx(last.loss, rel=1e-6)
-    assert _value(prom.url, f'gradwatch_job_grad_norm{{job="{JOB}"}}') == \
+    assert _value(prom.url, f'gradwatch_job_grad_norm{{{OF_JOB}}}') == \
         pytest.approx(last.grad_norm, rel=1e-4)
-    assert _value(prom.url, f'gradwatch_job_learning_rate{{job="{JOB}",group="0"}}') == \
+    assert _value(prom.url, f'gradwatch_job_learning_rate{{{OF_JOB},group="0"}}') == \
         pytest.approx(LEARNING_RATE, rel=1e-6)
-    assert _value(prom.url, f'gradwatch_job_ranks{{job="{JOB}"}}') == 1
-    assert _value(prom.url, f'gradwatch_job_nonfinite_layers{{job="{JOB}"}}') == 0
+    assert _value(prom.url, f'gradwatch_job_ranks{{{OF_JOB}}}') == 1
+    assert _value(prom.url, f'gradwatch_job_nonfinite_layers{{{OF_JOB}}}') == 0
     # The collector's own series keep the scrape job.
     batches = 'gradwatch_ingest_messages_total{job="gradwatch",kind="batch"}'
     assert _value(prom.url, batches) == STEPS // FLUSH_EVERY
