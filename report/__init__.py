@@ -26,8 +26,12 @@ from gradwatch.report.html import render_report
 from gradwatch.rules import RuleSpec
 
 
-def build_report(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | None = None, *,
-                 source: str | None = None) -> str:
+def build_report(
+    trace: Path | Iterable[str],
+    rules: Sequence[RuleSpec] | None = None,
+    *,
+    source: str | None = None,
+) -> str:
     """The report of ``trace`` (a path, or its lines named by ``source``) as an HTML string.
 
     ``rules`` default to the packaged pack.
@@ -36,8 +40,13 @@ def build_report(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | None =
     return render_report(load_report_data(trace, rules, source=name), source=name)
 
 
-def write_report(trace: Path | Iterable[str], out: Path, rules: Sequence[RuleSpec] | None = None, *,
-                 source: str | None = None) -> Path:
+def write_report(
+    trace: Path | Iterable[str],
+    out: Path,
+    rules: Sequence[RuleSpec] | None = None,
+    *,
+    source: str | None = None,
+) -> Path:
     """Write the report of ``trace`` to ``out`` (parent folders created); returns ``out``."""
     html = build_report(trace, rules, source=source)
     out.parent.mkdir(parents=True, exist_ok=True)

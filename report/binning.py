@@ -45,13 +45,18 @@ class Cells:
 
 
 def edges(length: int, bins: int) -> np.ndarray:
-    """Start index of each of ``min(bins, length)`` near-equal consecutive bins of ``length`` items."""
+    """Start index of each of ``min(bins, length)`` near-equal consecutive bins of ``length``."""
     count = max(1, min(bins, length))
     return np.linspace(0, length, count + 1).astype(np.int64)[:-1]
 
 
-def bin_max(matrix: np.ndarray, *, max_rows: int = MAX_ROWS, max_columns: int = MAX_COLUMNS) -> Cells:
-    """Bin ``matrix`` (NaN = not measured, inf = measured non-finite) into at most ``max_rows x max_columns``."""
+def bin_max(
+    matrix: np.ndarray, *, max_rows: int = MAX_ROWS, max_columns: int = MAX_COLUMNS
+) -> Cells:
+    """Bin ``matrix`` into at most ``max_rows x max_columns`` cells.
+
+    NaN in ``matrix`` means not measured, +inf measured non-finite.
+    """
     if matrix.ndim != 2 or not matrix.size:
         raise ValueError(f"bin_max needs a non-empty 2-D matrix, got shape {matrix.shape}")
     row_starts, col_starts = edges(matrix.shape[0], max_rows), edges(matrix.shape[1], max_columns)
@@ -60,8 +65,12 @@ def bin_max(matrix: np.ndarray, *, max_rows: int = MAX_ROWS, max_columns: int = 
     high = np.fmax.reduceat(np.fmax.reduceat(finite, row_starts, axis=0), col_starts, axis=1)
     low = np.fmin.reduceat(np.fmin.reduceat(finite, row_starts, axis=0), col_starts, axis=1)
     inf = np.isinf(matrix).astype(np.uint8)
-    broken = np.maximum.reduceat(np.maximum.reduceat(inf, row_starts, axis=0), col_starts, axis=1) > 0
-    return Cells(high, low, broken, _spans(row_starts, matrix.shape[0]), _spans(col_starts, matrix.shape[1]))
+    broken = (
+        np.maximum.reduceat(np.maximum.reduceat(inf, row_starts, axis=0), col_starts, axis=1) > 0
+    )
+    return Cells(
+        high, low, broken, _spans(row_starts, matrix.shape[0]), _spans(col_starts, matrix.shape[1])
+    )
 
 
 def envelope(y: np.ndarray, max_points: int) -> np.ndarray:

@@ -27,13 +27,26 @@ from gradwatch.wire.trace import TraceError
 def report_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="gradwatch report",
-        description="Write a self-contained HTML post-mortem of a recorded trace: loss, gradient norms, "
-                    "per-layer heatmap, activations, loss scale, and every alert with its diagnosis.")
-    parser.add_argument("trace", type=Path, help="a trace recorded with `gradwatch collector --record DIR`")
-    parser.add_argument("-o", "--output", type=Path, default=Path("report.html"),
-                        help="where to write the HTML (default: report.html)")
-    parser.add_argument("--rules", type=Path, default=None,
-                        help="rule file to replay with (default: the packaged rules)")
+        description="Write a self-contained HTML post-mortem of a recorded trace: loss, "
+        "learning rate, gradient norms, per-layer heatmap, activations, loss scale, and every "
+        "alert with its diagnosis.",
+    )
+    parser.add_argument(
+        "trace", type=Path, help="a trace recorded with `gradwatch collector --record DIR`"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        default=Path("report.html"),
+        help="where to write the HTML (default: report.html)",
+    )
+    parser.add_argument(
+        "--rules",
+        type=Path,
+        default=None,
+        help="rule file to replay with (default: the packaged rules)",
+    )
     return parser
 
 
@@ -48,12 +61,17 @@ def report_main(argv: Sequence[str]) -> int:
         with progress_lines(args.trace, f"report {args.trace.name}") as lines:
             out = write_report(lines, args.output, rules, source=str(args.trace))
     except TraceError as exc:
-        print(f"gradwatch report: {exc}\nIs {args.trace} a trace written by `gradwatch collector --record`?",
-              file=sys.stderr)
+        print(
+            f"gradwatch report: {exc}\nIs {args.trace} a trace written by "
+            "`gradwatch collector --record`?",
+            file=sys.stderr,
+        )
         return 2
     except (OSError, UnicodeDecodeError) as exc:
-        print(f"gradwatch report: {exc}; check the trace path and that the output folder is writable",
-              file=sys.stderr)
+        print(
+            f"gradwatch report: {exc}; check the trace path and that the output folder is writable",
+            file=sys.stderr,
+        )
         return 2
     print(f"gradwatch report: wrote {out}")
     return 0

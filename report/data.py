@@ -79,9 +79,13 @@ class ReportData:
         return ratio, names[0], names[-1]
 
 
-def load_report_data(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | None = None, *,
-                     source: str | None = None) -> ReportData:
-    """Read ``trace`` (a path, or its lines) and replay it through ``rules`` (default: the packaged pack).
+def load_report_data(
+    trace: Path | Iterable[str],
+    rules: Sequence[RuleSpec] | None = None,
+    *,
+    source: str | None = None,
+) -> ReportData:
+    """Read ``trace`` (a path, or its lines) and replay it through ``rules`` (default: packaged).
 
     Lines are read once, so a caller may pass a file it is drawing progress
     for (``gradwatch.progress.progress_lines``); ``source`` names the trace in
@@ -98,8 +102,11 @@ def load_report_data(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | No
         transitions = run.run(_keeping(trace, kept))
     except TraceError as exc:  # lines carry no file name: the message gets it back
         raise TraceError(exc.problems, name) from None
-    alerts = [replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step))
-              for t in transitions if t.current == "firing"]
+    alerts = [
+        replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step))
+        for t in transitions
+        if t.current == "firing"
+    ]
     # The curves need the records themselves, which the replay does not hand out: parse the kept
     # lines again (about a third of the load time of a large trace).
     reader = TraceReader(kept, strict=False, source=name)
@@ -109,21 +116,36 @@ def load_report_data(trace: Path | Iterable[str], rules: Sequence[RuleSpec] | No
     rank = min((r.rank for r in steps), default=None)
     steps = sorted((r for r in steps if r.rank == rank), key=lambda r: r.step)
     layers = header.layers or next((r.layers for r in steps if r.layers), ())
-    evals = sorted((r for r in records if isinstance(r, TraceEval) and r.rank == (rank or 0)
-                    and r.loss is not None), key=lambda r: r.step)
+    evals = sorted(
+        (
+            r
+            for r in records
+            if isinstance(r, TraceEval) and r.rank == (rank or 0) and r.loss is not None
+        ),
+        key=lambda r: r.step,
+    )
     stats = [r for r in records if isinstance(r, TraceStats) and r.rank == (rank or 0)]
     return ReportData(
-        job=header.job, layers=tuple(layers), rank=rank,
+        job=header.job,
+        layers=tuple(layers),
+        rank=rank,
         steps=np.array([r.step for r in steps], dtype=np.int64),
-        loss=_column(steps, "loss"), grad_norm=_column(steps, "grad_norm"),
-        loss_scale=_column(steps, "loss_scale"), lr=_lr_matrix(steps),
+        loss=_column(steps, "loss"),
+        grad_norm=_column(steps, "grad_norm"),
+        loss_scale=_column(steps, "loss_scale"),
+        lr=_lr_matrix(steps),
         layer_norms=_layer_matrix(steps, tuple(layers)),
         eval_steps=np.array([r.step for r in evals], dtype=np.int64),
         eval_loss=np.array([r.loss for r in evals], dtype=np.float64),
-        acts=_acts(stats), alerts=alerts, records=run.records, skipped=run.skipped,
+        acts=_acts(stats),
+        alerts=alerts,
+        records=run.records,
+        skipped=run.skipped,
         problems=list(run.problems),
-        censuses=[(r.step, r.census) for r in sorted(stats, key=lambda r: r.step)
-                  if r.census is not None])
+        censuses=[
+            (r.step, r.census) for r in sorted(stats, key=lambda r: r.step) if r.census is not None
+        ],
+    )
 
 
 def _keeping(lines: Iterable[str], kept: list[str]) -> Iterator[str]:
@@ -140,7 +162,7 @@ def _column(steps: Sequence[TraceStep], name: str) -> np.ndarray:
 def _lr_matrix(steps: Sequence[TraceStep]) -> np.ndarray:
     out = np.full((max((len(r.lr) for r in steps), default=0), len(steps)), np.nan)
     for j, rec in enumerate(steps):
-        out[:len(rec.lr), j] = rec.lr
+        out[: len(rec.lr), j] = rec.lr
     return out
 
 
@@ -151,8 +173,8 @@ def _layer_matrix(steps: Sequence[TraceStep], layers: tuple[str, ...]) -> np.nda
         values = rec.layer_grad_norms
         if rec.layers is None or rec.layers == layers:
             # The common case, one C-level conversion per step: None becomes NaN ("not measured").
-            row = np.array(values[:len(layers)], dtype=np.float64)
-            out[:len(row), j] = _measured_non_finite(row, values)
+            row = np.array(values[: len(layers)], dtype=np.float64)
+            out[: len(row), j] = _measured_non_finite(row, values)
             continue
         for name, value in zip(rec.layers, values, strict=False):
             if value is not None and name in position:
@@ -164,7 +186,7 @@ def _measured_non_finite(row: np.ndarray, values: Sequence[float | None]) -> np.
     """``row`` with measured non-finite values as +inf, so NaN keeps meaning "not measured"."""
     bad = ~np.isfinite(row)
     if bad.any():
-        for i in np.flatnonzero(bad):
+        for i in np.flatnonzero(bad).tolist():
             row[i] = np.nan if values[i] is None else math.inf
     return row
 

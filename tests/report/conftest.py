@@ -1,4 +1,4 @@
-"""Traces shared by the report tests: one real recording, one large synthetic trace and its report."""
+"""Traces shared by the report tests: a real recording, a large synthetic trace and its report."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def recorded_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def big_report(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The report of a 1,000-layer x 2,000-step synthetic trace with an lr fault (built once: ~10 s)."""
+    """The report of a 1,000-layer x 2,000-step synthetic trace with an lr fault (~10 s, once)."""
     from gradwatch.report import write_report
 
     folder = tmp_path_factory.mktemp("big")

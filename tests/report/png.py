@@ -21,9 +21,9 @@ def chunks(data: bytes) -> list[tuple[bytes, bytes]]:
         raise ValueError("not a PNG: bad signature")
     out, pos = [], len(SIGNATURE)
     while pos + 8 <= len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        kind, body = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
-        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        (length,) = struct.unpack(">I", data[pos : pos + 4])
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length : pos + 12 + length])
         if zlib.crc32(kind + body) != crc:
             raise ValueError(f"PNG chunk {kind!r} has a bad CRC")
         out.append((kind, body))
@@ -36,11 +36,15 @@ def decode_png(data: bytes, max_rows: int | None = None) -> np.ndarray:
     parts = chunks(data)
     width, height, depth, colour, _, _, interlace = struct.unpack(">IIBBBBB", parts[0][1])
     if depth != 8 or colour not in CHANNELS or interlace:
-        raise ValueError(f"unsupported PNG: depth {depth}, colour type {colour}, interlace {interlace}")
+        raise ValueError(
+            f"unsupported PNG: depth {depth}, colour type {colour}, interlace {interlace}"
+        )
     bpp = CHANNELS[colour]
     stride = width * bpp
     rows = height if max_rows is None else min(height, max_rows)
-    raw = zlib.decompressobj().decompress(b"".join(b for k, b in parts if k == b"IDAT"), rows * (stride + 1))
+    raw = zlib.decompressobj().decompress(
+        b"".join(b for k, b in parts if k == b"IDAT"), rows * (stride + 1)
+    )
     out = np.zeros((rows, stride), dtype=np.uint8)
     prev = np.zeros(stride, dtype=np.int64)
     for y in range(rows):

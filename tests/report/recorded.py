@@ -29,19 +29,28 @@ def _model() -> torch.nn.Module:
     import torch
 
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                               torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.ReLU(),
+        torch.nn.Linear(32, 1),
+    )
 
 
 def record_trace(directory: Path) -> Path:
     """Run the loop against an in-process collector recording into ``directory``; the trace path."""
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", record_dir=directory)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", record_dir=directory
+    )
     server = Server(config, registry=CollectorRegistry())
     server.start()
     try:
         stats = _train(server.bound_endpoint)
         sent = stats.batches_sent + stats.heartbeats_sent + stats.events_sent + stats.stats_sent
-        assert server.wait_for_messages(sent, timeout=TIMEOUT_S), "collector did not receive every message"
+        assert server.wait_for_messages(sent, timeout=TIMEOUT_S), (
+            "collector did not receive every message"
+        )
     finally:
         assert server.stop(10), "collector did not stop in time"
     return directory / f"{JOB}.jsonl"
@@ -56,7 +65,9 @@ def _train(endpoint: str) -> Any:
     model = _model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
     generator = torch.Generator().manual_seed(1)
-    mon = gradwatch.watch(model, optimizer, job=JOB, endpoint=endpoint, flush_every=10, stats_every=10)
+    mon = gradwatch.watch(
+        model, optimizer, job=JOB, endpoint=endpoint, flush_every=10, stats_every=10
+    )
     with mon:
         for step in range(1, STEPS + 1):
             x = torch.randn(32, 8, generator=generator)
@@ -71,7 +82,9 @@ def _train(endpoint: str) -> Any:
                 model.eval()
                 with torch.no_grad():
                     xv = torch.randn(64, 8, generator=generator)
-                    mon.log_eval(loss=torch.nn.functional.mse_loss(model(xv), xv[:, :2].sum(1, keepdim=True)))
+                    mon.log_eval(
+                        loss=torch.nn.functional.mse_loss(model(xv), xv[:, :2].sum(1, keepdim=True))
+                    )
                 model.train()
             if step % 25 == 0:
                 mon.checkpoint_saved(step, f"ckpt/{step}.pt")

@@ -1,4 +1,4 @@
-"""Binning for the report: bounded cells and points whatever the size, and a spike never averaged away."""
+"""Binning for the report: cells and points bounded whatever the size, spikes never averaged."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from gradwatch.report.binning import MAX_CELLS, bin_max, edges, envelope
 from gradwatch.report.svg import MAX_POINTS, Line, line_chart
 
 
-@pytest.mark.parametrize(("layers", "steps"), [(1, 1), (6, 60), (39, 3), (1000, 2000), (10_007, 997)])
+@pytest.mark.parametrize(
+    ("layers", "steps"), [(1, 1), (6, 60), (39, 3), (1000, 2000), (10_007, 997)]
+)
 def test_cells_stay_bounded_and_cover_every_layer_and_step(layers: int, steps: int) -> None:
     cells = bin_max(np.ones((layers, steps)))
     rows, cols = cells.shape
@@ -20,7 +22,9 @@ def test_cells_stay_bounded_and_cover_every_layer_and_step(layers: int, steps: i
     assert (rows, cols) == (min(layers, 40), min(steps, 100))
     for spans, length in ((cells.rows, layers), (cells.columns, steps)):
         assert spans[0][0] == 0 and spans[-1][1] == length - 1
-        assert all(b + 1 == c for (_, b), (c, _) in zip(spans, spans[1:]))  # contiguous, no overlap
+        assert all(
+            b + 1 == c for (_, b), (c, _) in zip(spans, spans[1:], strict=False)
+        )  # contiguous, no overlap
         sizes = [b - a + 1 for a, b in spans]
         assert max(sizes) - min(sizes) <= 1  # near-equal bins
 
@@ -35,7 +39,7 @@ def test_a_one_step_spike_in_one_layer_keeps_its_value() -> None:
     assert np.count_nonzero(cells.high == 5.0) == 1 and np.all(cells.low == 0.01)
     # What the old heatmap did, a mean of logs over the bin, all but erases it:
     rows, cols = cells.rows[i], cells.columns[j]
-    block = matrix[rows[0]:rows[1] + 1, cols[0]:cols[1] + 1]
+    block = matrix[rows[0] : rows[1] + 1, cols[0] : cols[1] + 1]
     assert 10 ** np.log10(block).mean() < 0.02
 
 

@@ -14,13 +14,40 @@ import pytest
 from gradwatch.cli import main
 from gradwatch.report import build_report, load_report_data, write_report
 from gradwatch.wire.census import Census
-from gradwatch.wire.trace import TraceEval, TraceHeader, TraceStats, TraceStep, TraceAct, encode_record
+from gradwatch.wire.trace import (
+    TraceAct,
+    TraceEval,
+    TraceHeader,
+    TraceStats,
+    TraceStep,
+    encode_record,
+)
 from tests.report.recorded import JOB, NAN_STEP, STEPS
 
-SECTIONS = ("summary", "loss", "lr", "grad-norm", "layers", "ratio", "activations", "census", "loss-scale",
-            "alerts")
+SECTIONS = (
+    "summary",
+    "loss",
+    "lr",
+    "grad-norm",
+    "layers",
+    "ratio",
+    "activations",
+    "census",
+    "loss-scale",
+    "alerts",
+)
 # Attributes through which a page pulls something in from elsewhere.
-FETCHING = {"src", "href", "srcset", "xlink:href", "data", "poster", "action", "formaction", "background"}
+FETCHING = {
+    "src",
+    "href",
+    "srcset",
+    "xlink:href",
+    "data",
+    "poster",
+    "action",
+    "formaction",
+    "background",
+}
 
 
 class Page(HTMLParser):
@@ -67,13 +94,17 @@ def parse(html: str) -> Page:
 
 def assert_self_contained(page: Page, html: str) -> None:
     assert page.fetching == [], page.fetching
-    assert not {"script", "link", "img", "iframe", "object", "embed", "image", "use"} & set(page.tags)
+    assert not {"script", "link", "img", "iframe", "object", "embed", "image", "use"} & set(
+        page.tags
+    )
     assert "url(" not in page.styles and "@import" not in page.styles
     assert "http://" not in html.replace('xmlns="http://www.w3.org/2000/svg"', "")
     assert "https://" not in html
 
 
-def test_a_recorded_trace_becomes_a_self_contained_post_mortem(recorded_trace: Path, tmp_path: Path) -> None:
+def test_a_recorded_trace_becomes_a_self_contained_post_mortem(
+    recorded_trace: Path, tmp_path: Path
+) -> None:
     out = write_report(recorded_trace, tmp_path / "out" / "report.html")
     html = out.read_text(encoding="utf-8")
     page = parse(html)
@@ -84,9 +115,15 @@ def test_a_recorded_trace_becomes_a_self_contained_post_mortem(recorded_trace: P
     assert f"step {NAN_STEP}: NonFiniteGradients" in summary
     assert "Verdict: numerical instability (first alert" in summary
     alerts = page.sections["alerts"]
-    assert "A1 critical" in alerts and "NonFiniteGradients" in alerts and f"from step {NAN_STEP}" in alerts
+    assert (
+        "A1 critical" in alerts
+        and "NonFiniteGradients" in alerts
+        and f"from step {NAN_STEP}" in alerts
+    )
     assert "Diagnosis: numerical instability" in alerts and "Next checks" in alerts
-    assert "latest_finite_loss" in alerts and "ckpt/25.pt" in alerts  # evidence, last good checkpoint
+    assert (
+        "latest_finite_loss" in alerts and "ckpt/25.pt" in alerts
+    )  # evidence, last good checkpoint
     # The recorded run has evals and activation stats but no AMP: only that panel is empty.
     assert "not recorded" in page.sections["loss-scale"]
     for name in ("loss", "lr", "grad-norm", "layers", "ratio", "activations"):
@@ -116,14 +153,18 @@ def write_trace(path: Path, records: list) -> Path:
     return path
 
 
-def test_a_trace_with_nothing_but_a_header_renders_every_panel_as_not_recorded(tmp_path: Path) -> None:
+def test_a_trace_with_nothing_but_a_header_renders_every_panel_as_not_recorded(
+    tmp_path: Path,
+) -> None:
     html = build_report(write_trace(tmp_path / "empty.jsonl", [TraceHeader(job="empty")]))
     page = parse(html)
     assert tuple(page.sections) == SECTIONS
     for name in ("loss", "lr", "grad-norm", "layers", "ratio", "census", "loss-scale"):
         assert "not recorded" in page.sections[name], name
     assert page.sections["activations"].count("not recorded") == 2
-    assert "none recorded" in page.sections["summary"] and "no alert fired" in page.sections["summary"]
+    assert (
+        "none recorded" in page.sections["summary"] and "no alert fired" in page.sections["summary"]
+    )
 
 
 def test_amp_stats_other_ranks_and_bad_lines(tmp_path: Path) -> None:
@@ -132,11 +173,27 @@ def test_amp_stats_other_ranks_and_bad_lines(tmp_path: Path) -> None:
     for step in range(1, 41):
         scale = 65536.0 / 2 ** (step // 10)
         for rank in (1, 2):  # no rank 0: the curves follow rank 1
-            records.append(TraceStep(step=step, rank=rank, time=float(step), loss=2.0 - step / 40, lr=(0.1,),
-                                     grad_norm=1.0, layer_grad_norms=(1e-4, 1.0), loss_scale=scale))
+            records.append(
+                TraceStep(
+                    step=step,
+                    rank=rank,
+                    time=float(step),
+                    loss=2.0 - step / 40,
+                    lr=(0.1,),
+                    grad_norm=1.0,
+                    layer_grad_norms=(1e-4, 1.0),
+                    loss_scale=scale,
+                )
+            )
         if step % 10 == 0:
-            records.append(TraceStats(step=step, rank=1, time=float(step), act=(
-                TraceAct("act", "tanh", 0.0, 0.9, None, min(1.0, step / 40)),)))
+            records.append(
+                TraceStats(
+                    step=step,
+                    rank=1,
+                    time=float(step),
+                    act=(TraceAct("act", "tanh", 0.0, 0.9, None, min(1.0, step / 40)),),
+                )
+            )
     records.append(TraceEval(step=40, rank=1, time=40.0, loss=1.5))
     path = write_trace(tmp_path / "amp.jsonl", records)
     with path.open("a", encoding="utf-8") as f:
@@ -156,25 +213,45 @@ def test_the_census_section_shows_frozen_tied_and_eval_mode(tmp_path: Path) -> N
     layers = ("wte.weight", "head.bias")
     records: list = [TraceHeader(job="census", layers=layers, layer_roles=("tied", "bias"))]
     for step in (1, 10, 20):
-        records.append(TraceStep(step=step, time=float(step), loss=1.0, layer_grad_norms=(1.0, 1.0)))
-        census = Census(params_total=1000, params_trainable=590, params_frozen=400,
-                        params_not_in_optimizer=10, frozen_modules=(("backbone", 400),),
-                        not_in_optimizer=("neck.weight",), tied=(("wte.weight", "lm_head.weight"),),
-                        eval_modules=("drop",) if step >= 10 else (), model_training=step < 10)
-        records.append(TraceStats(step=step, time=float(step), act=(
-            TraceAct("mlp.act", "gelu", 0.1, 0.5, 0.95, None), TraceAct("attn.softmax", "softmax",
-                                                                      0.1, 0.2, None, 0.4)),
-                                  census=census))
+        records.append(
+            TraceStep(step=step, time=float(step), loss=1.0, layer_grad_norms=(1.0, 1.0))
+        )
+        census = Census(
+            params_total=1000,
+            params_trainable=590,
+            params_frozen=400,
+            params_not_in_optimizer=10,
+            frozen_modules=(("backbone", 400),),
+            not_in_optimizer=("neck.weight",),
+            tied=(("wte.weight", "lm_head.weight"),),
+            eval_modules=("drop",) if step >= 10 else (),
+            model_training=step < 10,
+        )
+        records.append(
+            TraceStats(
+                step=step,
+                time=float(step),
+                act=(
+                    TraceAct("mlp.act", "gelu", 0.1, 0.5, 0.95, None),
+                    TraceAct("attn.softmax", "softmax", 0.1, 0.2, None, 0.4),
+                ),
+                census=census,
+            )
+        )
     section = parse(build_report(write_trace(tmp_path / "c.jsonl", records))).sections
     text = section["census"]
     assert "400 (40.0%)" in text and "backbone (400)" in text and "neck.weight" in text
     assert "wte.weight = lm_head.weight" in text and "drop" in text
     assert "NO (training in eval mode)" in text and "2 sampled step(s), first at step 10" in text
-    assert "mlp.act (gelu)" in section["activations"] and "attn.softmax (softmax)" in section["activations"]
+    assert (
+        "mlp.act (gelu)" in section["activations"]
+        and "attn.softmax (softmax)" in section["activations"]
+    )
 
 
-def test_the_cli_writes_the_report_and_explains_failures(recorded_trace: Path, tmp_path: Path,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_writes_the_report_and_explains_failures(
+    recorded_trace: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "r.html"
     assert main(["report", str(recorded_trace), "-o", str(out)]) == 0
     assert out.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
@@ -199,10 +276,17 @@ class Terminal(io.StringIO):
         return True
 
 
-def test_the_cli_draws_progress_only_on_a_terminal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    trace = write_trace(tmp_path / "run.jsonl", [TraceHeader(job="p", layers=("w",))] + [
-        TraceStep(step=s, time=float(s), loss=1.0, lr=(0.1,), layer_grad_norms=(1.0,)) for s in range(1, 50)])
+def test_the_cli_draws_progress_only_on_a_terminal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = write_trace(
+        tmp_path / "run.jsonl",
+        [TraceHeader(job="p", layers=("w",))]
+        + [
+            TraceStep(step=s, time=float(s), loss=1.0, lr=(0.1,), layer_grad_norms=(1.0,))
+            for s in range(1, 50)
+        ],
+    )
     assert main(["report", str(trace), "-o", str(tmp_path / "piped.html")]) == 0
     assert capsys.readouterr().err == ""
     screen = Terminal()
@@ -210,7 +294,9 @@ def test_the_cli_draws_progress_only_on_a_terminal(tmp_path: Path, monkeypatch: 
     assert main(["report", str(trace), "-o", str(tmp_path / "screen.html")]) == 0
     assert "report run.jsonl" in screen.getvalue()
     # The bar goes to stderr only: the page is the same.
-    piped, shown = ((tmp_path / f"{n}.html").read_text(encoding="utf-8") for n in ("piped", "screen"))
+    piped, shown = (
+        (tmp_path / f"{n}.html").read_text(encoding="utf-8") for n in ("piped", "screen")
+    )
     assert _without_time(piped) == _without_time(shown)
 
 
