@@ -107,13 +107,7 @@ def render_report(data: ReportData, source: str = "") -> str:
         _section(
             "grad-norm",
             "Total gradient norm",
-            line_chart(
-                [Line(data.steps, data.grad_norm, "grad norm", PALETTE[0])],
-                title="‖∇θ L‖ per step (log scale)",
-                y_label="grad norm",
-                log_y=True,
-                markers=markers,
-            ),
+            _log_chart(data, data.grad_norm, "grad norm", "‖∇θ L‖ per step", PALETTE[0], markers),
         ),
         _section("layers", "Per-layer gradient norms", _layer_heatmap(data)),
         _section("ratio", "First / last layer ratio", _ratio_chart(data, markers)),
@@ -122,12 +116,8 @@ def render_report(data: ReportData, source: str = "") -> str:
         _section(
             "loss-scale",
             "AMP loss scale",
-            line_chart(
-                [Line(data.steps, data.loss_scale, "loss scale", PALETTE[3])],
-                title="GradScaler loss scale (log scale)",
-                y_label="loss scale",
-                log_y=True,
-                markers=markers,
+            _log_chart(
+                data, data.loss_scale, "loss scale", "GradScaler loss scale", PALETTE[3], markers
             ),
         ),
         _section("alerts", f"Alerts ({len(data.alerts)})", _alerts(data.alerts)),
@@ -142,6 +132,24 @@ def render_report(data: ReportData, source: str = "") -> str:
         f'<meta name="viewport" content="width=device-width, initial-scale=1">'
         f"<title>gradwatch post-mortem: {escape(data.job)}</title><style>{CSS}</style></head>"
         f"<body><main>{''.join(body)}</main></body></html>\n"
+    )
+
+
+def _log_chart(
+    data: ReportData,
+    values: np.ndarray,
+    label: str,
+    title: str,
+    colour: str,
+    markers: Sequence[Marker],
+) -> str:
+    """One per-step series on a log axis (norms and loss scales span orders of magnitude)."""
+    return line_chart(
+        [Line(data.steps, values, label, colour)],
+        title=f"{title} (log scale)",
+        y_label=label,
+        log_y=True,
+        markers=markers,
     )
 
 
