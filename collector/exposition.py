@@ -3,7 +3,9 @@
 One custom collector builds every ``gradwatch_*`` family when Prometheus
 scrapes, from ``StateStore.snapshot()``, the ingest counters, the engine's
 firing alerts and the sinks' counters. Nothing is set ahead of time, so a job
-the state has forgotten simply has no series (no stale gauges).
+the state has forgotten simply has no series (no stale gauges); a job the state
+knows has its per-job counters from its first scrape, at zero until something
+happens, so ``rate()`` sees the first increment.
 
 Cardinality is bounded per job whatever the model or world size: per-block
 gradient norms (always on, at most ``max_block_series``), per-layer norms
@@ -31,7 +33,7 @@ Example::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -87,7 +89,7 @@ class GradwatchCollector(Collector):
                                   labels=["version"])
         build.add_metric([self._version], 1)
         yield build
-        yield from _ingest_families(ingest)
+        yield from _ingest_families(ingest, [job.job for job in jobs])
         yield from _job_families(jobs)
         yield from _rank_families(jobs, self._share(self._max_rank_series, jobs))
         yield _ratio_family(jobs)
@@ -122,7 +124,9 @@ class GradwatchCollector(Collector):
         yield capped
 
 
-def _ingest_families(ingest: IngestStats) -> Iterator[Metric]:
+def _ingest_families(ingest: IngestStats, jobs: Sequence[str]) -> Iterator[Metric]:
+    """Ingest counters; the per-job ones exist at zero for every known job (``rate()``
+    then sees the first lost batch, and the dashboard's panels are not empty)."""
     messages = CounterMetricFamily(
         "gradwatch_ingest_messages", "Valid wire messages received, by kind.", labels=["kind"])
     for kind, count in sorted(ingest.messages.items()):
@@ -134,14 +138,18 @@ def _ingest_families(ingest: IngestStats) -> Iterator[Metric]:
     lost = CounterMetricFamily(
         "gradwatch_ingest_lost_batches",
         "Batches missing from an agent's sequence (lost in transit).", labels=[JOB_LABEL])
-    for job, count in sorted(ingest.lost_batches.items()):
+    for job, count in sorted(_with_zeros(ingest.lost_batches, jobs).items()):
         lost.add_metric([job], count)
     dropped = CounterMetricFamily(
         "gradwatch_agent_dropped_steps",
         "Steps agents report they could not ship (queue full, no collector).", labels=[JOB_LABEL])
-    for job, count in sorted(ingest.agent_dropped.items()):
+    for job, count in sorted(_with_zeros(ingest.agent_dropped, jobs).items()):
         dropped.add_metric([job], count)
     yield from (messages, rejected, lost, dropped)
+
+
+def _with_zeros(counts: Mapping[str, int], jobs: Sequence[str]) -> dict[str, int]:
+    return {**dict.fromkeys(jobs, 0), **counts}
 
 
 def _job_families(jobs: list[JobView]) -> Iterator[Metric]:

@@ -160,7 +160,8 @@ class Server:
             self._store_metrics = StoreErrorMetrics(self.sinks, lambda: self.actions,
                                                     self.recorder)
             self.registry.register(self._store_metrics)
-            self._assembly_metrics = AssemblyMetrics(self.assembler, self.pipeline.assembler_lock)
+            self._assembly_metrics = AssemblyMetrics(self.assembler, self.pipeline.assembler_lock,
+                                                    jobs=self.state.jobs)
             self.registry.register(self._assembly_metrics)
             for sink in self.sinks:
                 if self._auth is not None and isinstance(sink, OutboxSink):

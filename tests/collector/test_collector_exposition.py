@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry, generate_latest
 
+from gradwatch.collector.assembly_metrics import AssemblyMetrics
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.ingest import IngestStats
 from gradwatch.collector.sinks import SinkStats
 from gradwatch.collector.state import StateStore
 from gradwatch.rules import Alert, Transition
+from gradwatch.rules.assembly import Assembler
 from gradwatch.rules.step import ActStats, Eval, Stats, Step
 
 NOW = 1_700_000_000.0
@@ -201,3 +204,38 @@ def test_forgotten_jobs_have_no_series() -> None:
     samples = [line for line in render(store, firing=()).splitlines()
                if not line.startswith("#")]
     assert not [line for line in samples if line.startswith(("gradwatch_job_", "gradwatch_alerts"))]
+
+
+ZERO_FROM_THE_START = (
+    "gradwatch_ingest_lost_batches_total", "gradwatch_agent_dropped_steps_total",
+    "gradwatch_assembly_steps_total", "gradwatch_assembly_incomplete_steps_total",
+    "gradwatch_assembly_inexact_steps_total", "gradwatch_assembly_late_reports_total",
+    "gradwatch_assembly_restarts_total", "gradwatch_job_absent_ranks")
+
+
+def test_a_new_jobs_counters_exist_at_zero_until_something_happens() -> None:
+    """A job's per-job counters and gauges are there from its first scrape, at zero, so a
+    dashboard panel is not empty in a healthy run and rate() sees the first increment."""
+    now = [NOW]
+    store = StateStore(job_ttl_seconds=10, clock=lambda: now[0])
+    store.observe_step(Step(job="fresh", step=1, time=NOW, loss=1.0))
+    stats = [IngestStats({}, {}, {}, {})]
+    registry = CollectorRegistry()
+    registry.register(GradwatchCollector(store, lambda: stats[0]))
+    registry.register(AssemblyMetrics(Assembler(5.0, lambda: now[0]), threading.Lock(),
+                                      jobs=store.jobs))
+
+    def value(name: str) -> float | None:
+        return registry.get_sample_value(name, {"training_job": "fresh"})
+
+    assert {name: value(name) for name in ZERO_FROM_THE_START} == \
+        dict.fromkeys(ZERO_FROM_THE_START, 0.0)
+    stats[0] = IngestStats({}, {}, agent_dropped={"fresh": 3}, lost_batches={"fresh": 1})
+    assert (value("gradwatch_ingest_lost_batches_total"),
+            value("gradwatch_agent_dropped_steps_total")) == (1.0, 3.0)
+    # Forgotten, the job takes its zeros with it.
+    now[0] += 11
+    assert store.expire() == ["fresh"]
+    stats[0] = IngestStats({}, {}, {}, {})
+    assert {name: value(name) for name in ZERO_FROM_THE_START} == \
+        dict.fromkeys(ZERO_FROM_THE_START, None)

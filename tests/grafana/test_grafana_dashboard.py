@@ -42,6 +42,8 @@ HEALTHY_JOB = "dash-healthy"
 NAN_STEP = 37
 FLUSH_EVERY = 10
 PROMETHEUS_TIMEOUT_S = 60.0
+# Per-job queries that are empty for a healthy job by their nature: no alert fires.
+EMPTY_WHEN_HEALTHY = {f'gradwatch_alerts_firing{{training_job="{HEALTHY_JOB}"}}'}
 # Grafana's variables as Prometheus sees them after Grafana interpolates them.
 GRAFANA_VARIABLES = {"$job": JOB, "$__rate_interval": "1m"}
 
@@ -273,6 +275,21 @@ def test_a_real_prometheus_evaluates_every_dashboard_query(
                        "gradwatch_layer_grad_norm", "deriv(gradwatch_job_step",
                        "gradwatch_ingest_messages_total", "gradwatch_alerts_firing"):
             assert any(needed in expr for expr in answered), f"no data for {needed}"
+        # A healthy job fills every per-job panel: its counters and gauges exist at zero
+        # (lost batches, dropped steps, assembly incomplete/inexact/late, absent ranks),
+        # so no panel is empty and rate() sees the first increment.
+        empty = []
+        for expr, _ in expressions(dashboard):
+            if "$job" not in expr or expr.startswith("label_values("):
+                continue
+            expr = expr.replace("$job", HEALTHY_JOB).replace("$__rate_interval", "1m")
+            if expr in EMPTY_WHEN_HEALTHY:
+                continue
+            answer = prometheus_query(base, expr)
+            assert answer["status"] == "success", f"{expr!r}: {answer.get('error')}"
+            if not answer["data"]["result"]:
+                empty.append(expr)
+        assert not empty, f"per-job queries with no data for a healthy job: {empty}"
     finally:
         proc.terminate()
         proc.communicate(timeout=15)
