@@ -109,50 +109,53 @@ mypy_targets() {
   done
 }
 
+# mypy on the gradwatch modules among the given paths. mypy also reports the modules
+# they import (other people's); only the errors in the given paths count here.
+mypy_paths() {
+  local targets=() prefixes=() target report own
+  # shellcheck disable=SC2207 # each line is "-p NAME" or "-m NAME", no spaces in names
+  targets=($(mypy_targets "$@"))
+  [ ${#targets[@]} -eq 0 ] && return 0
+  for target in "${targets[@]}"; do
+    case "$target" in -p|-m) ;; *) prefixes+=("${target//.//}") ;; esac
+  done
+  echo "== mypy ${targets[*]} (errors in these paths only)" >&2
+  report=$("$venv/bin/mypy" "${targets[@]}" 2>&1) || true
+  own=$(printf '%s\n' "$report" |
+        grep -E "^($(IFS='|'; echo "${prefixes[*]}"))(/|\.py:)" || true)
+  if [ -n "$own" ]; then
+    printf '%s\n' "$own"
+    echo "mypy: $(printf '%s\n' "$own" | grep -c ': error:') errors in the given paths" >&2
+    return 1
+  fi
+  if ! printf '%s\n' "$report" | grep -qE '^(Success|Found [0-9]+ errors?)'; then
+    printf '%s\n' "$report"
+    return 1
+  fi
+  echo "mypy: no errors in the given paths" >&2
+}
+
 # Static checks over the whole tree, or over the given files and folders (what a
 # contributor runs on their own change). Every check runs; any failure fails.
 lint() {
-  local failed=() bin=$venv/bin targets=()
-  local paths=("$@")
-  [ ${#paths[@]} -eq 0 ] && paths=(.)
+  local failed=() bin=$venv/bin paths=("$@")
+  [ $# -eq 0 ] && paths=(.)
   echo "== ruff check ${paths[*]}" >&2
   "$bin/ruff" check "${paths[@]}" || failed+=("ruff check")
   echo "== ruff format --check ${paths[*]}" >&2
-  "$bin/ruff" format --check "${paths[@]}" || failed+=("ruff format (run: $bin/ruff format ${paths[*]})")
+  "$bin/ruff" format --check "${paths[@]}" ||
+    failed+=("ruff format (run: $bin/ruff format ${paths[*]})")
   if [ $# -eq 0 ]; then
-    targets=(-p gradwatch)
+    echo "== mypy -p gradwatch" >&2
+    "$bin/mypy" -p gradwatch || failed+=("mypy")
   else
-    # shellcheck disable=SC2207 # each line is "-p NAME" or "-m NAME", no spaces in names
-    targets=($(mypy_targets "$@"))
-  fi
-  if [ $# -eq 0 ]; then
-    echo "== mypy ${targets[*]}" >&2
-    "$bin/mypy" "${targets[@]}" || failed+=("mypy")
-  elif [ ${#targets[@]} -gt 0 ]; then
-    # mypy also reports modules the targets import; show only the targets' own errors.
-    echo "== mypy ${targets[*]} (errors in these paths only)" >&2
-    local report own prefixes=() target
-    for target in "${targets[@]}"; do
-      case "$target" in -p|-m) continue ;; esac
-      prefixes+=("${target//.//}")
-    done
-    report=$("$bin/mypy" "${targets[@]}" 2>&1) || true
-    own=$(printf '%s\n' "$report" | grep -E "^($(IFS='|'; echo "${prefixes[*]}"))(/|\.py:|/__init__\.py:)" || true)
-    if [ -n "$own" ]; then
-      printf '%s\n' "$own"
-      echo "mypy: $(printf '%s\n' "$own" | grep -c ': error:') errors in the given paths" >&2
-      failed+=("mypy")
-    elif ! printf '%s\n' "$report" | grep -qE '^(Success|Found [0-9]+ error)'; then
-      printf '%s\n' "$report"; failed+=("mypy (did not run)")
-    else
-      echo "mypy: no errors in the given paths" >&2
-    fi
+    mypy_paths "$@" || failed+=("mypy")
   fi
   echo "== lint-imports" >&2
   "$bin/lint-imports" --no-cache || failed+=("import contracts (lint-imports)")
   if [ ${#failed[@]} -gt 0 ]; then
-    echo "static checks failed: ${failed[*]}; fix what they report (every # noqa or" \
-         "# type: ignore names its code and says why)" >&2
+    echo "static checks failed: ${failed[*]}. Fix what they report; every # noqa or" \
+         "# type: ignore names its code and says why" >&2
     return 1
   fi
 }
