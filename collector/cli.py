@@ -29,7 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError, load_config
-from gradwatch.logs import LOG_FORMAT_ENV, LOG_FORMATS, configure_logging, log_format_from_env
+from gradwatch.logs import LOG_FORMATS, configure_logging
 from gradwatch.rules import RuleFileError, load_rules
 
 ENV_PREFIX = str(CollectorConfig.model_config.get("env_prefix", "")).upper()
@@ -37,32 +37,65 @@ ENV_PREFIX = str(CollectorConfig.model_config.get("env_prefix", "")).upper()
 
 def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Receive gradwatch agents' signals, evaluate rules, serve "
+        prog=prog,
+        description="Receive gradwatch agents' signals, evaluate rules, serve "
         "Prometheus metrics and send alerts.\nFlags beat GRADWATCH_* environment variables, "
-        "which beat the config file.")
+        "which beat the config file.",
+    )
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config file")
-    parser.add_argument("--listen", metavar="ENDPOINT",
-                        help="ZeroMQ endpoint to bind (default tcp://127.0.0.1:5555)")
-    parser.add_argument("--metrics-addr", metavar="HOST:PORT",
-                        help="address of /metrics, /healthz, /readyz (default 127.0.0.1:9400)")
-    parser.add_argument("--webhook", dest="webhooks", action="append", metavar="URL",
-                        help="POST alerts as JSON to URL (repeatable)")
-    parser.add_argument("--rules", type=Path, metavar="FILE",
-                        help="rule file (default: the packaged rule pack)")
-    parser.add_argument("--per-layer-metrics", action="store_true", default=None,
-                        help="expose gradwatch_layer_grad_norm per layer")
-    parser.add_argument("--ready-file", type=Path, metavar="FILE",
-                        help="once ready, write the bound endpoint and metrics URL here as JSON")
-    parser.add_argument("--data-dir", type=Path, metavar="DIR",
-                        help="keep durable state (the alert outbox) in DIR; undelivered alerts "
-                        "survive a restart")
-    parser.add_argument("--record", dest="record_dir", type=Path, metavar="DIR",
-                        help="record every job as DIR/<job>.jsonl for `gradwatch replay`")
-    parser.add_argument("--log-level", metavar="LEVEL",
-                        help="DEBUG, INFO (default), WARNING, ERROR")
-    parser.add_argument("--log-format", choices=LOG_FORMATS,
-                        help=f"text (default) or json: one JSON object per line for cluster log "
-                        f"collectors (default ${LOG_FORMAT_ENV})")
+    parser.add_argument(
+        "--listen",
+        metavar="ENDPOINT",
+        help="ZeroMQ endpoint to bind (default tcp://127.0.0.1:5555)",
+    )
+    parser.add_argument(
+        "--metrics-addr",
+        metavar="HOST:PORT",
+        help="address of /metrics, /healthz, /readyz (default 127.0.0.1:9400)",
+    )
+    parser.add_argument(
+        "--webhook",
+        dest="webhooks",
+        action="append",
+        metavar="URL",
+        help="POST alerts as JSON to URL (repeatable)",
+    )
+    parser.add_argument(
+        "--rules", type=Path, metavar="FILE", help="rule file (default: the packaged rule pack)"
+    )
+    parser.add_argument(
+        "--per-layer-metrics",
+        action="store_true",
+        default=None,
+        help="expose gradwatch_layer_grad_norm per layer",
+    )
+    parser.add_argument(
+        "--ready-file",
+        type=Path,
+        metavar="FILE",
+        help="once ready, write the bound endpoint and metrics URL here as JSON",
+    )
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        help="keep durable state (the alert outbox) in DIR; undelivered alerts survive a restart",
+    )
+    parser.add_argument(
+        "--record",
+        dest="record_dir",
+        type=Path,
+        metavar="DIR",
+        help="record every job as DIR/<job>.jsonl for `gradwatch replay`",
+    )
+    parser.add_argument(
+        "--log-level", metavar="LEVEL", help="DEBUG, INFO (default), WARNING, ERROR"
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help="text (default) or json: one JSON object per line for cluster log collectors",
+    )
     parser.epilog = settings_help(parser)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
@@ -70,26 +103,36 @@ def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentPars
 
 def settings_help(parser: argparse.ArgumentParser) -> str:
     """Every setting: config-file key, environment variable, flag, default, description."""
-    flags = {action.dest: action.option_strings[0] for action in parser._actions
-             if action.option_strings}
-    lines = ["settings: each is a key of the --config YAML file and a GRADWATCH_<KEY> environment",
-             "variable (lists: JSON or comma-separated; routes: JSON). Flags beat the environment,",
-             "which beats the file.", ""]
+    flags = {
+        action.dest: action.option_strings[0] for action in parser._actions if action.option_strings
+    }
+    lines = [
+        "settings: each is a key of the --config YAML file and a GRADWATCH_<KEY> environment",
+        "variable (lists: JSON or comma-separated; routes: JSON). Flags beat the environment,",
+        "which beats the file.",
+        "",
+    ]
     for name, field in CollectorConfig.model_fields.items():
         lines += _setting_lines(name, field, flags.get(name))
-    lines += [f"  log_format  {LOG_FORMAT_ENV}  --log-format  (default: text)",
-              "      text, or json: one JSON object per log line.", ""]
     return "\n".join(lines)
 
 
 def _setting_lines(name: str, field: FieldInfo, flag: str | None) -> list[str]:
     default = field.get_default(call_default_factory=True)
-    shown = "none" if default is None or default is PydanticUndefined else \
-        str(default).lower() if isinstance(default, bool) else str(default)
+    shown = (
+        "none"
+        if default is None or default is PydanticUndefined
+        else str(default).lower()
+        if isinstance(default, bool)
+        else str(default)
+    )
     if isinstance(default, (list, dict)) and not default:
         shown = "empty"
-    head = f"  {name}  {ENV_PREFIX}{name.upper()}" + (f"  {flag}" if flag else "") + \
-        f"  (default: {shown})"
+    head = (
+        f"  {name}  {ENV_PREFIX}{name.upper()}"
+        + (f"  {flag}" if flag else "")
+        + f"  (default: {shown})"
+    )
     about = field.description or _choices(field) or ""
     body = textwrap.wrap(about, width=88, initial_indent="      ", subsequent_indent="      ")
     return [head, *body]
@@ -97,31 +140,43 @@ def _setting_lines(name: str, field: FieldInfo, flag: str | None) -> list[str]:
 
 def _choices(field: FieldInfo) -> str:
     args = getattr(field.annotation, "__args__", ())
-    return "one of " + ", ".join(str(a) for a in args) if args and all(
-        isinstance(a, str) for a in args) else ""
+    return (
+        "one of " + ", ".join(str(a) for a in args)
+        if args and all(isinstance(a, str) for a in args)
+        else ""
+    )
 
 
 def collector_main(argv: Sequence[str] | None = None) -> int:
     """``gradwatch collector``: run until SIGTERM/SIGINT; see the module docstring."""
     args = collector_parser().parse_args(argv)
     overrides: dict[str, Any] = {
-        "listen": args.listen, "metrics_addr": args.metrics_addr, "webhooks": args.webhooks,
-        "rules": args.rules, "per_layer_metrics": args.per_layer_metrics,
-        "ready_file": args.ready_file, "log_level": args.log_level,
-        "record_dir": args.record_dir, "data_dir": args.data_dir}
+        "listen": args.listen,
+        "metrics_addr": args.metrics_addr,
+        "webhooks": args.webhooks,
+        "rules": args.rules,
+        "per_layer_metrics": args.per_layer_metrics,
+        "ready_file": args.ready_file,
+        "log_level": args.log_level,
+        "log_format": args.log_format,
+        "record_dir": args.record_dir,
+        "data_dir": args.data_dir,
+    }
     try:
         config = load_config(args.config, overrides)
-        log_format = args.log_format or log_format_from_env()
-    except (ConfigError, ValueError) as exc:
+    except ConfigError as exc:
         return _fail(str(exc), 2)
-    configure_logging(config.log_level, log_format)
+    configure_logging(config.log_level, config.log_format)
     from gradwatch.collector.server import Server  # here: `rules check` and `replay` never need it
 
     try:
         return Server(config).run_until_signal()
     except RuleFileError as exc:
-        return _fail(f"{exc}\nFix the rule file (check it with `gradwatch rules check FILE`) "
-                     "or leave out --rules to use the default pack.", 2)
+        return _fail(
+            f"{exc}\nFix the rule file (check it with `gradwatch rules check FILE`) "
+            "or leave out --rules to use the default pack.",
+            2,
+        )
     except ConfigError as exc:  # found at start: a profile refusal, a key, a file limit
         return _fail(str(exc), 2)
     except CollectorError as exc:
@@ -153,22 +208,36 @@ def rules_main(argv: Sequence[str] | None = None) -> int:
 
 def replay_parser(prog: str = "gradwatch replay") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Run the rules over a recorded trace (JSON Lines) and print the "
-        "alerts they would have raised. Exit 0 when the trace was read, alerts or not.")
-    parser.add_argument("file", type=Path, metavar="FILE",
-                        help="trace file (collector --record), or a training log to backtest: a Hugging "
-                        "Face trainer_state.json(.gz) or a Lightning CSVLogger metrics.csv")
-    parser.add_argument("--rules", type=Path, metavar="FILE",
-                        help="rule file (default: the packaged rule pack)")
-    parser.add_argument("--json", action="store_true",
-                        help="one JSON object per alert transition, one per line")
-    parser.add_argument("--strict", action="store_true",
-                        help="fail on the first bad line instead of skipping bad lines")
+        prog=prog,
+        description="Run the rules over a recorded trace (JSON Lines) and print the "
+        "alerts they would have raised. Exit 0 when the trace was read, alerts or not.",
+    )
+    parser.add_argument(
+        "file",
+        type=Path,
+        metavar="FILE",
+        help="trace file (collector --record), or a training log to backtest: a Hugging "
+        "Face trainer_state.json(.gz) or a Lightning CSVLogger metrics.csv",
+    )
+    parser.add_argument(
+        "--rules", type=Path, metavar="FILE", help="rule file (default: the packaged rule pack)"
+    )
+    parser.add_argument(
+        "--json", action="store_true", help="one JSON object per alert transition, one per line"
+    )
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="fail on the first bad line instead of skipping bad lines",
+    )
     return parser
 
 
 def replay_main(argv: Sequence[str] | None = None) -> int:
-    """``gradwatch replay FILE [--rules FILE] [--json] [--strict]``; see ``gradwatch.collector.replay``."""
+    """``gradwatch replay FILE [--rules FILE] [--json] [--strict]``.
+
+    See ``gradwatch.collector.replay``.
+    """
     from gradwatch.collector.replay import run_replay
 
     args = replay_parser().parse_args(argv)
@@ -176,7 +245,10 @@ def replay_main(argv: Sequence[str] | None = None) -> int:
 
 
 def restart_hook_main(argv: Sequence[str] | None = None) -> int:
-    """``gradwatch restart-hook [--config FILE] ... -- ARGV``; see ``gradwatch.collector.restart_hook``."""
+    """``gradwatch restart-hook [--config FILE] ... -- ARGV``.
+
+    See ``gradwatch.collector.restart_hook``.
+    """
     from gradwatch.collector.restart_hook import hook_main
 
     return hook_main(argv)
@@ -187,5 +259,12 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-__all__ = ["collector_main", "collector_parser", "replay_main", "replay_parser",
-           "restart_hook_main", "rules_main", "rules_parser"]
+__all__ = [
+    "collector_main",
+    "collector_parser",
+    "replay_main",
+    "replay_parser",
+    "restart_hook_main",
+    "rules_main",
+    "rules_parser",
+]

@@ -25,10 +25,9 @@ from pathlib import Path
 from gradwatch.collector.grafana import GrafanaError, load_dashboard, push_dashboard
 
 
-
 def packaged_dashboard() -> Path:
     """The dashboard JSON installed with the package (``gradwatch/collector/dashboards/``)."""
-    return Path(str(files("gradwatch.collector").joinpath("dashboards", "gradwatch.json")))
+    return Path(str(files("gradwatch.collector") / "dashboards" / "gradwatch.json"))
 
 
 DEFAULT_DASHBOARD = packaged_dashboard()
@@ -38,17 +37,31 @@ def grafana_parser(prog: str = "gradwatch grafana") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Work with Grafana.")
     commands = parser.add_subparsers(dest="command", required=True)
     push = commands.add_parser("push", help="create or replace the gradwatch dashboard")
-    push.add_argument("--url", default=os.environ.get("GRADWATCH_GRAFANA_URL"),
-                      help="Grafana base URL (default $GRADWATCH_GRAFANA_URL)")
-    push.add_argument("--token-file", type=Path, metavar="FILE",
-                      help="file holding a service-account token (default "
-                      "$GRADWATCH_GRAFANA_TOKEN)")
-    push.add_argument("--dashboard", type=Path, default=DEFAULT_DASHBOARD, metavar="FILE",
-                      help="dashboard JSON (default: the one installed with gradwatch, "
-                      f"{DEFAULT_DASHBOARD})")
+    push.add_argument(
+        "--url",
+        default=os.environ.get("GRADWATCH_GRAFANA_URL"),
+        help="Grafana base URL (default $GRADWATCH_GRAFANA_URL)",
+    )
+    push.add_argument(
+        "--token-file",
+        type=Path,
+        metavar="FILE",
+        help="file holding a service-account token (default $GRADWATCH_GRAFANA_TOKEN)",
+    )
+    push.add_argument(
+        "--dashboard",
+        type=Path,
+        default=DEFAULT_DASHBOARD,
+        metavar="FILE",
+        help=f"dashboard JSON (default: the one installed with gradwatch, {DEFAULT_DASHBOARD})",
+    )
     push.add_argument("--folder-uid", help="put the dashboard in this folder")
-    push.add_argument("--no-overwrite", dest="overwrite", action="store_false",
-                      help="fail (412) instead of replacing a dashboard changed in Grafana")
+    push.add_argument(
+        "--no-overwrite",
+        dest="overwrite",
+        action="store_false",
+        help="fail (412) instead of replacing a dashboard changed in Grafana",
+    )
     return parser
 
 
@@ -63,12 +76,15 @@ def grafana_main(argv: Sequence[str] | None = None) -> int:
     except GrafanaError as exc:
         return _fail(str(exc), 2)
     try:
-        answer = push_dashboard(args.url, token, args.dashboard, folder_uid=args.folder_uid,
-                                overwrite=args.overwrite)
+        answer = push_dashboard(
+            args.url, token, args.dashboard, folder_uid=args.folder_uid, overwrite=args.overwrite
+        )
     except GrafanaError as exc:
         return _fail(str(exc), 1)
-    print(f"pushed {args.dashboard}: uid {answer.get('uid')}, version {answer.get('version')}, "
-          f"{answer.get('url')}")
+    print(
+        f"pushed {args.dashboard}: uid {answer.get('uid')}, version {answer.get('version')}, "
+        f"{answer.get('url')}"
+    )
     return 0
 
 
@@ -81,8 +97,10 @@ def _token(path: Path | None) -> str:
     else:
         token = os.environ.get("GRADWATCH_GRAFANA_TOKEN", "").strip()
     if not token:
-        raise GrafanaError("no Grafana token: pass --token-file FILE or set "
-                           "GRADWATCH_GRAFANA_TOKEN (a service-account token, Editor role)")
+        raise GrafanaError(
+            "no Grafana token: pass --token-file FILE or set "
+            "GRADWATCH_GRAFANA_TOKEN (a service-account token, Editor role)"
+        )
     return token
 
 

@@ -1,4 +1,4 @@
-"""``gradwatch replay FILE``: the alerts the rules would have raised over a recorded trace or a training log.
+"""``gradwatch replay FILE``: the alerts the rules would have raised over a trace or training log.
 
 FILE is a trace the collector recorded (JSON Lines), or a training log the
 user already has, for backtesting before turning paging on: a Hugging Face
@@ -40,25 +40,44 @@ COLUMNS = ("STEP", "STATE", "SEVERITY", "RULE", "CATEGORY", "RANK", "SUMMARY")
 def format_table(transitions: Sequence[Transition]) -> str:
     """A fixed-width table of transitions, one per line, with a header row."""
     rows = [COLUMNS] + [
-        (str(t.alert.step), t.current, t.alert.severity, t.alert.rule, t.alert.category,
-         "-" if t.alert.rank is None else str(t.alert.rank), t.alert.summary)
+        (
+            str(t.alert.step),
+            t.current,
+            t.alert.severity,
+            t.alert.rule,
+            t.alert.category,
+            "-" if t.alert.rank is None else str(t.alert.rank),
+            t.alert.summary,
+        )
         for t in transitions
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS) - 1)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
-             for row in rows]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(row[:-1], widths, strict=True)) + "  " + row[-1]
+        for row in rows
+    ]
     return "\n".join(line.rstrip() for line in lines)
 
 
 def json_line(transition: Transition) -> str:
     """One transition as strict JSON."""
-    body = {"transition": transition.current, "previous": transition.previous,
-            "alert": transition.alert.to_dict()}
+    body = {
+        "transition": transition.current,
+        "previous": transition.previous,
+        "alert": transition.alert.to_dict(),
+    }
     return json.dumps(body, allow_nan=False, ensure_ascii=False)
 
 
-def run_replay(path: Path, rules_path: Path | None = None, *, json_lines: bool = False, strict: bool = False,
-               out: TextIO | None = None, err: TextIO | None = None) -> int:
+def run_replay(
+    path: Path,
+    rules_path: Path | None = None,
+    *,
+    json_lines: bool = False,
+    strict: bool = False,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
     """Replay ``path`` and print the alerts; see the module docstring for the exit status."""
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -81,7 +100,9 @@ def run_replay(path: Path, rules_path: Path | None = None, *, json_lines: bool =
         print(f"gradwatch replay: cannot read {path}: {exc}", file=err)
         return 2
     transitions = [
-        replace(t, alert=replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step)))
+        replace(
+            t, alert=replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step))
+        )
         for t in transitions
     ]
     if json_lines:
@@ -99,8 +120,10 @@ def run_replay(path: Path, rules_path: Path | None = None, *, json_lines: bool =
     return 0
 
 
-def _replay_history(path: Path, rules: Sequence[RuleSpec], json_lines: bool, out: TextIO, err: TextIO) -> int:
-    """Replay a training log (trainer_state.json, metrics.csv) as the live path would have fed it."""
+def _replay_history(
+    path: Path, rules: Sequence[RuleSpec], json_lines: bool, out: TextIO, err: TextIO
+) -> int:
+    """Replay a training log (trainer_state.json, metrics.csv) as the live path fed it."""
     try:
         run = read_history(path)
     except HistoryError as exc:
@@ -112,8 +135,11 @@ def _replay_history(path: Path, rules: Sequence[RuleSpec], json_lines: bool, out
             print(json_line(transition), file=out)
         return 0
     fired = sum(t.current == "firing" for t in transitions)
-    print(f"job {run.job} ({run.format}): {run.steps} logged steps, {run.evals} evals, "
-          f"{fired} alert(s) fired", file=out)
+    print(
+        f"job {run.job} ({run.format}): {run.steps} logged steps, {run.evals} evals, "
+        f"{fired} alert(s) fired",
+        file=out,
+    )
     if transitions:
         print(format_table(transitions), file=out)
     return 0

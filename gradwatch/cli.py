@@ -40,9 +40,16 @@ Run 'gradwatch COMMAND --help' for a command's options.
 # tests/packaging checks this table against pyproject.
 EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "agent": ("torch",),
-    "collector": ("numpy", "pydantic", "pydantic_settings", "yaml", "prometheus_client",
-                  "grafana_client"),
-    "preflight": ("torch", "matplotlib"),
+    "collector": (
+        "numpy",
+        "pydantic",
+        "pydantic_settings",
+        "yaml",
+        "prometheus_client",
+        "grafana_client",
+        "tqdm",
+    ),
+    "preflight": ("torch", "matplotlib", "tqdm"),
     "hf": ("torch", "transformers", "accelerate"),
     "lightning": ("torch", "lightning"),
 }
@@ -197,8 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _need(command: str, extras: Sequence[str], modules: Sequence[str]) -> int:
-    print(f"gradwatch {command}: needs the {', '.join(extras)} extra{'s' * (len(extras) > 1)} "
-          f"({', '.join(modules)} not installed): {install_hint(extras)}", file=sys.stderr)
+    print(
+        f"gradwatch {command}: needs the {', '.join(extras)} extra{'s' * (len(extras) > 1)} "
+        f"({', '.join(modules)} not installed): {install_hint(extras)}",
+        file=sys.stderr,
+    )
     return 2
 
 

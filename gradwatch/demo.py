@@ -35,14 +35,29 @@ BROKEN, FIXED = "seed-broken-init", "seed-fixed-init"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="gradwatch demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("gradwatch-demo"),
-                        help="folder for the recorded traces and reports (default ./gradwatch-demo)")
-    parser.add_argument("--full-steps", type=int, default=300,
-                        help="steps on the full set after memorization (default 300)")
-    parser.add_argument("--step-time", type=float, default=0.002,
-                        help="seconds each step stands in for a real model's compute")
+    parser = argparse.ArgumentParser(
+        prog="gradwatch demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("gradwatch-demo"),
+        help="folder for the recorded traces and reports (default ./gradwatch-demo)",
+    )
+    parser.add_argument(
+        "--full-steps",
+        type=int,
+        default=300,
+        help="steps on the full set after memorization (default 300)",
+    )
+    parser.add_argument(
+        "--step-time",
+        type=float,
+        default=0.002,
+        help="seconds each step stands in for a real model's compute",
+    )
     args = parser.parse_args(argv)
     return Demo(args.out, args.full_steps, args.step_time).run()
 
@@ -57,23 +72,33 @@ class Demo:
     def run(self) -> int:
         from gradwatch.collector.receiver import WebhookReceiver
 
-        print("gradwatch demo: the seed's procedure on its worked example "
-              "(6-layer tanh MLP, Xavier init x10, SGD lr 0.1)\n")
+        print(
+            "gradwatch demo: the seed's procedure on its worked example "
+            "(6-layer tanh MLP, Xavier init x10, SGD lr 0.1)\n"
+        )
         started = time.monotonic()
         traces = self.out / "traces"
         traces.mkdir(parents=True, exist_ok=True)
         with WebhookReceiver() as receiver:
             collector, ready = _start_collector(self.out, traces, receiver.url)
             try:
-                print(f"[1/5] collector   pid {collector.pid}, ingest {ready['listen']}, metrics "
-                      f"{ready['metrics_url']}, recording to {traces}/; webhook {receiver.url}")
+                print(
+                    f"[1/5] collector   pid {collector.pid}, ingest {ready['listen']}, metrics "
+                    f"{ready['metrics_url']}, recording to {traces}/; webhook {receiver.url}"
+                )
                 self._job(BROKEN, 10.0, "[2/5]", ready["listen"], receiver)
                 broken = self._await(receiver, BROKEN, "saturation")
                 self._explain(broken)
                 self._job(FIXED, 1.0, "[3/5]", ready["listen"], receiver)
-                fixed = [b for b in receiver.bodies if b.get("job") == FIXED and b.get("state") == "firing"]
-                print(f"      {len(fixed)} alert(s) on the fixed run"
-                      + ("" if fixed else ": the correct init trains clean"))
+                fixed = [
+                    b
+                    for b in receiver.bodies
+                    if b.get("job") == FIXED and b.get("state") == "firing"
+                ]
+                print(
+                    f"      {len(fixed)} alert(s) on the fixed run"
+                    + ("" if fixed else ": the correct init trains clean")
+                )
                 _print_metrics(ready["metrics_url"])
             finally:
                 _stop(collector)
@@ -92,15 +117,19 @@ class Demo:
         x, y = seed.tabular()
         model = seed.seed_model(init_scale)
         print(f"\n{label} job {job!r}: Xavier init x{init_scale:g}")
-        check = memorization(model, seed.fragile_nll, (x[:seed.SUBSET], y[:seed.SUBSET]))
+        check = memorization(model, seed.fragile_nll, (x[: seed.SUBSET], y[: seed.SUBSET]))
         print("      Stage 1 preflight: " + str(check).replace("\n", "\n      "))
         if check.passed and init_scale != 1.0:
-            print("      (the seed expects this broken model to fail; measured, it memorizes 12 "
-                  "points easily: saturated tanh units act as fixed binary features. Stage 1 is "
-                  "necessary, not sufficient; the monitored run is what catches it.)")
+            print(
+                "      (the seed expects this broken model to fail; measured, it memorizes 12 "
+                "points easily: saturated tanh units act as fixed binary features. Stage 1 is "
+                "necessary, not sufficient; the monitored run is what catches it.)"
+            )
         total = seed.SUBSET_STEPS + self.full_steps
-        print(f"      monitored run: {seed.SUBSET_STEPS} steps on {seed.SUBSET} examples, then "
-              f"{self.full_steps} on the full set (announced with mon.data_changed)")
+        print(
+            f"      monitored run: {seed.SUBSET_STEPS} steps on {seed.SUBSET} examples, then "
+            f"{self.full_steps} on the full set (announced with mon.data_changed)"
+        )
         monitors: list[Any] = []
 
         def watch(m: torch.nn.Module, opt: torch.optim.Optimizer) -> Any:
@@ -135,9 +164,11 @@ class Demo:
                 continue
             self.shown.add(key)
             mark = "!!" if body.get("severity") == "critical" else " !"
-            print(f"   {mark} webhook got {body.get('state')} {body.get('rule')} "
-                  f"[{body.get('category')}, {body.get('severity')}] from step {body.get('step')}: "
-                  f"{body.get('summary')}")
+            print(
+                f"   {mark} webhook got {body.get('state')} {body.get('rule')} "
+                f"[{body.get('category')}, {body.get('severity')}] from step {body.get('step')}: "
+                f"{body.get('summary')}"
+            )
 
     @staticmethod
     def _explain(firing: list[dict[str, Any]]) -> None:
@@ -150,8 +181,13 @@ class Demo:
 
     # ------------------------------------------------------------ the end
 
-    def _report(self, traces: Path, broken: list[dict[str, Any]], fixed: list[dict[str, Any]],
-                elapsed: float) -> int:
+    def _report(
+        self,
+        traces: Path,
+        broken: list[dict[str, Any]],
+        fixed: list[dict[str, Any]],
+        elapsed: float,
+    ) -> int:
         from gradwatch.report import write_report
 
         print("\n[5/5] post-mortem reports (self-contained HTML; open in a browser):")
@@ -163,27 +199,50 @@ class Demo:
             path = write_report(trace, self.out / f"report-{job}.html")
             print(f"      {path.resolve()}")
         caught = any(b.get("category") == "saturation" for b in broken)
-        print(f"\ndone in {elapsed:.0f} s: the broken init raised {len(broken)} alert(s) "
-              f"({', '.join(sorted({str(b.get('category')) for b in broken})) or 'none'}), "
-              f"the fix raised {len(fixed)}.")
+        print(
+            f"\ndone in {elapsed:.0f} s: the broken init raised {len(broken)} alert(s) "
+            f"({', '.join(sorted({str(b.get('category')) for b in broken})) or 'none'}), "
+            f"the fix raised {len(fixed)}."
+        )
         if not caught or fixed:
-            print("the demo's expected outcome did not happen: see the collector's log above",
-                  file=sys.stderr)
+            print(
+                "the demo's expected outcome did not happen: see the collector's log above",
+                file=sys.stderr,
+            )
             return 1
         return 0
 
 
-def _start_collector(out: Path, traces: Path, webhook_url: str) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+def _start_collector(
+    out: Path, traces: Path, webhook_url: str
+) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     ready_file = out / "collector-ready.json"
     ready_file.unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "gradwatch", "collector", "--listen", "tcp://127.0.0.1:*",
-           "--metrics-addr", "127.0.0.1:0", "--webhook", webhook_url, "--record", str(traces),
-           "--ready-file", str(ready_file), "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradwatch",
+        "collector",
+        "--listen",
+        "tcp://127.0.0.1:*",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--webhook",
+        webhook_url,
+        "--record",
+        str(traces),
+        "--ready-file",
+        str(ready_file),
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ready_file.exists():
         if proc.poll() is not None:
-            raise SystemExit(f"the collector exited with code {proc.returncode} before it was ready")
+            raise SystemExit(
+                f"the collector exited with code {proc.returncode} before it was ready"
+            )
         if time.monotonic() > deadline:
             proc.kill()
             raise SystemExit(f"the collector was not ready within {READY_TIMEOUT_S:.0f} s")

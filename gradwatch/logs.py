@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
 from datetime import datetime, timezone
 from typing import Any, Literal, TextIO, get_args
@@ -29,11 +28,12 @@ from typing import Any, Literal, TextIO, get_args
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-# Set where a flag cannot be passed (a container's environment, a Helm value).
-LOG_FORMAT_ENV = "GRADWATCH_LOG_FORMAT"
 
 # What every LogRecord carries; anything else on a record came from ``extra=``.
-_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime"}
+_STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
+    "message",
+    "asctime",
+}
 
 
 class JsonFormatter(logging.Formatter):
@@ -42,7 +42,8 @@ class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         body: dict[str, Any] = {
             "time": datetime.fromtimestamp(record.created, timezone.utc)
-            .isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+            .isoformat(timespec="milliseconds")
+            .replace("+00:00", "Z"),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
@@ -57,29 +58,18 @@ class JsonFormatter(logging.Formatter):
         try:
             return json.dumps(body, ensure_ascii=False, allow_nan=False, default=str)
         except ValueError:  # a NaN or infinity in extra=: a log line must still come out
-            return json.dumps({k: _finite(v) for k, v in body.items()}, ensure_ascii=False,
-                              default=str)
+            return json.dumps(
+                {k: _finite(v) for k, v in body.items()}, ensure_ascii=False, default=str
+            )
 
 
 def _finite(value: Any) -> Any:
     return repr(value) if isinstance(value, float) and not math.isfinite(value) else value
 
 
-def log_format_from_env(default: LogFormat = "text") -> LogFormat:
-    """``$GRADWATCH_LOG_FORMAT`` when set, else ``default``; raises ``ValueError`` for another value."""
-    value = os.environ.get(LOG_FORMAT_ENV, "").strip().lower()
-    if not value:
-        return default
-    if value == "json":
-        return "json"
-    if value == "text":
-        return "text"
-    raise ValueError(f"{LOG_FORMAT_ENV}={value!r} is not a log format; set it to text or json, "
-                     "or unset it")
-
-
-def configure_logging(level: str | int = "INFO", log_format: LogFormat = "text",
-                      stream: TextIO | None = None) -> bool:
+def configure_logging(
+    level: str | int = "INFO", log_format: LogFormat = "text", stream: TextIO | None = None
+) -> bool:
     """Send the root logger's records to ``stream`` (stderr) as text or JSON lines.
 
     Like ``logging.basicConfig``, a no-op returning False when the root logger
@@ -91,11 +81,17 @@ def configure_logging(level: str | int = "INFO", log_format: LogFormat = "text",
     if root.handlers:
         return False
     handler = logging.StreamHandler(sys.stderr if stream is None else stream)
-    handler.setFormatter(JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(
+        JsonFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT)
+    )
     root.addHandler(handler)
     root.setLevel(level)
     return True
 
 
-__all__ = ["LOG_FORMATS", "LOG_FORMAT_ENV", "JsonFormatter", "LogFormat", "configure_logging",
-           "log_format_from_env"]
+__all__ = [
+    "LOG_FORMATS",
+    "JsonFormatter",
+    "LogFormat",
+    "configure_logging",
+]

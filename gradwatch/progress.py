@@ -38,8 +38,9 @@ class Bar(Protocol):
 
     def __enter__(self) -> Bar: ...
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None: ...
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
 
 
 class NoBar:
@@ -54,8 +55,9 @@ class NoBar:
     def __enter__(self) -> NoBar:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.close()
 
 
@@ -67,8 +69,14 @@ def is_terminal(stream: TextIO) -> bool:
         return False
 
 
-def progress(total: float | None, desc: str, unit: str = "it", *, unit_scale: bool = False,
-             stream: TextIO | None = None) -> Bar:
+def progress(
+    total: float | None,
+    desc: str,
+    unit: str = "it",
+    *,
+    unit_scale: bool = False,
+    stream: TextIO | None = None,
+) -> Bar:
     """A tqdm bar on ``stream`` (default stderr) if it is a terminal, else a ``NoBar``."""
     out = sys.stderr if stream is None else stream
     if not is_terminal(out):
@@ -78,20 +86,31 @@ def progress(total: float | None, desc: str, unit: str = "it", *, unit_scale: bo
     except ImportError:  # an optional nicety: the command runs the same without it
         return NoBar()
     # leave=False: the bar is gone when the work is done, so only results stay on screen.
-    bar: Bar = tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, file=out,
-                    leave=False, dynamic_ncols=True)
+    bar: Bar = tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit_scale,
+        file=out,
+        leave=False,
+        dynamic_ncols=True,
+    )
     return bar
 
 
 @contextmanager
-def progress_lines(path: Path, desc: str, *, stream: TextIO | None = None) -> Iterator[Iterator[str]]:
+def progress_lines(
+    path: Path, desc: str, *, stream: TextIO | None = None
+) -> Iterator[Iterator[str]]:
     """Open ``path`` as UTF-8 text; yield its lines while a bar counts the bytes read."""
     try:
         size: float | None = float(path.stat().st_size)
     except OSError:  # let open() below raise the error the caller already handles
         size = None
-    with path.open(encoding="utf-8") as lines, \
-            progress(size, desc, unit="B", unit_scale=True, stream=stream) as bar:
+    with (
+        path.open(encoding="utf-8") as lines,
+        progress(size, desc, unit="B", unit_scale=True, stream=stream) as bar,
+    ):
 
         def counted() -> Iterator[str]:
             for line in lines:

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 N_FEATURES, N_CLASSES, WIDTH, DEPTH = 16, 4, 64, 6
-N_EXAMPLES = 2048   # the "tabular dataset": teacher-labelled Gaussian features
-SUBSET = 12         # Stage 1 memorizes 12 examples ...
+N_EXAMPLES = 2048  # the "tabular dataset": teacher-labelled Gaussian features
+SUBSET = 12  # Stage 1 memorizes 12 examples ...
 SUBSET_STEPS = 300  # ... for 300 steps
 LR = 0.1
 BATCH = 64
@@ -59,9 +59,16 @@ def fragile_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 Watch = Callable[[nn.Module, torch.optim.Optimizer], Any]
 
 
-def run(model: nn.Module, x: torch.Tensor, y: torch.Tensor, watch: Watch | None = None, *,
-        full_steps: int = 300, seed: int = 0,
-        on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def run(
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    watch: Watch | None = None,
+    *,
+    full_steps: int = 300,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """Memorize ``SUBSET`` examples for ``SUBSET_STEPS`` steps, then ``full_steps`` on the full set.
 
     ``watch(model, optimizer)`` returns the gradwatch Monitor (or None runs

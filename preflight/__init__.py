@@ -20,5 +20,12 @@ from gradwatch.preflight.lr_range import LRRangeResult, lr_range_test
 from gradwatch.preflight.memorization import MemorizationResult, memorization
 from gradwatch.preflight.wiring import Finding, WiringReport, wiring
 
-__all__ = ["Finding", "LRRangeResult", "MemorizationResult", "WiringReport", "lr_range_test",
-           "memorization", "wiring"]
+__all__ = [
+    "Finding",
+    "LRRangeResult",
+    "MemorizationResult",
+    "WiringReport",
+    "lr_range_test",
+    "memorization",
+    "wiring",
+]

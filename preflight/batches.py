@@ -35,20 +35,26 @@ def forward(model: torch.nn.Module, inputs: Any) -> Any:
 def forward_loss(model: torch.nn.Module, loss_fn: LossFn, batch: Batch) -> torch.Tensor:
     """The scalar loss of ``model`` on ``batch``; a clear error when it is not a scalar."""
     inputs, targets = batch
-    loss = loss_fn(forward(model, inputs), targets)
+    # Typed as a Tensor, but a user's loss_fn may return anything: check what came back.
+    loss: object = loss_fn(forward(model, inputs), targets)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn returned {type(loss).__name__} of shape "
-                         f"{tuple(getattr(loss, 'shape', ()))}; a preflight check needs one scalar "
-                         "tensor (reduce with .mean() or .sum())")
+        raise ValueError(
+            f"loss_fn returned {type(loss).__name__} of shape "
+            f"{tuple(getattr(loss, 'shape', ()))}; a preflight check needs one scalar "
+            "tensor (reduce with .mean() or .sum())"
+        )
     return loss.reshape(())
 
 
 def draw(source: BatchSource) -> Batch:
     """The next batch of ``source``: call it when callable, else the fixed batch itself."""
-    batch = source() if callable(source) else source
+    # Typed as a Batch, but a user's source may give anything: check what came back.
+    batch: object = source() if callable(source) else source
     if not (isinstance(batch, (tuple, list)) and len(batch) == 2):
-        raise ValueError(f"a batch must be (inputs, targets), got {type(batch).__name__}; "
-                         "wrap your data as a 2-tuple or pass a callable returning one")
+        raise ValueError(
+            f"a batch must be (inputs, targets), got {type(batch).__name__}; "
+            "wrap your data as a 2-tuple or pass a callable returning one"
+        )
     return batch[0], batch[1]
 
 
@@ -63,8 +69,10 @@ def cycle(batches: Iterable[Batch] | Callable[[], Batch]) -> Iterator[Batch]:
             empty = False
             yield draw(batch)
         if empty:
-            raise ValueError("batches is empty (or an exhausted iterator); pass a list, a "
-                             "DataLoader, or a callable that returns (inputs, targets)")
+            raise ValueError(
+                "batches is empty (or an exhausted iterator); pass a list, a "
+                "DataLoader, or a callable that returns (inputs, targets)"
+            )
 
 
 def scalar(loss: torch.Tensor) -> float:
@@ -87,8 +95,11 @@ def same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def make_optimizer(name: str | Callable[..., torch.optim.Optimizer], params: Iterable[torch.nn.Parameter],
-                   lr: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    name: str | Callable[..., torch.optim.Optimizer],
+    params: Iterable[torch.nn.Parameter],
+    lr: float,
+) -> torch.optim.Optimizer:
     """``"adam"``, ``"sgd"`` (momentum 0.9), or a factory ``f(params, lr=...)``."""
     params = list(params)
     if callable(name):
@@ -97,4 +108,6 @@ def make_optimizer(name: str | Callable[..., torch.optim.Optimizer], params: Ite
         return torch.optim.Adam(params, lr=lr)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
-    raise ValueError(f"unknown optimizer {name!r}; use 'adam', 'sgd' or a factory f(params, lr=...)")
+    raise ValueError(
+        f"unknown optimizer {name!r}; use 'adam', 'sgd' or a factory f(params, lr=...)"
+    )

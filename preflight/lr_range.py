@@ -39,7 +39,9 @@ DIVERGE_FACTOR = 4.0  # smoothed loss above 4x its minimum: past the boundary (f
 SMOOTHING = 0.7  # EMA weight of the past; short sweeps need a short memory or the boundary lags
 SUGGEST_BELOW = 10.0  # seed: a good working lr is an order of magnitude below the boundary
 
-OptimizerSpec = torch.optim.Optimizer | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+OptimizerSpec = (
+    torch.optim.Optimizer | Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,22 +60,39 @@ class LRRangeResult:
     def __str__(self) -> str:
         if not self.lrs:
             return "lr range test: no steps ran"
-        span = f"{self.lrs[0]:.1e}..{self.lrs[-1]:.1e} over {len(self.lrs)} step(s), {self.seconds:.1f}s"
+        span = (
+            f"{self.lrs[0]:.1e}..{self.lrs[-1]:.1e} over {len(self.lrs)} step(s), "
+            f"{self.seconds:.1f}s"
+        )
         if self.boundary is None:
-            head = (f"lr range test: no instability boundary found in {span}; the loss never rose "
-                    f"{DIVERGE_FACTOR:g}x above its minimum -- extend `end` to find it")
+            head = (
+                f"lr range test: no instability boundary found in {span}; the loss never rose "
+                f"{DIVERGE_FACTOR:g}x above its minimum -- extend `end` to find it"
+            )
         else:
-            head = (f"lr range test: instability boundary at lr {self.boundary:.3g}; suggested lr "
-                    f"{self.suggested_lr:.3g} (boundary / {SUGGEST_BELOW:g}); swept {span}")
+            head = (
+                f"lr range test: instability boundary at lr {self.boundary:.3g}; suggested lr "
+                f"{self.suggested_lr:.3g} (boundary / {SUGGEST_BELOW:g}); swept {span}"
+            )
         if self.min_loss_lr is not None:
-            head += f"\n  lowest smoothed loss {min(self.smoothed):.4g} at lr {self.min_loss_lr:.3g}"
+            head += (
+                f"\n  lowest smoothed loss {min(self.smoothed):.4g} at lr {self.min_loss_lr:.3g}"
+            )
         return head + (f"\n  plot: {self.plot}" if self.plot else "")
 
 
-def lr_range_test(model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn,
-                  batches: Iterable[Batch] | Callable[[], Batch], start: float = 1e-7, end: float = 10.0,
-                  steps: int = 100, plot: str | PathLike[str] | None = None,
-                  diverge_factor: float = DIVERGE_FACTOR, smoothing: float = SMOOTHING) -> LRRangeResult:
+def lr_range_test(
+    model: torch.nn.Module,
+    optimizer: OptimizerSpec,
+    loss_fn: LossFn,
+    batches: Iterable[Batch] | Callable[[], Batch],
+    start: float = 1e-7,
+    end: float = 10.0,
+    steps: int = 100,
+    plot: str | PathLike[str] | None = None,
+    diverge_factor: float = DIVERGE_FACTOR,
+    smoothing: float = SMOOTHING,
+) -> LRRangeResult:
     """Sweep the lr exponentially over ``steps`` steps; see the module docstring.
 
     ``optimizer`` is your optimizer (copied with the model, state included) or a
@@ -82,12 +101,15 @@ def lr_range_test(model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: Los
     matplotlib, the ``preflight`` extra); the default writes no file.
     """
     if not (0 < start < end) or steps < 2:
-        raise ValueError(f"need 0 < start < end and steps >= 2, got start={start}, end={end}, steps={steps}")
+        raise ValueError(
+            f"need 0 < start < end and steps >= 2, got start={start}, end={end}, steps={steps}"
+        )
     began = time.perf_counter()
     work, opt = _copies(model, optimizer)
     work.train()
-    lrs, losses, smoothed = _sweep(work, opt, loss_fn, cycle(batches), start, end, steps, smoothing,
-                                   diverge_factor)
+    lrs, losses, smoothed = _sweep(
+        work, opt, loss_fn, cycle(batches), start, end, steps, smoothing, diverge_factor
+    )
     boundary = _boundary(lrs, smoothed, diverge_factor)
     finite = [(s, lr) for s, lr in zip(smoothed, lrs, strict=True) if math.isfinite(s)]
     min_lr = min(finite)[1] if finite else None
@@ -97,16 +119,28 @@ def lr_range_test(model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: Los
         from gradwatch.preflight.plot import plot_lr_range
 
         path = plot_lr_range(Path(plot), lrs, losses, smoothed, boundary, suggested)
-    return LRRangeResult(tuple(lrs), tuple(losses), tuple(smoothed), boundary, suggested, min_lr, path,
-                         time.perf_counter() - began)
+    return LRRangeResult(
+        tuple(lrs),
+        tuple(losses),
+        tuple(smoothed),
+        boundary,
+        suggested,
+        min_lr,
+        path,
+        time.perf_counter() - began,
+    )
 
 
-def _copies(model: torch.nn.Module, optimizer: OptimizerSpec) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _copies(
+    model: torch.nn.Module, optimizer: OptimizerSpec
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     if isinstance(optimizer, torch.optim.Optimizer):
         own = {id(p) for p in model.parameters()}
         if not all(id(p) in own for group in optimizer.param_groups for p in group["params"]):
-            raise ValueError("the optimizer holds parameters that are not this model's; pass the "
-                             "optimizer built on model.parameters(), or a factory f(params)")
+            raise ValueError(
+                "the optimizer holds parameters that are not this model's; pass the "
+                "optimizer built on model.parameters(), or a factory f(params)"
+            )
         # One deepcopy of both: the memo maps each parameter to its copy, so the copied
         # optimizer (state included) drives the copied model's parameters.
         return copy.deepcopy((model, optimizer))
@@ -114,21 +148,32 @@ def _copies(model: torch.nn.Module, optimizer: OptimizerSpec) -> tuple[torch.nn.
     return work, optimizer(work.parameters())
 
 
-def _sweep(work: torch.nn.Module, opt: torch.optim.Optimizer, loss_fn: LossFn, batches: Iterable[Batch],
-           start: float, end: float, steps: int, smoothing: float,
-           diverge_factor: float) -> tuple[list[float], list[float], list[float]]:
+def _sweep(
+    work: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    batches: Iterable[Batch],
+    start: float,
+    end: float,
+    steps: int,
+    smoothing: float,
+    diverge_factor: float,
+) -> tuple[list[float], list[float], list[float]]:
     lrs: list[float] = []
     losses: list[float] = []
     smoothed: list[float] = []
     avg, best = 0.0, math.inf
     growth = (end / start) ** (1.0 / (steps - 1))
     with progress(steps, "lr range test", unit="step") as bar:
-        for i, batch in zip(range(steps), batches):
+        # Not strict: batches is cycled, so it is longer than the sweep by design.
+        for i, batch in zip(range(steps), batches, strict=False):
             lr = start * growth**i
             for group in opt.param_groups:
                 group["lr"] = lr
             loss = forward_loss(work, loss_fn, batch)
-            value = scalar(loss)  # the sweep decides each step whether to stop: it must read the loss
+            value = scalar(
+                loss
+            )  # the sweep decides each step whether to stop: it must read the loss
             avg = smoothing * avg + (1 - smoothing) * value
             smooth = avg / (1 - smoothing ** (i + 1))
             lrs.append(lr)

@@ -16,15 +16,23 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def plot_lr_range(path: Path, lrs: Sequence[float], losses: Sequence[float], smoothed: Sequence[float],
-                  boundary: float | None, suggested: float | None) -> Path:
+def plot_lr_range(
+    path: Path,
+    lrs: Sequence[float],
+    losses: Sequence[float],
+    smoothed: Sequence[float],
+    boundary: float | None,
+    suggested: float | None,
+) -> Path:
     """Write the PNG to ``path`` (parent folders created) and return it."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError as exc:
-        raise ImportError("the lr range plot needs matplotlib: pip install 'gradwatch[preflight]' "
-                          "(or pass plot=None)") from exc
+        raise ImportError(
+            "the lr range plot needs matplotlib: pip install 'gradwatch[preflight]' "
+            "(or pass plot=None)"
+        ) from exc
     fig = Figure(figsize=(7.5, 4.5), dpi=110)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -39,7 +47,9 @@ def plot_lr_range(path: Path, lrs: Sequence[float], losses: Sequence[float], smo
         pad = 0.1 * (high - low or abs(high) or 1.0)
         ax.set_ylim(low - pad, high + 3 * pad)
     if boundary is not None:
-        ax.axvline(boundary, color="#c0392b", linestyle="--", label=f"instability boundary {boundary:.3g}")
+        ax.axvline(
+            boundary, color="#c0392b", linestyle="--", label=f"instability boundary {boundary:.3g}"
+        )
     if suggested is not None:
         ax.axvline(suggested, color="#1e8449", linewidth=2, label=f"suggested lr {suggested:.3g}")
     ax.set_xscale("log")

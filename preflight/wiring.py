@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -70,35 +70,56 @@ class WiringReport:
         checked = f"{len(self.batchnorm)} BatchNorm, {len(self.dropout)} Dropout module(s) checked"
         if self.ok:
             return f"wiring OK: {checked}"
-        return "\n".join([f"wiring: {len(self.findings)} finding(s); {checked}"]
-                         + [f"  {finding}" for finding in self.findings])
+        return "\n".join(
+            [f"wiring: {len(self.findings)} finding(s); {checked}"]
+            + [f"  {finding}" for finding in self.findings]
+        )
 
 
 def wiring(model: torch.nn.Module, batch: Batch, loss_fn: LossFn | None = None) -> WiringReport:
     """Check BatchNorm/Dropout eval wiring on a copy of ``model`` with ``batch`` (>= 4 examples)."""
     inputs, targets = draw(batch)
     work = copy.deepcopy(model)
-    sensitive = [(name or "<model>", m) for name, m in work.named_modules() if isinstance(m, MODE_SENSITIVE)]
+    sensitive = [
+        (name or "<model>", m) for name, m in work.named_modules() if isinstance(m, MODE_SENSITIVE)
+    ]
     bns = [(n, m) for n, m in sensitive if isinstance(m, _BN)]
     drops = [(n, m) for n, m in sensitive if isinstance(m, _DROPOUT)]
     findings: list[Finding] = []
     work.eval()
-    findings += [Finding("eval-mode", n, "still in training mode after model.eval() "
-                         "(check overridden train()/eval(), or a .train() call inside forward)")
-                 for n, m in sensitive if m.training]
+    findings += [
+        Finding(
+            "eval-mode",
+            n,
+            "still in training mode after model.eval() "
+            "(check overridden train()/eval(), or a .train() call inside forward)",
+        )
+        for n, m in sensitive
+        if m.training
+    ]
     before = {n: _buffers(m) for n, m in bns}
     with torch.no_grad(), _capture(sensitive) as seen:
         first = forward(work, inputs)
-    findings += [Finding("batchnorm-stats", n, "an eval forward changed its running statistics: it "
-                         "normalises with batch statistics in eval mode") for n, m in bns
-                 if not same(before[n], _buffers(m))]
+    findings += [
+        Finding(
+            "batchnorm-stats",
+            n,
+            "an eval forward changed its running statistics: it "
+            "normalises with batch statistics in eval mode",
+        )
+        for n, m in bns
+        if not same(before[n], _buffers(m))
+    ]
     with torch.no_grad():
         findings += _batch_independence(bns, seen)
         findings += _dropout_off(drops, seen)
         findings += _model_level(work, inputs, targets, first, loss_fn, bool(drops or bns))
     work.train()
-    findings += [Finding("train-mode", n, "not back in training mode after model.train()")
-                 for n, m in sensitive if not m.training]
+    findings += [
+        Finding("train-mode", n, "not back in training mode after model.train()")
+        for n, m in sensitive
+        if not m.training
+    ]
     return WiringReport(tuple(findings), tuple(n for n, _ in bns), tuple(n for n, _ in drops))
 
 
@@ -107,14 +128,22 @@ def _buffers(module: torch.nn.Module) -> tuple[torch.Tensor, ...]:
 
 
 @contextmanager
-def _capture(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[dict[str, tuple[Any, Any]]]:
+def _capture(
+    modules: Sequence[tuple[str, torch.nn.Module]],
+) -> Iterator[dict[str, tuple[Any, Any]]]:
     """Record each module's first input and its output during one forward."""
     seen: dict[str, tuple[Any, Any]] = {}
 
     def hook(name: str) -> Any:
         def record(_: torch.nn.Module, args: tuple[Any, ...], out: Any) -> None:
-            if name not in seen and args and isinstance(args[0], torch.Tensor) and isinstance(out, torch.Tensor):
+            if (
+                name not in seen
+                and args
+                and isinstance(args[0], torch.Tensor)
+                and isinstance(out, torch.Tensor)
+            ):
                 seen[name] = (args[0].detach().clone(), out.detach().clone())
+
         return record
 
     handles = [m.register_forward_hook(hook(n)) for n, m in modules]
@@ -125,8 +154,9 @@ def _capture(modules: list[tuple[str, torch.nn.Module]]) -> Iterator[dict[str, t
             handle.remove()
 
 
-def _batch_independence(bns: list[tuple[str, torch.nn.Module]],
-                        seen: dict[str, tuple[Any, Any]]) -> list[Finding]:
+def _batch_independence(
+    bns: Sequence[tuple[str, torch.nn.Module]], seen: dict[str, tuple[Any, Any]]
+) -> list[Finding]:
     """Run each BatchNorm again on half of the batch it saw: eval output must not change."""
     out: list[Finding] = []
     for name, module in bns:
@@ -135,50 +165,89 @@ def _batch_independence(bns: list[tuple[str, torch.nn.Module]],
         inp, full = seen[name]
         half = max(2, inp.shape[0] // 2)
         if inp.shape[0] < 4:
-            out.append(Finding("batchnorm-batch", name, f"batch of {inp.shape[0]} is too small to check; "
-                               "pass at least 4 examples"))
+            out.append(
+                Finding(
+                    "batchnorm-batch",
+                    name,
+                    f"batch of {inp.shape[0]} is too small to check; pass at least 4 examples",
+                )
+            )
             continue
         part = module(inp[:half])
         if not torch.allclose(part, full[:half], atol=ATOL, rtol=1e-4):
             diff = float((part - full[:half]).abs().max())
-            out.append(Finding("batchnorm-batch", name, f"eval output depends on the rest of the batch "
-                               f"(max change {diff:.3g} on half the batch): batch statistics used at eval "
-                               "(training mode, or track_running_stats=False)"))
+            out.append(
+                Finding(
+                    "batchnorm-batch",
+                    name,
+                    f"eval output depends on the rest of the batch "
+                    f"(max change {diff:.3g} on half the batch): batch statistics used at eval "
+                    "(training mode, or track_running_stats=False)",
+                )
+            )
     return out
 
 
-def _dropout_off(drops: list[tuple[str, torch.nn.Module]], seen: dict[str, tuple[Any, Any]]) -> list[Finding]:
+def _dropout_off(
+    drops: Sequence[tuple[str, torch.nn.Module]], seen: dict[str, tuple[Any, Any]]
+) -> list[Finding]:
     out: list[Finding] = []
     for name, module in drops:
         if name not in seen:
             continue
         inp, first = seen[name]
         if not (same(module(inp), first) and same(first, inp)):
-            out.append(Finding("dropout", name, "active at eval: its output differs from its input and "
-                               "between two eval forwards"))
+            out.append(
+                Finding(
+                    "dropout",
+                    name,
+                    "active at eval: its output differs from its input and "
+                    "between two eval forwards",
+                )
+            )
     return out
 
 
-def _model_level(work: torch.nn.Module, inputs: Any, targets: Any, first: Any, loss_fn: LossFn | None,
-                 sensitive: bool) -> list[Finding]:
+def _model_level(
+    work: torch.nn.Module,
+    inputs: Any,
+    targets: Any,
+    first: Any,
+    loss_fn: LossFn | None,
+    sensitive: bool,
+) -> list[Finding]:
     """Two eval forwards of the whole model must agree (and the loss, when given)."""
     second = forward(work, inputs)
     out: list[Finding] = []
     if not _close(first, second):
-        where = "" if sensitive else " (no BatchNorm/Dropout module found: look for functional dropout " \
+        where = (
+            ""
+            if sensitive
+            else " (no BatchNorm/Dropout module found: look for functional dropout "
             "or randomness inside forward)"
-        out.append(Finding("determinism", "<model>", f"two eval forwards of the same batch differ{where}"))
+        )
+        out.append(
+            Finding("determinism", "<model>", f"two eval forwards of the same batch differ{where}")
+        )
     if loss_fn is not None:
         a, b = float(loss_fn(first, targets)), float(loss_fn(second, targets))
         if a != b:
-            out.append(Finding("determinism", "<loss>", f"eval loss differs between two passes ({a:.6g} vs "
-                               f"{b:.6g}): validation metrics are noisy"))
+            out.append(
+                Finding(
+                    "determinism",
+                    "<loss>",
+                    f"eval loss differs between two passes ({a:.6g} vs "
+                    f"{b:.6g}): validation metrics are noisy",
+                )
+            )
     return out
 
 
 def _close(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.shape == b.shape and bool(torch.allclose(a, b, atol=ATOL, rtol=1e-4, equal_nan=True))
+        return a.shape == b.shape and bool(
+            torch.allclose(a, b, atol=ATOL, rtol=1e-4, equal_nan=True)
+        )
     if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
         return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b, strict=True))
     return same(a, b)

@@ -22,8 +22,9 @@ def pins() -> dict[str, str]:
             continue
         req = Requirement(text)
         spec = str(req.specifier)
-        assert spec.startswith("==") and "," not in spec, \
+        assert spec.startswith("==") and "," not in spec, (
             f"constraints.txt:{number}: {text!r} is not an exact pin (NAME==VERSION)"
+        )
         found[canonicalize_name(req.name)] = spec[2:]
     return found
 
@@ -39,17 +40,23 @@ def test_each_pin_is_inside_pyprojects_range() -> None:
     pinned = pins()
     for req in requirements_of(["collector"]):
         name = canonicalize_name(req.name)
-        assert req.specifier.contains(pinned[name], prereleases=True), \
+        assert req.specifier.contains(pinned[name], prereleases=True), (
             f"constraints.txt pins {name}=={pinned[name]}, outside pyproject's {req}"
+        )
 
 
 def test_the_image_installs_with_the_constraints_and_a_pinned_base() -> None:
     parser = DockerfileParser(str(ROOT / "Dockerfile"))
     runs = " ".join(i["value"] for i in parser.structure if i["instruction"] == "RUN")
     assert re.search(r'pip install [^&]*-c constraints\.txt [^&]*"\.\[collector\]"', runs)
-    copied = {word for i in parser.structure if i["instruction"] == "COPY"
-              for word in i["value"].split()[:-1]}
+    copied = {
+        word
+        for i in parser.structure
+        if i["instruction"] == "COPY"
+        for word in i["value"].split()[:-1]
+    }
     assert "constraints.txt" in copied
     (base,) = [i["value"] for i in parser.structure if i["instruction"] == "FROM"]
-    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", base), \
+    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", base), (
         f"FROM {base}: pin the base image by digest (TAG@sha256:...)"
+    )

@@ -8,8 +8,6 @@ import tomllib
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 SETUPTOOLS = PYPROJECT["tool"]["setuptools"]
@@ -37,14 +35,17 @@ def test_every_package_folder_is_listed() -> None:
     assert not missing, (
         f"{missing} have an __init__.py but are not in [tool.setuptools] packages in "
         "pyproject.toml: the wheel would silently miss them. Add them there (and to "
-        "package-dir if the folder is at the top level).")
+        "package-dir if the folder is at the top level)."
+    )
 
 
 def test_every_top_level_folder_with_python_is_mapped() -> None:
     mapped = {Path(d).parts[0] for d in SETUPTOOLS["package-dir"].values()}
     unmapped = sorted(
-        p.name for p in ROOT.iterdir()
-        if p.is_dir() and (p / "__init__.py").exists() and p.name not in mapped)
+        p.name
+        for p in ROOT.iterdir()
+        if p.is_dir() and (p / "__init__.py").exists() and p.name not in mapped
+    )
     assert not unmapped, f"folders {unmapped} hold a package but pyproject maps none of them"
 
 
@@ -65,23 +66,35 @@ def test_import_direction_contracts_hold(wheel: Path, tmp_path: Path) -> None:
     """
     zipfile.ZipFile(wheel).extractall(tmp_path)
     lint = Path(sys.executable).with_name("lint-imports")
-    result = subprocess.run([str(lint), str(ROOT / "pyproject.toml")], cwd=tmp_path,
-                            capture_output=True, text=True, timeout=300,
-                            env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)})
+    result = subprocess.run(
+        [str(lint), str(ROOT / "pyproject.toml")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(tmp_path)},
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "BROKEN" not in result.stdout and "KEPT" in result.stdout
 
 
 def _imported_modules(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "-c", code + "\nimport sys\nprint(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     return set(out.stdout.split())
 
 
 def test_collector_and_rules_never_import_torch() -> None:
     modules = _imported_modules(
         "import gradwatch, gradwatch.wire, gradwatch.rules, gradwatch.collector, "
-        "gradwatch.collector.server, gradwatch.collector.cli")
+        "gradwatch.collector.server, gradwatch.collector.cli"
+    )
     assert "torch" not in modules
     assert not any(m.startswith("gradwatch.agent") for m in modules)
 

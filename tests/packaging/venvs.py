@@ -33,7 +33,9 @@ ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT: dict[str, Any] = tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-def requirements_of(extras: Iterable[str], pyproject: dict[str, Any] = PYPROJECT) -> list[Requirement]:
+def requirements_of(
+    extras: Iterable[str], pyproject: dict[str, Any] = PYPROJECT
+) -> list[Requirement]:
     """pyproject's base dependencies plus those of ``extras`` (self-references expanded)."""
     project = pyproject["project"]
     found = [Requirement(r) for r in project["dependencies"]]
@@ -53,13 +55,14 @@ def requirements_of(extras: Iterable[str], pyproject: dict[str, Any] = PYPROJECT
 
 
 def distributions_of(extras: Iterable[str], pyproject: dict[str, Any] = PYPROJECT) -> set[str]:
-    """Every distribution a ``pip install 'gradwatch[extras]'`` brings, by the installed metadata."""
+    """Every distribution ``pip install 'gradwatch[extras]'`` brings, by installed metadata."""
     names: set[str] = set()
     todo = [(req, frozenset()) for req in requirements_of(extras, pyproject)]
     while todo:
         req, asked = todo.pop()
         if req.marker is not None and not any(
-                req.marker.evaluate({"extra": extra}) for extra in (asked or {""})):
+            req.marker.evaluate({"extra": extra}) for extra in (asked or {""})
+        ):
             continue
         name = canonicalize_name(req.name)
         dist = distribution(name)
@@ -79,13 +82,28 @@ class Venv:
 
     @classmethod
     def create(cls, path: Path, *wheels: Path) -> Venv:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True,
-                       timeout=120)
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(path)], check=True, timeout=120
+        )
         venv = cls(path)
         if wheels:
-            subprocess.run([sys.executable, "-m", "pip", "--python", str(venv.python), "install",
-                            "-q", "--no-deps", "--no-index", *map(str, wheels)],
-                           check=True, timeout=600, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "--python",
+                    str(venv.python),
+                    "install",
+                    "-q",
+                    "--no-deps",
+                    "--no-index",
+                    *map(str, wheels),
+                ],
+                check=True,
+                timeout=600,
+                capture_output=True,
+            )
         return venv
 
     @property
@@ -94,9 +112,13 @@ class Venv:
 
     @property
     def site_packages(self) -> Path:
-        out = subprocess.run([str(self.python), "-c",
-                              "import sysconfig; print(sysconfig.get_path('purelib'))"],
-                             check=True, capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(self.python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return Path(out.stdout.strip())
 
     def link(self, names: Iterable[str]) -> None:
@@ -121,20 +143,51 @@ class Venv:
         """Everything the test environment has, after what the venv installed itself."""
         (self.site_packages / "zz_overlay.pth").write_text(sysconfig.get_path("purelib") + "\n")
 
-    def run(self, *args: str, cwd: Path | None = None, timeout: float = 300,
-            stdin: int | None = subprocess.DEVNULL) -> subprocess.CompletedProcess[str]:
+    def run(
+        self,
+        *args: str,
+        cwd: Path | None = None,
+        timeout: float = 300,
+        stdin: int | None = subprocess.DEVNULL,
+    ) -> subprocess.CompletedProcess[str]:
         exe = self.path / "bin" / args[0]
-        env = {"PATH": f"{self.path / 'bin'}:/usr/bin:/bin", "HOME": str(self.path),
-               "LANG": "C.UTF-8", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        return subprocess.run([str(exe), *args[1:]], capture_output=True, text=True, env=env,
-                              cwd=cwd or self.path, timeout=timeout, stdin=stdin)
+        env = {
+            "PATH": f"{self.path / 'bin'}:/usr/bin:/bin",
+            "HOME": str(self.path),
+            "LANG": "C.UTF-8",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+        }
+        return subprocess.run(
+            [str(exe), *args[1:]],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=cwd or self.path,
+            timeout=timeout,
+            stdin=stdin,
+        )
 
 
 def build_wheel(out: Path) -> Path:
     """Build the project's wheel into ``out`` (no build isolation: no download)."""
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-q", "-w", str(out), str(ROOT)], check=True, timeout=300,
-                   env={**os.environ, "PIP_NO_INDEX": "1"})
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(out),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
+        env={**os.environ, "PIP_NO_INDEX": "1"},
+    )
     (built,) = out.glob("gradwatch-*.whl")
     return built
 

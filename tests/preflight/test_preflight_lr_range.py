@@ -29,7 +29,7 @@ def problem() -> tuple[list[tuple[torch.Tensor, torch.Tensor]], float]:
     x = u @ torch.diag(torch.linspace(0.3, 1.0, D) * math.sqrt(N)) @ v.T
     y = x @ torch.randn(D, generator=g) + 0.1 * torch.randn(N, generator=g)
     lam = float(torch.linalg.eigvalsh(x.T @ x / N).max())
-    return [(x[i:i + BATCH], y[i:i + BATCH]) for i in range(0, N, BATCH)], 2.0 / lam
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, N, BATCH)], 2.0 / lam
 
 
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -42,7 +42,8 @@ def model() -> nn.Module:
 
 
 def direct_boundary(batches: list, steps: int = 30) -> float:
-    """The smallest lr on a 1.1x grid (from 0.5, well below it) at which a short fixed-lr SGD run blows up."""
+    """The smallest lr on a 1.1x grid (from 0.5, well below it) where a short fixed-lr SGD run
+    blows up."""
     lr = 0.5
     while lr < 100:
         net = model()
@@ -78,8 +79,9 @@ def test_the_boundary_matches_theory_and_a_direct_sweep(tmp_path: Path) -> None:
     net = model()
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.0)
     weight = net.weight.detach().clone()
-    result = lr_range_test(net, opt, loss_fn, batches, start=1e-4, end=100.0, steps=100,
-                           plot=tmp_path / "lr_range.png")
+    result = lr_range_test(
+        net, opt, loss_fn, batches, start=1e-4, end=100.0, steps=100, plot=tmp_path / "lr_range.png"
+    )
     assert isinstance(result, LRRangeResult)
     assert result.boundary is not None
     assert theory / FACTOR <= result.boundary <= theory * FACTOR, (result.boundary, theory)
@@ -95,13 +97,23 @@ def test_the_boundary_matches_theory_and_a_direct_sweep(tmp_path: Path) -> None:
     width, height = png_size(result.plot)
     assert width > 300 and height > 200 and result.plot.stat().st_size > 5000
     text = str(result)
-    assert "instability boundary at lr" in text and "suggested lr" in text and "lr_range.png" in text
+    assert (
+        "instability boundary at lr" in text and "suggested lr" in text and "lr_range.png" in text
+    )
 
 
 def test_a_factory_optimizer_without_a_plot_and_a_sweep_that_never_diverges() -> None:
     batches, _ = problem()
-    result = lr_range_test(model(), lambda params: torch.optim.SGD(params, lr=1.0), loss_fn, batches,
-                           start=1e-4, end=0.5, steps=40, plot=None)
+    result = lr_range_test(
+        model(),
+        lambda params: torch.optim.SGD(params, lr=1.0),
+        loss_fn,
+        batches,
+        start=1e-4,
+        end=0.5,
+        steps=40,
+        plot=None,
+    )
     assert result.boundary is None and result.suggested_lr is None and result.plot is None
     assert len(result.lrs) == 40 and result.lrs[-1] == pytest.approx(0.5)
     assert result.smoothed[-1] < result.smoothed[0]
@@ -110,12 +122,24 @@ def test_a_factory_optimizer_without_a_plot_and_a_sweep_that_never_diverges() ->
 
 def test_a_callable_batch_source_and_bad_arguments() -> None:
     batches, _ = problem()
-    result = lr_range_test(model(), lambda ps: torch.optim.SGD(ps, lr=1.0), loss_fn, lambda: batches[0],
-                           start=1e-3, end=1e3, steps=60, plot=None)
+    result = lr_range_test(
+        model(),
+        lambda ps: torch.optim.SGD(ps, lr=1.0),
+        loss_fn,
+        lambda: batches[0],
+        start=1e-3,
+        end=1e3,
+        steps=60,
+        plot=None,
+    )
     assert result.boundary is not None
     with pytest.raises(ValueError, match="0 < start < end"):
-        lr_range_test(model(), lambda ps: torch.optim.SGD(ps, lr=1.0), loss_fn, batches, start=1.0, end=0.1)
+        lr_range_test(
+            model(), lambda ps: torch.optim.SGD(ps, lr=1.0), loss_fn, batches, start=1.0, end=0.1
+        )
     with pytest.raises(ValueError, match="not this model's"):
-        lr_range_test(model(), torch.optim.SGD(model().parameters(), lr=1.0), loss_fn, batches, plot=None)
+        lr_range_test(
+            model(), torch.optim.SGD(model().parameters(), lr=1.0), loss_fn, batches, plot=None
+        )
     with pytest.raises(ValueError, match="batches is empty"):
         lr_range_test(model(), lambda ps: torch.optim.SGD(ps, lr=1.0), loss_fn, [], plot=None)

@@ -15,7 +15,9 @@ from gradwatch.preflight import MemorizationResult, memorization  # noqa: E402
 
 def mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4))
+    return nn.Sequential(
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 4)
+    )
 
 
 @pytest.fixture()
@@ -94,8 +96,9 @@ def test_a_flipped_loss_sign_fails_with_the_loss_wiring_hint(data: tuple) -> Non
 
 def test_sgd_and_a_factory_optimizer_work_and_bad_input_is_explained(data: tuple) -> None:
     assert memorization(mlp(), F.cross_entropy, data, optimizer="sgd", lr=0.1).passed
-    factory = memorization(mlp(), F.cross_entropy, data, optimizer=lambda ps, lr: torch.optim.Adam(ps, lr=lr),
-                           lr=1e-2)
+    factory = memorization(
+        mlp(), F.cross_entropy, data, optimizer=lambda ps, lr: torch.optim.Adam(ps, lr=lr), lr=1e-2
+    )
     assert factory.passed
     with pytest.raises(ValueError, match="unknown optimizer"):
         memorization(mlp(), F.cross_entropy, data, optimizer="lion")

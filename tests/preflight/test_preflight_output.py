@@ -23,8 +23,15 @@ def sweep() -> LRRangeResult:
     torch.manual_seed(0)
     net = torch.nn.Linear(4, 1)
     batch = (torch.randn(16, 4), torch.randn(16, 1))
-    return lr_range_test(net, lambda ps: torch.optim.SGD(ps, lr=1.0), torch.nn.functional.mse_loss,
-                         [batch], start=1e-4, end=1e-2, steps=STEPS)
+    return lr_range_test(
+        net,
+        lambda ps: torch.optim.SGD(ps, lr=1.0),
+        torch.nn.functional.mse_loss,
+        [batch],
+        start=1e-4,
+        end=1e-2,
+        steps=STEPS,
+    )
 
 
 def test_no_file_is_written_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
