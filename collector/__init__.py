@@ -15,12 +15,22 @@ Example::
     server.stop()
 """
 
+from gradwatch.collector.alertmanager import AlertmanagerSink
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError, load_config
+from gradwatch.collector.outbox import Outbox, OutboxSink
 from gradwatch.collector.receiver import WebhookReceiver
 from gradwatch.collector.server import Server
-from gradwatch.collector.alertmanager import AlertmanagerSink
-from gradwatch.collector.outbox import Outbox, OutboxSink
 from gradwatch.collector.webhook import WebhookChannel
 
-__all__ = ["AlertmanagerSink", "CollectorConfig", "CollectorError", "ConfigError", "Outbox",
-           "OutboxSink", "Server", "WebhookChannel", "WebhookReceiver", "load_config"]
+__all__ = [
+    "AlertmanagerSink",
+    "CollectorConfig",
+    "CollectorError",
+    "ConfigError",
+    "Outbox",
+    "OutboxSink",
+    "Server",
+    "WebhookChannel",
+    "WebhookReceiver",
+    "load_config",
+]

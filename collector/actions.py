@@ -88,7 +88,8 @@ def check_key(key: bytes, where: str) -> bytes:
     if len(key) < MIN_KEY_BYTES:
         raise ConfigError(
             f"the command key from {where} is {len(key)} bytes; use at least {MIN_KEY_BYTES} "
-            "random bytes, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`")
+            "random bytes, e.g. `python -c 'import secrets; print(secrets.token_hex(32))'`"
+        )
     return key
 
 
@@ -115,23 +116,31 @@ def action_settings(config: CollectorConfig) -> ActionSettings:
     """
     key: bytes | None = None
     if config.command_key is not None:
-        key = check_key(config.command_key.get_secret_value().encode("utf-8"),
-                        "GRADWATCH_COMMAND_KEY / command_key")
+        key = check_key(
+            config.command_key.get_secret_value().encode("utf-8"),
+            "GRADWATCH_COMMAND_KEY / command_key",
+        )
     elif config.command_key_file is not None:
         try:
             raw = config.command_key_file.read_bytes().strip()
         except OSError as exc:
-            raise ConfigError(f"cannot read command_key_file {config.command_key_file}: "
-                              f"{exc.strerror or exc}; fix the path or unset it") from exc
+            raise ConfigError(
+                f"cannot read command_key_file {config.command_key_file}: "
+                f"{exc.strerror or exc}; fix the path or unset it"
+            ) from exc
         key = check_key(raw, str(config.command_key_file))
     return ActionSettings(
-        key=key, skip_batches=config.rollback_skip_batches,
-        margin_steps=config.rollback_margin_steps, max_rollbacks=config.rollback_budget,
-        window_s=config.rollback_budget_window_s, cooldown_s=config.rollback_cooldown_s,
+        key=key,
+        skip_batches=config.rollback_skip_batches,
+        margin_steps=config.rollback_margin_steps,
+        max_rollbacks=config.rollback_budget,
+        window_s=config.rollback_budget_window_s,
+        cooldown_s=config.rollback_cooldown_s,
         path=None if config.data_dir is None else config.data_dir / ACTIONS_FILE,
         max_checkpoints_per_job=config.max_checkpoints_per_job,
         max_checkpoint_rows=config.max_checkpoint_rows,
-        checkpoint_max_age_s=config.checkpoint_max_age_seconds)
+        checkpoint_max_age_s=config.checkpoint_max_age_seconds,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +161,14 @@ class Budget:
     the process that keeps them. Thread-safe.
     """
 
-    def __init__(self, db: sqlite3.Connection, max_count: int, window_s: float,
-                 cooldown_s: float, lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        db: sqlite3.Connection,
+        max_count: int,
+        window_s: float,
+        cooldown_s: float,
+        lock: threading.Lock | None = None,
+    ) -> None:
         self._db = db
         self._lock = lock or threading.Lock()
         self.max_count, self.window_s, self.cooldown_s = max_count, window_s, cooldown_s
@@ -165,10 +180,13 @@ class Budget:
         with self._lock:
             done = self._db.execute(
                 "SELECT 1 FROM restarts WHERE job = ? AND alert_id = ? AND outcome = 'sent'",
-                (job, alert_id)).fetchone()
+                (job, alert_id),
+            ).fetchone()
             recent = self._db.execute(
                 "SELECT COUNT(*), MAX(time) FROM restarts WHERE job = ? AND outcome = 'sent' "
-                "AND time > ?", (job, now - self.window_s)).fetchone()
+                "AND time > ?",
+                (job, now - self.window_s),
+            ).fetchone()
         if done is not None:
             return "duplicate"
         count, last = recent
@@ -182,15 +200,19 @@ class Budget:
         """Record a restart (``reason=None``) or a refusal with its reason."""
         outcome = "sent" if reason is None else "refused"
         with self._lock:
-            self._db.execute("INSERT INTO restarts VALUES (?, ?, ?, ?, ?)",
-                             (job, now, alert_id, outcome, reason or ""))
+            self._db.execute(
+                "INSERT INTO restarts VALUES (?, ?, ?, ?, ?)",
+                (job, now, alert_id, outcome, reason or ""),
+            )
 
     def jobs(self, now: float) -> list[str]:
         """Jobs with a restart inside the current window."""
         with self._lock:
             rows = self._db.execute(
                 "SELECT DISTINCT job FROM restarts WHERE outcome = 'sent' AND time > ? "
-                "ORDER BY job", (now - self.window_s,)).fetchall()
+                "ORDER BY job",
+                (now - self.window_s,),
+            ).fetchall()
         return [job for (job,) in rows]
 
     def used(self, job: str, now: float) -> int:
@@ -198,20 +220,26 @@ class Budget:
         with self._lock:
             (count,) = self._db.execute(
                 "SELECT COUNT(*) FROM restarts WHERE job = ? AND outcome = 'sent' AND time > ?",
-                (job, now - self.window_s)).fetchone()
+                (job, now - self.window_s),
+            ).fetchone()
         return int(count)
 
 
 class Actions:
     """Turns firing transitions of ``rollback`` rules into signed commands; see the module doc."""
 
-    def __init__(self, settings: ActionSettings, rule_actions: Mapping[str, Iterable[str]],
-                 send: Callable[[list[bytes]], Any] | None,
-                 clock: Callable[[], float] = time.time,
-                 listening: Callable[[str], bool] | None = None) -> None:
+    def __init__(
+        self,
+        settings: ActionSettings,
+        rule_actions: Mapping[str, Iterable[str]],
+        send: Callable[[list[bytes]], Any] | None,
+        clock: Callable[[], float] = time.time,
+        listening: Callable[[str], bool] | None = None,
+    ) -> None:
         self.settings = settings
         self._rollback_rules = frozenset(
-            name for name, acts in rule_actions.items() if "rollback" in acts)
+            name for name, acts in rule_actions.items() if "rollback" in acts
+        )
         self._send = send
         self.clock = clock
         self._listening = listening
@@ -219,11 +247,20 @@ class Actions:
         # One lock for everything on the shared connection.
         self._db_lock = threading.Lock()
         self.checkpoints = CheckpointStore(
-            None, db=self._db, lock=self._db_lock,
+            None,
+            db=self._db,
+            lock=self._db_lock,
             max_per_job=settings.max_checkpoints_per_job,
-            max_rows=settings.max_checkpoint_rows, max_age_s=settings.checkpoint_max_age_s)
-        self.budget = Budget(self._db, settings.max_rollbacks, settings.window_s,
-                             settings.cooldown_s, lock=self._db_lock)
+            max_rows=settings.max_checkpoint_rows,
+            max_age_s=settings.checkpoint_max_age_s,
+        )
+        self.budget = Budget(
+            self._db,
+            settings.max_rollbacks,
+            settings.window_s,
+            settings.cooldown_s,
+            lock=self._db_lock,
+        )
         self._lock = threading.Lock()
         self._sent = 0
         self._refused: Counter[str] = Counter()
@@ -234,13 +271,18 @@ class Actions:
         self.enabled = settings.key is not None and send is not None
         stops = sorted(name for name, acts in rule_actions.items() if "stop" in acts)
         if stops:
-            log.warning("rules %s ask for the 'stop' action, which this collector does not "
-                        "carry out yet; they notify only", ", ".join(stops))
+            log.warning(
+                "rules %s ask for the 'stop' action, which this collector does not "
+                "carry out yet; they notify only",
+                ", ".join(stops),
+            )
         if self._rollback_rules and not self.enabled:
             log.warning(
                 "rollback is switched OFF: rules %s ask for it but no command key is configured; "
                 "set GRADWATCH_COMMAND_KEY or command_key_file (the agents need the same key). "
-                "These alerts still notify.", ", ".join(sorted(self._rollback_rules)))
+                "These alerts still notify.",
+                ", ".join(sorted(self._rollback_rules)),
+            )
 
     def observe_event(self, event: Any) -> None:
         """Keep ``checkpoint`` events (a wire ``Event``) and agents' rollback refusals."""
@@ -260,11 +302,17 @@ class Actions:
             if not added:
                 with self._lock:
                     self._overwrites += 1
-                self._log.warning("checkpoint_overwrite", "refused a second report of the "
-                                  "checkpoint of job %r step %d rank %d (%s): entries are "
-                                  "immutable; if a sender other than the job reports its "
-                                  "checkpoints, use profile: production (SECURITY.md)",
-                                  event.job, event.step, event.rank, path[:256])
+                self._log.warning(
+                    "checkpoint_overwrite",
+                    "refused a second report of the "
+                    "checkpoint of job %r step %d rank %d (%s): entries are "
+                    "immutable; if a sender other than the job reports its "
+                    "checkpoints, use profile: production (SECURITY.md)",
+                    event.job,
+                    event.step,
+                    event.rank,
+                    path[:256],
+                )
 
     def _agent_refusal(self, event: Any) -> None:
         """An agent refused a signed rollback (its checkpoint was not one it saved)."""
@@ -274,13 +322,19 @@ class Actions:
             reason = "other"
         with self._lock:
             self._agent_refused[reason] += 1
-        self._log.warning("agent_refused", "the agent of job %r (rank %d) REFUSED "
-                          "the rollback to %r for alert %s: %s: %s. The checkpoint this "
-                          "collector was told of is not one the job saved: someone other than "
-                          "the job may be reporting to this collector (SECURITY.md)",
-                          event.job, event.rank, str(fields.get("checkpoint", ""))[:256],
-                          str(fields.get("alert_id", ""))[:64], reason,
-                          str(fields.get("detail", ""))[:256])
+        self._log.warning(
+            "agent_refused",
+            "the agent of job %r (rank %d) REFUSED "
+            "the rollback to %r for alert %s: %s: %s. The checkpoint this "
+            "collector was told of is not one the job saved: someone other than "
+            "the job may be reporting to this collector (SECURITY.md)",
+            event.job,
+            event.rank,
+            str(fields.get("checkpoint", ""))[:256],
+            str(fields.get("alert_id", ""))[:64],
+            reason,
+            str(fields.get("detail", ""))[:256],
+        )
 
     def annotate(self, transition: Any) -> Any:
         """``transition`` with its alert's ``last_good_checkpoint`` filled in where one is known.
@@ -297,15 +351,21 @@ class Actions:
                 return transition
             return replace(transition, alert=replace(alert, last_good_checkpoint=found.path))
         except Exception:  # the alert matters more than this detail: send it as it is
-            log.exception("filling last_good_checkpoint of alert %s failed; please report this "
-                          "as a gradwatch bug", alert.id)
+            log.exception(
+                "filling last_good_checkpoint of alert %s failed; please report this "
+                "as a gradwatch bug",
+                alert.id,
+            )
             return transition
 
     def on_transition(self, transition: Any) -> dict[str, Any] | None:
         """Act on one transition; return the command sent, or ``None``. Never raises."""
         alert = transition.alert
-        if (transition.current != "firing" or transition.previous == "firing"
-                or alert.rule not in self._rollback_rules):
+        if (
+            transition.current != "firing"
+            or transition.previous == "firing"
+            or alert.rule not in self._rollback_rules
+        ):
             return None
         try:
             return self._rollback(alert)
@@ -314,15 +374,24 @@ class Actions:
             self._count_refused("store_error")
             return None
         except Exception:
-            log.exception("rollback for alert %s (%s, job %r) failed; please report this "
-                          "as a gradwatch bug", alert.id, alert.rule, alert.job)
+            log.exception(
+                "rollback for alert %s (%s, job %r) failed; please report this as a gradwatch bug",
+                alert.id,
+                alert.rule,
+                alert.job,
+            )
             self._count_refused("error")
             return None
 
     def stats(self) -> ActionStats:
         with self._lock:
-            return ActionStats(self._sent, dict(self._refused), self.enabled,
-                               dict(self._agent_refused), self._overwrites)
+            return ActionStats(
+                self._sent,
+                dict(self._refused),
+                self.enabled,
+                dict(self._agent_refused),
+                self._overwrites,
+            )
 
     def close(self) -> None:
         with self._db_lock:
@@ -335,19 +404,29 @@ class Actions:
             return None
         found = self.checkpoints.last_good(alert.job, alert.step, self.settings.margin_steps)
         if found is None:
-            self._refuse(alert, now, "no_checkpoint",
-                         f"no checkpoint was reported before step {alert.step}")
+            self._refuse(
+                alert, now, "no_checkpoint", f"no checkpoint was reported before step {alert.step}"
+            )
             return None
         if self._listening is not None and not self._listening(alert.job):
-            self._refuse(alert, now, "no_listener", f"no agent of job {alert.job!r} is connected "
-                         "to the command socket (set GRADWATCH_COMMAND_ENDPOINT on the job)")
+            self._refuse(
+                alert,
+                now,
+                "no_listener",
+                f"no agent of job {alert.job!r} is connected "
+                "to the command socket (set GRADWATCH_COMMAND_ENDPOINT on the job)",
+            )
             return None
         reason = self.budget.refusal(alert.job, alert.id, now)
         if reason is not None:
             used = self.budget.used(alert.job, now)
-            self._refuse(alert, now, reason,
-                         f"{used}/{self.settings.max_rollbacks} rollbacks in the last "
-                         f"{self.settings.window_s:.0f}s, cooldown {self.settings.cooldown_s:.0f}s")
+            self._refuse(
+                alert,
+                now,
+                reason,
+                f"{used}/{self.settings.max_rollbacks} rollbacks in the last "
+                f"{self.settings.window_s:.0f}s, cooldown {self.settings.cooldown_s:.0f}s",
+            )
             return None
         command = self._command(alert, found, now)
         assert self._send is not None and self.settings.key is not None
@@ -356,21 +435,44 @@ class Actions:
         self._send(encode_command(command, self.settings.key))
         with self._lock:
             self._sent += 1
-        log.warning("rollback sent to job %r for alert %s (%s at step %d): resume from %s "
-                    "(step %d), skip %d batches", alert.job, alert.id, alert.rule, alert.step,
-                    found.path, found.step, self.settings.skip_batches)
+        log.warning(
+            "rollback sent to job %r for alert %s (%s at step %d): resume from %s "
+            "(step %d), skip %d batches",
+            alert.job,
+            alert.id,
+            alert.rule,
+            alert.step,
+            found.path,
+            found.step,
+            self.settings.skip_batches,
+        )
         return command
 
     def _command(self, alert: Any, found: SavedCheckpoint, now: float) -> dict[str, Any]:
-        return {"v": COMMAND_VERSION, "job": alert.job, "action": "rollback",
-                "checkpoint": found.path, "step": found.step,
-                "skip_batches": self.settings.skip_batches, "alert_id": alert.id,
-                "rule": alert.rule, "issued_at": now, "nonce": secrets.token_hex(16)}
+        return {
+            "v": COMMAND_VERSION,
+            "job": alert.job,
+            "action": "rollback",
+            "checkpoint": found.path,
+            "step": found.step,
+            "skip_batches": self.settings.skip_batches,
+            "alert_id": alert.id,
+            "rule": alert.rule,
+            "issued_at": now,
+            "nonce": secrets.token_hex(16),
+        }
 
     def _refuse(self, alert: Any, now: float, reason: str, detail: str) -> None:
-        log.warning("rollback refused for job %r, alert %s (%s at step %d): %s: %s; the alert "
-                    "is still notified", alert.job, alert.id, alert.rule, alert.step, reason,
-                    detail)
+        log.warning(
+            "rollback refused for job %r, alert %s (%s at step %d): %s: %s; the alert "
+            "is still notified",
+            alert.job,
+            alert.id,
+            alert.rule,
+            alert.step,
+            reason,
+            detail,
+        )
         self.budget.record(alert.job, alert.id, now, reason)
         self._count_refused(reason)
 
@@ -379,11 +481,16 @@ class Actions:
             self.store_errors += 1
             first = self.store_errors == 1
         # Once: a full disk fails every write, and one clear line says all there is.
-        log.log(logging.ERROR if first else logging.DEBUG,
-                "cannot store %s in the actions store %s: %s. Ingest and alerts go on, but "
-                "checkpoints reported meanwhile are unknown to rollbacks and rollbacks are "
-                "refused; free disk space or fix the data dir's permissions, then restart "
-                "the collector", what, self.settings.path or "(in memory)", exc)
+        log.log(
+            logging.ERROR if first else logging.DEBUG,
+            "cannot store %s in the actions store %s: %s. Ingest and alerts go on, but "
+            "checkpoints reported meanwhile are unknown to rollbacks and rollbacks are "
+            "refused; free disk space or fix the data dir's permissions, then restart "
+            "the collector",
+            what,
+            self.settings.path or "(in memory)",
+            exc,
+        )
 
     def _count_refused(self, reason: str) -> None:
         with self._lock:
@@ -409,45 +516,59 @@ class ActionsMetrics:
         stats = actions.stats()
         now = actions.clock()
         budget = actions.budget
-        remaining = {job: max(0, budget.max_count - budget.used(job, now))
-                     for job in budget.jobs(now)}
+        remaining = {
+            job: max(0, budget.max_count - budget.used(job, now)) for job in budget.jobs(now)
+        }
         yield from self._families(stats.refused, stats.sent, stats.enabled, remaining)
         by_agent = CounterMetricFamily(
-            "gradwatch_rollbacks_refused_by_agent", "Signed rollbacks an agent refused because "
+            "gradwatch_rollbacks_refused_by_agent",
+            "Signed rollbacks an agent refused because "
             "the checkpoint was not one it saved (or changed since); see SECURITY.md.",
-            labels=["reason"])
+            labels=["reason"],
+        )
         for reason, count in sorted(stats.agent_refused.items()):
             by_agent.add_metric([reason], count)
         yield by_agent
         overwrite = CounterMetricFamily(
-            "gradwatch_checkpoint_overwrites_refused", "Checkpoint reports refused because "
-            "their (job, step, rank) was already recorded (entries are immutable).")
+            "gradwatch_checkpoint_overwrites_refused",
+            "Checkpoint reports refused because "
+            "their (job, step, rank) was already recorded (entries are immutable).",
+        )
         overwrite.add_metric([], stats.checkpoints_refused)
         yield overwrite
-        rows = GaugeMetricFamily("gradwatch_checkpoint_rows",
-                                 "Checkpoint entries kept for rollbacks, all jobs.")
+        rows = GaugeMetricFamily(
+            "gradwatch_checkpoint_rows", "Checkpoint entries kept for rollbacks, all jobs."
+        )
         rows.add_metric([], actions.checkpoints.rows())
         yield rows
 
     @staticmethod
-    def _families(refused: Mapping[str, int], sent: int, enabled: bool,
-                  remaining: Mapping[str, int]) -> Iterator[Metric]:
-        sent_family = CounterMetricFamily("gradwatch_rollbacks_sent",
-                                          "Signed rollback commands sent to agents.")
+    def _families(
+        refused: Mapping[str, int], sent: int, enabled: bool, remaining: Mapping[str, int]
+    ) -> Iterator[Metric]:
+        sent_family = CounterMetricFamily(
+            "gradwatch_rollbacks_sent", "Signed rollback commands sent to agents."
+        )
         sent_family.add_metric([], sent)
         yield sent_family
         refused_family = CounterMetricFamily(
-            "gradwatch_rollbacks_refused", "Rollbacks not carried out, by reason; the alert "
-            "was still notified.", labels=["reason"])
+            "gradwatch_rollbacks_refused",
+            "Rollbacks not carried out, by reason; the alert was still notified.",
+            labels=["reason"],
+        )
         for reason, count in sorted(refused.items()):
             refused_family.add_metric([reason], count)
         yield refused_family
-        yield GaugeMetricFamily("gradwatch_rollback_enabled",
-                                "1 when a command key is set and rollback actions run.",
-                                value=int(enabled))
-        left = GaugeMetricFamily("gradwatch_rollback_budget_remaining",
-                                 "Rollbacks a job may still get in the budget window.",
-                                 labels=[JOB_LABEL])
+        yield GaugeMetricFamily(
+            "gradwatch_rollback_enabled",
+            "1 when a command key is set and rollback actions run.",
+            value=int(enabled),
+        )
+        left = GaugeMetricFamily(
+            "gradwatch_rollback_budget_remaining",
+            "Rollbacks a job may still get in the budget window.",
+            labels=[JOB_LABEL],
+        )
         for job, count in sorted(remaining.items()):
             left.add_metric([job], count)
         yield left

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradwatch.collector.config import VERSION
@@ -44,22 +44,30 @@ DEFAULT_RESEND_S = 60.0
 VALID_FOR_RESENDS = 4  # endsAt of a firing alert: this many resend intervals ahead
 
 
-def alertmanager_alert(alert: Mapping[str, Any], now: float, valid_for: float,
-                       generator_url: str | None = None) -> dict[str, Any]:
+def alertmanager_alert(
+    alert: Mapping[str, Any], now: float, valid_for: float, generator_url: str | None = None
+) -> dict[str, Any]:
     """One postable alert for ``alert`` (``Alert.to_dict()`` form) as of ``now``."""
     labels = {str(k): str(v) for k, v in (alert.get("labels") or {}).items()}
     # training_job, as on the collector's metrics and Prometheus' gradwatch alerts, so one
     # inhibition or route matches both; job (the same value) stays for existing routes.
-    labels.update({"alertname": alert["rule"], "severity": alert["severity"],
-                   "category": alert["category"], "training_job": alert["job"],
-                   "job": alert["job"]})
+    labels.update(
+        {
+            "alertname": alert["rule"],
+            "severity": alert["severity"],
+            "category": alert["category"],
+            "training_job": alert["job"],
+            "job": alert["job"],
+        }
+    )
     if alert.get("rank") is not None:
         labels["rank"] = str(alert["rank"])
     annotations = {str(k): str(v) for k, v in (alert.get("annotations") or {}).items()}
     annotations["summary"] = str(alert["summary"])
     annotations["description"] = (
         f"{alert['rule']} ({alert['category']}) on job {alert['job']} since step "
-        f"{alert['step']}; evidence: {json.dumps(alert.get('evidence') or {})}")
+        f"{alert['step']}; evidence: {json.dumps(alert.get('evidence') or {})}"
+    )
     diagnosis = alert.get("diagnosis")
     if diagnosis:
         checks = "; ".join(diagnosis.get("next_checks") or ())
@@ -71,7 +79,8 @@ def alertmanager_alert(alert: Mapping[str, Any], now: float, valid_for: float,
         ends = resolved if isinstance(resolved, (int, float)) else now
     started = alert.get("started_at")
     body: dict[str, Any] = {
-        "labels": labels, "annotations": annotations,
+        "labels": labels,
+        "annotations": annotations,
         "startsAt": iso8601(started if isinstance(started, (int, float)) else now),
         "endsAt": iso8601(ends),
     }
@@ -83,20 +92,29 @@ def alertmanager_alert(alert: Mapping[str, Any], now: float, valid_for: float,
 class AlertmanagerChannel:
     """POSTs alerts to ``{base}/api/v2/alerts``."""
 
-    def __init__(self, url: str, *, resend_interval: float = DEFAULT_RESEND_S,
-                 generator_url: str | None = None, timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        resend_interval: float = DEFAULT_RESEND_S,
+        generator_url: str | None = None,
+        timeout: float = 5.0,
+    ) -> None:
         self._url = url.rstrip("/") + API_PATH
         self._valid_for = VALID_FOR_RESENDS * resend_interval
         self._generator_url = generator_url
         self._timeout = timeout
         self.target = f"Alertmanager {mask_url(url)}"
 
-    def post(self, alerts: list[Mapping[str, Any]], now: float) -> HttpRequest:
+    def post(self, alerts: Sequence[Mapping[str, Any]], now: float) -> HttpRequest:
         """One request carrying every alert in ``alerts``."""
         body = [alertmanager_alert(a, now, self._valid_for, self._generator_url) for a in alerts]
-        return HttpRequest(self._url, json.dumps(body).encode(), {
-            "Content-Type": "application/json", "User-Agent": f"gradwatch/{VERSION}"},
-            self._timeout)
+        return HttpRequest(
+            self._url,
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", "User-Agent": f"gradwatch/{VERSION}"},
+            self._timeout,
+        )
 
     def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
         return self.post([alert], now)
@@ -108,11 +126,20 @@ class AlertmanagerChannel:
 class AlertmanagerSink(OutboxSink):
     """An :class:`OutboxSink` that also re-posts its firing alerts every ``resend_interval``."""
 
-    def __init__(self, url: str, *, name: str = "alertmanager", outbox: Outbox | None = None,
-                 resend_interval: float = DEFAULT_RESEND_S, generator_url: str | None = None,
-                 timeout: float = 5.0, **options: Any) -> None:
-        channel = AlertmanagerChannel(url, resend_interval=resend_interval,
-                                      generator_url=generator_url, timeout=timeout)
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str = "alertmanager",
+        outbox: Outbox | None = None,
+        resend_interval: float = DEFAULT_RESEND_S,
+        generator_url: str | None = None,
+        timeout: float = 5.0,
+        **options: Any,
+    ) -> None:
+        channel = AlertmanagerChannel(
+            url, resend_interval=resend_interval, generator_url=generator_url, timeout=timeout
+        )
         super().__init__(name, channel, outbox, **options)
         self._am = channel
         self._resend = resend_interval
@@ -149,8 +176,14 @@ class AlertmanagerSink(OutboxSink):
         except Exception as exc:  # best effort: the next re-post follows
             problem = str(exc) or type(exc).__name__
         if problem:
-            log.warning("%s: re-posting %d firing alert(s) to %s failed (%s); retrying in %.0fs",
-                        self.name, len(alerts), self.channel.target, problem, self._resend)
+            log.warning(
+                "%s: re-posting %d firing alert(s) to %s failed (%s); retrying in %.0fs",
+                self.name,
+                len(alerts),
+                self.channel.target,
+                problem,
+                self._resend,
+            )
         else:
             self.reposts += 1
         return self._resend

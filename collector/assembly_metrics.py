@@ -25,23 +25,38 @@ from gradwatch.rules.assembly import Assembler, AssemblyCounts
 
 _COUNTERS = (
     ("steps", "gradwatch_assembly_steps", "Steps assembled across ranks and judged by the rules."),
-    ("incomplete", "gradwatch_assembly_incomplete_steps",
-     "Steps judged at the assembly deadline without every expected rank."),
-    ("inexact", "gradwatch_assembly_inexact_steps",
-     "Steps judged with some layers left out because a shard of them never arrived."),
-    ("late", "gradwatch_assembly_late_reports",
-     ("Rank reports that arrived after their step was judged (dropped); a rank that is "
-      "often late needs a longer assembly_deadline_seconds or a look at its network.")),
-    ("restarts", "gradwatch_assembly_restarts",
-     "Times a rank's steps went backwards (a restart or rollback) and assembly began anew."),
+    (
+        "incomplete",
+        "gradwatch_assembly_incomplete_steps",
+        "Steps judged at the assembly deadline without every expected rank.",
+    ),
+    (
+        "inexact",
+        "gradwatch_assembly_inexact_steps",
+        "Steps judged with some layers left out because a shard of them never arrived.",
+    ),
+    (
+        "late",
+        "gradwatch_assembly_late_reports",
+        (
+            "Rank reports that arrived after their step was judged (dropped); a rank that is "
+            "often late needs a longer assembly_deadline_seconds or a look at its network."
+        ),
+    ),
+    (
+        "restarts",
+        "gradwatch_assembly_restarts",
+        "Times a rank's steps went backwards (a restart or rollback) and assembly began anew.",
+    ),
 )
 
 
 class AssemblyMetrics:
     """A prometheus_client collector over an assembler shared with the ingest thread."""
 
-    def __init__(self, assembler: Assembler, lock: threading.Lock,
-                 jobs: Callable[[], Iterable[str]] = tuple) -> None:
+    def __init__(
+        self, assembler: Assembler, lock: threading.Lock, jobs: Callable[[], Iterable[str]] = tuple
+    ) -> None:
         self._assembler = assembler
         self._lock = lock
         self._jobs = jobs  # every job the collector knows: their series start at zero
@@ -62,7 +77,9 @@ class AssemblyMetrics:
         gauge = GaugeMetricFamily(
             "gradwatch_job_absent_ranks",
             "Ranks of a multi-rank job that missed the assembly deadline and have not "
-            "reported since; steps are judged without them.", labels=[JOB_LABEL])
+            "reported since; steps are judged without them.",
+            labels=[JOB_LABEL],
+        )
         for job, n in sorted(absent.items()):
             gauge.add_metric([job], n)
         yield gauge

@@ -72,7 +72,7 @@ RELOAD_EVERY_S = 1.0
 MAX_LOGGED = 1024  # distinct (reason, key) pairs logged; later ones are only counted
 MONITOR_POLL_MS = 100
 PREAMBLE_BYTES = 4  # the wire header's b"GW", version, kind (docs/wire.md)
-_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+_FAILED = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
 class AuthCounters(Collector):
@@ -80,7 +80,7 @@ class AuthCounters(Collector):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self._counts: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self._logged: set[tuple[str, str]] = set()
 
     def refuse(self, reason: str, who: str, message: str, *args: object) -> None:
@@ -92,8 +92,11 @@ class AuthCounters(Collector):
             if first:
                 self._logged.add((reason, who))
         if first:
-            log.warning(message + " (further refusals of this kind are only counted in "
-                        "gradwatch_auth_refused_total)", *args)
+            log.warning(
+                message + " (further refusals of this kind are only counted in "
+                "gradwatch_auth_refused_total)",
+                *args,
+            )
 
     def counts(self) -> dict[str, int]:
         with self._lock:
@@ -101,8 +104,10 @@ class AuthCounters(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(
-            "gradwatch_auth_refused", "Connections and messages the collector refused, by reason "
-            "(see SECURITY.md).", labels=["reason"])
+            "gradwatch_auth_refused",
+            "Connections and messages the collector refused, by reason (see SECURITY.md).",
+            labels=["reason"],
+        )
         for reason, count in sorted(self.counts().items()):
             family.add_metric([reason], count)
         yield family
@@ -111,8 +116,14 @@ class AuthCounters(Collector):
 class CurveAuth:
     """The server key, the ZAP handler and the allow-list of one collector context."""
 
-    def __init__(self, context: zmq.Context[Any], secret_key_file: Path, allow_file: Path,
-                 counters: AuthCounters, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        secret_key_file: Path,
+        allow_file: Path,
+        counters: AuthCounters,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.public_key, secret = load_key_file(secret_key_file, need_secret=True)
         assert secret is not None
         self._secret = secret
@@ -145,8 +156,9 @@ class CurveAuth:
 
     def start_monitoring(self) -> None:
         """Count failed handshakes from a daemon thread (after every ``secure``)."""
-        self._monitor_thread = threading.Thread(target=self._watch_handshakes,
-                                                name="gradwatch-auth-monitor", daemon=True)
+        self._monitor_thread = threading.Thread(
+            target=self._watch_handshakes, name="gradwatch-auth-monitor", daemon=True
+        )
         self._monitor_thread.start()
 
     def close(self) -> None:
@@ -166,8 +178,13 @@ class CurveAuth:
         text = key.decode("ascii", "replace")
         if self.allow_list().jobs_of(text) is not None:
             return True
-        self.counters.refuse("unknown_key", text, "refused a CURVE client with unknown key "
-                             "%s: add it with `gradwatch keys allow` if it is yours", text)
+        self.counters.refuse(
+            "unknown_key",
+            text,
+            "refused a CURVE client with unknown key "
+            "%s: add it with `gradwatch keys allow` if it is yours",
+            text,
+        )
         return False
 
     # ------------------------------------------------------------ ingest thread
@@ -181,13 +198,22 @@ class CurveAuth:
         allow = self.allow_list()
         patterns = allow.jobs_of(key)
         if patterns is None:
-            self.counters.refuse("unknown_key", key, "dropped a message from key %r, which is "
-                                 "no longer in %s", key, self._allow_file)
+            self.counters.refuse(
+                "unknown_key",
+                key,
+                "dropped a message from key %r, which is no longer in %s",
+                key,
+                self._allow_file,
+            )
             return False
         job = job_of(frames[0].bytes)
         if job is None:
-            self.counters.refuse("malformed", key, "dropped a message from %s whose job cannot "
-                                 "be read", allow.name_of(key))
+            self.counters.refuse(
+                "malformed",
+                key,
+                "dropped a message from %s whose job cannot be read",
+                allow.name_of(key),
+            )
             return False
         with self._lock:
             ok = self._allowed_jobs.get((key, job))
@@ -196,10 +222,15 @@ class CurveAuth:
                 if len(self._allowed_jobs) < 65_536:  # bounded: jobs come and go
                     self._allowed_jobs[(key, job)] = ok
         if not ok:
-            self.counters.refuse("job_not_allowed", f"{key}/{job}",
-                                 "dropped messages of job %r from %s: its key may report only "
-                                 "%s (see %s)", job, allow.name_of(key), ", ".join(patterns),
-                                 self._allow_file)
+            self.counters.refuse(
+                "job_not_allowed",
+                f"{key}/{job}",
+                "dropped messages of job %r from %s: its key may report only %s (see %s)",
+                job,
+                allow.name_of(key),
+                ", ".join(patterns),
+                self._allow_file,
+            )
         return ok
 
     def allow_list(self) -> AllowList:
@@ -216,8 +247,11 @@ class CurveAuth:
             try:
                 self._allow = load_allow_list(self._allow_file)
                 self._allowed_jobs.clear()
-                log.info("reloaded the CURVE allow-list %s (%d keys)", self._allow_file,
-                         len(self._allow.clients))
+                log.info(
+                    "reloaded the CURVE allow-list %s (%d keys)",
+                    self._allow_file,
+                    len(self._allow.clients),
+                )
             except ConfigError as exc:
                 log.error("%s; still using the previous allow-list", exc)
             return self._allow
@@ -242,15 +276,29 @@ class CurveAuth:
         where = endpoint.decode("utf-8", "replace") if isinstance(endpoint, bytes) else endpoint
         # A plain client and our CURVE greeting race: either we see the mechanism
         # mismatch, or the client sees it first and hangs up mid-handshake (NO_DETAIL).
-        if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL or \
-                event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-            self.counters.refuse("no_key", where, "refused a plain (unencrypted) ZeroMQ client "
-                                 "on %s: agents need GRADWATCH_CURVE_SERVER_KEY and a key pair "
-                                 "in the allow-list", where)
+        if (
+            event["event"] == zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            or event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+        ):
+            self.counters.refuse(
+                "no_key",
+                where,
+                "refused a plain (unencrypted) ZeroMQ client "
+                "on %s: agents need GRADWATCH_CURVE_SERVER_KEY and a key pair "
+                "in the allow-list",
+                where,
+            )
         else:
-            self.counters.refuse("bad_handshake", where, "a CURVE handshake on %s failed "
-                                 "(ZeroMQ event %s, code %#x): a wrong server key, or not a "
-                                 "gradwatch agent", where, event["event"], event["value"])
+            self.counters.refuse(
+                "bad_handshake",
+                where,
+                "a CURVE handshake on %s failed "
+                "(ZeroMQ event %s, code %#x): a wrong server key, or not a "
+                "gradwatch agent",
+                where,
+                event["event"],
+                event["value"],
+            )
 
 
 def job_of(header: bytes) -> str | None:
@@ -272,43 +320,58 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
-def build_auth(config: CollectorConfig, context: zmq.Context[Any],
-               counters: AuthCounters) -> CurveAuth | None:
+def build_auth(
+    config: CollectorConfig, context: zmq.Context[Any], counters: AuthCounters
+) -> CurveAuth | None:
     """The started handler for ``config``'s CURVE keys, or None when they are not set."""
     if config.curve_secret_key_file is None or config.curve_allow_file is None:
         return None
     auth = CurveAuth(context, config.curve_secret_key_file, config.curve_allow_file, counters)
     auth.start()
-    log.info("CurveZMQ on: server public key %s, %d allowed agent keys in %s",
-             auth.public_key.decode("ascii"), len(auth.allow_list().clients),
-             config.curve_allow_file)
+    log.info(
+        "CurveZMQ on: server public key %s, %d allowed agent keys in %s",
+        auth.public_key.decode("ascii"),
+        len(auth.allow_list().clients),
+        config.curve_allow_file,
+    )
     return auth
 
 
 # ---------------------------------------------------------------- profiles
 
 
-def production_problems(config: CollectorConfig,
-                        rule_actions: Mapping[str, Sequence[str]]) -> list[str]:
+def production_problems(
+    config: CollectorConfig, rule_actions: Mapping[str, Sequence[str]]
+) -> list[str]:
     """Why ``config`` may not run under ``profile: production`` (empty: it may)."""
     problems = []
     if config.curve_secret_key_file is None or config.curve_allow_file is None:
-        problems.append("set curve_secret_key_file and curve_allow_file: production ingests "
-                        "only from CURVE-authenticated agents (`gradwatch keys generate`)")
+        problems.append(
+            "set curve_secret_key_file and curve_allow_file: production ingests "
+            "only from CURVE-authenticated agents (`gradwatch keys generate`)"
+        )
     rollback = sorted(name for name, acts in rule_actions.items() if "rollback" in acts)
     if rollback and config.command_key is None and config.command_key_file is None:
-        problems.append(f"rules {', '.join(rollback)} ask for rollback: set command_key_file "
-                        "(or remove the rollback action)")
+        problems.append(
+            f"rules {', '.join(rollback)} ask for rollback: set command_key_file "
+            "(or remove the rollback action)"
+        )
     if not loopback(config.metrics_host_port[0]):
         if config.metrics_basic_auth_user is None:
-            problems.append("metrics_addr is not a loopback address: set "
-                            "metrics_basic_auth_user and metrics_basic_auth_password_file")
+            problems.append(
+                "metrics_addr is not a loopback address: set "
+                "metrics_basic_auth_user and metrics_basic_auth_password_file"
+            )
         if config.metrics_tls_cert_file is None:
-            problems.append("metrics_addr is not a loopback address: set metrics_tls_cert_file "
-                            "and metrics_tls_key_file (basic auth over plain HTTP leaks)")
+            problems.append(
+                "metrics_addr is not a loopback address: set metrics_tls_cert_file "
+                "and metrics_tls_key_file (basic auth over plain HTTP leaks)"
+            )
     if config.webhooks and config.webhook_secret is None and config.webhook_secret_file is None:
-        problems.append("webhooks are set but unsigned: set webhook_secret_file so receivers "
-                        "can tell gradwatch's alerts from forged ones")
+        problems.append(
+            "webhooks are set but unsigned: set webhook_secret_file so receivers "
+            "can tell gradwatch's alerts from forged ones"
+        )
     return problems
 
 
@@ -318,9 +381,11 @@ def check_profile(config: CollectorConfig, rule_actions: Mapping[str, Sequence[s
         return
     problems = production_problems(config, rule_actions)
     if problems:
-        raise ConfigError("profile 'production' refuses to start:\n" +
-                          "\n".join(f"  - {p}" for p in problems) +
-                          "\nFix these (see SECURITY.md) or run with profile: dev.")
+        raise ConfigError(
+            "profile 'production' refuses to start:\n"
+            + "\n".join(f"  - {p}" for p in problems)
+            + "\nFix these (see SECURITY.md) or run with profile: dev."
+        )
 
 
 def loopback(host: str) -> bool:
@@ -340,9 +405,11 @@ def metrics_security(config: CollectorConfig) -> dict[str, Any]:
         tls = tls_context(config.metrics_tls_cert_file, config.metrics_tls_key_file)
     basic_auth = None
     if config.metrics_basic_auth_user is not None:
-        password = read_secret(config.metrics_basic_auth_password,
-                               config.metrics_basic_auth_password_file,
-                               "metrics_basic_auth_password")
+        password = read_secret(
+            config.metrics_basic_auth_password,
+            config.metrics_basic_auth_password_file,
+            "metrics_basic_auth_password",
+        )
         if password is None:
             raise ConfigError("metrics_basic_auth_password is empty; set a password")
         basic_auth = (config.metrics_basic_auth_user, password)

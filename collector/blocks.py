@@ -73,7 +73,9 @@ def block_norms(layers: tuple[str, ...], norms: np.ndarray) -> tuple[tuple[str, 
     ``norms`` must be aligned with ``layers``; a ``ValueError`` says so when not.
     """
     if len(layers) != norms.size:
-        raise ValueError(f"{len(layers)} layer names but {norms.size} norms; "
-                         "pass the norms of the same step as the names")
+        raise ValueError(
+            f"{len(layers)} layer names but {norms.size} norms; "
+            "pass the norms of the same step as the names"
+        )
     inverse, names = group_blocks(layers)
     return names, group_norms(inverse, norms, len(names))

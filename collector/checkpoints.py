@@ -36,7 +36,7 @@ from pathlib import Path
 # A job reporting a checkpoint every few steps for weeks must not grow the file
 # without bound; a rollback never reaches further back than this many saves.
 MAX_PER_JOB = 100
-MAX_ROWS = 100_000          # every job together (a name bomb of one save per job)
+MAX_ROWS = 100_000  # every job together (a name bomb of one save per job)
 MAX_AGE_S = 7 * 24 * 3600.0  # a week: older saves are pruned at the next report
 
 SCHEMA = """
@@ -71,8 +71,12 @@ def connect(path: Path | None) -> sqlite3.Connection:
     """
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-    db = sqlite3.connect(":memory:" if path is None else str(path), check_same_thread=False,
-                         isolation_level=None, timeout=5.0)
+    db = sqlite3.connect(
+        ":memory:" if path is None else str(path),
+        check_same_thread=False,
+        isolation_level=None,
+        timeout=5.0,
+    )
     if path is not None:
         db.execute("PRAGMA journal_mode=WAL")
     return db
@@ -81,9 +85,16 @@ def connect(path: Path | None) -> sqlite3.Connection:
 class CheckpointStore:
     """Checkpoints per job in the SQLite file at ``path`` (memory when ``None``); thread-safe."""
 
-    def __init__(self, path: Path | None, db: sqlite3.Connection | None = None,
-                 lock: threading.Lock | None = None, *, max_per_job: int = MAX_PER_JOB,
-                 max_rows: int = MAX_ROWS, max_age_s: float = MAX_AGE_S) -> None:
+    def __init__(
+        self,
+        path: Path | None,
+        db: sqlite3.Connection | None = None,
+        lock: threading.Lock | None = None,
+        *,
+        max_per_job: int = MAX_PER_JOB,
+        max_rows: int = MAX_ROWS,
+        max_age_s: float = MAX_AGE_S,
+    ) -> None:
         self._owns = db is None  # a shared connection is closed by its owner
         self._db = connect(path) if db is None else db
         self._lock = lock or threading.Lock()
@@ -92,8 +103,9 @@ class CheckpointStore:
             self._db.executescript(SCHEMA)
             (self._rows,) = self._db.execute("SELECT COUNT(*) FROM checkpoints").fetchone()
 
-    def add(self, job: str, step: int, path: str, time: float, rank: int = 0,
-            now: float | None = None) -> bool:
+    def add(
+        self, job: str, step: int, path: str, time: float, rank: int = 0, now: float | None = None
+    ) -> bool:
         """Record a save; False (nothing changed) when ``(job, step, rank)`` is already known.
 
         Entries are immutable: a later report of the same key never replaces
@@ -104,21 +116,30 @@ class CheckpointStore:
         with self._lock:
             if now is not None:
                 self._rows -= self._db.execute(
-                    "DELETE FROM checkpoints WHERE time < ?", (now - self.max_age_s,)).rowcount
+                    "DELETE FROM checkpoints WHERE time < ?", (now - self.max_age_s,)
+                ).rowcount
             if self._rows >= self.max_rows:
                 # Full of recent saves: the oldest go first, whichever job they belong to.
                 self._rows -= self._db.execute(
                     "DELETE FROM checkpoints WHERE rowid IN (SELECT rowid FROM checkpoints "
-                    "ORDER BY time LIMIT ?)", (max(1, self.max_rows // 100),)).rowcount
-            added = self._db.execute("INSERT OR IGNORE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-                                     (job, step, path, time, rank)).rowcount == 1
+                    "ORDER BY time LIMIT ?)",
+                    (max(1, self.max_rows // 100),),
+                ).rowcount
+            added = (
+                self._db.execute(
+                    "INSERT OR IGNORE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+                    (job, step, path, time, rank),
+                ).rowcount
+                == 1
+            )
             if not added:
                 return False
             self._rows += 1
             self._rows -= self._db.execute(
                 "DELETE FROM checkpoints WHERE job = ? AND step NOT IN (SELECT DISTINCT step "
                 "FROM checkpoints WHERE job = ? ORDER BY step DESC LIMIT ?)",
-                (job, job, self.max_per_job)).rowcount
+                (job, job, self.max_per_job),
+            ).rowcount
             return True
 
     def rows(self) -> int:
@@ -135,7 +156,9 @@ class CheckpointStore:
         with self._lock:
             row = self._db.execute(
                 "SELECT job, step, path, time, rank FROM checkpoints WHERE job = ? AND step < ? "
-                "ORDER BY step DESC, rank ASC LIMIT 1", (job, before_step - margin)).fetchone()
+                "ORDER BY step DESC, rank ASC LIMIT 1",
+                (job, before_step - margin),
+            ).fetchone()
         return None if row is None else SavedCheckpoint(*row)
 
     def of(self, job: str) -> list[SavedCheckpoint]:
@@ -143,7 +166,9 @@ class CheckpointStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT job, step, path, time, rank FROM checkpoints WHERE job = ? "
-                "ORDER BY step, rank", (job,)).fetchall()
+                "ORDER BY step, rank",
+                (job,),
+            ).fetchall()
         return [SavedCheckpoint(*row) for row in rows]
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ def _installed_version() -> str:
 VERSION = _installed_version()
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+SinkKind = Literal["webhook", "slack", "pagerduty", "alertmanager"]  # the routable alert sinks
 
 
 class CollectorError(Exception):
@@ -63,215 +64,335 @@ class CollectorConfig(BaseSettings):
 
     # allow_inf_nan=False: an infinite timeout or window overflows thread and socket waits.
     model_config = SettingsConfigDict(
-        env_prefix="GRADWATCH_", extra="forbid", frozen=True, case_sensitive=False,
-        allow_inf_nan=False)
+        env_prefix="GRADWATCH_",
+        extra="forbid",
+        frozen=True,
+        case_sensitive=False,
+        allow_inf_nan=False,
+    )
 
     listen: str = Field(
         default="tcp://127.0.0.1:5555",
-        description="ZeroMQ endpoint the PULL socket binds; port '*' picks a free one.")
+        description="ZeroMQ endpoint the PULL socket binds; port '*' picks a free one.",
+    )
     metrics_addr: str = Field(
-        default="127.0.0.1:9400", description="HOST:PORT of /metrics, /healthz and /readyz.")
+        default="127.0.0.1:9400", description="HOST:PORT of /metrics, /healthz and /readyz."
+    )
     webhooks: Annotated[list[str], NoDecode] = Field(
-        default_factory=list, description="Generic JSON webhook URLs that receive alerts.")
+        default_factory=list, description="Generic JSON webhook URLs that receive alerts."
+    )
     rules: Path | None = Field(
-        default=None, description="Rule file (YAML); None uses the packaged default pack.")
+        default=None, description="Rule file (YAML); None uses the packaged default pack."
+    )
     max_message_bytes: int = Field(
-        default=16 * MiB, ge=1024, le=1024 * MiB,
-        description="Largest accepted message; larger ones are counted as oversized (ZeroMQ MAXMSGSIZE is 4x this, so they reach the count).")
+        default=16 * MiB,
+        ge=1024,
+        le=1024 * MiB,
+        description="Largest accepted message; larger ones are counted as oversized "
+        "(ZeroMQ MAXMSGSIZE is 4x this, so they reach the count).",
+    )
     receive_hwm: int = Field(
-        default=1000, ge=1, le=1_000_000,
+        default=1000,
+        ge=1,
+        le=1_000_000,
         description="ZeroMQ receive high-water mark, in messages (ZeroMQ takes an int32; "
-                    "each queued message may be max_message_bytes, so keep it small).")
+        "each queued message may be max_message_bytes, so keep it small).",
+    )
     # Hard bounds on hostile but well-formed input (collector/limits.py, SECURITY.md).
     max_jobs: int = Field(
-        default=256, ge=1, le=1_000_000,
-        description="Jobs tracked at once; messages of further jobs are refused and counted.")
+        default=256,
+        ge=1,
+        le=1_000_000,
+        description="Jobs tracked at once; messages of further jobs are refused and counted.",
+    )
     max_jobs_per_key: int = Field(
-        default=64, ge=1, le=1_000_000,
-        description="Jobs one CurveZMQ key may have tracked at once.")
+        default=64,
+        ge=1,
+        le=1_000_000,
+        description="Jobs one CurveZMQ key may have tracked at once.",
+    )
     max_ranks_per_job: int = Field(
-        default=16_384, ge=1, le=1 << 20, description="Ranks tracked per job.")
+        default=16_384, ge=1, le=1 << 20, description="Ranks tracked per job."
+    )
     max_layers_per_schema: int = Field(
-        default=16_384, ge=1, le=1 << 20,
-        description="Layers (parameter tensors) one schema may name.")
+        default=16_384,
+        ge=1,
+        le=1 << 20,
+        description="Layers (parameter tensors) one schema may name.",
+    )
     max_rows_per_batch: int = Field(
-        default=256, ge=1, le=65_536,
+        default=256,
+        ge=1,
+        le=65_536,
         description="Steps one batch may carry (the agent's flush_every); bounds the work "
-                    "per message.")
+        "per message.",
+    )
     max_memory_bytes: int = Field(
-        default=1536 * MiB, ge=64 * MiB, le=1 << 44,
+        default=1536 * MiB,
+        ge=64 * MiB,
+        le=1 << 44,
         description="Resident memory above which no new job or rank is admitted; keep the "
-                    "container limit ~25% above it.")
+        "container limit ~25% above it.",
+    )
     ingest_share: float = Field(
-        default=0.8, gt=0, le=1.0,
+        default=0.8,
+        gt=0,
+        le=1.0,
         description="Share of the ingest thread's time that senders split evenly (a sender "
-                    "is a job, or a CurveZMQ key); one over its share is refused until it "
-                    "slows down.")
+        "is a job, or a CurveZMQ key); one over its share is refused until it "
+        "slows down.",
+    )
     ingest_burst_seconds: float = Field(
-        default=0.5, gt=0, le=60,
-        description="Ingest time a sender may use at once before its share applies.")
+        default=0.5,
+        gt=0,
+        le=60,
+        description="Ingest time a sender may use at once before its share applies.",
+    )
     max_checkpoints_per_job: int = Field(
-        default=100, ge=1, le=1_000_000,
-        description="Checkpoint entries kept per job (the newest steps).")
+        default=100,
+        ge=1,
+        le=1_000_000,
+        description="Checkpoint entries kept per job (the newest steps).",
+    )
     max_checkpoint_rows: int = Field(
-        default=100_000, ge=1, le=100_000_000,
-        description="Checkpoint entries kept in all; the oldest go first.")
+        default=100_000,
+        ge=1,
+        le=100_000_000,
+        description="Checkpoint entries kept in all; the oldest go first.",
+    )
     checkpoint_max_age_seconds: float = Field(
-        default=7 * 24 * 3600.0, gt=0, le=10 * YEAR,
-        description="Checkpoint entries older than this are pruned.")
+        default=7 * 24 * 3600.0,
+        gt=0,
+        le=10 * YEAR,
+        description="Checkpoint entries older than this are pruned.",
+    )
     http_max_connections: int = Field(
-        default=64, ge=1, le=65_536,
+        default=64,
+        ge=1,
+        le=65_536,
         description="Open connections to /metrics, /healthz and /readyz; more are refused "
-                    "and counted.")
+        "and counted.",
+    )
     http_read_timeout_seconds: float = Field(
-        default=10.0, gt=0, le=3600,
-        description="A client that sends nothing for this long is disconnected.")
+        default=10.0,
+        gt=0,
+        le=3600,
+        description="A client that sends nothing for this long is disconnected.",
+    )
     history_steps: int = Field(
-        default=2048, ge=1,
+        default=2048,
+        ge=1,
         description="Ignored since the collector stopped keeping per-rank step history "
-                    "(memory at scale); still accepted so existing config files load.")
+        "(memory at scale); still accepted so existing config files load.",
+    )
     assembly_deadline_seconds: float = Field(
-        default=5.0, gt=0, le=3600,
+        default=5.0,
+        gt=0,
+        le=3600,
         description="How long a multi-rank job's step waits for late ranks before it is "
-                    "judged without them (those ranks are then not waited for until they "
-                    "catch up).")
+        "judged without them (those ranks are then not waited for until they "
+        "catch up).",
+    )
     per_layer_metrics: bool = Field(
-        default=False, description="Expose gradwatch_layer_grad_norm{job,layer} series.")
+        default=False, description="Expose gradwatch_layer_grad_norm{job,layer} series."
+    )
     max_layer_series: int = Field(
-        default=256, ge=1, description="Cap on per-layer series per job (top-K by norm).")
+        default=256, ge=1, description="Cap on per-layer series per job (top-K by norm)."
+    )
     max_block_series: int = Field(
-        default=512, ge=1,
-        description="Cap on per-block grad-norm series per job (non-finite first, then largest).")
+        default=512,
+        ge=1,
+        description="Cap on per-block grad-norm series per job (non-finite first, then largest).",
+    )
     max_rank_series: int = Field(
-        default=64, ge=1,
-        description="Cap on per-rank last-seen series per job (the ranks silent longest).")
+        default=64,
+        ge=1,
+        description="Cap on per-rank last-seen series per job (the ranks silent longest).",
+    )
     max_series_per_family: int = Field(
-        default=20_000, ge=1, le=10_000_000,
+        default=20_000,
+        ge=1,
+        le=10_000_000,
         description="Cap on the per-block, per-layer, per-rank and per-module series of all "
-                    "jobs together, per family: with many jobs each job's cap shrinks to its "
-                    "share, so /metrics stays small and fast.")
+        "jobs together, per family: with many jobs each job's cap shrinks to its "
+        "share, so /metrics stays small and fast.",
+    )
     job_ttl_seconds: float = Field(
-        default=600.0, gt=0, le=YEAR,
-        description="Forget a job's state and series after this much silence.")
+        default=600.0,
+        gt=0,
+        le=YEAR,
+        description="Forget a job's state and series after this much silence.",
+    )
     finished_grace_seconds: float = Field(
-        default=60.0, ge=0, le=YEAR,
+        default=60.0,
+        ge=0,
+        le=YEAR,
         description="Forget a job this long after every rank's agent closed (its final "
-                    "values stay long enough for Prometheus to scrape them).")
+        "values stay long enough for Prometheus to scrape them).",
+    )
     shutdown_timeout: float = Field(
-        default=5.0, gt=0, le=3600,
-        description="Seconds a graceful stop may take before giving up.")
+        default=5.0, gt=0, le=3600, description="Seconds a graceful stop may take before giving up."
+    )
     webhook_timeout: float = Field(
-        default=5.0, gt=0, le=3600, description="Seconds per webhook HTTP request.")
+        default=5.0, gt=0, le=3600, description="Seconds per webhook HTTP request."
+    )
     webhook_queue_size: int = Field(
-        default=1024, ge=1, le=1_000_000,
+        default=1024,
+        ge=1,
+        le=1_000_000,
         description="In-memory queue of the Grafana annotation sink (annotations are not "
-        "pages: best effort); alert sinks are bounded by outbox_max_pending instead.")
+        "pages: best effort); alert sinks are bounded by outbox_max_pending instead.",
+    )
     webhook_secret: SecretStr | None = Field(
-        default=None, description="Standard Webhooks secret (whsec_<base64>) signing every "
-        "generic webhook request; None sends them unsigned.")
+        default=None,
+        description="Standard Webhooks secret (whsec_<base64>) signing every "
+        "generic webhook request; None sends them unsigned.",
+    )
     webhook_secret_file: Path | None = Field(
-        default=None, description="File holding the webhook secret (a mounted secret).")
+        default=None, description="File holding the webhook secret (a mounted secret)."
+    )
     slack_webhook_url: SecretStr | None = Field(
-        default=None, description="Slack incoming webhook URL (its path is a secret).")
+        default=None, description="Slack incoming webhook URL (its path is a secret)."
+    )
     slack_webhook_url_file: Path | None = Field(
-        default=None, description="File holding the Slack incoming webhook URL.")
+        default=None, description="File holding the Slack incoming webhook URL."
+    )
     pagerduty_routing_key: SecretStr | None = Field(
-        default=None, description="PagerDuty Events API v2 integration (routing) key.")
+        default=None, description="PagerDuty Events API v2 integration (routing) key."
+    )
     pagerduty_routing_key_file: Path | None = Field(
-        default=None, description="File holding the PagerDuty routing key.")
+        default=None, description="File holding the PagerDuty routing key."
+    )
     pagerduty_url: str = Field(
         default="https://events.pagerduty.com/v2/enqueue",
-        description="PagerDuty Events API v2 endpoint (change it only for tests or proxies).")
+        description="PagerDuty Events API v2 endpoint (change it only for tests or proxies).",
+    )
     alertmanager_urls: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Alertmanager base URLs (http://host:9093); alerts are POSTed to "
-        "/api/v2/alerts and re-posted while firing.")
+        "/api/v2/alerts and re-posted while firing.",
+    )
     alertmanager_resend_seconds: float = Field(
-        default=60.0, gt=0, le=YEAR, description="Re-post firing alerts to Alertmanager this often.")
-    routes: dict[Literal["webhook", "slack", "pagerduty", "alertmanager"], RoutePolicy] = Field(
+        default=60.0, gt=0, le=YEAR, description="Re-post firing alerts to Alertmanager this often."
+    )
+    routes: dict[SinkKind, RoutePolicy] = Field(
         default_factory=dict,
         description="Per sink kind: min_severity, categories, exclude_categories, "
-        "rate_per_minute (e.g. {pagerduty: {min_severity: critical}}).")
+        "rate_per_minute (e.g. {pagerduty: {min_severity: critical}}).",
+    )
     outbox_max_age_seconds: float = Field(
-        default=24 * 3600.0, gt=0, le=YEAR,
-        description="Keep retrying an undelivered alert this long, then give up (counted).")
+        default=24 * 3600.0,
+        gt=0,
+        le=YEAR,
+        description="Keep retrying an undelivered alert this long, then give up (counted).",
+    )
     outbox_max_pending: int = Field(
-        default=10_000, ge=1, le=10_000_000,
+        default=10_000,
+        ge=1,
+        le=10_000_000,
         description="Undelivered notifications kept per sink; past it the least important "
-                    "of the job holding the most is dropped (collector/outbox.py).")
+        "of the job holding the most is dropped (collector/outbox.py).",
+    )
     ready_file: Path | None = Field(
         default=None,
         description="Once ready, write {listen, metrics_url, pid} as JSON here (random ports "
-        "made discoverable for supervisors and tests); removed on stop.")
+        "made discoverable for supervisors and tests); removed on stop.",
+    )
     record_dir: Path | None = Field(
         default=None,
         description="Record every job as a JSON Lines trace <dir>/<job>.jsonl for `gradwatch "
-        "replay`; a write error switches recording off (logged once), never the collector.")
+        "replay`; a write error switches recording off (logged once), never the collector.",
+    )
     data_dir: Path | None = Field(
         default=None,
         description="Directory for the collector's durable state (alert outbox, checkpoints, "
-        "restart budget), one SQLite file per concern; None keeps them in memory only.")
+        "restart budget), one SQLite file per concern; None keeps them in memory only.",
+    )
     command_listen: str = Field(
         default="tcp://127.0.0.1:5556",
         description="ZeroMQ endpoint of the PUB socket that sends signed rollback commands to "
-        "agents (topic = job); used only when a command key is set.")
+        "agents (topic = job); used only when a command key is set.",
+    )
     command_key: SecretStr | None = Field(
         default=None,
         description="Shared HMAC-SHA256 key (>= 16 bytes) signing rollback commands; agents need "
-        "the same key. None (and no command_key_file) switches rollback actions off.")
+        "the same key. None (and no command_key_file) switches rollback actions off.",
+    )
     command_key_file: Path | None = Field(
-        default=None, description="File holding the command key (a mounted secret).")
+        default=None, description="File holding the command key (a mounted secret)."
+    )
     rollback_skip_batches: int = Field(
-        default=200, ge=0,
-        description="Batches a rolled-back job skips after resuming (PaLM: a few hundred).")
+        default=200,
+        ge=0,
+        description="Batches a rolled-back job skips after resuming (PaLM: a few hundred).",
+    )
     rollback_margin_steps: int = Field(
-        default=0, ge=0,
-        description="Roll back to a checkpoint at least this many steps before the onset.")
+        default=0,
+        ge=0,
+        description="Roll back to a checkpoint at least this many steps before the onset.",
+    )
     rollback_budget: int = Field(
-        default=3, ge=0, description="Rollbacks allowed per job per rollback_budget_window_s.")
+        default=3, ge=0, description="Rollbacks allowed per job per rollback_budget_window_s."
+    )
     rollback_budget_window_s: float = Field(
-        default=6 * 3600.0, gt=0, le=YEAR, description="Window of the rollback budget, in seconds.")
+        default=6 * 3600.0, gt=0, le=YEAR, description="Window of the rollback budget, in seconds."
+    )
     rollback_cooldown_s: float = Field(
-        default=600.0, ge=0, le=YEAR, description="Least time between two rollbacks of one job.")
+        default=600.0, ge=0, le=YEAR, description="Least time between two rollbacks of one job."
+    )
     log_level: LogLevel = "INFO"
     log_format: Literal["text", "json"] = Field(
-        default="text", description="Log lines as text, or one JSON object per line for "
-        "cluster log collectors (Loki, Fluent Bit).")
+        default="text",
+        description="Log lines as text, or one JSON object per line for "
+        "cluster log collectors (Loki, Fluent Bit).",
+    )
     grafana_url: str | None = Field(
         default=None,
-        description="Grafana base URL (http(s)://host:port); alerts become annotations there.")
+        description="Grafana base URL (http(s)://host:port); alerts become annotations there.",
+    )
     grafana_token: SecretStr | None = Field(
-        default=None, description="Grafana service-account token (Editor role).")
+        default=None, description="Grafana service-account token (Editor role)."
+    )
     grafana_token_file: Path | None = Field(
-        default=None, description="File holding the Grafana token (a mounted secret).")
+        default=None, description="File holding the Grafana token (a mounted secret)."
+    )
     grafana_dashboard_uid: str | None = Field(
         default=None,
         description="Attach annotations to this dashboard; None makes organization "
-        "annotations that any dashboard shows through a tag filter.")
+        "annotations that any dashboard shows through a tag filter.",
+    )
     # Authenticated channels (SECURITY.md).
     profile: Literal["dev", "production"] = Field(
         default="dev",
         description="'production' refuses to start without CURVE keys, without a command key "
         "when a rule rolls back, with unsigned webhooks, or with /metrics on a non-loopback "
-        "address without basic auth and TLS.")
+        "address without basic auth and TLS.",
+    )
     curve_secret_key_file: Path | None = Field(
         default=None,
         description="The collector's CurveZMQ NAME.key_secret (mode 0600, `gradwatch keys "
-        "generate`): ingest and command sockets then accept only allow-listed agents.")
+        "generate`): ingest and command sockets then accept only allow-listed agents.",
+    )
     curve_allow_file: Path | None = Field(
         default=None,
         description="YAML allow-list: agent public key -> job glob patterns it may report "
-        "(`gradwatch keys allow`); re-read when it changes.")
+        "(`gradwatch keys allow`); re-read when it changes.",
+    )
     metrics_tls_cert_file: Path | None = Field(
-        default=None, description="PEM certificate (chain) for HTTPS on metrics_addr.")
+        default=None, description="PEM certificate (chain) for HTTPS on metrics_addr."
+    )
     metrics_tls_key_file: Path | None = Field(
-        default=None, description="PEM private key of metrics_tls_cert_file.")
+        default=None, description="PEM private key of metrics_tls_cert_file."
+    )
     metrics_basic_auth_user: str | None = Field(
-        default=None, description="Basic-auth user /metrics requires (/healthz, /readyz open).")
+        default=None, description="Basic-auth user /metrics requires (/healthz, /readyz open)."
+    )
     metrics_basic_auth_password: SecretStr | None = Field(
-        default=None, description="Basic-auth password of metrics_basic_auth_user.")
+        default=None, description="Basic-auth password of metrics_basic_auth_user."
+    )
     metrics_basic_auth_password_file: Path | None = Field(
-        default=None, description="File holding the basic-auth password (a mounted secret).")
+        default=None, description="File holding the basic-auth password (a mounted secret)."
+    )
 
     @field_validator("webhooks", "alertmanager_urls", mode="before")
     @classmethod
@@ -283,8 +404,9 @@ class CollectorConfig(BaseSettings):
                 try:
                     return json.loads(text)
                 except RecursionError:  # pydantic reports ValueError, not this
-                    raise ValueError("a JSON list nested too deeply; give a flat list "
-                                     "of URLs") from None
+                    raise ValueError(
+                        "a JSON list nested too deeply; give a flat list of URLs"
+                    ) from None
             return [part.strip() for part in text.split(",") if part.strip()]
         return value
 
@@ -303,8 +425,9 @@ class CollectorConfig(BaseSettings):
         if value is not None:
             parts = urlsplit(value)
             if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError("must be an http:// or https:// URL with a host, "
-                                 "e.g. http://grafana:3000")
+                raise ValueError(
+                    "must be an http:// or https:// URL with a host, e.g. http://grafana:3000"
+                )
         return value
 
     @field_validator("listen", "command_listen")
@@ -323,17 +446,23 @@ class CollectorConfig(BaseSettings):
     @model_validator(mode="after")
     def _check_pairs(self) -> CollectorConfig:
         # Half a pair is a typo, never a choice: refuse it instead of running open.
-        pairs = (("curve_secret_key_file", "curve_allow_file"),
-                 ("metrics_tls_cert_file", "metrics_tls_key_file"))
+        pairs = (
+            ("curve_secret_key_file", "curve_allow_file"),
+            ("metrics_tls_cert_file", "metrics_tls_key_file"),
+        )
         for first, second in pairs:
             if (getattr(self, first) is None) != (getattr(self, second) is None):
                 raise ValueError(f"{first} and {second} go together: set both or neither")
-        password = self.metrics_basic_auth_password is not None or \
-            self.metrics_basic_auth_password_file is not None
+        password = (
+            self.metrics_basic_auth_password is not None
+            or self.metrics_basic_auth_password_file is not None
+        )
         if (self.metrics_basic_auth_user is not None) == password:
             return self
-        raise ValueError("metrics_basic_auth_user needs metrics_basic_auth_password or "
-                         "metrics_basic_auth_password_file (and the other way round)")
+        raise ValueError(
+            "metrics_basic_auth_user needs metrics_basic_auth_password or "
+            "metrics_basic_auth_password_file (and the other way round)"
+        )
 
     @field_validator("log_level", mode="before")
     @classmethod
@@ -360,8 +489,9 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def load_config(path: Path | None = None,
-                overrides: Mapping[str, Any] | None = None) -> CollectorConfig:
+def load_config(
+    path: Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> CollectorConfig:
     """Build the config from a YAML file, the environment and flag ``overrides``.
 
     Raises ``ConfigError`` listing every invalid key and what to do about it.
@@ -380,11 +510,13 @@ def load_config(path: Path | None = None,
     except SettingsError as exc:  # a GRADWATCH_* value that is not the JSON it must be
         raise ConfigError(
             f"invalid collector configuration: {exc}: {exc.__cause__ or 'bad value'}; set "
-            "that GRADWATCH_<KEY> environment variable to a JSON object or unset it") from exc
+            "that GRADWATCH_<KEY> environment variable to a JSON object or unset it"
+        ) from exc
     except RecursionError as exc:  # pydantic-settings' JSON decoding of GRADWATCH_ROUTES
         raise ConfigError(
             "invalid collector configuration: a GRADWATCH_* value (routes, a JSON object) is "
-            "nested too deeply to read; give it the documented shape") from exc
+            "nested too deeply to read; give it the documented shape"
+        ) from exc
 
 
 def _read_file(path: Path) -> dict[str, Any]:
@@ -393,31 +525,43 @@ def _read_file(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(
             f"cannot read config file {path}: {exc.strerror or exc}; "
-            "check the --config path or leave it out to use defaults") from exc
+            "check the --config path or leave it out to use defaults"
+        ) from exc
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"config file {path} is not UTF-8 text ({exc}); "
-                          "point --config at the YAML file") from exc
+        raise ConfigError(
+            f"config file {path} is not UTF-8 text ({exc}); point --config at the YAML file"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
     except RecursionError as exc:
-        raise ConfigError(f"config file {path} is nested too deeply to read; "
-                          "a config file is a flat mapping of keys to values") from exc
+        raise ConfigError(
+            f"config file {path} is nested too deeply to read; "
+            "a config file is a flat mapping of keys to values"
+        ) from exc
     except ValueError as exc:  # a date like 2024-13-45, an integer of over 4300 digits
-        raise ConfigError(f"config file {path} has a value YAML cannot read ({exc}); "
-                          "fix it or quote it") from exc
+        raise ConfigError(
+            f"config file {path} has a value YAML cannot read ({exc}); fix it or quote it"
+        ) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(
-            f"config file {path} must hold a mapping of keys to values, "
-            f"not a {type(data).__name__}")
+            f"config file {path} must hold a mapping of keys to values, not a {type(data).__name__}"
+        )
     # Accept the flag spelling (metrics-addr) as well as the field name.
     return {str(key).replace("-", "_"): value for key, value in data.items()}
 
 
 # Keys whose values may be or embed secrets (tokens in URLs): never echoed in errors.
-_UNECHOED = ("webhook", "slack", "pagerduty_routing_key", "alertmanager_urls", "grafana_token",
-             "command_key", "metrics_basic_auth_password")
+_UNECHOED = (
+    "webhook",
+    "slack",
+    "pagerduty_routing_key",
+    "alertmanager_urls",
+    "grafana_token",
+    "command_key",
+    "metrics_basic_auth_password",
+)
 
 
 # Bounded: the full repr of a YAML alias bomb would take minutes and gigabytes.
@@ -440,6 +584,9 @@ def _describe(exc: ValidationError, path: Path | None) -> str:
         got = "" if secret else f" (got {_REPR.repr(error.get('input')):.80})"
         lines.append(f"  {key}: {message}{got}")
     where = f"the config file {path}, " if path is not None else ""
-    return ("invalid collector configuration:\n" + "\n".join(lines) +
-            f"\nFix these keys in {where}the GRADWATCH_<KEY> environment variables "
-            "or the command-line flags.")
+    return (
+        "invalid collector configuration:\n"
+        + "\n".join(lines)
+        + f"\nFix these keys in {where}the GRADWATCH_<KEY> environment variables "
+        "or the command-line flags."
+    )

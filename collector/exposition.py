@@ -57,12 +57,20 @@ ALERT_LABELS = [JOB_LABEL, "rule", "category", "severity"]
 class GradwatchCollector(Collector):
     """Builds all ``gradwatch_*`` metric families on each ``collect()``."""
 
-    def __init__(self, state: StateStore, ingest_stats: Callable[[], IngestStats],
-                 firing: Callable[[], Iterable[AlertLike]] = tuple,
-                 sinks: Sequence[Sink] = (), *, per_layer_metrics: bool = False,
-                 max_layer_series: int = 256, max_block_series: int = 512,
-                 max_rank_series: int = 64, max_series_per_family: int = 20_000,
-                 version: str = VERSION) -> None:
+    def __init__(
+        self,
+        state: StateStore,
+        ingest_stats: Callable[[], IngestStats],
+        firing: Callable[[], Iterable[AlertLike]] = tuple,
+        sinks: Sequence[Sink] = (),
+        *,
+        per_layer_metrics: bool = False,
+        max_layer_series: int = 256,
+        max_block_series: int = 512,
+        max_rank_series: int = 64,
+        max_series_per_family: int = 20_000,
+        version: str = VERSION,
+    ) -> None:
         self._state = state
         self._ingest_stats = ingest_stats
         self._firing = firing
@@ -80,13 +88,16 @@ class GradwatchCollector(Collector):
         return list(self._families([], IngestStats({}, {}, {}, {}), []))
 
     def collect(self) -> Iterable[Metric]:
-        return list(self._families(self._state.snapshot(), self._ingest_stats(),
-                                   list(self._firing())))
+        return list(
+            self._families(self._state.snapshot(), self._ingest_stats(), list(self._firing()))
+        )
 
-    def _families(self, jobs: list[JobView], ingest: IngestStats,
-                  firing: list[AlertLike]) -> Iterator[Metric]:
-        build = GaugeMetricFamily("gradwatch_build_info", "gradwatch build; value is always 1.",
-                                  labels=["version"])
+    def _families(
+        self, jobs: list[JobView], ingest: IngestStats, firing: list[AlertLike]
+    ) -> Iterator[Metric]:
+        build = GaugeMetricFamily(
+            "gradwatch_build_info", "gradwatch build; value is always 1.", labels=["version"]
+        )
         build.add_metric([self._version], 1)
         yield build
         yield from _ingest_families(ingest, [job.job for job in jobs])
@@ -110,11 +121,15 @@ class GradwatchCollector(Collector):
             "Gradient L2 norm of each layer at the job's latest step (assembled across ranks "
             "for a multi-rank job, else its reporting rank); "
             "when capped, the top max_layer_series offenders: non-finite first, then the "
-            "largest norms.", labels=[JOB_LABEL, "layer"])
+            "largest norms.",
+            labels=[JOB_LABEL, "layer"],
+        )
         capped = GaugeMetricFamily(
             "gradwatch_layer_series_capped",
             "1 when the job has more layers than max_layer_series and only the top "
-            "offenders are exposed.", labels=[JOB_LABEL])
+            "offenders are exposed.",
+            labels=[JOB_LABEL],
+        )
         for job in jobs:
             layers, norms = _top_layers(job.layers, job.layer_norms, cap)
             for name, value in zip(layers, norms, strict=True):
@@ -128,21 +143,27 @@ def _ingest_families(ingest: IngestStats, jobs: Sequence[str]) -> Iterator[Metri
     """Ingest counters; the per-job ones exist at zero for every known job (``rate()``
     then sees the first lost batch, and the dashboard's panels are not empty)."""
     messages = CounterMetricFamily(
-        "gradwatch_ingest_messages", "Valid wire messages received, by kind.", labels=["kind"])
+        "gradwatch_ingest_messages", "Valid wire messages received, by kind.", labels=["kind"]
+    )
     for kind, count in sorted(ingest.messages.items()):
         messages.add_metric([kind], count)
     rejected = CounterMetricFamily(
-        "gradwatch_ingest_rejected", "Messages dropped, by reason.", labels=["reason"])
+        "gradwatch_ingest_rejected", "Messages dropped, by reason.", labels=["reason"]
+    )
     for reason, count in sorted(ingest.rejected.items()):
         rejected.add_metric([reason], count)
     lost = CounterMetricFamily(
         "gradwatch_ingest_lost_batches",
-        "Batches missing from an agent's sequence (lost in transit).", labels=[JOB_LABEL])
+        "Batches missing from an agent's sequence (lost in transit).",
+        labels=[JOB_LABEL],
+    )
     for job, count in sorted(_with_zeros(ingest.lost_batches, jobs).items()):
         lost.add_metric([job], count)
     dropped = CounterMetricFamily(
         "gradwatch_agent_dropped_steps",
-        "Steps agents report they could not ship (queue full, no collector).", labels=[JOB_LABEL])
+        "Steps agents report they could not ship (queue full, no collector).",
+        labels=[JOB_LABEL],
+    )
     for job, count in sorted(_with_zeros(ingest.agent_dropped, jobs).items()):
         dropped.add_metric([job], count)
     yield from (messages, rejected, lost, dropped)
@@ -157,25 +178,37 @@ def _job_families(jobs: list[JobView]) -> Iterator[Metric]:
         return GaugeMetricFamily(name, doc, labels=[JOB_LABEL, *extra])
 
     step = gauge("gradwatch_job_step", "Latest step reported by any rank.")
-    loss = gauge("gradwatch_job_loss", "Latest training loss: the mean over ranks of a multi-rank job's "
-                 "assembled step, else the reporting rank's.")
-    grad = gauge("gradwatch_job_grad_norm",
-                 "Latest total gradient L2 norm (pre-clip when reported): assembled across "
-                 "ranks for a multi-rank job, else the reporting rank's.")
-    lr = gauge("gradwatch_job_learning_rate",
-               "Latest learning rate per optimizer param group.", ["group"])
-    nonfinite = gauge("gradwatch_job_nonfinite_layers",
-                      "Layers whose latest gradient norm is NaN or Inf on any rank.")
+    loss = gauge(
+        "gradwatch_job_loss",
+        "Latest training loss: the mean over ranks of a multi-rank job's "
+        "assembled step, else the reporting rank's.",
+    )
+    grad = gauge(
+        "gradwatch_job_grad_norm",
+        "Latest total gradient L2 norm (pre-clip when reported): assembled across "
+        "ranks for a multi-rank job, else the reporting rank's.",
+    )
+    lr = gauge(
+        "gradwatch_job_learning_rate", "Latest learning rate per optimizer param group.", ["group"]
+    )
+    nonfinite = gauge(
+        "gradwatch_job_nonfinite_layers",
+        "Layers whose latest gradient norm is NaN or Inf on any rank.",
+    )
     ranks = gauge("gradwatch_job_ranks", "Ranks heard from.")
-    seen = gauge("gradwatch_job_last_seen_timestamp_seconds",
-                 "Unix time the collector last heard from the job.")
+    seen = gauge(
+        "gradwatch_job_last_seen_timestamp_seconds",
+        "Unix time the collector last heard from the job.",
+    )
     val = gauge("gradwatch_job_eval_loss", "Latest validation loss (mon.log_eval).")
     scale = gauge("gradwatch_job_loss_scale", "Latest AMP loss scale of the reporting rank.")
     world = gauge("gradwatch_job_world_size", "Ranks in the job, as its agents declare it.")
-    lag = gauge("gradwatch_job_ingest_lag_seconds",
-                "Largest, over the job's ranks, of the seconds from a rank logging its newest "
-                "step (agent clock) to the collector handling it; batching adds up to one "
-                "flush interval, more means the collector falls behind (or clocks disagree).")
+    lag = gauge(
+        "gradwatch_job_ingest_lag_seconds",
+        "Largest, over the job's ranks, of the seconds from a rank logging its newest "
+        "step (agent clock) to the collector handling it; batching adds up to one "
+        "flush interval, more means the collector falls behind (or clocks disagree).",
+    )
     for job in jobs:
         world.add_metric([job.job], job.world)
         if job.lag_seconds is not None:
@@ -208,15 +241,20 @@ def _rank_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
         "gradwatch_rank_last_seen_timestamp_seconds",
         "Unix time the collector last heard from each rank; when capped, only the "
         "max_rank_series ranks silent longest (gradwatch_job_ranks counts them all).",
-        labels=[JOB_LABEL, "rank"])
+        labels=[JOB_LABEL, "rank"],
+    )
     oldest = GaugeMetricFamily(
         "gradwatch_job_oldest_rank_last_seen_timestamp_seconds",
         "Unix time the collector last heard from the job's most silent rank "
-        "(time() minus this is the worst rank's silence).", labels=[JOB_LABEL])
+        "(time() minus this is the worst rank's silence).",
+        labels=[JOB_LABEL],
+    )
     capped = GaugeMetricFamily(
         "gradwatch_rank_series_capped",
         "1 when the job has more ranks than max_rank_series and only the ranks silent "
-        "longest are exposed.", labels=[JOB_LABEL])
+        "longest are exposed.",
+        labels=[JOB_LABEL],
+    )
     for job in jobs:
         if not job.rank_last_seen:
             continue
@@ -233,13 +271,18 @@ def _block_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
     norm = GaugeMetricFamily(
         "gradwatch_block_grad_norm",
         "Gradient L2 norm of each block (layer names cut after their first numeric part) at "
-        "the job's latest step (assembled across ranks, else the reporting rank): sqrt of the sum of its layers' squared "
-        "norms (NaN or +Inf when one of them is); when capped, the top max_block_series "
-        "offenders: non-finite first, then the largest norms.", labels=[JOB_LABEL, "block"])
+        "the job's latest step (assembled across ranks, else the reporting rank): sqrt of "
+        "the sum of its layers' squared norms (NaN or +Inf when one of them is); when "
+        "capped, the top max_block_series "
+        "offenders: non-finite first, then the largest norms.",
+        labels=[JOB_LABEL, "block"],
+    )
     capped = GaugeMetricFamily(
         "gradwatch_block_series_capped",
         "1 when the job has more blocks than max_block_series and only the top offenders "
-        "are exposed.", labels=[JOB_LABEL])
+        "are exposed.",
+        labels=[JOB_LABEL],
+    )
     for job in jobs:
         if not job.layers or len(job.layers) != job.layer_norms.size:
             continue
@@ -256,14 +299,20 @@ def _activation_families(jobs: list[JobView], cap: int) -> Iterator[Metric]:
     sat = GaugeMetricFamily(
         "gradwatch_activation_saturated_fraction",
         "Share of tanh/sigmoid outputs pinned near their bounds, per module, at the latest "
-        "cadence step (top modules per job).", labels=[JOB_LABEL, "module", "kind"])
+        "cadence step (top modules per job).",
+        labels=[JOB_LABEL, "module", "kind"],
+    )
     dead = GaugeMetricFamily(
         "gradwatch_activation_dead_fraction",
         "Share of exact-zero ReLU-family outputs, per module, at the latest cadence step "
-        "(top modules per job).", labels=[JOB_LABEL, "module", "kind"])
+        "(top modules per job).",
+        labels=[JOB_LABEL, "module", "kind"],
+    )
     for job in jobs:
-        for family, values in ((sat, [(a.sat_frac, a) for a in job.act if a.sat_frac is not None]),
-                               (dead, [(a.zero_frac, a) for a in job.act if a.zero_frac is not None])):
+        for family, values in (
+            (sat, [(a.sat_frac, a) for a in job.act if a.sat_frac is not None]),
+            (dead, [(a.zero_frac, a) for a in job.act if a.zero_frac is not None]),
+        ):
             for value, a in sorted(values, key=lambda pair: -pair[0])[:cap]:
                 family.add_metric([job.job, a.module, a.kind], value)
     yield from (sat, dead)
@@ -275,7 +324,9 @@ def _ratio_family(jobs: list[JobView]) -> Metric:
     ratio = GaugeMetricFamily(
         "gradwatch_job_first_last_grad_ratio",
         "Grad norm of the first module over the last at the job's latest step "
-        "(<0.01 vanishing, >100 exploding by the default rules).", labels=[JOB_LABEL])
+        "(<0.01 vanishing, >100 exploding by the default rules).",
+        labels=[JOB_LABEL],
+    )
     for job in jobs:
         if len(job.layers) != job.layer_norms.size or job.layer_norms.size < 2:
             continue
@@ -290,14 +341,17 @@ def _ratio_family(jobs: list[JobView]) -> Metric:
 
 def _alert_families(jobs: list[JobView], firing: list[AlertLike]) -> Iterator[Metric]:
     now = GaugeMetricFamily(
-        "gradwatch_alerts_firing", "Alerts firing now (one per incident, summed by labels).",
-        labels=ALERT_LABELS)
+        "gradwatch_alerts_firing",
+        "Alerts firing now (one per incident, summed by labels).",
+        labels=ALERT_LABELS,
+    )
     # Two ranks may fire the same rule: one series per label set, never duplicates.
     counts = Counter((a.job, a.rule, a.category, a.severity) for a in firing)
     for labels, count in sorted(counts.items()):
         now.add_metric(list(labels), count)
     total = CounterMetricFamily(
-        "gradwatch_alerts", "Transitions of alerts into firing.", labels=ALERT_LABELS)
+        "gradwatch_alerts", "Transitions of alerts into firing.", labels=ALERT_LABELS
+    )
     for job in jobs:
         for (rule, category, severity), count in sorted(job.alerts_fired.items()):
             total.add_metric([job.job, rule, category, severity], count)
@@ -306,14 +360,18 @@ def _alert_families(jobs: list[JobView], firing: list[AlertLike]) -> Iterator[Me
 
 def _sink_families(sinks: Sequence[Sink]) -> Iterator[Metric]:
     sent = CounterMetricFamily(
-        "gradwatch_notifications", "Alert notifications by sink and final outcome.",
-        labels=["sink", "outcome"])
+        "gradwatch_notifications",
+        "Alert notifications by sink and final outcome.",
+        labels=["sink", "outcome"],
+    )
     retries = CounterMetricFamily(
-        "gradwatch_notification_retries", "Extra delivery attempts after a failure.",
-        labels=["sink"])
+        "gradwatch_notification_retries",
+        "Extra delivery attempts after a failure.",
+        labels=["sink"],
+    )
     queued = GaugeMetricFamily(
-        "gradwatch_notification_queue_length", "Notifications waiting to be sent.",
-        labels=["sink"])
+        "gradwatch_notification_queue_length", "Notifications waiting to be sent.", labels=["sink"]
+    )
     for sink in sinks:
         stats = sink.stats()
         for outcome in ("delivered", "dropped", "failed"):
@@ -323,8 +381,9 @@ def _sink_families(sinks: Sequence[Sink]) -> Iterator[Metric]:
     yield from (sent, retries, queued)
 
 
-def _top_layers(layers: tuple[str, ...], norms: np.ndarray,
-                cap: int) -> tuple[list[str], list[float]]:
+def _top_layers(
+    layers: tuple[str, ...], norms: np.ndarray, cap: int
+) -> tuple[list[str], list[float]]:
     """Layers (or blocks) in model order, at most ``cap``: non-finite first, then the largest."""
     first: dict[str, int] = {}
     for i, name in enumerate(layers):

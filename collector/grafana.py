@@ -43,7 +43,7 @@ from gradwatch.collector.sinks import NOTIFY_STATES, SinkStats, mask_url, read_s
 
 log = logging.getLogger(__name__)
 
-MAX_TRACKED = 4096       # firing annotations remembered for their resolve (oldest forgotten)
+MAX_TRACKED = 4096  # firing annotations remembered for their resolve (oldest forgotten)
 RETRY_DELAYS = (0.5, 2.0)  # seconds between attempts; a close cuts them short
 
 
@@ -62,12 +62,20 @@ def grafana_api(url: str, token: str, timeout: float = 5.0) -> GrafanaApi:
     """A ``GrafanaApi`` for ``url`` (``http(s)://host[:port][/prefix]``) with a bearer token."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise GrafanaError(f"Grafana URL {url!r} is not an http:// or https:// URL with a host; "
-                           "pass e.g. --url http://grafana:3000")
+        raise GrafanaError(
+            f"Grafana URL {url!r} is not an http:// or https:// URL with a host; "
+            "pass e.g. --url http://grafana:3000"
+        )
     # grafana-client joins the prefix and "api" without a separator.
     prefix = parts.path.strip("/")
-    return GrafanaApi(auth=token, host=parts.hostname, port=parts.port, protocol=parts.scheme,
-                      url_path_prefix=f"{prefix}/" if prefix else "", timeout=timeout)
+    return GrafanaApi(
+        auth=token,
+        host=parts.hostname,
+        port=parts.port,
+        protocol=parts.scheme,
+        url_path_prefix=f"{prefix}/" if prefix else "",
+        timeout=timeout,
+    )
 
 
 @contextmanager
@@ -80,20 +88,29 @@ def _translated(what: str, url: str) -> Iterator[None]:
         raise GrafanaError(
             f"{what}: Grafana at {where} answered 401 Unauthorized; the token is missing, "
             "wrong or expired: create a service-account token with the Editor role and pass "
-            "it with --token-file or GRADWATCH_GRAFANA_TOKEN", retryable=False) from exc
+            "it with --token-file or GRADWATCH_GRAFANA_TOKEN",
+            retryable=False,
+        ) from exc
     except GrafanaClientError as exc:
-        hint = ("the dashboard changed in Grafana since this file was exported; pass "
-                "overwrite=True (drop --no-overwrite) to replace it"
-                if exc.status_code == 412 else "check the request and the token's permissions")
-        raise GrafanaError(f"{what}: Grafana at {where} answered {exc.status_code}: "
-                           f"{exc.message}; {hint}",
-                           retryable=exc.status_code in (408, 429)) from exc
+        hint = (
+            "the dashboard changed in Grafana since this file was exported; pass "
+            "overwrite=True (drop --no-overwrite) to replace it"
+            if exc.status_code == 412
+            else "check the request and the token's permissions"
+        )
+        raise GrafanaError(
+            f"{what}: Grafana at {where} answered {exc.status_code}: {exc.message}; {hint}",
+            retryable=exc.status_code in (408, 429),
+        ) from exc
     except GrafanaException as exc:
-        raise GrafanaError(f"{what}: Grafana at {where} failed: {exc.message}; "
-                           "check Grafana's logs and retry") from exc
+        raise GrafanaError(
+            f"{what}: Grafana at {where} failed: {exc.message}; check Grafana's logs and retry"
+        ) from exc
     except OSError as exc:  # niquests' ConnectionError and Timeout derive from OSError
-        raise GrafanaError(f"{what}: cannot reach Grafana at {where} ({type(exc).__name__}); "
-                           "check the URL and that Grafana is up") from exc
+        raise GrafanaError(
+            f"{what}: cannot reach Grafana at {where} ({type(exc).__name__}); "
+            "check the URL and that Grafana is up"
+        ) from exc
 
 
 def load_dashboard(path: Path) -> dict[str, Any]:
@@ -101,26 +118,39 @@ def load_dashboard(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise GrafanaError(f"cannot read dashboard {path}: {exc.strerror or exc}; "
-                           "pass the JSON file with --dashboard") from exc
+        raise GrafanaError(
+            f"cannot read dashboard {path}: {exc.strerror or exc}; "
+            "pass the JSON file with --dashboard"
+        ) from exc
     except json.JSONDecodeError as exc:
         raise GrafanaError(f"dashboard {path} is not valid JSON: {exc}") from exc
     dashboard = data.get("dashboard", data) if isinstance(data, dict) else None
     if not isinstance(dashboard, dict) or not dashboard.get("title"):
-        raise GrafanaError(f"dashboard {path} has no title; a Grafana dashboard model is a JSON "
-                           "object with at least a \"title\"")
+        raise GrafanaError(
+            f"dashboard {path} has no title; a Grafana dashboard model is a JSON "
+            'object with at least a "title"'
+        )
     return dashboard
 
 
-def push_dashboard(url: str, token: str, path: Path | str, folder_uid: str | None = None,
-                   overwrite: bool = True, timeout: float = 10.0) -> dict[str, Any]:
+def push_dashboard(
+    url: str,
+    token: str,
+    path: Path | str,
+    folder_uid: str | None = None,
+    overwrite: bool = True,
+    timeout: float = 10.0,
+) -> dict[str, Any]:
     """Create or replace the dashboard in ``path``; returns Grafana's answer
     (``id``, ``uid``, ``url``, ``status``, ``version``). Raises ``GrafanaError``."""
     dashboard = dict(load_dashboard(Path(path)))
     # Grafana matches by uid; a numeric id from another instance would point elsewhere.
     dashboard["id"] = None
-    payload: dict[str, Any] = {"dashboard": dashboard, "overwrite": overwrite,
-                               "message": "pushed by gradwatch grafana push"}
+    payload: dict[str, Any] = {
+        "dashboard": dashboard,
+        "overwrite": overwrite,
+        "message": "pushed by gradwatch grafana push",
+    }
     if folder_uid is not None:
         payload["folderUid"] = folder_uid
     with _translated(f"pushing dashboard {dashboard['title']!r}", url):
@@ -130,8 +160,13 @@ def push_dashboard(url: str, token: str, path: Path | str, folder_uid: str | Non
 
 def alert_tags(alert: Any) -> list[str]:
     """The tags every gradwatch annotation carries; the dashboard filters on the first."""
-    return ["gradwatch", f"job:{alert.job}", f"rule:{alert.rule}",
-            f"category:{alert.category}", f"severity:{alert.severity}"]
+    return [
+        "gradwatch",
+        f"job:{alert.job}",
+        f"rule:{alert.rule}",
+        f"category:{alert.category}",
+        f"severity:{alert.severity}",
+    ]
 
 
 def alert_text(alert: Any) -> str:
@@ -139,17 +174,27 @@ def alert_text(alert: Any) -> str:
     lines = [f"[{alert.severity}] {alert.rule}: {alert.summary}"]
     diagnosis = alert.diagnosis or {}
     if diagnosis.get("verdict"):
-        lines.append(f"diagnosis: {diagnosis['verdict']}"
-                     + (f" - {diagnosis['summary']}" if diagnosis.get("summary") else ""))
+        lines.append(
+            f"diagnosis: {diagnosis['verdict']}"
+            + (f" - {diagnosis['summary']}" if diagnosis.get("summary") else "")
+        )
     return "\n".join(lines)
 
 
 class GrafanaAnnotationSink:
     """Posts one region annotation per alert incident from a background thread."""
 
-    def __init__(self, url: str, token: str, *, name: str = "grafana",
-                 dashboard_uid: str | None = None, timeout: float = 5.0,
-                 queue_size: int = 1024, retry_delays: tuple[float, ...] = RETRY_DELAYS) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        *,
+        name: str = "grafana",
+        dashboard_uid: str | None = None,
+        timeout: float = 5.0,
+        queue_size: int = 1024,
+        retry_delays: tuple[float, ...] = RETRY_DELAYS,
+    ) -> None:
         self.name = name
         self._url = url
         self._masked = mask_url(url)
@@ -166,8 +211,9 @@ class GrafanaAnnotationSink:
 
     def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=f"gradwatch-{self.name}",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name=f"gradwatch-{self.name}", daemon=True
+            )
             self._thread.start()
 
     def notify(self, transition: Any) -> None:
@@ -181,8 +227,12 @@ class GrafanaAnnotationSink:
                 self._queue.popleft()
                 self._counts["dropped"] += 1
                 if self._counts["dropped"] == 1:
-                    log.warning("grafana %s: annotation queue full (%d), dropping the oldest; "
-                                "Grafana is too slow or down", self._masked, self._queue_size)
+                    log.warning(
+                        "grafana %s: annotation queue full (%d), dropping the oldest; "
+                        "Grafana is too slow or down",
+                        self._masked,
+                        self._queue_size,
+                    )
             self._queue.append((transition.current, transition.alert))
             self._cond.notify()
 
@@ -194,8 +244,11 @@ class GrafanaAnnotationSink:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("grafana %s: still sending after %.1fs at shutdown; giving up",
-                            self._masked, timeout)
+                log.warning(
+                    "grafana %s: still sending after %.1fs at shutdown; giving up",
+                    self._masked,
+                    timeout,
+                )
         self._api.client.s.close()
 
     def alive(self) -> bool:
@@ -239,8 +292,9 @@ class GrafanaAnnotationSink:
     def _deliver(self, state: str, alert: Any) -> str:
         for attempt in range(len(self._retry_delays) + 1):
             try:
-                with _translated(f"annotating {state} alert {alert.rule} of job {alert.job!r}",
-                                 self._url):
+                with _translated(
+                    f"annotating {state} alert {alert.rule} of job {alert.job!r}", self._url
+                ):
                     self._send(state, alert)
                 return "delivered"
             except GrafanaError as exc:
@@ -267,10 +321,14 @@ class GrafanaAnnotationSink:
             return
         # A resolve without a known firing annotation (it failed, or a restart
         # lost the id) still gets its region, posted whole.
-        end = _ms(alert.resolved_at) if state == "resolved" and alert.resolved_at else None
+        until = _ms(alert.resolved_at) if state == "resolved" and alert.resolved_at else None
         answer = annotations.add_annotation(
-            dashboard_uid=self._dashboard_uid, time_from=_ms(alert.started_at), time_to=end,
-            tags=alert_tags(alert), text=alert_text(alert))
+            dashboard_uid=self._dashboard_uid,
+            time_from=_ms(alert.started_at),
+            time_to=until,
+            tags=alert_tags(alert),
+            text=alert_text(alert),
+        )
         if state == "firing":
             with self._cond:
                 self._annotation_ids[alert.id] = int(answer["id"])
@@ -289,9 +347,16 @@ def build_grafana_sinks(config: CollectorConfig) -> list[GrafanaAnnotationSink]:
         return []
     token = read_secret(config.grafana_token, config.grafana_token_file, "grafana_token")
     if not token:
-        raise GrafanaError("grafana_url is set but no token: set GRADWATCH_GRAFANA_TOKEN or "
-                           "grafana_token_file (a service-account token with the Editor role)")
-    return [GrafanaAnnotationSink(config.grafana_url, token,
-                                  dashboard_uid=config.grafana_dashboard_uid,
-                                  timeout=config.webhook_timeout,
-                                  queue_size=config.webhook_queue_size)]
+        raise GrafanaError(
+            "grafana_url is set but no token: set GRADWATCH_GRAFANA_TOKEN or "
+            "grafana_token_file (a service-account token with the Editor role)"
+        )
+    return [
+        GrafanaAnnotationSink(
+            config.grafana_url,
+            token,
+            dashboard_uid=config.grafana_dashboard_uid,
+            timeout=config.webhook_timeout,
+            queue_size=config.webhook_queue_size,
+        )
+    ]

@@ -43,6 +43,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from socket import socket as Socket
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -68,32 +69,50 @@ def _text() -> list[tuple[str, str]]:
 class MetricsHTTPServer:
     """Serves from its own thread as soon as it is built; ``close()`` stops it."""
 
-    def __init__(self, host: str, port: int, registry: CollectorRegistry,
-                 ready: Callable[[], bool], *, tls: ssl.SSLContext | None = None,
-                 basic_auth: tuple[str, str] | None = None,
-                 max_connections: int = DEFAULT_MAX_CONNECTIONS,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        registry: CollectorRegistry,
+        ready: Callable[[], bool],
+        *,
+        tls: ssl.SSLContext | None = None,
+        basic_auth: tuple[str, str] | None = None,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        read_timeout: float = DEFAULT_READ_TIMEOUT_S,
+    ) -> None:
         self._metrics: Callable[..., Iterable[bytes]] = make_wsgi_app(registry)
         self._ready = ready
-        self._authorization = None if basic_auth is None else \
-            "Basic " + base64.b64encode(":".join(basic_auth).encode("utf-8")).decode("ascii")
-        server_class: type[_ThreadingWSGIServer] = \
+        self._authorization = (
+            None
+            if basic_auth is None
+            else "Basic " + base64.b64encode(":".join(basic_auth).encode("utf-8")).decode("ascii")
+        )
+        server_class: type[_ThreadingWSGIServer] = (
             _IPv6WSGIServer if ":" in host else _ThreadingWSGIServer
+        )
         if tls is not None:
-            server_class = type("TLS" + server_class.__name__, (_TLSMixin, server_class),
-                                {"ssl_context": tls})
+            server_class = type(
+                "TLS" + server_class.__name__, (_TLSMixin, server_class), {"ssl_context": tls}
+            )
         self.connections = Connections(max_connections)
         handler = type("Handler", (_QuietHandler,), {"timeout": read_timeout})
         try:
-            self._server = make_server(host, port, self._app, server_class=server_class,
-                                       handler_class=handler)
-            self._server.connections = self.connections  # type: ignore[attr-defined]
+            self._server = make_server(
+                host, port, self._app, server_class=server_class, handler_class=handler
+            )
+            self._server.connections = self.connections
         except OSError as exc:
             raise CollectorError(
                 f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}; "
-                "choose another --metrics-addr") from exc
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={
-            "poll_interval": 0.1}, name="gradwatch-metrics-http", daemon=True)
+                "choose another --metrics-addr"
+            ) from exc
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.1},
+            name="gradwatch-metrics-http",
+            daemon=True,
+        )
         self._thread.start()
         self._closed = False
 
@@ -116,8 +135,10 @@ class MetricsHTTPServer:
         path = environ.get("PATH_INFO", "/")
         if path == "/metrics":
             if not self._authorized(environ.get("HTTP_AUTHORIZATION", "")):
-                start_response("401 Unauthorized", [
-                    *_text(), ("WWW-Authenticate", 'Basic realm="gradwatch", charset="UTF-8"')])
+                start_response(
+                    "401 Unauthorized",
+                    [*_text(), ("WWW-Authenticate", 'Basic realm="gradwatch", charset="UTF-8"')],
+                )
                 return [b"credentials required: see metrics_basic_auth_user\n"]
             return self._metrics(environ, start_response)
         if path == "/healthz":
@@ -136,8 +157,9 @@ class MetricsHTTPServer:
         if self._authorization is None:
             return True
         # Constant time: the comparison must not tell how much of a guess was right.
-        return hmac.compare_digest(header.encode("utf-8", "replace"),
-                                   self._authorization.encode("utf-8"))
+        return hmac.compare_digest(
+            header.encode("utf-8", "replace"), self._authorization.encode("utf-8")
+        )
 
 
 def tls_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
@@ -147,8 +169,10 @@ def tls_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     try:
         context.load_cert_chain(cert_file, key_file)
     except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"cannot load the metrics TLS certificate {cert_file} with key "
-                          f"{key_file}: {exc}; both must be PEM files and match") from exc
+        raise ConfigError(
+            f"cannot load the metrics TLS certificate {cert_file} with key "
+            f"{key_file}: {exc}; both must be PEM files and match"
+        ) from exc
     return context
 
 
@@ -170,18 +194,27 @@ class Connections:
             if len(self._idle) + len(self._busy) >= self.limit:
                 if not self._idle:
                     self.refused["full"] += 1
-                    self._log.warning("http_full", "refused an HTTP connection from %s: all "
-                                      "%d connections are busy with requests; raise "
-                                      "http_max_connections if scrapes are this many", peer,
-                                      self.limit)
+                    self._log.warning(
+                        "http_full",
+                        "refused an HTTP connection from %s: all "
+                        "%d connections are busy with requests; raise "
+                        "http_max_connections if scrapes are this many",
+                        peer,
+                        self.limit,
+                    )
                     return False
                 _, evict = self._idle.popitem(last=False)
                 self.refused["evicted_idle"] += 1
             self._idle[id(sock)] = sock
         if evict is not None:
-            self._log.warning("http_idle", "closed the oldest idle HTTP connection to admit "
-                              "%s: %d are open (http_max_connections), and idle connections "
-                              "(slow or silent clients) go first", peer, self.limit)
+            self._log.warning(
+                "http_idle",
+                "closed the oldest idle HTTP connection to admit "
+                "%s: %d are open (http_max_connections), and idle connections "
+                "(slow or silent clients) go first",
+                peer,
+                self.limit,
+            )
             with contextlib.suppress(OSError):
                 evict.shutdown(socket.SHUT_RDWR)  # its thread's read returns and it ends
         return True
@@ -204,14 +237,19 @@ class Connections:
         with self._lock:
             refused, open_now = dict(self.refused), len(self._idle) + len(self._busy)
         family = CounterMetricFamily(
-            "gradwatch_http_connections_refused", "HTTP connections closed by the "
+            "gradwatch_http_connections_refused",
+            "HTTP connections closed by the "
             "connection cap: 'evicted_idle' (an idle one closed for a new one) or 'full'.",
-            labels=["reason"])
+            labels=["reason"],
+        )
         for reason, count in sorted(refused.items()):
             family.add_metric([reason], count)
         yield family
-        yield GaugeMetricFamily("gradwatch_http_connections_open", "Open HTTP connections "
-                                "(bounded by http_max_connections).", value=open_now)
+        yield GaugeMetricFamily(
+            "gradwatch_http_connections_open",
+            "Open HTTP connections (bounded by http_max_connections).",
+            value=open_now,
+        )
 
 
 class _ThreadingWSGIServer(ThreadingMixIn, WSGIServer):
@@ -245,12 +283,13 @@ class _TLSMixin:
     """Wrap accepted sockets without I/O; handshake in the request's own thread."""
 
     ssl_context: ssl.SSLContext
-    socket: socket.socket
+    socket: Socket
 
-    def get_request(self) -> tuple[socket.socket, Any]:
+    def get_request(self) -> tuple[Socket, Any]:
         sock, address = self.socket.accept()
-        return self.ssl_context.wrap_socket(sock, server_side=True,
-                                            do_handshake_on_connect=False), address
+        return self.ssl_context.wrap_socket(
+            sock, server_side=True, do_handshake_on_connect=False
+        ), address
 
     def finish_request(self, request: Any, client_address: Any) -> None:
         request.settimeout(TLS_HANDSHAKE_TIMEOUT_S)

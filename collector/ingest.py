@@ -61,10 +61,13 @@ _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 # Largest finite value of the gradients' dtype, named by the schema.
 _DTYPE_MAX = {
-    "float16": 65504.0, "half": 65504.0,
+    "float16": 65504.0,
+    "half": 65504.0,
     "bfloat16": float.fromhex("0x1.fep127"),
-    "float32": FLOAT32_MAX, "float": FLOAT32_MAX,
-    "float64": float(np.finfo(np.float64).max), "double": float(np.finfo(np.float64).max),
+    "float32": FLOAT32_MAX,
+    "float": FLOAT32_MAX,
+    "float64": float(np.finfo(np.float64).max),
+    "double": float(np.finfo(np.float64).max),
 }
 
 Frames = Sequence[bytes | memoryview]
@@ -142,9 +145,12 @@ class RateLimitedLog:
 class Ingest:
     """Turns multipart frames into steps; counts and logs whatever it rejects."""
 
-    def __init__(self, max_message_bytes: int = 16 * 1024 * 1024,
-                 max_streams: int = MAX_STREAMS,
-                 admit: Callable[[Batch | Heartbeat | Event], str | None] | None = None) -> None:
+    def __init__(
+        self,
+        max_message_bytes: int = 16 * 1024 * 1024,
+        max_streams: int = MAX_STREAMS,
+        admit: Callable[[Batch | Heartbeat | Event], str | None] | None = None,
+    ) -> None:
         self.max_message_bytes = max_message_bytes
         # Bounds checked after decoding, before any cache or state grows
         # (collector/limits.py); it counts and logs what it refuses.
@@ -155,8 +161,8 @@ class Ingest:
         self._streams: OrderedDict[tuple[str, int, str], _Stream] = OrderedDict()
         self._plans: OrderedDict[Schema, _Plan] = OrderedDict()  # LRU, see _shared_plan
         self._lock = threading.Lock()
-        self._messages: Counter[str] = Counter({kind: 0 for kind in KINDS})
-        self._rejected: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self._messages: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
+        self._rejected: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self._dropped: Counter[str] = Counter()
         self._lost: Counter[str] = Counter()
         self._log = RateLimitedLog(log)
@@ -166,25 +172,37 @@ class Ingest:
         try:
             size = sum(memoryview(frame).nbytes for frame in frames)
             if size > self.max_message_bytes:
-                self.reject("oversized", "dropped a message of %d bytes (limit %d); raise "
-                            "max_message_bytes or lower the agent's flush_every",
-                            size, self.max_message_bytes)
+                self.reject(
+                    "oversized",
+                    "dropped a message of %d bytes (limit %d); raise "
+                    "max_message_bytes or lower the agent's flush_every",
+                    size,
+                    self.max_message_bytes,
+                )
                 return NOTHING
             message = decode(frames)
         except WireVersionError as exc:
             self.reject("version", "dropped a message: %s", exc)
             return NOTHING
         except Exception as exc:  # WireError, or anything decode() failed to foresee
-            self.reject("malformed", "dropped a malformed message: %s (only gradwatch agents "
-                        "of a matching version should send to this endpoint)", exc)
+            self.reject(
+                "malformed",
+                "dropped a malformed message: %s (only gradwatch agents "
+                "of a matching version should send to this endpoint)",
+                exc,
+            )
             return NOTHING
         try:
             if self.admit is not None and self.admit(message) is not None:
                 return NOTHING
             return self._dispatch(message)
         except Exception as exc:
-            self.reject("internal", "failed to decode a valid %s message: %r; please report "
-                        "this as a gradwatch bug", type(message).__name__, exc)
+            self.reject(
+                "internal",
+                "failed to decode a valid %s message: %r; please report this as a gradwatch bug",
+                type(message).__name__,
+                exc,
+            )
             return NOTHING
 
     def reject(self, reason: str, message: str, *args: object) -> None:
@@ -203,8 +221,9 @@ class Ingest:
 
     def stats(self) -> IngestStats:
         with self._lock:
-            return IngestStats(dict(self._messages), dict(self._rejected),
-                               dict(self._dropped), dict(self._lost))
+            return IngestStats(
+                dict(self._messages), dict(self._rejected), dict(self._dropped), dict(self._lost)
+            )
 
     # ------------------------------------------------------------ per kind
 
@@ -229,16 +248,27 @@ class Ingest:
         if plan is None and batch.schema is not None:
             return NOTHING  # a new schema refused by the memory bound, counted there
         if plan is None:
-            self.reject("unknown_schema", "dropped a batch of job %r rank %d: schema %d is "
-                        "unknown (the collector started after the agent sent it); this "
-                        "clears when the agent next resends its schema",
-                        batch.job, batch.rank, batch.schema_id)
+            self.reject(
+                "unknown_schema",
+                "dropped a batch of job %r rank %d: schema %d is "
+                "unknown (the collector started after the agent sent it); this "
+                "clears when the agent next resends its schema",
+                batch.job,
+                batch.rank,
+                batch.schema_id,
+            )
             return NOTHING
         if row_width(batch) != plan.schema.width:
-            self.reject("malformed", "dropped a batch of job %r rank %d: rows of %d values "
-                        "but schema %d has %d; the agent is sending inconsistent data",
-                        batch.job, batch.rank, row_width(batch), plan.schema.id,
-                        plan.schema.width)
+            self.reject(
+                "malformed",
+                "dropped a batch of job %r rank %d: rows of %d values "
+                "but schema %d has %d; the agent is sending inconsistent data",
+                batch.job,
+                batch.rank,
+                row_width(batch),
+                plan.schema.id,
+                plan.schema.width,
+            )
             return NOTHING
         if plan.stats:
             return Ingested(stats=_stats_rows(batch, plan))
@@ -302,9 +332,16 @@ class Ingest:
             lost = batch.seq - last - 1
             with self._lock:
                 self._lost[batch.job] += lost
-            self._log.warning("lost", "%d batch(es) of job %r rank %d were lost in transit "
-                              "(seq %d then %d); check the network and receive_hwm",
-                              lost, batch.job, batch.rank, last, batch.seq)
+            self._log.warning(
+                "lost",
+                "%d batch(es) of job %r rank %d were lost in transit "
+                "(seq %d then %d); check the network and receive_hwm",
+                lost,
+                batch.job,
+                batch.rank,
+                last,
+                batch.seq,
+            )
         if last is None or batch.seq > last:
             stream.last_seq = batch.seq
 
@@ -317,9 +354,15 @@ class Ingest:
         stream.dropped = dropped
         with self._lock:
             self._dropped[job] += delta
-        self._log.warning("agent_dropped", "job %r rank %d could not ship %d step(s) "
-                          "(queue full or no collector listening); raise the agent's queue "
-                          "size or check that the collector keeps up", job, rank, delta)
+        self._log.warning(
+            "agent_dropped",
+            "job %r rank %d could not ship %d step(s) "
+            "(queue full or no collector listening); raise the agent's queue "
+            "size or check that the collector keeps up",
+            job,
+            rank,
+            delta,
+        )
 
     def _count_message(self, kind: str) -> None:
         with self._lock:
@@ -336,12 +379,25 @@ def eval_of(event: Event) -> Eval:
     fields = dict(event.fields)
     loss = _number(fields.pop("loss", None))
     modules = fields.pop("train_mode_modules", None)
-    named = tuple(m for m in modules if isinstance(m, str))[:MAX_TRAIN_MODE_MODULES] \
-        if isinstance(modules, list) else ()
-    metrics = {key: value for key, value in ((k, _number(v)) for k, v in fields.items())
-               if value is not None}
-    return Eval(job=event.job, step=event.step, time=event.time, rank=event.rank, loss=loss,
-                metrics=metrics, train_mode_modules=named)
+    named = (
+        tuple(m for m in modules if isinstance(m, str))[:MAX_TRAIN_MODE_MODULES]
+        if isinstance(modules, list)
+        else ()
+    )
+    metrics = {
+        key: value
+        for key, value in ((k, _number(v)) for k, v in fields.items())
+        if value is not None
+    }
+    return Eval(
+        job=event.job,
+        step=event.step,
+        time=event.time,
+        rank=event.rank,
+        loss=loss,
+        metrics=metrics,
+        train_mode_modules=named,
+    )
 
 
 def _number(value: object) -> float | None:
@@ -358,20 +414,31 @@ def _number(value: object) -> float | None:
 def _compile(schema: Schema) -> _Plan:
     index = {name: i for i, name in enumerate(schema.columns)}
     groups = sorted(
-        (int(name[len(col.LR_PREFIX):]), i) for name, i in index.items()
-        if name.startswith(col.LR_PREFIX) and name[len(col.LR_PREFIX):].isdigit())
+        (int(name[len(col.LR_PREFIX) :]), i)
+        for name, i in index.items()
+        if name.startswith(col.LR_PREFIX) and name[len(col.LR_PREFIX) :].isdigit()
+    )
     grad_norm = col.scalar(col.GRAD_NORM_SCALAR)
     scalars = tuple(
-        (name[len(col.SCALAR_PREFIX):], i) for name, i in index.items()
-        if name.startswith(col.SCALAR_PREFIX) and name != grad_norm)
+        (name[len(col.SCALAR_PREFIX) :], i)
+        for name, i in index.items()
+        if name.startswith(col.SCALAR_PREFIX) and name != grad_norm
+    )
     dtype = schema.dtype.removeprefix("torch.").lower()
     return _Plan(
-        schema=schema, loss=index.get(col.LOSS), loss_scale=index.get(col.LOSS_SCALE),
-        skipped=index.get(col.SKIPPED), grad_norm=index.get(grad_norm),
-        lr=tuple(i for _, i in groups), scalars=scalars, first_layer=len(schema.columns),
-        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX), stats=col.WEIGHT_NORMS in index,
+        schema=schema,
+        loss=index.get(col.LOSS),
+        loss_scale=index.get(col.LOSS_SCALE),
+        skipped=index.get(col.SKIPPED),
+        grad_norm=index.get(grad_norm),
+        lr=tuple(i for _, i in groups),
+        scalars=scalars,
+        first_layer=len(schema.columns),
+        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX),
+        stats=col.WEIGHT_NORMS in index,
         acts=_act_plan(index) if col.WEIGHT_NORMS in index else (),
-        ratios=_ratio_plan(index, schema.layers) if col.WEIGHT_NORMS in index else ())
+        ratios=_ratio_plan(index, schema.layers) if col.WEIGHT_NORMS in index else (),
+    )
 
 
 def _ratio_plan(index: Mapping[str, int], layers: tuple[str, ...]) -> tuple[int, ...]:
@@ -379,22 +446,31 @@ def _ratio_plan(index: Mapping[str, int], layers: tuple[str, ...]) -> tuple[int,
     return tuple(found) if any(i >= 0 for i in found) else ()
 
 
-def _act_plan(index: Mapping[str, int]) -> tuple[tuple[str, str, int, int, int | None, int | None], ...]:
+def _act_plan(
+    index: Mapping[str, int],
+) -> tuple[tuple[str, str, int, int, int | None, int | None], ...]:
     """Group ``act/<module>/<kind>/<stat>`` columns by module; a module needs mean and std."""
     found: dict[tuple[str, str], dict[str, int]] = {}
     for name, i in index.items():
         if not name.startswith(col.ACT_PREFIX):
             continue
-        parts = name[len(col.ACT_PREFIX):].rsplit("/", 2)
+        parts = name[len(col.ACT_PREFIX) :].rsplit("/", 2)
         if len(parts) != 3 or not parts[0]:
             continue  # not ours to read: receivers ignore columns they do not know
         module, kind, stat = parts
         found.setdefault((module, kind), {})[stat] = i
     return tuple(
-        (module, kind, stats[col.ACT_MEAN], stats[col.ACT_STD], stats.get(col.ACT_ZERO_FRAC),
-         stats.get(col.ACT_SAT_FRAC))
+        (
+            module,
+            kind,
+            stats[col.ACT_MEAN],
+            stats[col.ACT_STD],
+            stats.get(col.ACT_ZERO_FRAC),
+            stats.get(col.ACT_SAT_FRAC),
+        )
         for (module, kind), stats in found.items()
-        if col.ACT_MEAN in stats and col.ACT_STD in stats)
+        if col.ACT_MEAN in stats and col.ACT_STD in stats
+    )
 
 
 def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
@@ -409,12 +485,18 @@ def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
     for r in range(rows):
         values, gone = named[r], named_missing[r]
         acts = tuple(
-            ActStats(module, kind, values[m], values[s], _cell(values, gone, z),
-                     _cell(values, gone, f))
-            for module, kind, m, s, z, f in plan.acts if not gone[m] and not gone[s])
+            ActStats(
+                module, kind, values[m], values[s], _cell(values, gone, z), _cell(values, gone, f)
+            )
+            for module, kind, m, s, z, f in plan.acts
+            if not gone[m] and not gone[s]
+        )
         keep = measured[r]
-        layers = plan.schema.layers if keep.all() else tuple(
-            name for name, k in zip(plan.schema.layers, keep.tolist(), strict=True) if k)
+        layers = (
+            plan.schema.layers
+            if keep.all()
+            else tuple(name for name, k in zip(plan.schema.layers, keep.tolist(), strict=True) if k)
+        )
         row = norms[r] if keep.all() else norms[r][keep]
         row.flags.writeable = False
         ratios = None
@@ -425,10 +507,21 @@ def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
                 full = np.array([math.nan if c is None else c for c in cells], np.float64)
                 ratios = full if keep.all() else full[keep]
                 ratios.flags.writeable = False
-        out.append(Stats(job=batch.job, step=batch.steps[r], time=batch.times[r],
-                         rank=batch.rank, layers=layers, weight_norms=row, act=acts,
-                         update_ratios=ratios, world=batch.world, shards=batch.shards or 0,
-                         census=batch.census if r == rows - 1 else None))
+        out.append(
+            Stats(
+                job=batch.job,
+                step=batch.steps[r],
+                time=batch.times[r],
+                rank=batch.rank,
+                layers=layers,
+                weight_norms=row,
+                act=acts,
+                update_ratios=ratios,
+                world=batch.world,
+                shards=batch.shards or 0,
+                census=batch.census if r == rows - 1 else None,
+            )
+        )
     return tuple(out)
 
 
@@ -459,8 +552,11 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
             keep = measured[r]
             row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
             row_norms = norms[r][keep]
-            row_roles = tuple(role for role, k in zip(roles, keep.tolist(), strict=True) if k) \
-                if roles else ()
+            row_roles = (
+                tuple(role for role, k in zip(roles, keep.tolist(), strict=True) if k)
+                if roles
+                else ()
+            )
         row_norms.flags.writeable = False
         grad_norm = _cell(values, gone, plan.grad_norm)
         logged = grad_norm is not None
@@ -468,14 +564,27 @@ def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
             grad_norm = float(totals[r])
         lr = () if any(gone[i] for i in plan.lr) else tuple(values[i] for i in plan.lr)
         skipped = _cell(values, gone, plan.skipped)
-        steps.append(Step(
-            job=batch.job, step=batch.steps[r], time=batch.times[r], rank=batch.rank,
-            loss=_cell(values, gone, plan.loss), grad_norm=grad_norm, layers=row_layers,
-            layer_norms=row_norms, lr=lr, loss_scale=_cell(values, gone, plan.loss_scale),
-            skipped=skipped is not None and skipped > 0.5,
-            scalars={name: values[i] for name, i in plan.scalars if not gone[i]},
-            dtype_max=plan.dtype_max, grad_norm_logged=logged, world=batch.world,
-            shards=batch.shards or 0, layer_roles=row_roles))
+        steps.append(
+            Step(
+                job=batch.job,
+                step=batch.steps[r],
+                time=batch.times[r],
+                rank=batch.rank,
+                loss=_cell(values, gone, plan.loss),
+                grad_norm=grad_norm,
+                layers=row_layers,
+                layer_norms=row_norms,
+                lr=lr,
+                loss_scale=_cell(values, gone, plan.loss_scale),
+                skipped=skipped is not None and skipped > 0.5,
+                scalars={name: values[i] for name, i in plan.scalars if not gone[i]},
+                dtype_max=plan.dtype_max,
+                grad_norm_logged=logged,
+                world=batch.world,
+                shards=batch.shards or 0,
+                layer_roles=row_roles,
+            )
+        )
     return tuple(steps)
 
 

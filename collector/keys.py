@@ -46,8 +46,10 @@ from gradwatch.collector.config import ConfigError
 
 SECRET_MODE = 0o600
 Z85_KEY = re.compile(r"^[0-9a-zA-Z.\-:+=^!/*?&<>()\[\]{}@%$#]{40}$")
-_BANNER = ("#   ****  Generated on {now} by gradwatch keys  ****\n"
-           "#   ZeroMQ CURVE {what}\n#   {advice}\n\n")
+_BANNER = (
+    "#   ****  Generated on {now} by gradwatch keys  ****\n"
+    "#   ZeroMQ CURVE {what}\n#   {advice}\n\n"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,8 +74,10 @@ class Client(BaseModel):
     @classmethod
     def _z85(cls, value: str) -> str:
         if not Z85_KEY.match(value):
-            raise ValueError("must be a CurveZMQ public key: 40 Z85 characters, as in a "
-                             "NAME.key file written by `gradwatch keys generate`")
+            raise ValueError(
+                "must be a CurveZMQ public key: 40 Z85 characters, as in a "
+                "NAME.key file written by `gradwatch keys generate`"
+            )
         return value
 
 
@@ -115,22 +119,39 @@ def generate_keypair(name: str, directory: Path, force: bool = False) -> KeyPair
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     existing = [str(f) for f in (public_file, secret_file) if f.exists()]
     if existing and not force:
-        raise ConfigError(f"{' and '.join(existing)} already exist(s); pass --force to replace "
-                          "(agents holding the old key are refused until they get the new one)")
+        raise ConfigError(
+            f"{' and '.join(existing)} already exist(s); pass --force to replace "
+            "(agents holding the old key are refused until they get the new one)"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _write(secret_file, _BANNER.format(now=now, what="secret certificate",
-                                           advice="DO NOT PROVIDE THIS FILE TO OTHER USERS "
-                                           "nor change its permissions.") +
-               _curve_section(public, secret), SECRET_MODE, force)
-        _write(public_file, _BANNER.format(now=now, what="public certificate",
-                                           advice="Exchange securely, or use a secure "
-                                           "mechanism to verify the contents.") +
-               _curve_section(public, None), 0o644, force)
+        _write(
+            secret_file,
+            _BANNER.format(
+                now=now,
+                what="secret certificate",
+                advice="DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.",
+            )
+            + _curve_section(public, secret),
+            SECRET_MODE,
+            force,
+        )
+        _write(
+            public_file,
+            _BANNER.format(
+                now=now,
+                what="public certificate",
+                advice="Exchange securely, or use a secure mechanism to verify the contents.",
+            )
+            + _curve_section(public, None),
+            0o644,
+            force,
+        )
     except OSError as exc:
-        raise ConfigError(f"cannot write the key pair {name!r} in {directory}: "
-                          f"{exc.strerror or exc}; check the directory and its permissions"
-                          ) from exc
+        raise ConfigError(
+            f"cannot write the key pair {name!r} in {directory}: "
+            f"{exc.strerror or exc}; check the directory and its permissions"
+        ) from exc
     return KeyPair(public_file, secret_file, public.decode("ascii"))
 
 
@@ -177,16 +198,22 @@ def load_key_file(path: Path, need_secret: bool = False) -> tuple[bytes, bytes |
         info = path.stat()
         mode = info.st_mode
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"cannot read the CurveZMQ key file {path}: {exc}; create one with "
-                          "`gradwatch keys generate --name NAME --dir DIR`") from exc
+        raise ConfigError(
+            f"cannot read the CurveZMQ key file {path}: {exc}; create one with "
+            "`gradwatch keys generate --name NAME --dir DIR`"
+        ) from exc
     if need_secret:
         if secret is None:
-            raise ConfigError(f"{path} holds no secret key: point at the NAME.key_secret "
-                              "file, not the public NAME.key")
+            raise ConfigError(
+                f"{path} holds no secret key: point at the NAME.key_secret "
+                "file, not the public NAME.key"
+            )
         own_group = info.st_gid == os.getegid() and not mode & stat.S_IWGRP
         if mode & stat.S_IRWXO or (mode & stat.S_IRWXG and not own_group):
-            raise ConfigError(f"{path} is readable by other users (mode "
-                              f"{stat.S_IMODE(mode):o}); run `chmod 600 {path}`")
+            raise ConfigError(
+                f"{path} is readable by other users (mode "
+                f"{stat.S_IMODE(mode):o}); run `chmod 600 {path}`"
+            )
     if not Z85_KEY.match(public.decode("ascii", "replace")):
         raise ConfigError(f"{path}: the public key is not 40 Z85 characters")
     return public, secret
@@ -200,24 +227,27 @@ def load_allow_list(path: Path) -> AllowList:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except OSError as exc:
-        raise ConfigError(f"cannot read the allow-list {path}: {exc.strerror or exc}; create "
-                          "it with `gradwatch keys allow`") from exc
+        raise ConfigError(
+            f"cannot read the allow-list {path}: {exc.strerror or exc}; create "
+            "it with `gradwatch keys allow`"
+        ) from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"the allow-list {path} is not valid YAML: {exc}") from exc
     try:
         return AllowList.model_validate(data or {})
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
-                             for e in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
         raise ConfigError(f"the allow-list {path} is invalid: {problems}") from exc
 
 
 def save_allow_list(path: Path, allow: AllowList) -> None:
     """Write ``allow`` whole, then rename: the collector never reads half a file."""
-    body = {"version": allow.version,
-            "clients": [c.model_dump(exclude_defaults=False) for c in allow.clients]}
-    for client in body["clients"]:
+    clients = [c.model_dump(exclude_defaults=False) for c in allow.clients]
+    for client in clients:
         client["jobs"] = list(client["jobs"])
+    body = {"version": allow.version, "clients": clients}
     header = "# gradwatch CURVE allow-list: client public key -> job glob patterns.\n"
     _write(path, header + yaml.safe_dump(body, sort_keys=False), 0o644, force=True)
 
@@ -249,20 +279,27 @@ def revoke_key(path: Path, public_key: str) -> bool:
 
 
 def keys_parser(prog: str = "gradwatch keys") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="CurveZMQ keys and the "
-                                     "collector's allow-list (see SECURITY.md).")
+    parser = argparse.ArgumentParser(
+        prog=prog, description="CurveZMQ keys and the collector's allow-list (see SECURITY.md)."
+    )
     sub = parser.add_subparsers(dest="action", required=True)
     gen = sub.add_parser("generate", help="write NAME.key and NAME.key_secret (mode 0600)")
     gen.add_argument("--name", required=True, help="file stem, e.g. collector or trainer-a")
     gen.add_argument("--dir", type=Path, default=Path("."), help="directory (default .)")
     gen.add_argument("--force", action="store_true", help="replace existing files")
     allow = sub.add_parser("allow", help="allow a client key to report some jobs")
-    allow.add_argument("--public", required=True,
-                       help="the client's NAME.key file (or its Z85 public key)")
-    allow.add_argument("--jobs", required=True,
-                       help="comma-separated job glob patterns, e.g. 'run-*,eval-*'")
-    allow.add_argument("--allow-file", type=Path, required=True,
-                       help="the allow-list YAML (the collector's curve_allow_file)")
+    allow.add_argument(
+        "--public", required=True, help="the client's NAME.key file (or its Z85 public key)"
+    )
+    allow.add_argument(
+        "--jobs", required=True, help="comma-separated job glob patterns, e.g. 'run-*,eval-*'"
+    )
+    allow.add_argument(
+        "--allow-file",
+        type=Path,
+        required=True,
+        help="the allow-list YAML (the collector's curve_allow_file)",
+    )
     allow.add_argument("--name", default="", help="a label for logs (default: the file stem)")
     revoke = sub.add_parser("revoke", help="remove a client key from the allow-list")
     revoke.add_argument("--public", required=True, help="NAME.key file or Z85 public key")
@@ -276,15 +313,19 @@ def keys_main(argv: Sequence[str]) -> int:
     try:
         if args.action == "generate":
             pair = generate_keypair(args.name, args.dir, force=args.force)
-            print(f"public key {pair.public_key}\n  wrote {pair.public_file} (share it)\n"
-                  f"  wrote {pair.secret_file} (mode 0600; keep it secret)")
+            print(
+                f"public key {pair.public_key}\n  wrote {pair.public_file} (share it)\n"
+                f"  wrote {pair.secret_file} (mode 0600; keep it secret)"
+            )
         elif args.action == "allow":
             jobs = [j.strip() for j in args.jobs.split(",") if j.strip()]
             public = read_public_key(args.public)
             name = args.name or (Path(args.public).stem if Path(args.public).exists() else "")
             allow_key(args.allow_file, public, jobs, name=name)
-            print(f"allowed {public} ({name or 'unnamed'}) for jobs {', '.join(jobs)} "
-                  f"in {args.allow_file}")
+            print(
+                f"allowed {public} ({name or 'unnamed'}) for jobs {', '.join(jobs)} "
+                f"in {args.allow_file}"
+            )
         elif not revoke_key(args.allow_file, read_public_key(args.public)):
             print(f"gradwatch keys: that key is not in {args.allow_file}; nothing changed")
             return 1
@@ -294,4 +335,3 @@ def keys_main(argv: Sequence[str]) -> int:
         print(f"gradwatch keys: {exc}", file=sys.stderr)
         return 1
     return 0
-

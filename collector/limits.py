@@ -66,14 +66,14 @@ from gradwatch.wire.messages import MAX_HEADER_BYTES
 log = logging.getLogger(__name__)
 
 MiB = 1024 * 1024
-NEW = "(new)"             # the shared bucket of senders not admitted yet
-TOP_SENDERS = 20          # senders named in the per-sender refusal metric
-MAX_OFFENDERS = 1024      # senders whose refusals are counted by name (the rest as "other")
-ACTIVE_S = 5.0            # a sender is active (takes a share) this long after its last message
-RSS_EVERY_S = 0.1          # /proc/self/statm costs ~10 us: checked often, overshoot stays small
-BUSY_WINDOW_S = 1.0        # the ingest thread's utilisation is averaged over about this long
-ROW_COST_S = 5e-4          # the first guess of ingest seconds per row (measured from then on)
-NEW_CREDIT_S = 0.1         # a new sender's bucket starts with this many seconds of its share
+NEW = "(new)"  # the shared bucket of senders not admitted yet
+TOP_SENDERS = 20  # senders named in the per-sender refusal metric
+MAX_OFFENDERS = 1024  # senders whose refusals are counted by name (the rest as "other")
+ACTIVE_S = 5.0  # a sender is active (takes a share) this long after its last message
+RSS_EVERY_S = 0.1  # /proc/self/statm costs ~10 us: checked often, overshoot stays small
+BUSY_WINDOW_S = 1.0  # the ingest thread's utilisation is averaged over about this long
+ROW_COST_S = 5e-4  # the first guess of ingest seconds per row (measured from then on)
+NEW_CREDIT_S = 0.1  # a new sender's bucket starts with this many seconds of its share
 REASONS = ("jobs", "jobs_per_key", "ranks", "rows", "layers", "memory", "share")
 
 
@@ -87,7 +87,7 @@ class Bounds:
     max_layers_per_schema: int = 16_384
     max_rows_per_batch: int = 256
     max_memory_bytes: int = 1536 * MiB
-    ingest_share: float = 0.8     # of the ingest thread's time, split among active senders
+    ingest_share: float = 0.8  # of the ingest thread's time, split among active senders
     ingest_burst_seconds: float = 0.5
 
     @classmethod
@@ -137,15 +137,19 @@ def current_rss() -> int:
 class Admission:
     """The bounds and the fair share; see the module doc. Thread-safe."""
 
-    def __init__(self, bounds: Bounds, clock: Callable[[], float] = time.monotonic,
-                 rss: Callable[[], int] = current_rss) -> None:
+    def __init__(
+        self,
+        bounds: Bounds,
+        clock: Callable[[], float] = time.monotonic,
+        rss: Callable[[], int] = current_rss,
+    ) -> None:
         self.bounds = bounds
         self._clock, self._rss_of = clock, rss
         self._lock = threading.Lock()
         self._jobs: dict[str, _Job] = {}
         self._per_key: Counter[str] = Counter()
         self._buckets: dict[str, _Bucket] = {}
-        self._refused: Counter[str] = Counter({reason: 0 for reason in REASONS})
+        self._refused: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self._by_sender: Counter[tuple[str, str]] = Counter()
         self._rss, self._rss_at = 0, -float("inf")
         self._busy, self._busy_at = 0.0, clock()  # decaying sum of ingest seconds
@@ -166,13 +170,20 @@ class Admission:
         now = self._clock()
         with self._lock:
             bucket = self._bucket(unit, now)
-            if self._utilisation(now) < self.bounds.ingest_share or \
-                    bucket.tokens > min(rows * bucket.row_cost, self.bounds.ingest_burst_seconds):
+            if self._utilisation(now) < self.bounds.ingest_share or bucket.tokens > min(
+                rows * bucket.row_cost, self.bounds.ingest_burst_seconds
+            ):
                 return True
-        self._count("share", unit, "dropped messages of %s: it used more than its share of "
-                    "the collector's time (%.0f%% split among %d active senders); it is "
-                    "sending faster than the collector can judge", unit,
-                    100 * self.bounds.ingest_share, self.active())
+        self._count(
+            "share",
+            unit,
+            "dropped messages of %s: it used more than its share of "
+            "the collector's time (%.0f%% split among %d active senders); it is "
+            "sending faster than the collector can judge",
+            unit,
+            100 * self.bounds.ingest_share,
+            self.active(),
+        )
         return False
 
     def charge(self, unit: str, seconds: float, rows: int = 0) -> None:
@@ -195,8 +206,9 @@ class Admission:
     def _utilisation(self, now: float) -> float:
         elapsed = now - self._busy_at
         if elapsed > 0:
-            self._busy *= max(0.0, 1.0 - elapsed / BUSY_WINDOW_S) if elapsed < BUSY_WINDOW_S \
-                else 0.0
+            self._busy *= (
+                max(0.0, 1.0 - elapsed / BUSY_WINDOW_S) if elapsed < BUSY_WINDOW_S else 0.0
+            )
             self._busy_at = now
         return self._busy / BUSY_WINDOW_S
 
@@ -234,43 +246,69 @@ class Admission:
         job, rank = message.job, message.rank
         if isinstance(message, Batch):
             if len(message.steps) > b.max_rows_per_batch:
-                return self._refuse("rows", job, "dropped a batch of %d rows from job %r "
-                                    "(max_rows_per_batch %d); lower the agent's flush_every",
-                                    len(message.steps), job, b.max_rows_per_batch)
+                return self._refuse(
+                    "rows",
+                    job,
+                    "dropped a batch of %d rows from job %r "
+                    "(max_rows_per_batch %d); lower the agent's flush_every",
+                    len(message.steps),
+                    job,
+                    b.max_rows_per_batch,
+                )
             schema = message.schema
             if schema is not None and len(schema.layers) > b.max_layers_per_schema:
-                return self._refuse("layers", job, "dropped a schema of %d layers from job %r "
-                                    "(max_layers_per_schema %d); raise it if the model really "
-                                    "has that many parameter tensors", len(schema.layers), job,
-                                    b.max_layers_per_schema)
+                return self._refuse(
+                    "layers",
+                    job,
+                    "dropped a schema of %d layers from job %r "
+                    "(max_layers_per_schema %d); raise it if the model really "
+                    "has that many parameter tensors",
+                    len(schema.layers),
+                    job,
+                    b.max_layers_per_schema,
+                )
         with self._lock:
             known = self._jobs.get(job)
             if known is not None and rank in known.ranks:
                 return None
             full = self._memory_full()
             if known is None:
-                reason = "memory" if full else "jobs" if len(self._jobs) >= b.max_jobs else \
-                    "jobs_per_key" if key and self._per_key[key] >= b.max_jobs_per_key else None
+                reason = (
+                    "memory"
+                    if full
+                    else "jobs"
+                    if len(self._jobs) >= b.max_jobs
+                    else "jobs_per_key"
+                    if key and self._per_key[key] >= b.max_jobs_per_key
+                    else None
+                )
                 if reason is None:
                     known = self._jobs[job] = _Job(key, self._clock())
                     self._per_key[key] += 1
             else:
-                reason = "memory" if full else "ranks" \
-                    if len(known.ranks) >= b.max_ranks_per_job else None
+                reason = (
+                    "memory"
+                    if full
+                    else "ranks"
+                    if len(known.ranks) >= b.max_ranks_per_job
+                    else None
+                )
             if reason is None:
                 assert known is not None
                 known.ranks.add(rank)
                 return None
-        return self._refuse(reason, key or job, _WHY[reason], job, rank, key or "-",
-                            self._limit(reason))
+        return self._refuse(
+            reason, key or job, _WHY[reason], job, rank, key or "-", self._limit(reason)
+        )
 
     def may_grow(self, job: str, rank: int, key: str = "") -> bool:
         """Whether a new schema of ``job`` may be compiled and cached (False: counted)."""
         with self._lock:
             full = self._memory_full()
         if full:
-            self._refuse("memory", key or job, _WHY["memory"], job, rank, key or "-",
-                         self._limit("memory"))
+            self._refuse(
+                "memory", key or job, _WHY["memory"], job, rank, key or "-", self._limit("memory")
+            )
         return not full
 
     def sender_of(self, job: str) -> str:
@@ -295,8 +333,11 @@ class Admission:
         ``max_jobs`` slot for good. Returns them."""
         now = self._clock()
         with self._lock:
-            stale = [job for job, known in self._jobs.items()
-                     if job not in live and now - known.since > grace_s]
+            stale = [
+                job
+                for job, known in self._jobs.items()
+                if job not in live and now - known.since > grace_s
+            ]
         for job in stale:
             self.forget(job)
         return stale
@@ -317,8 +358,7 @@ class Admission:
     def offenders(self, n: int = TOP_SENDERS) -> list[tuple[str, str, int]]:
         """The ``n`` (sender, reason) pairs refused most, as (sender, reason, count)."""
         with self._lock:
-            return [(who, reason, count) for (who, reason), count
-                    in self._by_sender.most_common(n)]
+            return [(who, reason, count) for (who, reason), count in self._by_sender.most_common(n)]
 
     def _memory_full(self) -> bool:
         now = self._clock()
@@ -328,8 +368,12 @@ class Admission:
 
     def _limit(self, reason: str) -> int:
         b = self.bounds
-        return {"jobs": b.max_jobs, "jobs_per_key": b.max_jobs_per_key,
-                "ranks": b.max_ranks_per_job, "memory": b.max_memory_bytes // MiB}[reason]
+        return {
+            "jobs": b.max_jobs,
+            "jobs_per_key": b.max_jobs_per_key,
+            "ranks": b.max_ranks_per_job,
+            "memory": b.max_memory_bytes // MiB,
+        }[reason]
 
     def _refuse(self, reason: str, who: str, message: str, *args: object) -> str:
         self._count(reason, who, message, *args)
@@ -347,14 +391,14 @@ class Admission:
 
 _WHY = {
     "jobs": "dropped messages of job %r rank %d (key %s): the collector already tracks "
-            "max_jobs=%d jobs; raise max_jobs, or run a collector per team",
+    "max_jobs=%d jobs; raise max_jobs, or run a collector per team",
     "jobs_per_key": "dropped messages of job %r rank %d: key %s already reports "
-                    "max_jobs_per_key=%d jobs; raise it or give the team another key",
+    "max_jobs_per_key=%d jobs; raise it or give the team another key",
     "ranks": "dropped messages of job %r rank %d (key %s): the job already has "
-             "max_ranks_per_job=%d ranks; raise it if the job is really that large",
+    "max_ranks_per_job=%d ranks; raise it if the job is really that large",
     "memory": "dropped messages of job %r rank %d (key %s): the collector uses more than "
-              "max_memory_bytes (%d MiB), so it admits no new job or rank; raise it or "
-              "lower max_jobs",
+    "max_memory_bytes (%d MiB), so it admits no new job or rank; raise it or "
+    "lower max_jobs",
 }
 
 
@@ -367,24 +411,34 @@ class AdmissionMetrics:
     def collect(self) -> Iterator[Metric]:
         a = self._admission
         refused = CounterMetricFamily(
-            "gradwatch_ingest_refused", "Messages refused by a bound or the fair share, by "
-            "reason (SECURITY.md lists the bounds).", labels=["reason"])
+            "gradwatch_ingest_refused",
+            "Messages refused by a bound or the fair share, by "
+            "reason (SECURITY.md lists the bounds).",
+            labels=["reason"],
+        )
         for reason, count in sorted(a.refused().items()):
             refused.add_metric([reason], count)
         yield refused
         by_sender = CounterMetricFamily(
-            "gradwatch_ingest_refused_by_sender", f"Refusals of the {TOP_SENDERS} senders "
-            "(job, or CurveZMQ key) refused most, by reason.", labels=["sender", "reason"])
+            "gradwatch_ingest_refused_by_sender",
+            f"Refusals of the {TOP_SENDERS} senders "
+            "(job, or CurveZMQ key) refused most, by reason.",
+            labels=["sender", "reason"],
+        )
         for who, reason, count in a.offenders():
             by_sender.add_metric([who[:128], reason], count)
         yield by_sender
-        yield GaugeMetricFamily("gradwatch_jobs_admitted", "Jobs the collector tracks "
-                                "(bounded by max_jobs).", value=a.jobs())
-        yield GaugeMetricFamily("gradwatch_resident_memory_bytes", "The collector's resident "
-                                "memory (bounded by max_memory_bytes for new jobs and ranks).",
-                                value=a.rss())
-        limits = GaugeMetricFamily("gradwatch_bound", "The configured bounds.",
-                                   labels=["bound"])
+        yield GaugeMetricFamily(
+            "gradwatch_jobs_admitted",
+            "Jobs the collector tracks (bounded by max_jobs).",
+            value=a.jobs(),
+        )
+        yield GaugeMetricFamily(
+            "gradwatch_resident_memory_bytes",
+            "The collector's resident memory (bounded by max_memory_bytes for new jobs and ranks).",
+            value=a.rss(),
+        )
+        limits = GaugeMetricFamily("gradwatch_bound", "The configured bounds.", labels=["bound"])
         for name in Bounds.__dataclass_fields__:
             limits.add_metric([name], float(getattr(a.bounds, name)))
         yield limits

@@ -83,13 +83,15 @@ from gradwatch.collector.webhook import (
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
-_BUSY = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+# SQLITE_BUSY and SQLITE_LOCKED: SQLite's stable result codes (the sqlite3 module names
+# them only from Python 3.11, and the package supports 3.10).
+_BUSY = (5, 6)
 
 OUTBOX_FILE = "outbox.sqlite3"
 DEFAULT_MAX_AGE_S = 24 * 3600.0
 DEFAULT_MAX_PENDING = 10_000
 DURABLE_RETRY = RetryPolicy(base_delay=1.0, max_delay=300.0, max_retry_after=3600.0)
-BATCH = 32                 # due rows taken per pass
+BATCH = 32  # due rows taken per pass
 PRUNE_EVERY_S = 3600.0
 
 _SCHEMA = """
@@ -161,8 +163,11 @@ class Outbox:
         self._lock = threading.Lock()
         try:
             # One connection shared under a lock: the ingest thread inserts, workers update.
-            self._db = sqlite3.connect(":memory:" if path is None else str(path),
-                                       isolation_level=None, check_same_thread=False)
+            self._db = sqlite3.connect(
+                ":memory:" if path is None else str(path),
+                isolation_level=None,
+                check_same_thread=False,
+            )
             if path is not None:
                 # WAL + NORMAL: a committed row survives the process being killed
                 # (kill -9); only an OS crash may lose the last transactions.
@@ -170,9 +175,11 @@ class Outbox:
                 self._db.execute("PRAGMA synchronous=NORMAL")
             _create(self._db)
         except sqlite3.Error as exc:
-            raise OutboxError(f"cannot open the alert outbox {path}: {exc}; check that the "
-                              "data dir exists, is writable and is not on a network "
-                              "filesystem") from exc
+            raise OutboxError(
+                f"cannot open the alert outbox {path}: {exc}; check that the "
+                "data dir exists, is writable and is not on a network "
+                "filesystem"
+            ) from exc
 
     @classmethod
     def open(cls, data_dir: Path | None, *, max_pending: int = DEFAULT_MAX_PENDING) -> Outbox:
@@ -182,8 +189,10 @@ class Outbox:
         try:
             data_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise OutboxError(f"cannot create the data dir {data_dir}: {exc.strerror or exc}; "
-                              "choose a writable --data-dir") from exc
+            raise OutboxError(
+                f"cannot create the data dir {data_dir}: {exc.strerror or exc}; "
+                "choose a writable --data-dir"
+            ) from exc
         return cls(data_dir / OUTBOX_FILE, max_pending=max_pending)
 
     @property
@@ -191,9 +200,16 @@ class Outbox:
         """True while rows are written to the file: they survive a restart."""
         return not self._in_memory
 
-    def put(self, sink: str, notification_id: str, body: str, now: float,
-            sending: str | None = None, job: str = "",
-            severity: str = "warning") -> tuple[bool, int]:
+    def put(
+        self,
+        sink: str,
+        notification_id: str,
+        body: str,
+        now: float,
+        sending: str | None = None,
+        job: str = "",
+        severity: str = "warning",
+    ) -> tuple[bool, int]:
         """Store a new notification: (inserted, how many pending rows were dropped).
 
         A notification already stored (pending or finished) is not stored again.
@@ -210,7 +226,8 @@ class Outbox:
                 cur = self._db.execute(
                     "INSERT OR IGNORE INTO outbox (sink, id, body, created_at, next_attempt_at, "
                     "updated_at, job, severity) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                    (sink, notification_id, body, now, now, now, job, rank))
+                    (sink, notification_id, body, now, now, now, job, rank),
+                )
                 if cur.rowcount == 0:
                     return False, 0
                 dropped = 0
@@ -225,15 +242,18 @@ class Outbox:
     def _drop_one(self, sink: str, sending: str | None, now: float) -> bool:
         (lowest,) = self._db.execute(
             "SELECT MIN(severity) FROM outbox WHERE sink = ? AND state = 'pending' AND id IS NOT ?",
-            (sink, sending)).fetchone()
+            (sink, sending),
+        ).fetchone()
         if lowest is None:
             return False
         (job,) = self._db.execute(_VICTIM_JOB, (sink, lowest, sending)).fetchone()
         row = self._db.execute(_VICTIM, (sink, lowest, job, sending)).fetchone()
         if row is None:
             return False
-        self._db.execute("UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? "
-                         "AND id = ?", (now, sink, row[0]))
+        self._db.execute(
+            "UPDATE outbox SET state = 'dropped', updated_at = ? WHERE sink = ? AND id = ?",
+            (now, sink, row[0]),
+        )
         return True
 
     def due(self, sink: str, now: float, limit: int = BATCH) -> list[Pending]:
@@ -247,22 +267,32 @@ class Outbox:
         with self._lock:
             (when,) = self._db.execute(
                 "SELECT MIN(next_attempt_at) FROM outbox WHERE sink = ? AND state = 'pending'",
-                (sink,)).fetchone()
+                (sink,),
+            ).fetchone()
         return when
 
     def reschedule(self, row: Pending, at: float, now: float) -> None:
-        self._update("UPDATE outbox SET attempts = attempts + 1, next_attempt_at = ?, "
-                     "updated_at = ? WHERE sink = ? AND id = ?", (at, now, row.sink, row.id))
+        self._update(
+            "UPDATE outbox SET attempts = attempts + 1, next_attempt_at = ?, "
+            "updated_at = ? WHERE sink = ? AND id = ?",
+            (at, now, row.sink, row.id),
+        )
 
     def finish(self, row: Pending, state: str, now: float) -> None:
         """Mark ``row`` ``delivered`` or ``failed``; it stays (deduplication) until pruned."""
-        self._update("UPDATE outbox SET state = ?, attempts = attempts + 1, updated_at = ? "
-                     "WHERE sink = ? AND id = ?", (state, now, row.sink, row.id))
+        self._update(
+            "UPDATE outbox SET state = ?, attempts = attempts + 1, updated_at = ? "
+            "WHERE sink = ? AND id = ?",
+            (state, now, row.sink, row.id),
+        )
 
     def resume(self, sink: str, now: float) -> int:
         """Make every pending row of ``sink`` due now (after a restart); return how many."""
-        self._update("UPDATE outbox SET next_attempt_at = ? WHERE sink = ? AND state = 'pending' "
-                     "AND next_attempt_at > ?", (now, sink, now))
+        self._update(
+            "UPDATE outbox SET next_attempt_at = ? WHERE sink = ? AND state = 'pending' "
+            "AND next_attempt_at > ?",
+            (now, sink, now),
+        )
         return self.pending(sink)
 
     def pending(self, sink: str) -> int:
@@ -272,7 +302,8 @@ class Outbox:
     def prune(self, before: float) -> int:
         """Forget finished rows last touched before ``before``; return how many."""
         return self._update(
-            "DELETE FROM outbox WHERE state != 'pending' AND updated_at < ?", (before,))
+            "DELETE FROM outbox WHERE state != 'pending' AND updated_at < ?", (before,)
+        )
 
     def close(self) -> None:
         with self._lock:
@@ -280,7 +311,8 @@ class Outbox:
 
     def _count(self, sink: str) -> int:
         (count,) = self._db.execute(
-            "SELECT COUNT(*) FROM outbox WHERE sink = ? AND state = 'pending'", (sink,)).fetchone()
+            "SELECT COUNT(*) FROM outbox WHERE sink = ? AND state = 'pending'", (sink,)
+        ).fetchone()
         return int(count)
 
     def _update(self, sql: str, params: tuple[Any, ...]) -> int:
@@ -320,10 +352,15 @@ class Outbox:
             old.close()
         except sqlite3.Error:
             pass  # the file is what failed; memory is what matters now
-        log.error("cannot write the alert outbox %s: %s. The outbox now lives in memory and "
-                  "%s: alerts are still delivered, but lost if the collector stops before "
-                  "sending them. Free disk space or fix the data dir's permissions, then restart the "
-                  "collector to make the outbox durable again", self.path, exc, copied)
+        log.error(
+            "cannot write the alert outbox %s: %s. The outbox now lives in memory and "
+            "%s: alerts are still delivered, but lost if the collector stops before "
+            "sending them. Free disk space or fix the data dir's permissions, then restart the "
+            "collector to make the outbox durable again",
+            self.path,
+            exc,
+            copied,
+        )
 
 
 def _create(db: sqlite3.Connection) -> None:
@@ -341,8 +378,9 @@ class Channel(Protocol):
 
     target: str  # where it goes, safe to log (URLs masked)
 
-    def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
-        ...
+    def request(
+        self, notification_id: str, alert: Mapping[str, Any], now: float
+    ) -> HttpRequest: ...
 
 
 class OutboxSink:
@@ -354,11 +392,19 @@ class OutboxSink:
     without one gets its own in-memory outbox.
     """
 
-    def __init__(self, name: str, channel: Channel, outbox: Outbox | None = None, *,
-                 transport: Transport = urllib_transport, router: Router | None = None,
-                 retry: RetryPolicy = DURABLE_RETRY, max_age: float = DEFAULT_MAX_AGE_S,
-                 clock: Callable[[], float] = time.time,
-                 jitter: Callable[[], float] = random.random) -> None:
+    def __init__(
+        self,
+        name: str,
+        channel: Channel,
+        outbox: Outbox | None = None,
+        *,
+        transport: Transport = urllib_transport,
+        router: Router | None = None,
+        retry: RetryPolicy = DURABLE_RETRY,
+        max_age: float = DEFAULT_MAX_AGE_S,
+        clock: Callable[[], float] = time.time,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
         self.name = name
         self.channel = channel
         self.outbox = outbox if outbox is not None else Outbox()
@@ -389,10 +435,14 @@ class OutboxSink:
         if self._thread is None:
             resumed = self.outbox.resume(self.name, self._clock())
             if resumed:
-                log.info("%s: resuming %d undelivered notification(s) from the outbox",
-                         self.name, resumed)
-            self._thread = threading.Thread(target=self._run, name=f"gradwatch-{self.name}",
-                                            daemon=True)
+                log.info(
+                    "%s: resuming %d undelivered notification(s) from the outbox",
+                    self.name,
+                    resumed,
+                )
+            self._thread = threading.Thread(
+                target=self._run, name=f"gradwatch-{self.name}", daemon=True
+            )
             self._thread.start()
 
     def notify(self, transition: Any) -> None:
@@ -406,22 +456,39 @@ class OutboxSink:
         self._admitted(alert)
         body = json.dumps(alert_payload(alert), allow_nan=False, separators=(",", ":"))
         try:
-            inserted, dropped = self.outbox.put(self.name, idempotency_key(alert), body, now,
-                                                sending=self._sending,
-                                                job=self.share_of(str(alert.job)),
-                                                severity=str(alert.severity))
+            inserted, dropped = self.outbox.put(
+                self.name,
+                idempotency_key(alert),
+                body,
+                now,
+                sending=self._sending,
+                job=self.share_of(str(alert.job)),
+                severity=str(alert.severity),
+            )
         except sqlite3.Error as exc:
-            log.error("%s: cannot store alert %s in the outbox (%s); it is lost. Check the "
-                      "data dir's disk space and permissions", self.name, alert.rule, exc)
+            log.error(
+                "%s: cannot store alert %s in the outbox (%s); it is lost. Check the "
+                "data dir's disk space and permissions",
+                self.name,
+                alert.rule,
+                exc,
+            )
             self._count("dropped")
             return
         if dropped:
             self._count("dropped", dropped)
-            self._log.warning("outbox_full", "%s: outbox full (%d pending), dropped %d "
-                              "notification(s), least severe of the job holding the most "
-                              "first (stored: %s of job %r); %s is down or too slow",
-                              self.name, self.outbox.max_pending, dropped, alert.rule,
-                              alert.job, self.channel.target)
+            self._log.warning(
+                "outbox_full",
+                "%s: outbox full (%d pending), dropped %d "
+                "notification(s), least severe of the job holding the most "
+                "first (stored: %s of job %r); %s is down or too slow",
+                self.name,
+                self.outbox.max_pending,
+                dropped,
+                alert.rule,
+                alert.job,
+                self.channel.target,
+            )
         if inserted:
             self._wake.set()
 
@@ -432,21 +499,29 @@ class OutboxSink:
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
-                log.warning("%s: still sending after %.1fs at shutdown; giving up",
-                            self.name, timeout)
+                log.warning(
+                    "%s: still sending after %.1fs at shutdown; giving up", self.name, timeout
+                )
                 return  # the worker still uses the outbox; the process is exiting anyway
         if self._closed:
             return
         self._closed = True
         left = self.outbox.pending(self.name)
         if left and self.outbox.durable:
-            log.warning("%s: %d notification(s) not yet delivered at shutdown; they are sent "
-                        "when the collector starts again with the same data dir", self.name, left)
+            log.warning(
+                "%s: %d notification(s) not yet delivered at shutdown; they are sent "
+                "when the collector starts again with the same data dir",
+                self.name,
+                left,
+            )
         elif left:
             self._count("dropped", left)
-            log.warning("%s: %d notification(s) not delivered at shutdown are lost (the outbox "
-                        "was in memory); set a writable data_dir to keep them across restarts",
-                        self.name, left)
+            log.warning(
+                "%s: %d notification(s) not delivered at shutdown are lost (the outbox "
+                "was in memory); set a writable data_dir to keep them across restarts",
+                self.name,
+                left,
+            )
         self.outbox.close()
 
     def alive(self) -> bool:
@@ -463,8 +538,9 @@ class OutboxSink:
             while not predicate(stats := self._stats()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"{self.name}: condition not met within {timeout}s; "
-                                       f"stats now {stats}")
+                    raise TimeoutError(
+                        f"{self.name}: condition not met within {timeout}s; stats now {stats}"
+                    )
                 self._changed.wait(remaining)
             return stats
 
@@ -547,9 +623,16 @@ class OutboxSink:
         if age >= self._max_age:
             self.outbox.finish(row, "failed", now)
             self._count("failed")
-            log.warning("%s: gave up on notification %s after %d attempt(s) over %.0fs, last: "
-                        "%s; check that %s is up and accepts this request", self.name, row.id,
-                        row.attempts + 1, age, problem, self.channel.target)
+            log.warning(
+                "%s: gave up on notification %s after %d attempt(s) over %.0fs, last: "
+                "%s; check that %s is up and accepts this request",
+                self.name,
+                row.id,
+                row.attempts + 1,
+                age,
+                problem,
+                self.channel.target,
+            )
             return
         delay = retry_delay(self._retry, row.attempts + 1, response, now, self._jitter)
         self.outbox.reschedule(row, now + delay, now)
@@ -557,9 +640,15 @@ class OutboxSink:
         if row.attempts == 0 and not is_retryable(response):
             # A rejection is usually a receiver-side misconfiguration (route, token) that an
             # operator fixes within the max age: retried like an outage, but said loudly.
-            log.warning("%s: %s rejected notification %s with %s; retrying until it is %.0fs "
-                        "old. Check the URL, credentials and the receiver's logs",
-                        self.name, self.channel.target, row.id, problem, self._max_age)
+            log.warning(
+                "%s: %s rejected notification %s with %s; retrying until it is %.0fs "
+                "old. Check the URL, credentials and the receiver's logs",
+                self.name,
+                self.channel.target,
+                row.id,
+                problem,
+                self._max_age,
+            )
         else:
             log.debug("%s: %s for %s, retrying in %.2fs", self.name, problem, row.id, delay)
 

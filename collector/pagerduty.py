@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from gradwatch.collector.config import VERSION
@@ -40,8 +40,11 @@ SEVERITY = {"critical": "critical", "warning": "warning", "info": "info"}
 
 def iso8601(seconds: float) -> str:
     """Unix seconds as an RFC 3339 UTC timestamp with milliseconds."""
-    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace(
-        "+00:00", "Z")
+    return (
+        datetime.fromtimestamp(seconds, timezone.utc)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
 
 
 def pagerduty_event(alert: Mapping[str, Any], routing_key: str) -> dict[str, Any]:
@@ -66,7 +69,9 @@ def pagerduty_event(alert: Mapping[str, Any], routing_key: str) -> dict[str, Any
         "group": alert["category"],
         "class": alert["rule"],
         "custom_details": {
-            "alert_id": alert["id"], "step": alert["step"], "rank": rank,
+            "alert_id": alert["id"],
+            "step": alert["step"],
+            "rank": rank,
             "evidence": alert.get("evidence") or {},
             "diagnosis": alert.get("diagnosis"),
             "last_good_checkpoint": alert.get("last_good_checkpoint"),
@@ -86,8 +91,12 @@ class PagerDutyChannel:
 
     def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
         body = json.dumps(pagerduty_event(alert, self._routing_key), allow_nan=False).encode()
-        return HttpRequest(self._url, body, {"Content-Type": "application/json",
-                                             "User-Agent": f"gradwatch/{VERSION}"}, self._timeout)
+        return HttpRequest(
+            self._url,
+            body,
+            {"Content-Type": "application/json", "User-Agent": f"gradwatch/{VERSION}"},
+            self._timeout,
+        )
 
     def __repr__(self) -> str:
         return f"PagerDutyChannel({self.target!r})"

@@ -55,9 +55,16 @@ class Pipeline:
     is set, :meth:`tick` and :meth:`firing` do nothing.
     """
 
-    def __init__(self, config: CollectorConfig, ingest: Ingest, state: StateStore,
-                 assembler: Assembler, sinks: Sequence[Sink], recorder: TraceRecorder | None,
-                 admission: Admission) -> None:
+    def __init__(
+        self,
+        config: CollectorConfig,
+        ingest: Ingest,
+        state: StateStore,
+        assembler: Assembler,
+        sinks: Sequence[Sink],
+        recorder: TraceRecorder | None,
+        admission: Admission,
+    ) -> None:
         self.config = config
         self.ingest = ingest
         self.state = state
@@ -114,11 +121,11 @@ class Pipeline:
                     with self.engine_lock:
                         self._engine().data_changed(event.job, event.step)
                 elif event.kind == DEGRADED:  # contract C3: the agent switched a part off
-                    notice = AgentNotice.of_fields(event.job, event.rank, max(event.step, 0),
-                                                   dict(event.fields))
+                    notice = AgentNotice.of_fields(
+                        event.job, event.rank, max(event.step, 0), dict(event.fields)
+                    )
                     if notice is not None:
-                        self._evaluate("the agent's notice", notice,
-                                       self._engine().observe_notice)
+                        self._evaluate("the agent's notice", notice, self._engine().observe_notice)
             for step in result.steps:
                 self._observe(step)
             if result.steps:
@@ -155,13 +162,19 @@ class Pipeline:
         try:
             self.state.observe_step(step)  # per rank: liveness, timings, latest values
         except Exception as exc:
-            self.ingest.reject("internal", f"failed to record step %d of job %r: %r; {_BUG}",
-                               step.step, step.job, exc)
+            self.ingest.reject(
+                "internal",
+                f"failed to record step %d of job %r: %r; {_BUG}",
+                step.step,
+                step.job,
+                exc,
+            )
             return
         self._judge("the step", step, self._engine().observe)
 
-    def _judge(self, what: str, record: Step | Stats,
-               observe: Callable[[Any], Sequence[Any]]) -> None:
+    def _judge(
+        self, what: str, record: Step | Stats, observe: Callable[[Any], Sequence[Any]]
+    ) -> None:
         """Judge one rank's record: alone, or within its job's assembled step."""
         if not assembles(record):
             self._evaluate(what, record, observe)
@@ -170,8 +183,14 @@ class Pipeline:
             with self.assembler_lock:
                 wholes = self.assembler.add(record)
         except Exception as exc:
-            self.ingest.reject("internal", f"failed to assemble %s at step %d of job %r: %r; "
-                               f"{_BUG}", what, record.step, record.job, exc)
+            self.ingest.reject(
+                "internal",
+                f"failed to assemble %s at step %d of job %r: %r; {_BUG}",
+                what,
+                record.step,
+                record.job,
+                exc,
+            )
             return
         self._judge_whole(wholes)
 
@@ -188,14 +207,24 @@ class Pipeline:
         assert self.engine is not None  # set in Server.start(), before the ingest thread runs
         return self.engine
 
-    def _evaluate(self, what: str, record: Step | Stats | Eval | AgentNotice,
-                  observe: Callable[[Any], Sequence[Any]]) -> None:
+    def _evaluate(
+        self,
+        what: str,
+        record: Step | Stats | Eval | AgentNotice,
+        observe: Callable[[Any], Sequence[Any]],
+    ) -> None:
         try:
             with self.engine_lock:
                 transitions = observe(record)
         except Exception as exc:
-            self.ingest.reject("internal", f"failed to evaluate %s at step %d of job %r: %r; "
-                               f"{_BUG}", what, record.step, record.job, exc)
+            self.ingest.reject(
+                "internal",
+                f"failed to evaluate %s at step %d of job %r: %r; {_BUG}",
+                what,
+                record.step,
+                record.job,
+                exc,
+            )
             return
         self.dispatch(transitions)
 
@@ -231,8 +260,12 @@ class Pipeline:
         """Forget the jobs the state let go (finished, or silent past their TTL) everywhere."""
         self.admission.retain(set(self.state.jobs()))
         for job in self.state.expire():
-            log.info("forgetting job %r: every agent closed %.0fs ago, or silent for %.0fs",
-                     job, self.config.finished_grace_seconds, self.config.job_ttl_seconds)
+            log.info(
+                "forgetting job %r: every agent closed %.0fs ago, or silent for %.0fs",
+                job,
+                self.config.finished_grace_seconds,
+                self.config.job_ttl_seconds,
+            )
             self.ingest.forget(job)
             self.admission.forget(job)
             with self.assembler_lock:
@@ -252,8 +285,14 @@ class Pipeline:
                 transition = self.actions.annotate(transition)  # last_good_checkpoint
             alert = transition.alert
             if transition.current in ("firing", "resolved"):
-                log.info("alert %s %s: job %r step %d: %s", alert.rule, transition.current,
-                         alert.job, alert.step, alert.summary)
+                log.info(
+                    "alert %s %s: job %r step %d: %s",
+                    alert.rule,
+                    transition.current,
+                    alert.job,
+                    alert.step,
+                    alert.summary,
+                )
             self.state.record_transition(transition)
             if self.actions is not None:
                 self.actions.on_transition(transition)  # after recording; never raises

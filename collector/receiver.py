@@ -53,8 +53,9 @@ class Attempt:
 class WebhookReceiver:
     """Collects POSTed JSON bodies; thread-safe; close it (or use ``with``)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 statuses: Iterable[int] = ()) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, statuses: Iterable[int] = ()
+    ) -> None:
         self._received: list[Received] = []
         self._statuses = deque(statuses)
         self._attempts: list[Attempt] = []
@@ -63,8 +64,12 @@ class WebhookReceiver:
         self._host = host
         self._server = ThreadingHTTPServer((host, port), self._handler_class())
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={
-            "poll_interval": 0.05}, name="gradwatch-webhook-receiver", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.05},
+            name="gradwatch-webhook-receiver",
+            daemon=True,
+        )
         self._thread.start()
 
     @property
@@ -98,8 +103,10 @@ class WebhookReceiver:
             while len(self._attempts) < count:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(f"webhook receiver: {len(self._attempts)} of {count} "
-                                       f"POSTs arrived within {timeout}s")
+                    raise TimeoutError(
+                        f"webhook receiver: {len(self._attempts)} of {count} "
+                        f"POSTs arrived within {timeout}s"
+                    )
                 self._cond.wait(remaining)
             return list(self._attempts)
 
@@ -115,7 +122,8 @@ class WebhookReceiver:
                 if remaining <= 0:
                     raise TimeoutError(
                         f"webhook receiver: condition not met within {timeout}s; "
-                        f"received {len(bodies)} bodies: {bodies!r:.2000}")
+                        f"received {len(bodies)} bodies: {bodies!r:.2000}"
+                    )
                 self._cond.wait(remaining)
 
     def close(self) -> None:
@@ -126,8 +134,12 @@ class WebhookReceiver:
     def __enter__(self) -> WebhookReceiver:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def _record(self, path: str, headers: Mapping[str, str], raw: bytes) -> int:

@@ -30,15 +30,15 @@ import math
 import os
 import re
 from collections import OrderedDict
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import IO
 
+from gradwatch.collector.ingest import eval_of
+from gradwatch.rules.assembly import assembles
 from gradwatch.rules.replay import trace_eval, trace_stats, trace_step
 from gradwatch.rules.step import FLOAT32_MAX, Eval, Stats, Step
-from gradwatch.rules.assembly import assembles
 from gradwatch.wire import Event, Heartbeat
-from gradwatch.collector.ingest import eval_of
 from gradwatch.wire.trace import TraceEvent, TraceHeader, TraceHeartbeat, TraceRecord, encode_record
 
 log = logging.getLogger(__name__)
@@ -75,10 +75,15 @@ class TraceRecorder:
 
     def step(self, step: Step) -> None:
         """Record one step (the first step of a job fixes its header's layers)."""
-        self._write(step.job, lambda header: trace_step(step, header), step.layers,
-                    None if step.dtype_max == FLOAT32_MAX else step.dtype_max, first_step=True,
-                    topology=(step.world, step.shards) if assembles(step) else None,
-                    roles=step.layer_roles)
+        self._write(
+            step.job,
+            lambda header: trace_step(step, header),
+            step.layers,
+            None if step.dtype_max == FLOAT32_MAX else step.dtype_max,
+            first_step=True,
+            topology=(step.world, step.shards) if assembles(step) else None,
+            roles=step.layer_roles,
+        )
 
     def stats(self, stats: Stats) -> None:
         """Record one cadence sample."""
@@ -94,8 +99,12 @@ class TraceRecorder:
 
     def heartbeat(self, hb: Heartbeat) -> None:
         """Record a heartbeat (replay rebuilds liveness from them)."""
-        self._write(hb.job, lambda header: TraceHeartbeat(
-            rank=hb.rank, time=hb.time, step=hb.step, started=hb.started))
+        self._write(
+            hb.job,
+            lambda header: TraceHeartbeat(
+                rank=hb.rank, time=hb.time, step=hb.step, started=hb.started
+            ),
+        )
 
     def forget(self, job: str) -> None:
         """Close a finished job's file; a later record of it starts a new file."""
@@ -116,9 +125,16 @@ class TraceRecorder:
 
     # ------------------------------------------------------------ internals
 
-    def _write(self, job: str, build: Callable[[tuple[str, ...]], TraceRecord], layers: tuple[str, ...] = (),
-               dtype_max: float | None = None, first_step: bool = False,
-               topology: tuple[int, int] | None = None, roles: tuple[str, ...] = ()) -> None:
+    def _write(
+        self,
+        job: str,
+        build: Callable[[tuple[str, ...]], TraceRecord],
+        layers: tuple[str, ...] = (),
+        dtype_max: float | None = None,
+        first_step: bool = False,
+        topology: tuple[int, int] | None = None,
+        roles: tuple[str, ...] = (),
+    ) -> None:
         if not self.enabled:
             return
         if job not in self._headers and not first_step:
@@ -143,8 +159,14 @@ class TraceRecorder:
         self._pending[job] = held[:-1]
         self._write(job, held[-1], first_step=True)  # writes the rest first, in order
 
-    def _handle(self, job: str, layers: tuple[str, ...], dtype_max: float | None,
-                topology: tuple[int, int] | None = None, roles: tuple[str, ...] = ()) -> IO[str]:
+    def _handle(
+        self,
+        job: str,
+        layers: tuple[str, ...],
+        dtype_max: float | None,
+        topology: tuple[int, int] | None = None,
+        roles: tuple[str, ...] = (),
+    ) -> IO[str]:
         handle = self._open.get(job)
         if handle is not None:
             self._open.move_to_end(job)
@@ -157,8 +179,19 @@ class TraceRecorder:
             self._paths[job] = path
             self._headers[job] = tuple(layers)
             world, shards = topology if topology is not None else (None, None)
-            handle.write(encode_record(TraceHeader(job=job, layers=tuple(layers), dtype_max=dtype_max,
-                                                   world=world, shards=shards, layer_roles=roles)) + "\n")
+            handle.write(
+                encode_record(
+                    TraceHeader(
+                        job=job,
+                        layers=tuple(layers),
+                        dtype_max=dtype_max,
+                        world=world,
+                        shards=shards,
+                        layer_roles=roles,
+                    )
+                )
+                + "\n"
+            )
         else:
             handle = path.open("a", encoding="utf-8", buffering=1)  # reopened after LRU eviction
         self._open[job] = handle
@@ -180,10 +213,14 @@ class TraceRecorder:
         self.enabled = False
         self.errors += 1
         where = self._paths.get(job, self.directory)
-        log.error("trace recording switched off: cannot write %s for job %r: %s; the collector "
-                  "keeps running without recording. Free disk space or fix the permissions of "
-                  "--record's directory, then restart the collector to record again",
-                  where, job, exc)
+        log.error(
+            "trace recording switched off: cannot write %s for job %r: %s; the collector "
+            "keeps running without recording. Free disk space or fix the permissions of "
+            "--record's directory, then restart the collector to record again",
+            where,
+            job,
+            exc,
+        )
         self.close()
         for path in self._paths.values():
             _drop_torn_line(path)
@@ -193,8 +230,11 @@ class TraceRecorder:
             handle.close()
         except OSError as exc:
             # After a write error, the same failure again: it was already reported.
-            log.log(logging.WARNING if self.enabled else logging.DEBUG,
-                    "closing a trace file failed: %s", exc)
+            log.log(
+                logging.WARNING if self.enabled else logging.DEBUG,
+                "closing a trace file failed: %s",
+                exc,
+            )
 
 
 def _drop_torn_line(path: Path, chunk: int = 1 << 16) -> None:
@@ -223,4 +263,6 @@ def _event_record(event: Event) -> TraceRecord:
         return trace_eval(eval_of(event))
     fields = dict(event.fields)
     safe = {k: v for k, v in fields.items() if not (isinstance(v, float) and not math.isfinite(v))}
-    return TraceEvent(step=event.step, kind=event.kind, rank=event.rank, time=event.time, fields=safe)
+    return TraceEvent(
+        step=event.step, kind=event.kind, rank=event.rank, time=event.time, fields=safe
+    )

@@ -63,38 +63,49 @@ ENV_PREFIX = "GRADWATCH_ALERT_"
 class HookConfig(BaseSettings):
     """The hook's settings (YAML file, ``GRADWATCH_HOOK_*`` environment, flags)."""
 
-    model_config = SettingsConfigDict(env_prefix="GRADWATCH_HOOK_", extra="forbid",
-                                      frozen=True, case_sensitive=False)
+    model_config = SettingsConfigDict(
+        env_prefix="GRADWATCH_HOOK_", extra="forbid", frozen=True, case_sensitive=False
+    )
 
     listen: str = Field(default="127.0.0.1:9402", description="HOST:PORT to bind.")
     secret: SecretStr | None = Field(
-        default=None, description="The webhook's Standard Webhooks secret (whsec_...).")
+        default=None, description="The webhook's Standard Webhooks secret (whsec_...)."
+    )
     secret_file: Path | None = Field(default=None, description="File holding the secret.")
     command: list[str] = Field(
-        default_factory=list, description="argv of the one command to run (no shell).")
+        default_factory=list, description="argv of the one command to run (no shell)."
+    )
     allow_rules: list[str] = Field(default_factory=list, description="Rules that may run it.")
     allow_categories: list[str] = Field(
-        default_factory=list, description="Alert categories that may run it.")
+        default_factory=list, description="Alert categories that may run it."
+    )
     timeout_s: float = Field(default=600.0, gt=0, description="Kill the command after this.")
     tolerance_s: float = Field(default=300.0, gt=0, description="Signature timestamp tolerance.")
     budget: int = Field(default=3, ge=0, description="Runs per job per budget_window_s.")
     budget_window_s: float = Field(default=6 * 3600.0, gt=0)
     cooldown_s: float = Field(default=600.0, ge=0, description="Least time between two runs.")
     data_dir: Path | None = Field(
-        default=None, description="Keep the budget in <dir>/restart_hook.sqlite3 (else memory).")
+        default=None, description="Keep the budget in <dir>/restart_hook.sqlite3 (else memory)."
+    )
     max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
 
     @model_validator(mode="after")
     def _check(self) -> HookConfig:
         if not self.command:
-            raise ValueError("command: give the argv list to run, e.g. ['scontrol', 'requeue', "
-                             "'1234'] (after `--` on the command line)")
+            raise ValueError(
+                "command: give the argv list to run, e.g. ['scontrol', 'requeue', "
+                "'1234'] (after `--` on the command line)"
+            )
         if not (self.allow_rules or self.allow_categories):
-            raise ValueError("allow_rules / allow_categories: allow-list at least one rule or "
-                             "category; the hook never runs for every alert")
+            raise ValueError(
+                "allow_rules / allow_categories: allow-list at least one rule or "
+                "category; the hook never runs for every alert"
+            )
         if self.secret is None and self.secret_file is None:
-            raise ValueError("secret: set GRADWATCH_HOOK_SECRET or secret_file to the "
-                             "collector webhook's whsec_ secret; unsigned requests never run")
+            raise ValueError(
+                "secret: set GRADWATCH_HOOK_SECRET or secret_file to the "
+                "collector webhook's whsec_ secret; unsigned requests never run"
+            )
         split_host_port(self.listen)
         return self
 
@@ -150,11 +161,13 @@ class RestartHook:
         self._http = ThreadingHTTPServer((host, port), Handler)
         self._http.daemon_threads = True
         # A short poll interval keeps stop() quick; the socket is idle between alerts.
-        self._thread = threading.Thread(target=self._http.serve_forever, args=(0.1,),
-                                        name="gradwatch-hook", daemon=True)
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, args=(0.1,), name="gradwatch-hook", daemon=True
+        )
         self._thread.start()
-        log.info("restart hook listening on %s:%d; command %s", host, self.port,
-                 self.config.command[0])
+        log.info(
+            "restart hook listening on %s:%d; command %s", host, self.port, self.config.command[0]
+        )
 
     @property
     def port(self) -> int:
@@ -191,8 +204,10 @@ class RestartHook:
             for old in [m for m, t in self._seen.items() if now - t > 2 * self.config.tolerance_s]:
                 del self._seen[old]  # its timestamp can no longer pass verify()
             if msg_id in self._seen:
-                return Answer(409, {"error": f"webhook-id {msg_id!r} was already received; "
-                                             "replays are refused"})
+                return Answer(
+                    409,
+                    {"error": f"webhook-id {msg_id!r} was already received; replays are refused"},
+                )
             self._seen[msg_id] = now
         alert, problem = self._alert(body)
         if problem is not None:
@@ -205,14 +220,17 @@ class RestartHook:
         except ValueError:
             return {}, "the body is not JSON; expected a gradwatch alert"
         if not isinstance(alert, dict) or not all(
-                isinstance(alert.get(k), str) for k in ("id", "rule", "category", "job", "state")):
+            isinstance(alert.get(k), str) for k in ("id", "rule", "category", "job", "state")
+        ):
             return {}, "the body is not a gradwatch alert (needs id, rule, category, job, state)"
         if alert["state"] != "firing":
             return alert, f"only firing alerts run the command; this one is {alert['state']!r}"
         cfg = self.config
         if alert["rule"] not in cfg.allow_rules and alert["category"] not in cfg.allow_categories:
-            return alert, (f"rule {alert['rule']!r} (category {alert['category']!r}) is not "
-                           "allow-listed; add it to allow_rules or allow_categories")
+            return alert, (
+                f"rule {alert['rule']!r} (category {alert['category']!r}) is not "
+                "allow-listed; add it to allow_rules or allow_categories"
+            )
         return alert, None
 
     def _maybe_run(self, alert: dict[str, Any], now: float) -> Answer:
@@ -224,30 +242,49 @@ class RestartHook:
             if reason is not None:
                 self.budget.record(job, alert_id, now, reason)
                 used = self.budget.used(job, now)
-                return Answer(409, {"error": f"refused by the restart budget ({reason}): {used}/"
-                                             f"{self.config.budget} runs for job {job!r} in the "
-                                             f"window, cooldown {self.config.cooldown_s:.0f}s"})
+                return Answer(
+                    409,
+                    {
+                        "error": f"refused by the restart budget ({reason}): {used}/"
+                        f"{self.config.budget} runs for job {job!r} in the "
+                        f"window, cooldown {self.config.cooldown_s:.0f}s"
+                    },
+                )
             self.budget.record(job, alert_id, now, None)
-            self._running = threading.Thread(target=self._run, args=(alert,),
-                                             name="gradwatch-hook-command", daemon=True)
+            self._running = threading.Thread(
+                target=self._run, args=(alert,), name="gradwatch-hook-command", daemon=True
+            )
             self._running.start()
-        log.warning("restart hook: running %s for alert %s (%s, job %r)", self.config.command[0],
-                    alert_id, alert["rule"], job)
+        log.warning(
+            "restart hook: running %s for alert %s (%s, job %r)",
+            self.config.command[0],
+            alert_id,
+            alert["rule"],
+            job,
+        )
         return Answer(202, {"accepted": True, "alert_id": alert_id})
 
     def _run(self, alert: dict[str, Any]) -> None:
         start = time.monotonic()
         code: int | None = None
         try:
-            done = subprocess.run(self.config.command, env=alert_env(alert), shell=False,
-                                  timeout=self.config.timeout_s, check=False,
-                                  stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                self.config.command,
+                env=alert_env(alert),
+                shell=False,
+                timeout=self.config.timeout_s,
+                check=False,
+                stdin=subprocess.DEVNULL,
+            )
             code = done.returncode
             if code != 0:
                 log.error("restart hook: %s exited with %d", self.config.command[0], code)
         except subprocess.TimeoutExpired:
-            log.error("restart hook: %s ran over %.0fs and was killed", self.config.command[0],
-                      self.config.timeout_s)
+            log.error(
+                "restart hook: %s ran over %.0fs and was killed",
+                self.config.command[0],
+                self.config.timeout_s,
+            )
         except OSError as exc:
             log.error("restart hook: cannot run %s: %s; fix `command`", self.config.command, exc)
         finally:
@@ -264,8 +301,19 @@ def alert_env(alert: Mapping[str, Any]) -> dict[str, str]:
     environment cannot hold them); nothing here is ever interpreted by a shell.
     """
     env = dict(os.environ)
-    for key in ("id", "rule", "category", "severity", "job", "rank", "state", "step",
-                "summary", "last_good_checkpoint", "started_at"):
+    for key in (
+        "id",
+        "rule",
+        "category",
+        "severity",
+        "job",
+        "rank",
+        "state",
+        "step",
+        "summary",
+        "last_good_checkpoint",
+        "started_at",
+    ):
         value = alert.get(key)
         if value is not None:
             env[ENV_PREFIX + key.upper()] = str(value).replace("\0", "")
@@ -280,8 +328,15 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
         if not 0 < length <= self.owner.config.max_body_bytes:
-            self._answer(Answer(413 if length else 411, {"error": "a body of 1 byte to "
-                         f"{self.owner.config.max_body_bytes} bytes is required"}))
+            self._answer(
+                Answer(
+                    413 if length else 411,
+                    {
+                        "error": "a body of 1 byte to "
+                        f"{self.owner.config.max_body_bytes} bytes is required"
+                    },
+                )
+            )
             return
         body = self.rfile.read(length)
         self._answer(self.owner.handle(dict(self.headers.items()), body))
@@ -300,15 +355,18 @@ class _Handler(BaseHTTPRequestHandler):
 
 def hook_parser(prog: str = "gradwatch restart-hook") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog, description="Run one allow-listed command when a signed gradwatch alert "
+        prog=prog,
+        description="Run one allow-listed command when a signed gradwatch alert "
         "arrives (Standard Webhooks). The secret comes from GRADWATCH_HOOK_SECRET or "
-        "--secret-file; the command follows `--` and never runs through a shell.")
+        "--secret-file; the command follows `--` and never runs through a shell.",
+    )
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config file")
     parser.add_argument("--listen", metavar="HOST:PORT", help="default 127.0.0.1:9402")
     parser.add_argument("--secret-file", type=Path, metavar="FILE")
     parser.add_argument("--allow-rule", dest="allow_rules", action="append", metavar="RULE")
-    parser.add_argument("--allow-category", dest="allow_categories", action="append",
-                        metavar="CATEGORY")
+    parser.add_argument(
+        "--allow-category", dest="allow_categories", action="append", metavar="CATEGORY"
+    )
     parser.add_argument("--timeout", dest="timeout_s", type=float, metavar="SECONDS")
     parser.add_argument("--data-dir", type=Path, metavar="DIR", help="persist the budget here")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- ARGV...")
@@ -326,16 +384,22 @@ def load_hook_config(path: Path | None, flags: Mapping[str, Any]) -> HookConfig:
             values = {str(k).replace("-", "_"): v for k, v in loaded.items()}
         # pydantic-settings ranks init arguments above the environment: drop the
         # file's value of every key the environment sets, so the environment wins.
-        in_env = {name for name in HookConfig.model_fields
-                  if f"GRADWATCH_HOOK_{name.upper()}" in {k.upper() for k in os.environ}}
+        in_env = {
+            name
+            for name in HookConfig.model_fields
+            if f"GRADWATCH_HOOK_{name.upper()}" in {k.upper() for k in os.environ}
+        }
         merged = {k: v for k, v in values.items() if k not in in_env}
         merged.update({k: v for k, v in flags.items() if v is not None and v != []})
         return HookConfig(**merged)
     except (OSError, yaml.YAMLError) as exc:
         raise ConfigError(f"cannot read restart hook config {path}: {exc}") from exc
     except ValidationError as exc:
-        problems = "\n".join(f"  {'.'.join(map(str, e['loc'])) or '(config)'}: "
-                             f"{e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        problems = "\n".join(
+            f"  {'.'.join(map(str, e['loc'])) or '(config)'}: "
+            f"{e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        )
         raise ConfigError(f"invalid restart hook configuration:\n{problems}") from exc
 
 
@@ -343,9 +407,15 @@ def hook_main(argv: Sequence[str] | None = None) -> int:
     """``gradwatch restart-hook [...] -- ARGV``: serve until SIGTERM/SIGINT."""
     args = hook_parser().parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    flags = {"listen": args.listen, "secret_file": args.secret_file,
-             "allow_rules": args.allow_rules, "allow_categories": args.allow_categories,
-             "timeout_s": args.timeout_s, "data_dir": args.data_dir, "command": command}
+    flags = {
+        "listen": args.listen,
+        "secret_file": args.secret_file,
+        "allow_rules": args.allow_rules,
+        "allow_categories": args.allow_categories,
+        "timeout_s": args.timeout_s,
+        "data_dir": args.data_dir,
+        "command": command,
+    }
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         hook = RestartHook(load_hook_config(args.config, flags))

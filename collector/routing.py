@@ -47,17 +47,23 @@ class RoutePolicy(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     min_severity: Literal["info", "warning", "critical"] = Field(
-        default="info", description="Send alerts of this severity and above.")
+        default="info", description="Send alerts of this severity and above."
+    )
     categories: list[str] = Field(
-        default_factory=list, description="Only these categories (empty: all).")
+        default_factory=list, description="Only these categories (empty: all)."
+    )
     exclude_categories: list[str] = Field(
-        default_factory=list, description="Never these categories.")
+        default_factory=list, description="Never these categories."
+    )
     rate_per_minute: float | None = Field(
-        default=None, gt=0, description="Most notifications sent per minute; the rest wait.")
+        default=None, gt=0, description="Most notifications sent per minute; the rest wait."
+    )
     flap_max: int = Field(
-        default=3, ge=1, description="Firings of one rule on one job/rank per flap window.")
+        default=3, ge=1, description="Firings of one rule on one job/rank per flap window."
+    )
     flap_window_seconds: float = Field(
-        default=600.0, gt=0, description="Window of the flapping guard.")
+        default=600.0, gt=0, description="Window of the flapping guard."
+    )
 
 
 class Router:
@@ -110,10 +116,17 @@ class Router:
             times.popleft()
         if len(times) >= self.policy.flap_max:
             if len(times) == self.policy.flap_max:
-                log.warning("%s: rule %s on job %r rank %s fired %d times in %.0fs; holding "
-                            "back further firings until it settles (raise flap_max in the "
-                            "route if this is expected)", self.name, alert.rule, alert.job,
-                            alert.rank, len(times), self.policy.flap_window_seconds)
+                log.warning(
+                    "%s: rule %s on job %r rank %s fired %d times in %.0fs; holding "
+                    "back further firings until it settles (raise flap_max in the "
+                    "route if this is expected)",
+                    self.name,
+                    alert.rule,
+                    alert.job,
+                    alert.rank,
+                    len(times),
+                    self.policy.flap_window_seconds,
+                )
             times.append(now)  # keeps it held while it keeps flapping
             return True
         times.append(now)
@@ -129,8 +142,13 @@ def _remember(ids: OrderedDict[str, None], alert_id: str) -> None:
 class TokenBucket:
     """``rate_per_minute`` tokens a minute, bursts up to ``burst``; None means unlimited."""
 
-    def __init__(self, rate_per_minute: float | None, *, burst: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        rate_per_minute: float | None,
+        *,
+        burst: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._rate = None if rate_per_minute is None else rate_per_minute / 60.0
         self._burst = burst if burst is not None else max(1.0, (rate_per_minute or 0) / 6.0)
         self._tokens = self._burst

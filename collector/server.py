@@ -70,43 +70,61 @@ from gradwatch.rules.assembly import Assembler
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 100            # how long the ingest thread blocks before checking for stop
-EXPIRE_EVERY_S = 1.0     # how often silent jobs are looked for
-LIVENESS_EVERY_S = 1.0   # how often (injected clock) the liveness rules are ticked
-OVERSIZE_HEADROOM = 4   # ZeroMQ MAXMSGSIZE = this x max_message_bytes: see _bind
-DRAIN_BUDGET = 1000      # messages handled between stop/expiry checks
-TICK_S = 0.1             # run_until_signal's flag check period
+POLL_MS = 100  # how long the ingest thread blocks before checking for stop
+EXPIRE_EVERY_S = 1.0  # how often silent jobs are looked for
+LIVENESS_EVERY_S = 1.0  # how often (injected clock) the liveness rules are ticked
+OVERSIZE_HEADROOM = 4  # ZeroMQ MAXMSGSIZE = this x max_message_bytes: see _bind
+DRAIN_BUDGET = 1000  # messages handled between stop/expiry checks
+TICK_S = 0.1  # run_until_signal's flag check period
 
 
 class Server:
     """One collector: see the module docstring. Not restartable once stopped."""
 
-    def __init__(self, config: CollectorConfig, engine: RulesEngine | None = None,
-                 registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.time,
-                 sinks: Sequence[Sink] | None = None) -> None:
+    def __init__(
+        self,
+        config: CollectorConfig,
+        engine: RulesEngine | None = None,
+        registry: CollectorRegistry | None = None,
+        clock: Callable[[], float] = time.time,
+        sinks: Sequence[Sink] | None = None,
+    ) -> None:
         self.config = config
         self.registry = registry if registry is not None else REGISTRY
         self._clock = clock
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
         self.admission = Admission(Bounds.of(config))
         self._sender = ""  # the CurveZMQ key of the message being handled ("" without CURVE)
-        self.ingest = Ingest(config.max_message_bytes,
-                             admit=lambda message: self.admission.admit(message, self._sender))
+        self.ingest = Ingest(
+            config.max_message_bytes,
+            admit=lambda message: self.admission.admit(message, self._sender),
+        )
         self.ingest.may_grow = lambda job, rank: self.admission.may_grow(job, rank, self._sender)
         self._admission_metrics = AdmissionMetrics(self.admission)
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
         self.state = StateStore(config.job_ttl_seconds, clock, config.finished_grace_seconds)
         self.assembler = Assembler(config.assembly_deadline_seconds, clock)
-        self.pipeline = Pipeline(config, self.ingest, self.state, self.assembler, self.sinks,
-                                 self.recorder, self.admission)
+        self.pipeline = Pipeline(
+            config,
+            self.ingest,
+            self.state,
+            self.assembler,
+            self.sinks,
+            self.recorder,
+            self.admission,
+        )
         self.pipeline.engine = engine
         self._exposition = GradwatchCollector(
-            self.state, self.ingest.stats, self.pipeline.firing, self.sinks,
+            self.state,
+            self.ingest.stats,
+            self.pipeline.firing,
+            self.sinks,
             per_layer_metrics=config.per_layer_metrics,
             max_layer_series=config.max_layer_series,
-            max_block_series=config.max_block_series, max_rank_series=config.max_rank_series,
-            max_series_per_family=config.max_series_per_family)
+            max_block_series=config.max_block_series,
+            max_rank_series=config.max_rank_series,
+            max_series_per_family=config.max_series_per_family,
+        )
         self._context: zmq.Context[Any] | None = None
         self._socket: zmq.Socket[Any] | None = None
         self._endpoint: str | None = None
@@ -146,10 +164,14 @@ class Server:
                 self.registry.register(self.auth_counters)
             host, port = self.config.metrics_host_port
             self._http = MetricsHTTPServer(
-                host, port, self.registry, lambda: self.ready,
+                host,
+                port,
+                self.registry,
+                lambda: self.ready,
                 max_connections=self.config.http_max_connections,
                 read_timeout=self.config.http_read_timeout_seconds,
-                **metrics_security(self.config))
+                **metrics_security(self.config),
+            )
             self.registry.register(self._http.connections)
             self.registry.register(self._exposition)
             self._registered = True
@@ -157,11 +179,11 @@ class Server:
             assert self.actions is not None
             self._actions_metrics = ActionsMetrics(self.actions)
             self.registry.register(self._actions_metrics)
-            self._store_metrics = StoreErrorMetrics(self.sinks, lambda: self.actions,
-                                                    self.recorder)
+            self._store_metrics = StoreErrorMetrics(self.sinks, lambda: self.actions, self.recorder)
             self.registry.register(self._store_metrics)
-            self._assembly_metrics = AssemblyMetrics(self.assembler, self.pipeline.assembler_lock,
-                                                    jobs=self.state.jobs)
+            self._assembly_metrics = AssemblyMetrics(
+                self.assembler, self.pipeline.assembler_lock, jobs=self.state.jobs
+            )
             self.registry.register(self._assembly_metrics)
             for sink in self.sinks:
                 if self._auth is not None and isinstance(sink, OutboxSink):
@@ -171,7 +193,8 @@ class Server:
             self._release()
             raise
         self._ingest_thread = threading.Thread(
-            target=self._ingest_loop, name="gradwatch-ingest", daemon=True)
+            target=self._ingest_loop, name="gradwatch-ingest", daemon=True
+        )
         self._ingest_thread.start()
         if self.config.ready_file is not None:
             try:
@@ -180,10 +203,14 @@ class Server:
                 self.stop()
                 raise CollectorError(
                     f"cannot write the ready file {self.config.ready_file}: "
-                    f"{exc.strerror or exc}; check that its directory exists") from exc
-        log.info("collector receiving on %s; metrics on %s; webhooks: %s",
-                 self._endpoint, self.metrics_url,
-                 ", ".join(mask_url(url) for url in self.config.webhooks) or "none")
+                    f"{exc.strerror or exc}; check that its directory exists"
+                ) from exc
+        log.info(
+            "collector receiving on %s; metrics on %s; webhooks: %s",
+            self._endpoint,
+            self.metrics_url,
+            ", ".join(mask_url(url) for url in self.config.webhooks) or "none",
+        )
 
     def stop(self, timeout: float | None = None) -> bool:
         """Drain what arrived, flush sinks, close everything; True if all in time."""
@@ -379,12 +406,16 @@ class Server:
         if settings.key is not None:
             assert self._context is not None
             secure = self._auth.secure if self._auth is not None else None
-            self._commands = CommandChannel.bind(self._context, self.config.command_listen,
-                                                 secure)
+            self._commands = CommandChannel.bind(self._context, self.config.command_listen, secure)
             send = self._commands.send
             log.info("rollback commands (HMAC-signed, not encrypted) on %s", self.command_endpoint)
-        self.pipeline.actions = Actions(settings, {r.name: r.actions for r in rules}, send,
-                                        self._clock, listening=self.listening)
+        self.pipeline.actions = Actions(
+            settings,
+            {r.name: r.actions for r in rules},
+            send,
+            self._clock,
+            listening=self.listening,
+        )
 
     def listening(self, job: str) -> bool:
         """Whether an agent of ``job`` is subscribed to rollback commands now."""
@@ -396,17 +427,20 @@ class Server:
 
     def _write_ready_file(self, path: Path) -> None:
         # Written whole then renamed: a reader never sees half a file.
-        body = {"listen": self.bound_endpoint, "metrics_url": self.metrics_url,
-                "pid": os.getpid()}
+        body = {"listen": self.bound_endpoint, "metrics_url": self.metrics_url, "pid": os.getpid()}
         partial = path.with_name(path.name + ".partial")
         partial.write_text(json.dumps(body), encoding="utf-8")
         os.replace(partial, path)
         self._wrote_ready_file = True
 
     def _alive(self) -> bool:
-        return self._http is not None and self._http.alive() and \
-            self._ingest_thread is not None and self._ingest_thread.is_alive() and \
-            all(sink.alive() for sink in self.sinks)
+        return (
+            self._http is not None
+            and self._http.alive()
+            and self._ingest_thread is not None
+            and self._ingest_thread.is_alive()
+            and all(sink.alive() for sink in self.sinks)
+        )
 
     def _release(self, term: bool = True) -> None:
         if self._released:
@@ -444,5 +478,3 @@ class Server:
         if self._context is not None and term:
             self._context.term()
         self._context = None
-
-

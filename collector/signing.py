@@ -40,16 +40,19 @@ def decode_secret(text: str) -> bytes:
         raise SignatureError(
             "webhook secret must start with 'whsec_' followed by base64 key bytes; generate one "
             "with: python -c \"import base64,os; print('whsec_'+base64.b64encode(os.urandom(32))"
-            ".decode())\"")
+            '.decode())"'
+        )
     try:
-        key = base64.b64decode(value[len(SECRET_PREFIX):], validate=True)
+        key = base64.b64decode(value[len(SECRET_PREFIX) :], validate=True)
     except (binascii.Error, ValueError) as exc:
         raise SignatureError(
             "webhook secret after 'whsec_' is not valid base64; copy it again without "
-            "spaces or line breaks") from exc
+            "spaces or line breaks"
+        ) from exc
     if len(key) < 16:
         raise SignatureError(
-            f"webhook secret is only {len(key)} bytes; use at least 16 (24-64 recommended)")
+            f"webhook secret is only {len(key)} bytes; use at least 16 (24-64 recommended)"
+        )
     return key
 
 
@@ -63,12 +66,21 @@ def sign(secret: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
 def signature_headers(secret: bytes, msg_id: str, body: bytes, now: float) -> dict[str, str]:
     """The three Standard Webhooks headers for one request sent at ``now``."""
     timestamp = int(now)
-    return {"webhook-id": msg_id, "webhook-timestamp": str(timestamp),
-            "webhook-signature": sign(secret, msg_id, timestamp, body)}
+    return {
+        "webhook-id": msg_id,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": sign(secret, msg_id, timestamp, body),
+    }
 
 
-def verify(secret: bytes, headers: Mapping[str, str], body: bytes, *, now: float,
-           tolerance: float = DEFAULT_TOLERANCE_S) -> str:
+def verify(
+    secret: bytes,
+    headers: Mapping[str, str],
+    body: bytes,
+    *,
+    now: float,
+    tolerance: float = DEFAULT_TOLERANCE_S,
+) -> str:
     """Check a received request; return its ``webhook-id`` or raise ``SignatureError``.
 
     Header names are matched case-insensitively. The timestamp must be within
@@ -76,24 +88,33 @@ def verify(secret: bytes, headers: Mapping[str, str], body: bytes, *, now: float
     the listed ``v1`` signatures must match, compared in constant time.
     """
     lower = {k.lower(): v for k, v in headers.items()}
-    missing = [h for h in ("webhook-id", "webhook-timestamp", "webhook-signature")
-               if not lower.get(h)]
+    missing = [
+        h for h in ("webhook-id", "webhook-timestamp", "webhook-signature") if not lower.get(h)
+    ]
     if missing:
-        raise SignatureError(f"missing header(s) {', '.join(missing)}; "
-                             "the sender must use the Standard Webhooks scheme")
+        raise SignatureError(
+            f"missing header(s) {', '.join(missing)}; "
+            "the sender must use the Standard Webhooks scheme"
+        )
     msg_id, stamp = lower["webhook-id"], lower["webhook-timestamp"].strip()
     if not stamp.isdigit():
         raise SignatureError(f"webhook-timestamp {stamp[:32]!r} is not Unix seconds")
     timestamp = int(stamp)
     if timestamp < now - tolerance:
-        raise SignatureError(f"webhook-timestamp is {now - timestamp:.0f}s old (tolerance "
-                             f"{tolerance:.0f}s): a replay, or the sender's clock is wrong")
+        raise SignatureError(
+            f"webhook-timestamp is {now - timestamp:.0f}s old (tolerance "
+            f"{tolerance:.0f}s): a replay, or the sender's clock is wrong"
+        )
     if timestamp > now + tolerance:
-        raise SignatureError(f"webhook-timestamp is {timestamp - now:.0f}s in the future "
-                             f"(tolerance {tolerance:.0f}s): check both clocks (NTP)")
+        raise SignatureError(
+            f"webhook-timestamp is {timestamp - now:.0f}s in the future "
+            f"(tolerance {tolerance:.0f}s): check both clocks (NTP)"
+        )
     expected = sign(secret, msg_id, timestamp, body).encode()
     for candidate in lower["webhook-signature"].split():
         if hmac.compare_digest(candidate.encode(), expected):
             return msg_id
-    raise SignatureError("no webhook-signature matches: the secret differs from the sender's "
-                         "or the body was changed after signing")
+    raise SignatureError(
+        "no webhook-signature matches: the secret differs from the sender's "
+        "or the body was changed after signing"
+    )

@@ -98,8 +98,10 @@ def read_secret(value: SecretStr | None, path: Path | None, key: str) -> str | N
     try:
         text = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read {key}_file {path}: {exc.strerror or exc}; check the "
-                          "path and that the collector may read it") from exc
+        raise ConfigError(
+            f"cannot read {key}_file {path}: {exc.strerror or exc}; check the "
+            "path and that the collector may read it"
+        ) from exc
     if not text:
         raise ConfigError(f"{key}_file {path} is empty; put the secret in it or unset it")
     return text

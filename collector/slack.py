@@ -38,7 +38,7 @@ RESOLVED_ICON = "✅"
 
 def clip(text: str, limit: int) -> str:
     """``text`` cut to ``limit`` characters, ending in an ellipsis when cut."""
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def escape(text: str) -> str:
@@ -63,8 +63,10 @@ def slack_message(alert: Mapping[str, Any]) -> dict[str, Any]:
     icon = ICONS.get(alert["severity"], "") if firing else RESOLVED_ICON
     title = f"{icon} {alert['rule']} {alert['state']}".strip()
     blocks: list[dict[str, Any]] = [
-        {"type": "header", "text": {"type": "plain_text", "text": clip(title, HEADER_MAX),
-                                    "emoji": True}},
+        {
+            "type": "header",
+            "text": {"type": "plain_text", "text": clip(title, HEADER_MAX), "emoji": True},
+        },
         _section(f"*{alert['severity'].upper()}* {alert['category']}: {alert['summary']}"),
     ]
     fields = _evidence_fields(alert.get("evidence") or {})
@@ -74,8 +76,10 @@ def slack_message(alert: Mapping[str, Any]) -> dict[str, Any]:
     if diagnosis:
         blocks.append(_section(diagnosis))
     blocks.append({"type": "context", "elements": _context(alert)})
-    text = (f"[{alert['severity']}] {alert['rule']} {alert['state']} on job {alert['job']}: "
-            f"{alert['summary']}")
+    text = (
+        f"[{alert['severity']}] {alert['rule']} {alert['state']} on job {alert['job']}: "
+        f"{alert['summary']}"
+    )
     return {"text": clip(text, TEXT_MAX), "blocks": blocks}
 
 
@@ -94,12 +98,18 @@ def _value(value: Any) -> str:
 
 def _evidence_fields(evidence: Mapping[str, Any]) -> list[dict[str, str]]:
     items = list(evidence.items())
-    shown = items if len(items) <= FIELDS_MAX else items[:FIELDS_MAX - 1]
-    fields = [{"type": "mrkdwn", "text": mrkdwn(f"{key}\n{_value(value)}", FIELD_MAX)}
-              for key, value in shown]
+    shown = items if len(items) <= FIELDS_MAX else items[: FIELDS_MAX - 1]
+    fields = [
+        {"type": "mrkdwn", "text": mrkdwn(f"{key}\n{_value(value)}", FIELD_MAX)}
+        for key, value in shown
+    ]
     if len(items) > len(shown):
-        fields.append({"type": "mrkdwn",
-                       "text": f"+{len(items) - len(shown)} more (see the webhook or /metrics)"})
+        fields.append(
+            {
+                "type": "mrkdwn",
+                "text": f"+{len(items) - len(shown)} more (see the webhook or /metrics)",
+            }
+        )
     return fields
 
 
@@ -117,8 +127,12 @@ def _diagnosis_text(diagnosis: Mapping[str, Any] | None) -> str:
 
 
 def _context(alert: Mapping[str, Any]) -> list[dict[str, str]]:
-    parts = [f"job {alert['job']}", f"rank {'-' if alert.get('rank') is None else alert['rank']}",
-             f"step {alert['step']}", f"alert {alert['id']}"]
+    parts = [
+        f"job {alert['job']}",
+        f"rank {'-' if alert.get('rank') is None else alert['rank']}",
+        f"step {alert['step']}",
+        f"alert {alert['id']}",
+    ]
     if alert.get("last_good_checkpoint"):
         parts.append(f"last good checkpoint {alert['last_good_checkpoint']}")
     return [{"type": "mrkdwn", "text": mrkdwn(part, FIELD_MAX)} for part in parts[:CONTEXT_MAX]]
@@ -134,8 +148,15 @@ class SlackChannel:
 
     def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
         body = json.dumps(slack_message(alert), ensure_ascii=False).encode()
-        return HttpRequest(self._url, body, {"Content-Type": "application/json; charset=utf-8",
-                                             "User-Agent": f"gradwatch/{VERSION}"}, self._timeout)
+        return HttpRequest(
+            self._url,
+            body,
+            {
+                "Content-Type": "application/json; charset=utf-8",
+                "User-Agent": f"gradwatch/{VERSION}",
+            },
+            self._timeout,
+        )
 
     def __repr__(self) -> str:
         return f"SlackChannel({self.target!r})"

@@ -63,7 +63,9 @@ def warn_exposure(config: CollectorConfig) -> list[str]:
             "the dev profile is listening beyond loopback (%s): anyone who can reach these "
             "ports can report any job, raise false alerts and read the metrics stream "
             "unauthenticated. Use profile: production with CurveZMQ keys (docs/deploy.md, "
-            "SECURITY.md), or bind 127.0.0.1", ", ".join(found))
+            "SECURITY.md), or bind 127.0.0.1",
+            ", ".join(found),
+        )
     return found
 
 
@@ -79,16 +81,20 @@ def check_open_files(config: CollectorConfig) -> int:
                 resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
                 soft = target
             except (ValueError, OSError) as exc:
-                log.warning("cannot raise the open-file limit from %d to %d: %s", soft,
-                            target, exc)
+                log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, exc)
     if soft != resource.RLIM_INFINITY and soft < need:
         raise ConfigError(
             f"the open-file limit is {soft} (hard {hard}), below the {need} descriptors that "
             f"http_max_connections={config.http_max_connections} and the collector's own "
             "files need; raise it (ulimit -n, LimitNOFILE=, or the container's nofile "
-            "ulimit) or lower http_max_connections")
+            "ulimit) or lower http_max_connections"
+        )
     if soft != resource.RLIM_INFINITY and soft < want:
-        log.warning("the open-file limit is %d: room for about %d agent connections beyond "
-                    "HTTP's %d; raise it (ulimit -n) for jobs with more ranks", soft,
-                    soft - need, config.http_max_connections)
+        log.warning(
+            "the open-file limit is %d: room for about %d agent connections beyond "
+            "HTTP's %d; raise it (ulimit -n) for jobs with more ranks",
+            soft,
+            soft - need,
+            config.http_max_connections,
+        )
     return int(soft) if soft != resource.RLIM_INFINITY else 1 << 30

@@ -165,9 +165,12 @@ class JobView:
 class StateStore:
     """All jobs' state; thread-safe; forgets silent jobs on ``expire()``."""
 
-    def __init__(self, job_ttl_seconds: float = 600.0,
-                 clock: Callable[[], float] = time.time,
-                 finished_grace_seconds: float = 60.0) -> None:
+    def __init__(
+        self,
+        job_ttl_seconds: float = 600.0,
+        clock: Callable[[], float] = time.time,
+        finished_grace_seconds: float = 60.0,
+    ) -> None:
         self.job_ttl_seconds = job_ttl_seconds
         self.finished_grace_seconds = finished_grace_seconds
         self._clock = clock
@@ -183,7 +186,9 @@ class StateStore:
             if rank.latest is None or step.step >= rank.latest.step:
                 previous = rank.latest
                 if previous is not None and step.step > previous.step and step.time > previous.time:
-                    rank.step_intervals.append((step.time - previous.time) / (step.step - previous.step))
+                    rank.step_intervals.append(
+                        (step.time - previous.time) / (step.step - previous.step)
+                    )
                 rank.latest = step
                 rank.nonfinite = nonfinite_layers(step)
             if step.loss is not None:
@@ -233,8 +238,11 @@ class StateStore:
             rank.closed = event.kind == "note" and event.fields.get("note") == CLOSED_NOTE
             if event.kind == "checkpoint":
                 path = event.fields.get("path")
-                job.checkpoints.append(Checkpoint(
-                    event.step, path if isinstance(path, str) else "", event.time, event.rank))
+                job.checkpoints.append(
+                    Checkpoint(
+                        event.step, path if isinstance(path, str) else "", event.time, event.rank
+                    )
+                )
             elif event.kind == "eval":
                 job.evals.append(event)
 
@@ -289,15 +297,24 @@ class StateStore:
         with self._lock:
             now = self._clock()
             return [
-                Liveness(job=name, rank=r, now=now, last_step=rank.progress,
-                         last_step_time=rank.progress_time, last_heartbeat_time=rank.last_seen,
-                         step_seconds=statistics.median(rank.step_intervals)
-                         if rank.step_intervals else None,
-                         started=rank.started, data_seconds=rank.phases.data_seconds,
-                         busy_seconds=rank.phases.busy_seconds)
+                Liveness(
+                    job=name,
+                    rank=r,
+                    now=now,
+                    last_step=rank.progress,
+                    last_step_time=rank.progress_time,
+                    last_heartbeat_time=rank.last_seen,
+                    step_seconds=statistics.median(rank.step_intervals)
+                    if rank.step_intervals
+                    else None,
+                    started=rank.started,
+                    data_seconds=rank.phases.data_seconds,
+                    busy_seconds=rank.phases.busy_seconds,
+                )
                 for name, job in sorted(self._jobs.items())
                 # A closed rank finished: its last note is no heartbeat of a live process.
-                for r, rank in sorted(job.ranks.items()) if rank.progress is not None and not rank.closed
+                for r, rank in sorted(job.ranks.items())
+                if rank.progress is not None and not rank.closed
             ]
 
     def expire(self) -> list[str]:
@@ -310,9 +327,16 @@ class StateStore:
         with self._lock:
             now = self._clock()
             cutoff, finished = now - self.job_ttl_seconds, now - self.finished_grace_seconds
-            gone = [name for name, job in self._jobs.items()
-                    if job.last_seen < cutoff or (job.last_seen < finished and job.ranks
-                                                  and all(r.closed for r in job.ranks.values()))]
+            gone = [
+                name
+                for name, job in self._jobs.items()
+                if job.last_seen < cutoff
+                or (
+                    job.last_seen < finished
+                    and job.ranks
+                    and all(r.closed for r in job.ranks.values())
+                )
+            ]
             for name in gone:
                 del self._jobs[name]
         return gone
@@ -370,4 +394,3 @@ def _view(job: JobState) -> JobView:
         assembled=whole is not None,
         lag_seconds=max(lags) if lags else None,
     )
-

@@ -28,7 +28,7 @@ import zmq
 
 from gradwatch.collector.config import CollectorError
 
-SUBSCRIBE = b"\x01"    # XPUB's first byte of a subscription message
+SUBSCRIBE = b"\x01"  # XPUB's first byte of a subscription message
 UNSUBSCRIBE = b"\x00"  # ... and of an unsubscription
 
 
@@ -39,7 +39,8 @@ def bind_socket(sock: zmq.Socket[Any], endpoint: str, option: str) -> str:
     except zmq.ZMQError as exc:
         raise CollectorError(
             f"cannot listen on {endpoint}: {exc}; another collector may be using it: stop it "
-            f"or choose another {option}") from exc
+            f"or choose another {option}"
+        ) from exc
     return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
 
@@ -61,8 +62,12 @@ class CommandChannel:
         self._listening: set[str] = set()
 
     @classmethod
-    def bind(cls, context: zmq.Context[Any], endpoint: str,
-             secure: Callable[[zmq.Socket[Any]], None] | None) -> CommandChannel:
+    def bind(
+        cls,
+        context: zmq.Context[Any],
+        endpoint: str,
+        secure: Callable[[zmq.Socket[Any]], None] | None,
+    ) -> CommandChannel:
         """Bind an XPUB socket on ``endpoint``; ``secure`` applies CURVE to it when on.
 
         Raises ``CollectorError`` when the endpoint cannot be bound.

@@ -64,8 +64,9 @@ Transport = Callable[[HttpRequest], HttpResponse]
 
 def urllib_transport(request: HttpRequest) -> HttpResponse:
     """POST with the standard library; HTTP error statuses are answers, not errors."""
-    req = urllib.request.Request(request.url, data=request.body,
-                                 headers=dict(request.headers), method="POST")
+    req = urllib.request.Request(
+        request.url, data=request.body, headers=dict(request.headers), method="POST"
+    )
     try:
         with urllib.request.urlopen(req, timeout=request.timeout) as resp:
             resp.read()
@@ -105,8 +106,12 @@ class WebhookChannel:
 
     def request(self, notification_id: str, alert: Mapping[str, Any], now: float) -> HttpRequest:
         body = json.dumps(alert, allow_nan=False, separators=(",", ":")).encode()
-        headers = {"Content-Type": "application/json", "User-Agent": f"gradwatch/{VERSION}",
-                   "Idempotency-Key": notification_id, "webhook-id": notification_id}
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": f"gradwatch/{VERSION}",
+            "Idempotency-Key": notification_id,
+            "webhook-id": notification_id,
+        }
         if self._secret is not None:
             headers.update(signature_headers(self._secret, notification_id, body, now))
         return HttpRequest(self._url, body, headers, self._timeout)
@@ -120,8 +125,13 @@ def is_retryable(response: HttpResponse | None) -> bool:
     return response is None or response.status >= 500 or response.status in RETRY_STATUSES
 
 
-def retry_delay(policy: RetryPolicy, attempt: int, response: HttpResponse | None, now: float,
-                jitter: Callable[[], float]) -> float:
+def retry_delay(
+    policy: RetryPolicy,
+    attempt: int,
+    response: HttpResponse | None,
+    now: float,
+    jitter: Callable[[], float],
+) -> float:
     """Seconds before attempt ``attempt + 1``: ``Retry-After`` if given, else jittered backoff."""
     if response is not None:
         after = _retry_after(response.headers, now)

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from gradwatch.collector.actions import Actions
 from gradwatch.collector.alertmanager import AlertmanagerSink
-from gradwatch.collector.config import CollectorConfig, ConfigError
+from gradwatch.collector.config import CollectorConfig, ConfigError, SinkKind
 from gradwatch.collector.outbox import Outbox, OutboxSink
 from gradwatch.collector.pagerduty import PagerDutyChannel
 from gradwatch.collector.recorder import TraceRecorder
@@ -68,9 +68,11 @@ def build_sinks(config: CollectorConfig) -> list[Sink]:
     def outbox() -> Outbox:
         return Outbox.open(config.data_dir, max_pending=config.outbox_max_pending)
 
-    def options(kind: str, name: str) -> dict[str, Any]:
-        return {"router": Router(config.routes.get(kind), name=name),
-                "max_age": config.outbox_max_age_seconds}
+    def options(kind: SinkKind, name: str) -> dict[str, Any]:
+        return {
+            "router": Router(config.routes.get(kind), name=name),
+            "max_age": config.outbox_max_age_seconds,
+        }
 
     # Every secret is read (and may fail) before any outbox is opened.
     secret = read_secret(config.webhook_secret, config.webhook_secret_file, "webhook_secret")
@@ -78,26 +80,44 @@ def build_sinks(config: CollectorConfig) -> list[Sink]:
         key = decode_secret(secret) if secret is not None else None
     except SignatureError as exc:
         raise ConfigError(f"webhook_secret: {exc}") from exc
-    slack = read_secret(config.slack_webhook_url, config.slack_webhook_url_file,
-                        "slack_webhook_url")
-    routing_key = read_secret(config.pagerduty_routing_key, config.pagerduty_routing_key_file,
-                              "pagerduty_routing_key")
+    slack = read_secret(
+        config.slack_webhook_url, config.slack_webhook_url_file, "slack_webhook_url"
+    )
+    routing_key = read_secret(
+        config.pagerduty_routing_key, config.pagerduty_routing_key_file, "pagerduty_routing_key"
+    )
     timeout = config.webhook_timeout
     sinks: list[Sink] = [
-        OutboxSink(f"webhook-{i}", WebhookChannel(url, secret=key, timeout=timeout), outbox(),
-                   **options("webhook", f"webhook-{i}"))
-        for i, url in enumerate(config.webhooks)]
+        OutboxSink(
+            f"webhook-{i}",
+            WebhookChannel(url, secret=key, timeout=timeout),
+            outbox(),
+            **options("webhook", f"webhook-{i}"),
+        )
+        for i, url in enumerate(config.webhooks)
+    ]
     if slack is not None:
-        sinks.append(OutboxSink("slack", SlackChannel(slack, timeout=timeout), outbox(),
-                                **options("slack", "slack")))
+        sinks.append(
+            OutboxSink(
+                "slack", SlackChannel(slack, timeout=timeout), outbox(), **options("slack", "slack")
+            )
+        )
     if routing_key is not None:
         channel = PagerDutyChannel(routing_key, url=config.pagerduty_url, timeout=timeout)
-        sinks.append(OutboxSink("pagerduty", channel, outbox(),
-                                **options("pagerduty", "pagerduty")))
-    sinks += [AlertmanagerSink(url, name=f"alertmanager-{i}", outbox=outbox(), timeout=timeout,
-                               resend_interval=config.alertmanager_resend_seconds,
-                               **options("alertmanager", f"alertmanager-{i}"))
-              for i, url in enumerate(config.alertmanager_urls)]
+        sinks.append(
+            OutboxSink("pagerduty", channel, outbox(), **options("pagerduty", "pagerduty"))
+        )
+    sinks += [
+        AlertmanagerSink(
+            url,
+            name=f"alertmanager-{i}",
+            outbox=outbox(),
+            timeout=timeout,
+            resend_interval=config.alertmanager_resend_seconds,
+            **options("alertmanager", f"alertmanager-{i}"),
+        )
+        for i, url in enumerate(config.alertmanager_urls)
+    ]
     if config.grafana_url is not None:
         # Imported only when configured: grafana-client pulls in its HTTP stack.
         from gradwatch.collector.grafana import build_grafana_sinks
@@ -114,8 +134,12 @@ class StoreErrorMetrics:
     from the stores at scrape time; each store logs its first failure once.
     """
 
-    def __init__(self, sinks: Sequence[Sink], actions: Callable[[], Actions | None],
-                 recorder: TraceRecorder | None) -> None:
+    def __init__(
+        self,
+        sinks: Sequence[Sink],
+        actions: Callable[[], Actions | None],
+        recorder: TraceRecorder | None,
+    ) -> None:
         self._sinks = sinks
         self._actions = actions  # a getter: the actions are built when the server starts
         self._recorder = recorder
@@ -123,14 +147,18 @@ class StoreErrorMetrics:
     def collect(self) -> Iterable[Metric]:
         actions = self._actions()
         counts = {
-            "outbox": sum(getattr(getattr(sink, "outbox", None), "errors", 0)
-                          for sink in self._sinks),
+            "outbox": sum(
+                getattr(getattr(sink, "outbox", None), "errors", 0) for sink in self._sinks
+            ),
             "actions": actions.store_errors if actions is not None else 0,
             "trace": self._recorder.errors if self._recorder is not None else 0,
         }
         family = CounterMetricFamily(
-            "gradwatch_store_errors", "Failed writes to the collector's files (disk full, "
-            "read-only); the log says what to fix.", labels=["store"])
+            "gradwatch_store_errors",
+            "Failed writes to the collector's files (disk full, "
+            "read-only); the log says what to fix.",
+            labels=["store"],
+        )
         for store, count in sorted(counts.items()):
             family.add_metric([store], count)
         return [family]

@@ -18,10 +18,18 @@ class Clock:
         return self.now
 
 
-def firing(job: str = "run-1", rule: str = "NaNLoss", step: int = 250,
-           category: str = "numerical") -> Transition:
+def firing(
+    job: str = "run-1", rule: str = "NaNLoss", step: int = 250, category: str = "numerical"
+) -> Transition:
     """A fresh firing transition of ``rule`` whose incident began at ``step``."""
-    alert = Alert(rule=rule, category=category, severity="critical",  # type: ignore[arg-type]
-                  job=job, state="firing", step=step, summary="loss is nan",
-                  started_at=T0)
+    alert = Alert(
+        rule=rule,
+        category=category,
+        severity="critical",  # type: ignore[arg-type]
+        job=job,
+        state="firing",
+        step=step,
+        summary="loss is nan",
+        started_at=T0,
+    )
     return Transition(alert, "pending", "firing")

@@ -18,10 +18,12 @@ RULES = {"NaNLoss": ("notify", "rollback"), "Slow": ("notify",)}
 HOUR = 3600.0
 
 
-def make(clock: Clock, sent: list[list[bytes]], path: Path | None = None,
-         key: bytes | None = KEY) -> Actions:
-    settings = ActionSettings(key=key, skip_batches=300, max_rollbacks=3, window_s=6 * HOUR,
-                              cooldown_s=600.0, path=path)
+def make(
+    clock: Clock, sent: list[list[bytes]], path: Path | None = None, key: bytes | None = KEY
+) -> Actions:
+    settings = ActionSettings(
+        key=key, skip_batches=300, max_rollbacks=3, window_s=6 * HOUR, cooldown_s=600.0, path=path
+    )
     actions = Actions(settings, RULES, send=sent.append, clock=clock)
     for step in (100, 200, 300):
         actions.checkpoints.add("run-1", step, f"ckpt/{step}.pt", time=0.0)
@@ -33,8 +35,11 @@ def test_firing_rollback_rule_sends_a_signed_command() -> None:
     actions = make(clock, sent)
     command = actions.on_transition(firing(step=250))
     assert command is not None
-    assert (command["checkpoint"], command["step"], command["skip_batches"]) == ("ckpt/200.pt",
-                                                                                200, 300)
+    assert (command["checkpoint"], command["step"], command["skip_batches"]) == (
+        "ckpt/200.pt",
+        200,
+        300,
+    )
     (frames,) = sent
     topic, body, signature = frames
     assert topic == b"run-1"
@@ -54,27 +59,27 @@ def test_budget_and_cooldown_count_restarts_across_a_collector_restart(tmp_path:
     clock, sent = Clock(), []
     path = tmp_path / ACTIONS_FILE
     actions = make(clock, sent, path)
-    assert actions.on_transition(firing(step=250)) is not None          # 1st
+    assert actions.on_transition(firing(step=250)) is not None  # 1st
     clock.now += 60
-    assert actions.on_transition(firing(step=260)) is None              # within cooldown
+    assert actions.on_transition(firing(step=260)) is None  # within cooldown
     assert actions.stats().refused == {"cooldown": 1}
     assert actions.on_transition(firing(step=250)) is None  # same incident id: never twice
     clock.now += 601
-    assert actions.on_transition(firing(step=270)) is not None          # 2nd
+    assert actions.on_transition(firing(step=270)) is not None  # 2nd
     actions.close()
 
     # The collector restarts: the budget comes back from the SQLite file.
     actions = make(clock, sent, path)
     assert actions.budget.used("run-1", clock.now) == 2
     clock.now += 30
-    assert actions.on_transition(firing(step=280)) is None              # cooldown survived
+    assert actions.on_transition(firing(step=280)) is None  # cooldown survived
     clock.now += 601
-    assert actions.on_transition(firing(step=290)) is not None          # 3rd
+    assert actions.on_transition(firing(step=290)) is not None  # 3rd
     clock.now += 601
-    assert actions.on_transition(firing(step=295)) is None              # budget: 3 per 6 h
+    assert actions.on_transition(firing(step=295)) is None  # budget: 3 per 6 h
     assert actions.stats().refused == {"cooldown": 1, "budget": 1}
     assert actions.budget.used("other-job", clock.now) == 0
-    clock.now += 6 * HOUR                                                # the window moves on
+    clock.now += 6 * HOUR  # the window moves on
     assert actions.on_transition(firing(step=299)) is not None
     assert len(sent) == 4
     actions.close()
@@ -102,8 +107,9 @@ def test_no_checkpoint_before_onset_is_refused_and_counted() -> None:
 def test_settings_from_config(tmp_path: Path) -> None:
     key_file = tmp_path / "key"
     key_file.write_text("0123456789abcdef0123\n")
-    settings = action_settings(CollectorConfig(command_key_file=key_file, data_dir=tmp_path,
-                                               rollback_skip_batches=7))
+    settings = action_settings(
+        CollectorConfig(command_key_file=key_file, data_dir=tmp_path, rollback_skip_batches=7)
+    )
     assert settings.key == b"0123456789abcdef0123" and settings.skip_batches == 7
     assert settings.path == tmp_path / ACTIONS_FILE and "0123" not in repr(settings)
     assert action_settings(CollectorConfig()).key is None
@@ -135,9 +141,11 @@ def test_metrics_text() -> None:
     actions.on_transition(firing(step=250))
     actions.on_transition(firing(step=260))  # cooldown
     text = generate_latest(registry).decode()
-    for line in ('gradwatch_rollbacks_sent_total 1.0',
-                 'gradwatch_rollbacks_refused_total{reason="cooldown"} 1.0',
-                 'gradwatch_rollback_enabled 1.0',
-                 'gradwatch_rollback_budget_remaining{training_job="run-1"} 2.0'):
+    for line in (
+        "gradwatch_rollbacks_sent_total 1.0",
+        'gradwatch_rollbacks_refused_total{reason="cooldown"} 1.0',
+        "gradwatch_rollback_enabled 1.0",
+        'gradwatch_rollback_budget_remaining{training_job="run-1"} 2.0',
+    ):
         assert line in text.splitlines(), text
     actions.close()

@@ -67,12 +67,25 @@ def test_actions_take_checkpoint_events() -> None:
     from gradwatch.collector.actions import Actions, ActionSettings
 
     actions = Actions(ActionSettings(key=None), {}, send=None)
-    actions.observe_event(Event(job="j", rank=0, incarnation="a", time=1.0, kind="checkpoint",
-                                step=10, fields={"path": "c/10.pt"}))
-    actions.observe_event(Event(job="j", rank=0, incarnation="a", time=1.0, kind="eval",
-                                step=20, fields={"loss": 1.0}))
-    actions.observe_event(Event(job="j", rank=0, incarnation="a", time=1.0, kind="checkpoint",
-                                step=30, fields={}))  # no path: nothing to roll back to
+    actions.observe_event(
+        Event(
+            job="j",
+            rank=0,
+            incarnation="a",
+            time=1.0,
+            kind="checkpoint",
+            step=10,
+            fields={"path": "c/10.pt"},
+        )
+    )
+    actions.observe_event(
+        Event(
+            job="j", rank=0, incarnation="a", time=1.0, kind="eval", step=20, fields={"loss": 1.0}
+        )
+    )
+    actions.observe_event(
+        Event(job="j", rank=0, incarnation="a", time=1.0, kind="checkpoint", step=30, fields={})
+    )  # no path: nothing to roll back to
     assert [c.step for c in actions.checkpoints.of("j")] == [10]
     actions.close()
 

@@ -21,11 +21,22 @@ from tests.actions.helpers import KEY, T0
 WAIT_S = 10.0
 
 
-def command(job: str = "run-1", issued_at: float = T0, nonce: str = "n1",
-            **extra: Any) -> dict[str, Any]:
-    return {"v": 1, "job": job, "action": "rollback", "checkpoint": "ckpt/200.pt", "step": 200,
-            "skip_batches": 300, "alert_id": "abc", "rule": "NaNLoss", "issued_at": issued_at,
-            "nonce": nonce, **extra}
+def command(
+    job: str = "run-1", issued_at: float = T0, nonce: str = "n1", **extra: Any
+) -> dict[str, Any]:
+    return {
+        "v": 1,
+        "job": job,
+        "action": "rollback",
+        "checkpoint": "ckpt/200.pt",
+        "step": 200,
+        "skip_batches": 300,
+        "alert_id": "abc",
+        "rule": "NaNLoss",
+        "issued_at": issued_at,
+        "nonce": nonce,
+        **extra,
+    }
 
 
 def test_verify_accepts_a_signed_fresh_command_once() -> None:
@@ -38,15 +49,18 @@ def test_verify_accepts_a_signed_fresh_command_once() -> None:
     assert replay.value.reason == "replayed"
 
 
-@pytest.mark.parametrize(("frames", "reason"), [
-    (encode_command(command(), KEY)[:2], "unsigned"),
-    (encode_command(command(), KEY)[:2] + [b""], "unsigned"),
-    (encode_command(command(), b"w" * 32), "bad_signature"),
-    (encode_command(command(issued_at=T0 - 61), KEY), "stale"),
-    (encode_command(command(issued_at=T0 + 61), KEY), "stale"),
-    (encode_command(command(action="format_disk"), KEY), "malformed"),
-    (encode_command({"job": "run-1", "nonce": "x"}, KEY), "malformed"),
-])
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        (encode_command(command(), KEY)[:2], "unsigned"),
+        (encode_command(command(), KEY)[:2] + [b""], "unsigned"),
+        (encode_command(command(), b"w" * 32), "bad_signature"),
+        (encode_command(command(issued_at=T0 - 61), KEY), "stale"),
+        (encode_command(command(issued_at=T0 + 61), KEY), "stale"),
+        (encode_command(command(action="format_disk"), KEY), "malformed"),
+        (encode_command({"job": "run-1", "nonce": "x"}, KEY), "malformed"),
+    ],
+)
 def test_verify_refuses(frames: list[bytes], reason: str) -> None:
     with pytest.raises(CommandRefused) as refused:
         verify_command(frames, KEY, "run-1", now=T0, seen={})
@@ -70,8 +84,10 @@ def test_command_settings(tmp_path: Path) -> None:
     assert command_settings(None, None, env={}) == (None, None)
     key_file = tmp_path / "key"
     key_file.write_bytes(KEY + b"\n")
-    env = {"GRADWATCH_COMMAND_ENDPOINT": "tcp://h:5556",
-           "GRADWATCH_COMMAND_KEY_FILE": str(key_file)}
+    env = {
+        "GRADWATCH_COMMAND_ENDPOINT": "tcp://h:5556",
+        "GRADWATCH_COMMAND_KEY_FILE": str(key_file),
+    }
     assert command_settings(None, None, env=env) == ("tcp://h:5556", KEY)
     with pytest.raises(ValueError, match="no command key"):
         command_settings("tcp://h:5556", None, env={})
@@ -135,20 +151,29 @@ def train_step(mon: Any, model: torch.nn.Module, opt: torch.optim.Optimizer) -> 
     opt.zero_grad()
 
 
-def test_agent_takes_only_authentic_commands(xpub: tuple[zmq.Socket[Any], str],
-                                            ckpt_root: Path) -> None:
+def test_agent_takes_only_authentic_commands(
+    xpub: tuple[zmq.Socket[Any], str], ckpt_root: Path
+) -> None:
     sock, endpoint = xpub
     model, opt = tiny()
-    with gradwatch.watch(model, opt, job="run-1", endpoint="tcp://127.0.0.1:1",
-                         command_endpoint=endpoint, command_key=KEY) as mon:
+    with gradwatch.watch(
+        model,
+        opt,
+        job="run-1",
+        endpoint="tcp://127.0.0.1:1",
+        command_endpoint=endpoint,
+        command_key=KEY,
+    ) as mon:
         subscribed(sock, "run-1")
         saved(mon, 200, "ckpt/200.pt")
         now = time.time()
-        bad = [encode_command(command(issued_at=now, nonce="a"), KEY)[:2],        # unsigned
-               encode_command(command(issued_at=now, nonce="b"), b"w" * 32),      # wrong key
-               encode_command(command(issued_at=now - 120, nonce="c"), KEY)]      # stale
+        bad = [
+            encode_command(command(issued_at=now, nonce="a"), KEY)[:2],  # unsigned
+            encode_command(command(issued_at=now, nonce="b"), b"w" * 32),  # wrong key
+            encode_command(command(issued_at=now - 120, nonce="c"), KEY),
+        ]  # stale
         good = encode_command(command(issued_at=now, nonce="d"), KEY)
-        for frames in [*bad, good, good]:                                        # + a replay
+        for frames in [*bad, good, good]:  # + a replay
             sock.send_multipart(frames)
         assert mon.wait_for_command(WAIT_S)
         train_step(mon, model, opt)
@@ -164,14 +189,22 @@ def test_agent_takes_only_authentic_commands(xpub: tuple[zmq.Socket[Any], str],
         assert mon.step == 201 and mon.stats.disabled is None
 
 
-def test_exit_mode_writes_the_plan_and_exits_75(xpub: tuple[zmq.Socket[Any], str],
-                                                tmp_path: Path, ckpt_root: Path) -> None:
+def test_exit_mode_writes_the_plan_and_exits_75(
+    xpub: tuple[zmq.Socket[Any], str], tmp_path: Path, ckpt_root: Path
+) -> None:
     sock, endpoint = xpub
     resume = tmp_path / "resume.json"
     model, opt = tiny()
-    mon = gradwatch.watch(model, opt, job="run-1", endpoint="tcp://127.0.0.1:1",
-                          command_endpoint=endpoint, command_key=KEY, on_rollback="exit",
-                          resume_file=str(resume))
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="run-1",
+        endpoint="tcp://127.0.0.1:1",
+        command_endpoint=endpoint,
+        command_key=KEY,
+        on_rollback="exit",
+        resume_file=str(resume),
+    )
     subscribed(sock, "run-1")
     saved(mon, 200, "ckpt/200.pt")
     train_step(mon, model, opt)
@@ -185,9 +218,13 @@ def test_exit_mode_writes_the_plan_and_exits_75(xpub: tuple[zmq.Socket[Any], str
     # The restarted process: the plan says what to load and how much to skip.
     plan = resume_plan(resume)
     assert plan is not None and (plan.checkpoint, plan.step, plan.skip_batches) == (
-        "ckpt/200.pt", 200, 300)
-    mon2 = gradwatch.watch(model, opt, job="run-1", endpoint="tcp://127.0.0.1:1",
-                           resume_file=str(resume))
+        "ckpt/200.pt",
+        200,
+        300,
+    )
+    mon2 = gradwatch.watch(
+        model, opt, job="run-1", endpoint="tcp://127.0.0.1:1", resume_file=str(resume)
+    )
     mon2.rollback_done(plan.step)  # removes the plan: the next restart starts afresh
     mon2.close()
     assert not resume.exists() and resume_plan(resume) is None
@@ -199,13 +236,15 @@ def test_resume_plan_errors_and_env(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     with pytest.raises(ValueError, match="delete it"):
         resume_plan(bad)
     monkeypatch.setenv("GRADWATCH_RESUME_FILE", str(tmp_path / "env.json"))
-    (tmp_path / "env.json").write_text(json.dumps(
-        {"checkpoint": "c.pt", "step": 5, "skip_batches": 2, "alert_id": "x"}))
+    (tmp_path / "env.json").write_text(
+        json.dumps({"checkpoint": "c.pt", "step": 5, "skip_batches": 2, "alert_id": "x"})
+    )
     assert resume_plan() == Rollback("c.pt", 5, 2, "x")
 
 
 def test_a_broken_env_setup_switches_commands_off_not_training(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     monkeypatch.setenv("GRADWATCH_COMMAND_ENDPOINT", "tcp://127.0.0.1:1")
     monkeypatch.delenv("GRADWATCH_COMMAND_KEY", raising=False)
     model, opt = tiny()

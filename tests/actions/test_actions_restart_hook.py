@@ -24,17 +24,25 @@ RAW = b"s" * 32
 SECRET = "whsec_" + base64.b64encode(RAW).decode()
 WAIT_S = 20.0
 # The command records its environment: alert fields must arrive there, not in argv.
-RECORD = ("import json, os, sys; open(sys.argv[1], 'a').write(json.dumps("
-          "{k: v for k, v in os.environ.items() if k.startswith('GRADWATCH_ALERT_')}) + '\\n')")
+RECORD = (
+    "import json, os, sys; open(sys.argv[1], 'a').write(json.dumps("
+    "{k: v for k, v in os.environ.items() if k.startswith('GRADWATCH_ALERT_')}) + '\\n')"
+)
 
 
 @pytest.fixture
 def hook(tmp_path: Path) -> Iterator[tuple[RestartHook, Path]]:
     out = tmp_path / "runs.jsonl"
-    config = HookConfig(listen="127.0.0.1:0", secret=SECRET,
-                        command=[sys.executable, "-c", RECORD, str(out)],
-                        allow_categories=["numerical"], allow_rules=["LossSpike"],
-                        cooldown_s=0.0, budget=2, timeout_s=WAIT_S)
+    config = HookConfig(
+        listen="127.0.0.1:0",
+        secret=SECRET,
+        command=[sys.executable, "-c", RECORD, str(out)],
+        allow_categories=["numerical"],
+        allow_rules=["LossSpike"],
+        cooldown_s=0.0,
+        budget=2,
+        timeout_s=WAIT_S,
+    )
     server = RestartHook(config)
     server.start()
     yield server, out
@@ -42,8 +50,12 @@ def hook(tmp_path: Path) -> Iterator[tuple[RestartHook, Path]]:
 
 
 def post(hook: RestartHook, body: bytes, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
-    request = urllib.request.Request(f"http://127.0.0.1:{hook.port}/", data=body, method="POST",
-                                     headers={"Content-Type": "application/json", **headers})
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{hook.port}/",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json", **headers},
+    )
     try:
         with urllib.request.urlopen(request, timeout=WAIT_S) as response:
             return response.status, json.loads(response.read())
@@ -51,13 +63,19 @@ def post(hook: RestartHook, body: bytes, headers: dict[str, str]) -> tuple[int, 
         return exc.code, json.loads(exc.read())
 
 
-def signed(step: int = 250, rule: str = "NaNLoss", category: str = "numerical",
-           state: str = "firing", at: float | None = None,
-           secret: bytes = RAW) -> tuple[bytes, dict[str, str]]:
+def signed(
+    step: int = 250,
+    rule: str = "NaNLoss",
+    category: str = "numerical",
+    state: str = "firing",
+    at: float | None = None,
+    secret: bytes = RAW,
+) -> tuple[bytes, dict[str, str]]:
     alert = firing(step=step, rule=rule, category=category).alert
     body = json.dumps({**alert_payload(alert), "state": state}).encode()
-    return body, signature_headers(secret, f"{alert.id}:{state}", body,
-                                   now=time.time() if at is None else at)
+    return body, signature_headers(
+        secret, f"{alert.id}:{state}", body, now=time.time() if at is None else at
+    )
 
 
 def test_valid_alert_runs_the_command_once(hook: tuple[RestartHook, Path]) -> None:
@@ -76,13 +94,16 @@ def test_valid_alert_runs_the_command_once(hook: tuple[RestartHook, Path]) -> No
     assert len(out.read_text().splitlines()) == 1
 
 
-@pytest.mark.parametrize(("make", "status", "text"), [
-    (lambda: signed(secret=b"w" * 32), 401, "signature"),
-    (lambda: signed(at=time.time() - 3600), 401, "signature"),                  # stale
-    (lambda: (signed()[0], {}), 401, "signature"),                              # unsigned
-    (lambda: signed(rule="Slow", category="stalled"), 422, "not allow-listed"),
-    (lambda: signed(state="resolved"), 422, "only firing"),
-])
+@pytest.mark.parametrize(
+    ("make", "status", "text"),
+    [
+        (lambda: signed(secret=b"w" * 32), 401, "signature"),
+        (lambda: signed(at=time.time() - 3600), 401, "signature"),  # stale
+        (lambda: (signed()[0], {}), 401, "signature"),  # unsigned
+        (lambda: signed(rule="Slow", category="stalled"), 422, "not allow-listed"),
+        (lambda: signed(state="resolved"), 422, "only firing"),
+    ],
+)
 def test_refusals(hook: tuple[RestartHook, Path], make: Any, status: int, text: str) -> None:
     server, out = hook
     body, headers = make()

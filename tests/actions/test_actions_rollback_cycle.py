@@ -27,8 +27,8 @@ from tests.actions.helpers import KEY
 
 WAIT_S = 15.0
 JOB = "cycle"
-EVERY = 10          # checkpoint cadence, in steps
-FAULT_STEP = 30     # the first step whose loss is NaN
+EVERY = 10  # checkpoint cadence, in steps
+FAULT_STEP = 30  # the first step whose loss is NaN
 SKIP = 5
 RULES = """
 groups:
@@ -75,20 +75,33 @@ def batch(index: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x @ torch.linspace(-1.0, 1.0, 8).unsqueeze(1)
 
 
-def save(path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int,
-         next_batch: int) -> None:
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                "next_batch": next_batch}, path)
+def save(
+    path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, next_batch: int
+) -> None:
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "opt": opt.state_dict(),
+            "step": step,
+            "next_batch": next_batch,
+        },
+        path,
+    )
 
 
 def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GRADWATCH_CHECKPOINT_ROOT", str(tmp_path))  # where the loop saves
     rules = tmp_path / "rules.yaml"
     rules.write_text(RULES)
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             rules=rules, command_listen="tcp://127.0.0.1:*",
-                             command_key=KEY.decode(), rollback_skip_batches=SKIP,
-                             data_dir=tmp_path / "state")
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        rules=rules,
+        command_listen="tcp://127.0.0.1:*",
+        command_key=KEY.decode(),
+        rollback_skip_batches=SKIP,
+        data_dir=tmp_path / "state",
+    )
     sink = Recorder()
     server = Server(config, registry=CollectorRegistry(), sinks=[sink])
     server.start()
@@ -97,8 +110,7 @@ def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         # Everything the agent sent after the rollback was taken, as its new incarnation.
         mon = result[-1]
         c = mon.stats
-        assert server.wait_for_messages(c.batches_sent + c.heartbeats_sent + c.events_sent,
-                                        WAIT_S)
+        assert server.wait_for_messages(c.batches_sent + c.heartbeats_sent + c.events_sent, WAIT_S)
         assert sum(server.ingest.stats().rejected.values()) == 0
         rank = server.state.job(JOB).ranks[0]  # type: ignore[union-attr]
         assert (rank.incarnation, rank.latest.step) == (mon.incarnation, 60)  # type: ignore[union-attr]
@@ -130,9 +142,16 @@ def train(server: Server, tmp_path: Path) -> tuple[Any, dict[str, int], list[flo
     cmd: Any = None
     resumed_at: dict[str, int] = {}
     losses_after: list[float] = []
-    with gradwatch.watch(model, opt, job=JOB, endpoint=server.bound_endpoint, flush_every=5,
-                         stats_every=0, command_endpoint=server.command_endpoint,
-                         command_key=KEY) as mon:
+    with gradwatch.watch(
+        model,
+        opt,
+        job=JOB,
+        endpoint=server.bound_endpoint,
+        flush_every=5,
+        stats_every=0,
+        command_endpoint=server.command_endpoint,
+        command_key=KEY,
+    ) as mon:
         assert server.wait_for_listener(JOB, WAIT_S), "the agent never subscribed"
         step, next_batch, fault = 0, 0, False
         while len(losses_after) < 40:

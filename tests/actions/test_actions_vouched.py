@@ -79,7 +79,7 @@ def test_confined_to_the_root_symlinks_included(root: Path, tmp_path: Path) -> N
     outside.write_bytes(b"x")
     ledger.record(1, str(outside))  # the job itself saved outside the root: not a target
     link = root / "2.pt"
-    link.symlink_to(outside)        # a link inside the root that leaves it
+    link.symlink_to(outside)  # a link inside the root that leaves it
     ledger.record(2, str(link))
     assert ledger.wait_idle(WAIT_S) and ledger.entries() == []
     assert out.next_reason(ledger, "a", str(outside), 1) == "unvouched"
@@ -99,7 +99,7 @@ def test_large_files_get_a_bounded_sampled_digest(root: Path) -> None:
     with open(big, "wb") as f:
         f.truncate(64 << 20)  # sparse: 64 MiB without writing them
     sampled = digest_of(big, full_max=1 << 20)
-    with open(big, "r+b") as f:   # rewriting a header byte changes the digest...
+    with open(big, "r+b") as f:  # rewriting a header byte changes the digest...
         f.write(b"\x01")
     assert digest_of(big, full_max=1 << 20) != sampled
     before = digest_of(big, full_max=1 << 20)

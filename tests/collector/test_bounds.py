@@ -23,9 +23,14 @@ from tests.security.forge import batch, heartbeat
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             max_jobs=50, max_ranks_per_job=8, max_layers_per_schema=1000,
-                             max_rows_per_batch=64)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        max_jobs=50,
+        max_ranks_per_job=8,
+        max_layers_per_schema=1000,
+        max_rows_per_batch=64,
+    )
     server = Server(config, registry=CollectorRegistry(), sinks=[])
     server.start()
     yield server
@@ -40,7 +45,8 @@ def scrape(server: Server) -> tuple[str, float]:
 
 
 def test_a_job_name_bomb_is_refused_past_max_jobs_and_metrics_stay_small(
-        server: Server, caplog: pytest.LogCaptureFixture) -> None:
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
     baseline, _ = scrape(server)
     caplog.set_level(logging.WARNING, logger="gradwatch")
     for i in range(5000):  # finding 2: 47k names took 1.63 GB and a 14.8 s /metrics
@@ -62,9 +68,9 @@ def test_ranks_rows_and_layers_are_bounded(server: Server) -> None:
         server.pipeline.handle(heartbeat("wide", rank=rank, world=1 << 20))
     job = server.state.job("wide")
     assert job is not None and len(job.ranks) == 8
-    server.pipeline.handle(batch("rows", rows=15_000 // 100))           # finding 4, scaled: over 64 rows
-    server.pipeline.handle(batch("layers", layers=1001))                 # one layer over the cap
-    server.pipeline.handle(batch("fine", rows=64, layers=1000))          # exactly at both caps
+    server.pipeline.handle(batch("rows", rows=15_000 // 100))  # finding 4, scaled: over 64 rows
+    server.pipeline.handle(batch("layers", layers=1001))  # one layer over the cap
+    server.pipeline.handle(batch("fine", rows=64, layers=1000))  # exactly at both caps
     refused = server.admission.refused()
     assert (refused["ranks"], refused["rows"], refused["layers"]) == (12, 1, 1)
     assert server.state.job("rows") is None and server.state.job("layers") is None
@@ -73,8 +79,9 @@ def test_ranks_rows_and_layers_are_bounded(server: Server) -> None:
 
 def test_the_memory_bound_stops_new_jobs_ranks_and_schemas() -> None:
     rss = [0]
-    admission = Admission(Bounds(max_memory_bytes=100 << 20), clock=time.monotonic,
-                          rss=lambda: rss[0])
+    admission = Admission(
+        Bounds(max_memory_bytes=100 << 20), clock=time.monotonic, rss=lambda: rss[0]
+    )
     assert admission.admit(Heartbeat("a", 0, 1, "i", 0.0, 0, 0)) is None
     rss[0] = 200 << 20
     time.sleep(0.11)  # the resident size is read at most every 0.1 s
@@ -87,8 +94,9 @@ def test_the_memory_bound_stops_new_jobs_ranks_and_schemas() -> None:
 
 def test_curve_keys_have_their_own_job_cap_and_forgotten_jobs_free_slots() -> None:
     admission = Admission(Bounds(max_jobs=10, max_jobs_per_key=3), rss=lambda: 0)
-    jobs = [admission.admit(Heartbeat(f"k-{i}", 0, 1, "i", 0.0, 0, 0), key="KEY1")
-            for i in range(5)]
+    jobs = [
+        admission.admit(Heartbeat(f"k-{i}", 0, 1, "i", 0.0, 0, 0), key="KEY1") for i in range(5)
+    ]
     assert jobs == [None, None, None, "jobs_per_key", "jobs_per_key"]
     assert admission.admit(Heartbeat("other", 0, 1, "i", 0.0, 0, 0), key="KEY2") is None
     admission.forget("k-0")
@@ -98,22 +106,24 @@ def test_curve_keys_have_their_own_job_cap_and_forgotten_jobs_free_slots() -> No
 
 def test_a_sender_over_its_share_is_refused_only_under_contention() -> None:
     now = [0.0]
-    admission = Admission(Bounds(ingest_share=0.5, ingest_burst_seconds=0.2),
-                          clock=lambda: now[0], rss=lambda: 0)
+    admission = Admission(
+        Bounds(ingest_share=0.5, ingest_burst_seconds=0.2), clock=lambda: now[0], rss=lambda: 0
+    )
     # Alone and idle: even a costly sender goes on (the thread is not contended).
     admission.charge("flood", 0.3)
     assert admission.allow("flood")
-    admission.charge("flood", 0.4)          # now 0.7 s of the last second: contended
-    assert not admission.allow("flood")     # in debt: refused after a header read
-    assert admission.allow("light")         # a light sender still gets its share
-    now[0] += 2.0                           # refilled, and the thread idle again
+    admission.charge("flood", 0.4)  # now 0.7 s of the last second: contended
+    assert not admission.allow("flood")  # in debt: refused after a header read
+    assert admission.allow("light")  # a light sender still gets its share
+    now[0] += 2.0  # refilled, and the thread idle again
     assert admission.allow("flood")
     assert admission.refused()["share"] == 1
 
 
 def test_a_layer_name_bomb_keeps_metrics_within_the_family_caps() -> None:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             max_series_per_family=2000)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", max_series_per_family=2000
+    )
     server = Server(config, registry=CollectorRegistry(), sinks=[])
     server.start()
     try:

@@ -22,13 +22,20 @@ def stats_batch(columns: tuple[str, ...], row: list[float]) -> Batch:
 
 
 def test_activation_columns_become_act_stats() -> None:
-    columns = (wc.act("enc/0.act", "relu", "mean"), wc.act("enc/0.act", "relu", "std"),
-               wc.act("enc/0.act", "relu", "zero_frac"),
-               wc.act("h", "tanh", "mean"), wc.act("h", "tanh", "std"),
-               wc.act("h", "tanh", "sat_frac"),
-               wc.act("lk", "other", "mean"), wc.act("lk", "other", "std"),
-               wc.act("idle", "sigmoid", "mean"), wc.act("idle", "sigmoid", "std"),
-               wc.act("idle", "sigmoid", "sat_frac"), "act/garbled")
+    columns = (
+        wc.act("enc/0.act", "relu", "mean"),
+        wc.act("enc/0.act", "relu", "std"),
+        wc.act("enc/0.act", "relu", "zero_frac"),
+        wc.act("h", "tanh", "mean"),
+        wc.act("h", "tanh", "std"),
+        wc.act("h", "tanh", "sat_frac"),
+        wc.act("lk", "other", "mean"),
+        wc.act("lk", "other", "std"),
+        wc.act("idle", "sigmoid", "mean"),
+        wc.act("idle", "sigmoid", "std"),
+        wc.act("idle", "sigmoid", "sat_frac"),
+        "act/garbled",
+    )
     row = [0.5, 0.25, 0.75, 0.0, 0.9, 0.875, 0.1, 1.0, MISSING, MISSING, MISSING, 3.0]
     (stats,) = Ingest().feed(encode(stats_batch(columns, row))).stats
     assert stats.step == 10 and stats.layers == ("w",)
@@ -46,10 +53,14 @@ def test_stats_batch_without_activation_columns_has_no_act() -> None:
 
 
 def test_update_ratio_columns_align_with_layers() -> None:
-    schema = Schema(wc.STATS_SCHEMA_ID, (wc.WEIGHT_NORMS, wc.update_ratio("b"),
-                                         wc.update_ratio("a")), ("a", "b", "c"))
-    values = np.array([[MISSING, 0.5, 0.25, 1.0, 2.0, 3.0],
-                       [MISSING, MISSING, MISSING, 1.0, 2.0, 3.0]], "<f4").tobytes()
+    schema = Schema(
+        wc.STATS_SCHEMA_ID,
+        (wc.WEIGHT_NORMS, wc.update_ratio("b"), wc.update_ratio("a")),
+        ("a", "b", "c"),
+    )
+    values = np.array(
+        [[MISSING, 0.5, 0.25, 1.0, 2.0, 3.0], [MISSING, MISSING, MISSING, 1.0, 2.0, 3.0]], "<f4"
+    ).tobytes()
     batch = Batch("run", 0, 1, schema.id, 0, "inc", 0, (2, 4), (1.0, 2.0), values, schema)
     first, second = Ingest().feed(encode(batch)).stats
     assert first.layers == ("a", "b", "c")

@@ -25,12 +25,14 @@ def test_bad_config_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "metrics_addr" in err and "HOST:PORT" in err
 
 
-def test_bad_rule_file_exits_2_before_binding(tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_rule_file_exits_2_before_binding(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     rules = tmp_path / "rules.yaml"
     rules.write_text(BAD_RULES)
-    status = collector_main(["--rules", str(rules), "--listen", "tcp://127.0.0.1:*",
-                             "--metrics-addr", "127.0.0.1:0"])
+    status = collector_main(
+        ["--rules", str(rules), "--listen", "tcp://127.0.0.1:*", "--metrics-addr", "127.0.0.1:0"]
+    )
     assert status == 2
     err = capsys.readouterr().err
     assert f"{rules}:5" in err and "gradwatch rules check" in err

@@ -37,25 +37,55 @@ class FakeSink:
 
 
 def nan_alert(rank: int) -> Alert:
-    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                 job="run-1", state="firing", step=12, summary="nan", started_at=NOW, rank=rank)
+    return Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job="run-1",
+        state="firing",
+        step=12,
+        summary="nan",
+        started_at=NOW,
+        rank=rank,
+    )
 
 
 def fixed_state() -> StateStore:
     store = StateStore(clock=lambda: NOW)
-    store.observe_step(Step(
-        job="run-1", step=12, time=NOW, rank=0, loss=2.5, grad_norm=5.0,
-        layers=("a", "b", "c", "d"), layer_norms=np.array([3.0, np.nan, 4.0, 0.5]),
-        lr=(0.1, 0.01), loss_scale=1024.0))
+    store.observe_step(
+        Step(
+            job="run-1",
+            step=12,
+            time=NOW,
+            rank=0,
+            loss=2.5,
+            grad_norm=5.0,
+            layers=("a", "b", "c", "d"),
+            layer_norms=np.array([3.0, np.nan, 4.0, 0.5]),
+            lr=(0.1, 0.01),
+            loss_scale=1024.0,
+        )
+    )
     store.observe_step(Step(job="run-1", step=13, time=NOW, rank=1, loss=2.75))
     store.observe_lag(Step(job="run-1", step=13, time=NOW, rank=1))  # handled at once: lag 0
     store.observe_eval(Eval(job="run-1", step=12, time=NOW, rank=1, loss=3.0))
     store.observe_eval(Eval(job="run-1", step=12, time=NOW, rank=0, loss=float("nan")))  # kept out
-    store.observe_stats(Stats(job="run-1", step=10, time=NOW, rank=0, act=(
-        ActStats("act1", "relu", mean=0.1, std=0.2, zero_frac=0.5),
-        ActStats("act2", "relu", mean=0.1, std=0.2, zero_frac=0.9),
-        ActStats("act3", "relu", mean=0.1, std=0.2, zero_frac=0.7),  # capped away: third of 3
-        ActStats("tanh1", "tanh", mean=0.0, std=0.9, sat_frac=0.25))))
+    store.observe_stats(
+        Stats(
+            job="run-1",
+            step=10,
+            time=NOW,
+            rank=0,
+            act=(
+                ActStats("act1", "relu", mean=0.1, std=0.2, zero_frac=0.5),
+                ActStats("act2", "relu", mean=0.1, std=0.2, zero_frac=0.9),
+                ActStats(
+                    "act3", "relu", mean=0.1, std=0.2, zero_frac=0.7
+                ),  # capped away: third of 3
+                ActStats("tanh1", "tanh", mean=0.0, std=0.9, sat_frac=0.25),
+            ),
+        )
+    )
     store.record_transition(Transition(nan_alert(0), "pending", "firing"))
     return store
 
@@ -63,7 +93,9 @@ def fixed_state() -> StateStore:
 INGEST = IngestStats(
     messages={"batch": 7, "event": 1, "heartbeat": 2},
     rejected={"malformed": 1, "oversized": 0, "unknown_schema": 2, "version": 0},
-    agent_dropped={"run-1": 5}, lost_batches={"run-1": 1})
+    agent_dropped={"run-1": 5},
+    lost_batches={"run-1": 1},
+)
 
 EXPECTED = """\
 # HELP gradwatch_build_info gradwatch build; value is always 1.
@@ -172,14 +204,18 @@ gradwatch_notification_retries_total{sink="webhook-0"} 2.0
 # HELP gradwatch_notification_queue_length Notifications waiting to be sent.
 # TYPE gradwatch_notification_queue_length gauge
 gradwatch_notification_queue_length{sink="webhook-0"} 1.0
-"""
+"""  # noqa: E501 -- exact exposition text: a HELP line is as long as its metric's help
 
 
-def render(store: StateStore, firing: tuple[Alert, ...] = (nan_alert(0), nan_alert(1)),
-           **kwargs: Any) -> str:
+def render(
+    store: StateStore, firing: tuple[Alert, ...] = (nan_alert(0), nan_alert(1)), **kwargs: Any
+) -> str:
     registry = CollectorRegistry()
-    registry.register(GradwatchCollector(
-        store, lambda: INGEST, lambda: firing, [FakeSink()], version="9.9.9", **kwargs))
+    registry.register(
+        GradwatchCollector(
+            store, lambda: INGEST, lambda: firing, [FakeSink()], version="9.9.9", **kwargs
+        )
+    )
     return generate_latest(registry).decode()
 
 
@@ -201,16 +237,20 @@ def test_forgotten_jobs_have_no_series() -> None:
     assert 'gradwatch_job_step{training_job="run-1"}' in render(store)
     now[0] += 11
     assert store.expire() == ["run-1"]
-    samples = [line for line in render(store, firing=()).splitlines()
-               if not line.startswith("#")]
+    samples = [line for line in render(store, firing=()).splitlines() if not line.startswith("#")]
     assert not [line for line in samples if line.startswith(("gradwatch_job_", "gradwatch_alerts"))]
 
 
 ZERO_FROM_THE_START = (
-    "gradwatch_ingest_lost_batches_total", "gradwatch_agent_dropped_steps_total",
-    "gradwatch_assembly_steps_total", "gradwatch_assembly_incomplete_steps_total",
-    "gradwatch_assembly_inexact_steps_total", "gradwatch_assembly_late_reports_total",
-    "gradwatch_assembly_restarts_total", "gradwatch_job_absent_ranks")
+    "gradwatch_ingest_lost_batches_total",
+    "gradwatch_agent_dropped_steps_total",
+    "gradwatch_assembly_steps_total",
+    "gradwatch_assembly_incomplete_steps_total",
+    "gradwatch_assembly_inexact_steps_total",
+    "gradwatch_assembly_late_reports_total",
+    "gradwatch_assembly_restarts_total",
+    "gradwatch_job_absent_ranks",
+)
 
 
 def test_a_new_jobs_counters_exist_at_zero_until_something_happens() -> None:
@@ -222,20 +262,25 @@ def test_a_new_jobs_counters_exist_at_zero_until_something_happens() -> None:
     stats = [IngestStats({}, {}, {}, {})]
     registry = CollectorRegistry()
     registry.register(GradwatchCollector(store, lambda: stats[0]))
-    registry.register(AssemblyMetrics(Assembler(5.0, lambda: now[0]), threading.Lock(),
-                                      jobs=store.jobs))
+    registry.register(
+        AssemblyMetrics(Assembler(5.0, lambda: now[0]), threading.Lock(), jobs=store.jobs)
+    )
 
     def value(name: str) -> float | None:
         return registry.get_sample_value(name, {"training_job": "fresh"})
 
-    assert {name: value(name) for name in ZERO_FROM_THE_START} == \
-        dict.fromkeys(ZERO_FROM_THE_START, 0.0)
+    assert {name: value(name) for name in ZERO_FROM_THE_START} == dict.fromkeys(
+        ZERO_FROM_THE_START, 0.0
+    )
     stats[0] = IngestStats({}, {}, agent_dropped={"fresh": 3}, lost_batches={"fresh": 1})
-    assert (value("gradwatch_ingest_lost_batches_total"),
-            value("gradwatch_agent_dropped_steps_total")) == (1.0, 3.0)
+    assert (
+        value("gradwatch_ingest_lost_batches_total"),
+        value("gradwatch_agent_dropped_steps_total"),
+    ) == (1.0, 3.0)
     # Forgotten, the job takes its zeros with it.
     now[0] += 11
     assert store.expire() == ["fresh"]
     stats[0] = IngestStats({}, {}, {}, {})
-    assert {name: value(name) for name in ZERO_FROM_THE_START} == \
-        dict.fromkeys(ZERO_FROM_THE_START, None)
+    assert {name: value(name) for name in ZERO_FROM_THE_START} == dict.fromkeys(
+        ZERO_FROM_THE_START, None
+    )

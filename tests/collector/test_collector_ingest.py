@@ -27,15 +27,38 @@ def values(rows: Sequence[Sequence[float | None]]) -> bytes:
     return arr.tobytes()
 
 
-def batch(rows: Sequence[Sequence[float | None]], *, steps: Sequence[int] | None = None,
-          seq: int = 0, job: str = "run-1", rank: int = 0, inc: str = "inc-a",
-          dropped: int = 0, schema_id: int = 1, columns: Sequence[str] = COLUMNS,
-          layers: Sequence[str] = LAYERS, send_schema: bool = True,
-          dtype: str = "float32") -> list[bytes]:
+def batch(
+    rows: Sequence[Sequence[float | None]],
+    *,
+    steps: Sequence[int] | None = None,
+    seq: int = 0,
+    job: str = "run-1",
+    rank: int = 0,
+    inc: str = "inc-a",
+    dropped: int = 0,
+    schema_id: int = 1,
+    columns: Sequence[str] = COLUMNS,
+    layers: Sequence[str] = LAYERS,
+    send_schema: bool = True,
+    dtype: str = "float32",
+) -> list[bytes]:
     steps = tuple(steps if steps is not None else range(1, len(rows) + 1))
     schema = Schema(schema_id, tuple(columns), tuple(layers), dtype) if send_schema else None
-    return encode(Batch(job, rank, max(rank + 1, 2), schema_id, seq, inc, dropped, steps,
-                        tuple(float(s) for s in steps), values(rows), schema))
+    return encode(
+        Batch(
+            job,
+            rank,
+            max(rank + 1, 2),
+            schema_id,
+            seq,
+            inc,
+            dropped,
+            steps,
+            tuple(float(s) for s in steps),
+            values(rows),
+            schema,
+        )
+    )
 
 
 def test_decodes_every_column_kind() -> None:
@@ -55,10 +78,14 @@ def test_decodes_every_column_kind() -> None:
 
 
 def test_missing_cells_are_none_never_zero() -> None:
-    out = Ingest().feed(batch([
-        [None, None, 0.01, None, None, None, None, 3.0, None, 4.0],
-        [1.0, 0.1, 0.01, 1.0, 8.0, None, 5.0, None, None, None],
-    ]))
+    out = Ingest().feed(
+        batch(
+            [
+                [None, None, 0.01, None, None, None, None, 3.0, None, 4.0],
+                [1.0, 0.1, 0.01, 1.0, 8.0, None, 5.0, None, None, None],
+            ]
+        )
+    )
     first, second = out.steps
     assert first.loss is None and first.loss_scale is None and first.skipped is False
     assert first.lr == ()  # one group not measured: the step's lr is not measured
@@ -73,8 +100,13 @@ def test_missing_cells_are_none_never_zero() -> None:
 
 def test_real_nan_is_not_missing_and_grad_norm_is_float64() -> None:
     columns = ("loss",)
-    out = Ingest().feed(batch([[float("nan"), 3e38, 3e38], [1.0, float("inf"), 1.0]],
-                              columns=columns, layers=("a", "b")))
+    out = Ingest().feed(
+        batch(
+            [[float("nan"), 3e38, 3e38], [1.0, float("inf"), 1.0]],
+            columns=columns,
+            layers=("a", "b"),
+        )
+    )
     first, second = out.steps
     assert first.loss is not None and math.isnan(first.loss)
     # Squares overflow float32 but not float64: the total stays finite.
@@ -130,13 +162,16 @@ def test_dtype_max_follows_the_schema_dtype() -> None:
     assert step.dtype_max == 65504.0
 
 
-@pytest.mark.parametrize(("frames", "reason"), [
-    ([b"junk"], "malformed"),
-    ([b""], "malformed"),
-    ([b"GW\x01\x01{}"] * 5, "malformed"),
-    ([b"GW\x07\x02{}"], "version"),
-    ([b"GW\x01\x09{}"], "malformed"),
-])
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([b"junk"], "malformed"),
+        ([b""], "malformed"),
+        ([b"GW\x01\x01{}"] * 5, "malformed"),
+        ([b"GW\x07\x02{}"], "version"),
+        ([b"GW\x01\x09{}"], "malformed"),
+    ],
+)
 def test_bad_frames_are_counted_by_reason(frames: list[bytes], reason: str) -> None:
     ingest = Ingest()
     assert ingest.feed(frames).steps == ()
@@ -152,8 +187,10 @@ def test_width_mismatch_with_cached_schema_is_malformed() -> None:
 
 def test_oversized_is_counted_before_decoding() -> None:
     ingest = Ingest(max_message_bytes=1024)
-    assert ingest.feed(batch([[1.0] * 300], columns=(), layers=tuple(map(str, range(300))))) \
-        .steps == ()
+    assert (
+        ingest.feed(batch([[1.0] * 300], columns=(), layers=tuple(map(str, range(300))))).steps
+        == ()
+    )
     assert ingest.stats().rejected["oversized"] == 1
 
 
@@ -177,10 +214,14 @@ def _valid_frames() -> list[list[bytes]]:
 
 frames_strategy = st.one_of(
     st.lists(st.binary(max_size=64), min_size=0, max_size=5),
-    st.lists(st.binary(max_size=8).map(lambda b: b"GW\x01" + b[:1] + b"{" + b[1:]),
-             min_size=1, max_size=4),
-    st.tuples(st.sampled_from(range(3)), st.integers(0, 10_000), st.integers(0, 255),
-              st.integers(0, 2)).map(lambda t: _mutate(*t)),
+    st.lists(
+        st.binary(max_size=8).map(lambda b: b"GW\x01" + b[:1] + b"{" + b[1:]),
+        min_size=1,
+        max_size=4,
+    ),
+    st.tuples(
+        st.sampled_from(range(3)), st.integers(0, 10_000), st.integers(0, 255), st.integers(0, 2)
+    ).map(lambda t: _mutate(*t)),
 )
 
 

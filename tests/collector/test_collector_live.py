@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import math
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,7 +15,6 @@ from prometheus_client import CollectorRegistry
 from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.ingest import MAX_TRAIN_MODE_MODULES, Ingest, eval_of
 from gradwatch.collector.server import Server
-from gradwatch.collector.sinks import SinkStats
 from gradwatch.collector.state import StateStore
 from gradwatch.rules import Engine, load_default_rules
 from gradwatch.rules.step import Stats, Step
@@ -50,8 +47,9 @@ class StatsSpyEngine(Engine):
 
 
 @contextmanager
-def live_server(clock: FakeClock, engine: Engine | None = None
-                ) -> Iterator[tuple[Server, RecordingSink, zmq.Socket[Any]]]:
+def live_server(
+    clock: FakeClock, engine: Engine | None = None
+) -> Iterator[tuple[Server, RecordingSink, zmq.Socket[Any]]]:
     sink = RecordingSink()
     config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0")
     server = Server(config, engine=engine, registry=CollectorRegistry(), clock=clock, sinks=[sink])
@@ -71,8 +69,21 @@ def live_server(clock: FakeClock, engine: Engine | None = None
 def steps_batch(first: int, count: int, seq: int) -> list[bytes]:
     steps = tuple(range(first, first + count))
     rows = np.array([[2.0, 0.1, 1.0, 0.5] for _ in steps], "<f4")
-    return encode(Batch("run-1", 0, 1, 1, seq, "inc-a", 0, steps, tuple(T0 + s for s in steps),
-                        rows.tobytes(), Schema(1, ("loss", "lr/0"), LAYERS)))
+    return encode(
+        Batch(
+            "run-1",
+            0,
+            1,
+            1,
+            seq,
+            "inc-a",
+            0,
+            steps,
+            tuple(T0 + s for s in steps),
+            rows.tobytes(),
+            Schema(1, ("loss", "lr/0"), LAYERS),
+        )
+    )
 
 
 def eval_event(**fields: Any) -> Event:
@@ -165,8 +176,9 @@ def test_cadence_statistics_batches_reach_the_engine_as_stats() -> None:
     values = row.tobytes()
     with live_server(FakeClock(), engine) as (server, sink, push):
         push.send_multipart(steps_batch(1, 4, seq=0))
-        push.send_multipart(encode(Batch("run-1", 0, 1, schema.id, 1, "inc-a", 0, (4,), (T0 + 4,),
-                                         values, schema)))
+        push.send_multipart(
+            encode(Batch("run-1", 0, 1, schema.id, 1, "inc-a", 0, (4,), (T0 + 4,), values, schema))
+        )
         assert server.wait_for_messages(2, timeout=10)
         (stats,) = engine.stats
         assert (stats.job, stats.step, stats.layers) == ("run-1", 4, LAYERS)

@@ -32,12 +32,31 @@ from gradwatch.wire import Batch, Event, Heartbeat, Schema, encode
 LAYERS = ("embed.weight", "fc.weight", "fc.bias")
 
 
-def batch(rows: Sequence[Sequence[float]], first_step: int, *, seq: int, job: str = "run-1",
-          send_schema: bool = True) -> list[bytes]:
+def batch(
+    rows: Sequence[Sequence[float]],
+    first_step: int,
+    *,
+    seq: int,
+    job: str = "run-1",
+    send_schema: bool = True,
+) -> list[bytes]:
     steps = tuple(range(first_step, first_step + len(rows)))
     schema = Schema(1, ("loss", "lr/0"), LAYERS) if send_schema else None
-    return encode(Batch(job, 0, 1, 1, seq, "inc-a", 0, steps, tuple(map(float, steps)),
-                        np.array(rows, "<f4").tobytes(), schema))
+    return encode(
+        Batch(
+            job,
+            0,
+            1,
+            1,
+            seq,
+            "inc-a",
+            0,
+            steps,
+            tuple(map(float, steps)),
+            np.array(rows, "<f4").tobytes(),
+            schema,
+        )
+    )
 
 
 HEALTHY = [[2.0 - 0.1 * i, 0.1, 1.0, 0.5, 0.1] for i in range(4)]
@@ -97,8 +116,10 @@ def test_nan_layer_norm_fires_a_numerical_alert_end_to_end(connect: Connect) -> 
         assert status == 200
         assert 'gradwatch_job_step{training_job="run-1"} 5.0' in text
         assert 'gradwatch_job_nonfinite_layers{training_job="run-1"} 1.0' in text
-        assert ('gradwatch_alerts_firing{category="numerical",rule="NonFiniteGradients",'
-                'severity="critical",training_job="run-1"} 1.0') in text
+        assert (
+            'gradwatch_alerts_firing{category="numerical",rule="NonFiniteGradients",'
+            'severity="critical",training_job="run-1"} 1.0'
+        ) in text
         (alert,) = receiver.wait_for(lambda got: len(got) >= 1, timeout=10)
         assert (alert["category"], alert["state"], alert["step"]) == ("numerical", "firing", 5)
         assert alert["evidence"]["first_nonfinite"] == ["embed.weight"]
@@ -109,8 +130,9 @@ def test_heartbeats_events_and_unknown_schemas(connect: Connect) -> None:
         push = connect(server)
         push.send_multipart(batch(HEALTHY, 1, seq=0, send_schema=False))
         push.send_multipart(encode(Heartbeat("run-1", 0, 1, "inc-a", 1.0, 0, 3)))
-        push.send_multipart(encode(Event("run-1", 0, "inc-a", 1.0, "checkpoint", 100,
-                                         {"path": "ckpt/100.pt"})))
+        push.send_multipart(
+            encode(Event("run-1", 0, "inc-a", 1.0, "checkpoint", 100, {"path": "ckpt/100.pt"}))
+        )
         assert server.wait_for_messages(3, timeout=10)
         _, text = get(server)
         assert 'gradwatch_ingest_rejected_total{reason="unknown_schema"} 1.0' in text
@@ -151,8 +173,12 @@ def test_random_frames_never_take_the_server_down(connect: Connect) -> None:
         push = connect(server)
         sent = 0
 
-        @settings(max_examples=150, deadline=None, database=None,
-                  suppress_health_check=[HealthCheck.too_slow])
+        @settings(
+            max_examples=150,
+            deadline=None,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
         @given(st.lists(st.binary(max_size=256), min_size=1, max_size=4))
         def send(frames: list[bytes]) -> None:
             nonlocal sent
@@ -198,8 +224,10 @@ def test_engine_errors_are_counted_not_fatal(connect: Connect) -> None:
 
 def test_silent_jobs_are_forgotten_and_their_alerts_resolved(connect: Connect) -> None:
     now = [1_700_000_000.0]
-    with WebhookReceiver() as receiver, \
-            running(clock=lambda: now[0], job_ttl_seconds=60, webhooks=[receiver.url]) as server:
+    with (
+        WebhookReceiver() as receiver,
+        running(clock=lambda: now[0], job_ttl_seconds=60, webhooks=[receiver.url]) as server,
+    ):
         push = connect(server)
         push.send_multipart(batch(POISONED, 1, seq=0))
         receiver.wait_for(lambda got: len(got) == 1, timeout=10)
@@ -234,9 +262,24 @@ def test_sigterm_drains_and_exits_zero(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONWARNINGS": "error"}
     ready = tmp_path / "ready.json"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch.collector", "--listen", "tcp://127.0.0.1:*",
-         "--metrics-addr", "127.0.0.1:0", "--log-level", "info", "--ready-file", str(ready)],
-        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "gradwatch.collector",
+            "--listen",
+            "tcp://127.0.0.1:*",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--log-level",
+            "info",
+            "--ready-file",
+            str(ready),
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         assert proc.stderr is not None
         with selectors.DefaultSelector() as selector:

@@ -20,15 +20,39 @@ class FakeClock:
         return self.now
 
 
-def step(n: int, *, job: str = "run-1", rank: int = 0, loss: float | None = 1.0,
-         grad_norm: float | None = 2.0, norms: tuple[float, ...] = (1.0, 2.0)) -> Step:
-    return Step(job=job, step=n, time=float(n), rank=rank, loss=loss, grad_norm=grad_norm,
-                layers=("a", "b")[:len(norms)], layer_norms=np.array(norms), lr=(0.1,))
+def step(
+    n: int,
+    *,
+    job: str = "run-1",
+    rank: int = 0,
+    loss: float | None = 1.0,
+    grad_norm: float | None = 2.0,
+    norms: tuple[float, ...] = (1.0, 2.0),
+) -> Step:
+    return Step(
+        job=job,
+        step=n,
+        time=float(n),
+        rank=rank,
+        loss=loss,
+        grad_norm=grad_norm,
+        layers=("a", "b")[: len(norms)],
+        layer_norms=np.array(norms),
+        lr=(0.1,),
+    )
 
 
 def alert(state: str = "firing", job: str = "run-1") -> Alert:
-    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                 job=job, state=state, step=3, summary="nan", started_at=0.0)  # type: ignore[arg-type]
+    return Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job=job,
+        state=state,
+        step=3,
+        summary="nan",
+        started_at=0.0,
+    )  # type: ignore[arg-type]
 
 
 def test_per_rank_state_keeps_no_step_history() -> None:
@@ -47,8 +71,11 @@ def test_per_rank_state_keeps_no_step_history() -> None:
 def test_heartbeat_started_reaches_liveness() -> None:
     store = StateStore(clock=FakeClock())
     store.observe_step(step(4))
-    store.observe_heartbeat(Heartbeat(job="run-1", rank=0, world=1, incarnation="i", time=0.0,
-                                      step=4, dropped=0, started=5))
+    store.observe_heartbeat(
+        Heartbeat(
+            job="run-1", rank=0, world=1, incarnation="i", time=0.0, step=4, dropped=0, started=5
+        )
+    )
     (live,) = store.liveness()
     assert (live.last_step, live.started) == (4, 5)
 
@@ -57,8 +84,11 @@ def test_assembled_step_drives_the_job_view() -> None:
     store = StateStore(clock=FakeClock())
     store.observe_step(replace(step(3, loss=1.0, norms=(3.0, 4.0)), world=2, shards=2))
     store.observe_step(replace(step(3, rank=1, loss=3.0, norms=(4.0, 3.0)), world=2, shards=2))
-    store.observe_assembled(replace(step(3, loss=2.0, grad_norm=50 ** 0.5, norms=(5.0, 5.0)),
-                                    world=2, shards=2, assembled=2))
+    store.observe_assembled(
+        replace(
+            step(3, loss=2.0, grad_norm=50**0.5, norms=(5.0, 5.0)), world=2, shards=2, assembled=2
+        )
+    )
     (view,) = store.snapshot()
     assert view.assembled and view.world == 2 and view.ranks == 2
     assert (view.loss, view.layer_norms.tolist()) == (2.0, [5.0, 5.0])
@@ -128,8 +158,15 @@ def test_a_job_whose_agents_all_closed_is_forgotten_after_the_grace() -> None:
     store = StateStore(job_ttl_seconds=600, clock=clock, finished_grace_seconds=60)
     for r in (0, 1):
         store.observe_step(step(5, rank=r))
-    closed = Event(job="run-1", rank=0, incarnation="i", time=0.0, kind="note", step=5,
-                   fields={"note": "closed"})
+    closed = Event(
+        job="run-1",
+        rank=0,
+        incarnation="i",
+        time=0.0,
+        kind="note",
+        step=5,
+        fields={"note": "closed"},
+    )
     store.observe_event(closed)
     clock.now += 61
     assert store.expire() == []  # rank 1 has not closed: still running (or crashed: TTL)
@@ -143,8 +180,17 @@ def test_a_job_whose_agents_all_closed_is_forgotten_after_the_grace() -> None:
 def test_a_rank_that_reports_after_closing_is_running_again() -> None:
     clock = FakeClock()
     store = StateStore(clock=clock, finished_grace_seconds=60)
-    store.observe_event(Event(job="run-1", rank=0, incarnation="i", time=0.0, kind="note",
-                              step=5, fields={"note": "closed"}))
+    store.observe_event(
+        Event(
+            job="run-1",
+            rank=0,
+            incarnation="i",
+            time=0.0,
+            kind="note",
+            step=5,
+            fields={"note": "closed"},
+        )
+    )
     store.observe_step(step(6))  # a restarted process, same rank
     clock.now += 61
     assert store.expire() == []

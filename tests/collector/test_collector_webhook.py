@@ -32,9 +32,18 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
 def alert(state: str = "firing") -> Alert:
-    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                 job="run-1", state=state, step=12, summary="loss is nan",  # type: ignore[arg-type]
-                 started_at=1.0, evidence={"loss": float("nan")}, rank=0)
+    return Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job="run-1",
+        state=state,
+        step=12,
+        summary="loss is nan",  # type: ignore[arg-type]
+        started_at=1.0,
+        evidence={"loss": float("nan")},
+        rank=0,
+    )
 
 
 def test_the_request_carries_the_envelope_and_idempotency_headers() -> None:
@@ -62,8 +71,13 @@ def test_a_signed_request_verifies_and_a_retry_is_signed_afresh() -> None:
 
 def test_backoff_doubles_up_to_the_cap_with_half_of_it_jittered() -> None:
     policy = RetryPolicy(base_delay=0.5, max_delay=4.0)
-    assert [retry_delay(policy, n, None, 0.0, lambda: 1.0) for n in range(1, 6)] == \
-        [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert [retry_delay(policy, n, None, 0.0, lambda: 1.0) for n in range(1, 6)] == [
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+        4.0,
+    ]
     assert retry_delay(policy, 3, None, 0.0, lambda: 0.0) == 1.0  # half of 2.0 is fixed
 
 
@@ -74,8 +88,10 @@ def test_retry_after_seconds_and_http_date_are_honoured_and_capped() -> None:
     date = HttpResponse(503, {"Retry-After": later})
     assert retry_delay(policy, 1, seconds, 0.0, lambda: 1.0) == 7.0
     assert retry_delay(policy, 1, date, 1_700_000_000.0, lambda: 1.0) == 3.0
-    assert retry_delay(policy, 1, HttpResponse(503, {"Retry-After": "86400"}), 0.0,
-                       lambda: 1.0) == 60.0
+    assert (
+        retry_delay(policy, 1, HttpResponse(503, {"Retry-After": "86400"}), 0.0, lambda: 1.0)
+        == 60.0
+    )
 
 
 def test_which_answers_may_succeed_later() -> None:
@@ -113,5 +129,3 @@ def test_urllib_transport_turns_connection_errors_into_transport_errors() -> Non
 def test_receiver_wait_for_times_out_with_what_it_got() -> None:
     with WebhookReceiver() as receiver, pytest.raises(TimeoutError, match="received 0"):
         receiver.wait_for(lambda got: bool(got), timeout=0.05)
-
-

@@ -32,9 +32,17 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
 def firing(step: int) -> Transition:
-    alert = Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                  job=f"run-{step}", state="firing", step=step, summary="loss is nan",
-                  started_at=1.0, rank=0)
+    alert = Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job=f"run-{step}",
+        state="firing",
+        step=step,
+        summary="loss is nan",
+        started_at=1.0,
+        rank=0,
+    )
     return Transition(alert, "pending", "firing")
 
 
@@ -65,8 +73,9 @@ def test_a_receiver_answering_503_gets_everything_once_when_it_recovers() -> Non
         receiver.fail_with(None)
         stats = sink.wait_for(lambda s: s.delivered == 2 * INCIDENTS, timeout=20)
         ids = [r.headers["webhook-id"] for r in receiver.requests]
-        assert Counter(ids) == Counter(f"{t.alert.id}:{state}" for t in transitions
-                                       for state in ("firing", "resolved"))
+        assert Counter(ids) == Counter(
+            f"{t.alert.id}:{state}" for t in transitions for state in ("firing", "resolved")
+        )
         failed_attempts = sum(a.status == 503 for a in receiver.attempts)
         assert stats.retries == failed_attempts >= 3 * INCIDENTS
         assert (stats.failed, stats.dropped, stats.queued) == (0, 0, 0)
@@ -91,11 +100,28 @@ def test_a_receiver_refusing_connections_gets_everything_once_when_it_starts() -
 def test_the_server_signs_and_redelivers_through_the_outbox() -> None:
     """The collector's own sinks (``build_sinks``): signed, retried on 503, delivered once."""
     rows = np.array([[1.0, 0.1, 1.0], [1.0, 0.1, float("nan")]], "<f4").tobytes()
-    message = encode(Batch("run-1", 0, 1, 1, 0, "inc-a", 0, (1, 2), (1.0, 2.0), rows,
-                           Schema(1, ("loss", "lr/0"), ("fc.weight",))))
+    message = encode(
+        Batch(
+            "run-1",
+            0,
+            1,
+            1,
+            0,
+            "inc-a",
+            0,
+            (1, 2),
+            (1.0, 2.0),
+            rows,
+            Schema(1, ("loss", "lr/0"), ("fc.weight",)),
+        )
+    )
     with WebhookReceiver(statuses=[503]) as receiver:
-        config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                                 webhooks=[receiver.url], webhook_secret=SECRET)
+        config = CollectorConfig(
+            listen="tcp://127.0.0.1:*",
+            metrics_addr="127.0.0.1:0",
+            webhooks=[receiver.url],
+            webhook_secret=SECRET,
+        )
         server = Server(config, registry=CollectorRegistry())
         server.start()
         ctx: zmq.Context[object] = zmq.Context()

@@ -33,15 +33,32 @@ SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 
 
 @contextmanager
-def collector(tmp_path: Path, name: str, url: str, data_dir: Path) -> Iterator[
-        tuple[subprocess.Popen[str], dict[str, Any]]]:
+def collector(
+    tmp_path: Path, name: str, url: str, data_dir: Path
+) -> Iterator[tuple[subprocess.Popen[str], dict[str, Any]]]:
     ready_file = tmp_path / f"{name}.ready.json"
     env = {**os.environ, "GRADWATCH_WEBHOOK_SECRET": SECRET}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch", "collector", "--listen", "tcp://127.0.0.1:*",
-         "--metrics-addr", "127.0.0.1:0", "--webhook", url, "--data-dir", str(data_dir),
-         "--ready-file", str(ready_file)],
-        stderr=subprocess.PIPE, text=True, env=env)
+        [
+            sys.executable,
+            "-m",
+            "gradwatch",
+            "collector",
+            "--listen",
+            "tcp://127.0.0.1:*",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--webhook",
+            url,
+            "--data-dir",
+            str(data_dir),
+            "--ready-file",
+            str(ready_file),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready_file.exists():
@@ -57,8 +74,21 @@ def collector(tmp_path: Path, name: str, url: str, data_dir: Path) -> Iterator[
 
 def nan_batch() -> list[bytes]:
     rows = np.array([[1.0, 0.1, 1.0], [1.0, 0.1, float("nan")]], "<f4").tobytes()
-    return encode(Batch("kill9", 0, 1, 1, 0, "inc-a", 0, (1, 2), (1.0, 2.0), rows,
-                        Schema(1, ("loss", "lr/0"), ("fc.weight",))))
+    return encode(
+        Batch(
+            "kill9",
+            0,
+            1,
+            1,
+            0,
+            "inc-a",
+            0,
+            (1, 2),
+            (1.0, 2.0),
+            rows,
+            Schema(1, ("loss", "lr/0"), ("fc.weight",)),
+        )
+    )
 
 
 def send(endpoint: str, frames: list[bytes]) -> None:

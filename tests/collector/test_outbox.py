@@ -25,9 +25,18 @@ URL = "https://hooks.example.com/services/T0/B0/s3cret"
 
 
 def transition(current: str = "firing", step: int = 12) -> Transition:
-    alert = Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                  job="run-1", state="firing", step=step, summary="loss is nan",
-                  started_at=1.0, evidence={"loss": float("nan")}, rank=0)
+    alert = Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job="run-1",
+        state="firing",
+        step=step,
+        summary="loss is nan",
+        started_at=1.0,
+        evidence={"loss": float("nan")},
+        rank=0,
+    )
     if current == "resolved":
         return Transition(replace(alert, state="resolved", resolved_at=2.0), "firing", "resolved")
     return Transition(alert, "pending", current)  # type: ignore[arg-type]
@@ -56,11 +65,19 @@ class ScriptedTransport:
         return answer
 
 
-def make_sink(transport: ScriptedTransport, clock: Clock, outbox: Outbox | None = None,
-              **options: object) -> OutboxSink:
-    return OutboxSink("webhook-0", WebhookChannel(URL), outbox, transport=transport,
-                      clock=clock, jitter=lambda: 1.0,
-                      retry=RetryPolicy(base_delay=1.0, max_delay=8.0), **options)  # type: ignore[arg-type]
+def make_sink(
+    transport: ScriptedTransport, clock: Clock, outbox: Outbox | None = None, **options: object
+) -> OutboxSink:
+    return OutboxSink(
+        "webhook-0",
+        WebhookChannel(URL),
+        outbox,
+        transport=transport,
+        clock=clock,
+        jitter=lambda: 1.0,
+        retry=RetryPolicy(base_delay=1.0, max_delay=8.0),
+        **options,
+    )  # type: ignore[arg-type]
 
 
 def test_every_notification_is_stored_before_delivery_and_sent_once() -> None:
@@ -116,7 +133,8 @@ def test_gives_up_only_after_max_age() -> None:
 
 
 def test_a_rejection_is_retried_loudly_until_the_receiver_is_fixed(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     transport, clock = ScriptedTransport([HttpResponse(404), HttpResponse(404)]), Clock()
     sink = make_sink(transport, clock)
     sink.notify(transition())
@@ -187,7 +205,6 @@ def test_an_unwritable_data_dir_is_a_clear_error(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(OutboxError, match="data dir"):
         Outbox.open(blocker / "sub")
-
 
 
 def test_closing_an_in_memory_outbox_counts_what_is_lost() -> None:

@@ -1,4 +1,7 @@
-"""One job cannot bury another's page: eviction order and round-robin delivery (issue 15, finding 3)."""
+"""One job cannot bury another's page: eviction order and round-robin delivery.
+
+Issue 15, finding 3.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +18,12 @@ def pending_ids(outbox: Outbox) -> set[str]:
 def test_a_critical_is_never_evicted_by_other_jobs_warnings() -> None:
     outbox = Outbox(max_pending=3)
     outbox.put("s", "real:firing", "{}", now=0.0, job="real", severity="critical")
-    dropped = sum(outbox.put("s", f"w{i}:firing", "{}", now=1.0 + i, job=f"noise-{i % 5}",
-                             severity="warning")[1] for i in range(50))
+    dropped = sum(
+        outbox.put(
+            "s", f"w{i}:firing", "{}", now=1.0 + i, job=f"noise-{i % 5}", severity="warning"
+        )[1]
+        for i in range(50)
+    )
     assert dropped == 48 and "real:firing" in pending_ids(outbox)
     outbox.close()
 
@@ -36,8 +43,9 @@ def test_a_flooding_job_evicts_its_own_rows_first() -> None:
 def test_delivery_is_critical_first_then_round_robin_across_jobs() -> None:
     outbox = Outbox(max_pending=10_000)
     for i in range(2625):  # finding 3: a real alert behind 2,625 forged ones
-        outbox.put("s", f"f{i}:firing", "{}", now=float(i), job=f"forged-{i % 3}",
-                   severity="critical")
+        outbox.put(
+            "s", f"f{i}:firing", "{}", now=float(i), job=f"forged-{i % 3}", severity="critical"
+        )
     outbox.put("s", "info:firing", "{}", now=0.5, job="real", severity="info")
     outbox.put("s", "real:firing", "{}", now=3000.0, job="real", severity="critical")
     first = [row.id for row in outbox.due("s", now=1e9, limit=4)]
@@ -73,11 +81,18 @@ def test_under_curve_one_key_is_one_share_of_the_outbox() -> None:
         admission.admit(Heartbeat(f"k-{i}", 0, 1, "i", 0.0, 0, 0), key="MANYJOBS")
     admission.admit(Heartbeat("other", 0, 1, "i", 0.0, 0, 0), key="TEAM2")
     outbox = Outbox(max_pending=10)
-    outbox.put("s", "team2:firing", "{}", now=0.0, job=admission.sender_of("other"),
-               severity="critical")
+    outbox.put(
+        "s", "team2:firing", "{}", now=0.0, job=admission.sender_of("other"), severity="critical"
+    )
     for i in range(50):  # fifty jobs of one key: one sharing unit, evicting its own rows
-        outbox.put("s", f"k{i}:firing", "{}", now=1.0 + i, job=admission.sender_of(f"k-{i}"),
-                   severity="critical")
+        outbox.put(
+            "s",
+            f"k{i}:firing",
+            "{}",
+            now=1.0 + i,
+            job=admission.sender_of(f"k-{i}"),
+            severity="critical",
+        )
     assert "team2:firing" in pending_ids(outbox)
     assert admission.sender_of("k-3") == "MANYJOBS" and admission.sender_of("nokey") == "nokey"
     outbox.close()

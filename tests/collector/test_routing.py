@@ -10,10 +10,23 @@ from gradwatch.collector.routing import RoutePolicy, Router, TokenBucket
 from gradwatch.rules import Alert
 
 
-def alert(severity: str = "critical", category: str = "numerical", step: int = 1,
-          rule: str = "NonFiniteGradients") -> Alert:
-    return Alert(rule=rule, category=category, severity=severity,  # type: ignore[arg-type]
-                 job="run-1", state="firing", step=step, summary="s", started_at=0.0, rank=0)
+def alert(
+    severity: str = "critical",
+    category: str = "numerical",
+    step: int = 1,
+    rule: str = "NonFiniteGradients",
+) -> Alert:
+    return Alert(
+        rule=rule,
+        category=category,
+        severity=severity,  # type: ignore[arg-type]
+        job="run-1",
+        state="firing",
+        step=step,
+        summary="s",
+        started_at=0.0,
+        rank=0,
+    )
 
 
 def resolved(a: Alert) -> Alert:
@@ -21,8 +34,13 @@ def resolved(a: Alert) -> Alert:
 
 
 def test_min_severity_and_categories() -> None:
-    router = Router(RoutePolicy(min_severity="warning", categories=["numerical", "stalled"],
-                                exclude_categories=["stalled"]))
+    router = Router(
+        RoutePolicy(
+            min_severity="warning",
+            categories=["numerical", "stalled"],
+            exclude_categories=["stalled"],
+        )
+    )
     assert router.admit(alert("critical"), now=0)
     assert router.admit(alert("warning", step=2), now=0)
     assert not router.admit(alert("info", step=3), now=0)

@@ -23,8 +23,11 @@ SIGNATURE = "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE="
 
 
 def headers(signature: str = SIGNATURE, timestamp: int = TIMESTAMP) -> dict[str, str]:
-    return {"webhook-id": MSG_ID, "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature}
+    return {
+        "webhook-id": MSG_ID,
+        "webhook-timestamp": str(timestamp),
+        "webhook-signature": signature,
+    }
 
 
 def test_sign_reproduces_the_specification_vector() -> None:
@@ -44,14 +47,17 @@ def test_signature_headers_round_trip() -> None:
     assert verify(key, got, b"{}", now=1_700_000_001.0) == "abc:firing"
 
 
-@pytest.mark.parametrize(("hdrs", "body", "now", "match"), [
-    ({"webhook-id": MSG_ID}, BODY, TIMESTAMP, "missing header"),
-    (headers(), b'{"test": 2432232315}', TIMESTAMP, "no webhook-signature matches"),
-    (headers("v1,AAAA"), BODY, TIMESTAMP, "no webhook-signature matches"),
-    (headers(), BODY, TIMESTAMP + 301, "old"),
-    (headers(), BODY, TIMESTAMP - 301, "future"),
-    ({**headers(), "webhook-timestamp": "soon"}, BODY, TIMESTAMP, "not Unix seconds"),
-])
+@pytest.mark.parametrize(
+    ("hdrs", "body", "now", "match"),
+    [
+        ({"webhook-id": MSG_ID}, BODY, TIMESTAMP, "missing header"),
+        (headers(), b'{"test": 2432232315}', TIMESTAMP, "no webhook-signature matches"),
+        (headers("v1,AAAA"), BODY, TIMESTAMP, "no webhook-signature matches"),
+        (headers(), BODY, TIMESTAMP + 301, "old"),
+        (headers(), BODY, TIMESTAMP - 301, "future"),
+        ({**headers(), "webhook-timestamp": "soon"}, BODY, TIMESTAMP, "not Unix seconds"),
+    ],
+)
 def test_verify_rejects(hdrs: dict[str, str], body: bytes, now: float, match: str) -> None:
     with pytest.raises(SignatureError, match=match):
         verify(decode_secret(SECRET), hdrs, body, now=now)
@@ -63,11 +69,14 @@ def test_verify_rejects_another_secret() -> None:
         verify(other, headers(), BODY, now=TIMESTAMP)
 
 
-@pytest.mark.parametrize(("text", "match"), [
-    ("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "must start with 'whsec_'"),
-    ("whsec_not base64!", "not valid base64"),
-    ("whsec_c2hvcnQ=", "only 5 bytes"),
-])
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "must start with 'whsec_'"),
+        ("whsec_not base64!", "not valid base64"),
+        ("whsec_c2hvcnQ=", "only 5 bytes"),
+    ],
+)
 def test_decode_secret_explains_bad_secrets(text: str, match: str) -> None:
     with pytest.raises(SignatureError, match=match):
         decode_secret(text)

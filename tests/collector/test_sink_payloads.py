@@ -14,24 +14,37 @@ from gradwatch.collector.alertmanager import AlertmanagerChannel, AlertmanagerSi
 from gradwatch.collector.config import ConfigError, load_config
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pagerduty import PagerDutyChannel, pagerduty_event
-from gradwatch.collector.wiring import build_sinks
 from gradwatch.collector.signing import decode_secret, verify
 from gradwatch.collector.sinks import alert_payload
 from gradwatch.collector.slack import SlackChannel, slack_message
 from gradwatch.collector.webhook import HttpRequest, HttpResponse, WebhookChannel
+from gradwatch.collector.wiring import build_sinks
 from gradwatch.rules import Alert, Transition
 
 NOW = 1_700_000_100.0
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
-DIAGNOSIS = {"verdict": "numerical", "summary": "loss was nan at step 41",
-             "next_checks": ["check the data loader", "lower the LR"]}
+DIAGNOSIS = {
+    "verdict": "numerical",
+    "summary": "loss was nan at step 41",
+    "next_checks": ["check the data loader", "lower the LR"],
+}
 
 
 def alert(state: str = "firing", **changes: Any) -> Alert:
-    base = Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                 job="run-42", state="firing", step=41, summary="loss is nan <b>&</b>",
-                 started_at=1_700_000_000.0, evidence={"loss": float("nan"), "lr": 0.1},
-                 diagnosis=DIAGNOSIS, rank=3, labels={"team": "ml"})
+    base = Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job="run-42",
+        state="firing",
+        step=41,
+        summary="loss is nan <b>&</b>",
+        started_at=1_700_000_000.0,
+        evidence={"loss": float("nan"), "lr": 0.1},
+        diagnosis=DIAGNOSIS,
+        rank=3,
+        labels={"team": "ml"},
+    )
     if state == "resolved":
         base = replace(base, state="resolved", resolved_at=1_700_000_050.0)
     return replace(base, **changes)
@@ -48,8 +61,11 @@ def test_slack_message_is_one_readable_block_kit_message() -> None:
     types = [b["type"] for b in msg["blocks"]]
     assert types == ["header", "section", "section", "section", "context"]
     header, summary, evidence, diagnosis, context = msg["blocks"]
-    assert header["text"] == {"type": "plain_text", "text": "🔴 NonFiniteGradients firing",
-                              "emoji": True}
+    assert header["text"] == {
+        "type": "plain_text",
+        "text": "🔴 NonFiniteGradients firing",
+        "emoji": True,
+    }
     assert "loss is nan &lt;b&gt;&amp;&lt;/b&gt;" in summary["text"]["text"]
     assert [f["text"] for f in evidence["fields"]] == ["loss\nnan", "lr\n0.1"]
     assert "Next checks:\n• check the data loader\n• lower the LR" in diagnosis["text"]["text"]
@@ -58,8 +74,9 @@ def test_slack_message_is_one_readable_block_kit_message() -> None:
 
 
 def test_slack_message_respects_block_kit_limits() -> None:
-    huge = stored(alert(rule="R" * 500, summary="<" * 5000,
-                        evidence={f"k{i}": "v" * 3000 for i in range(25)}))
+    huge = stored(
+        alert(rule="R" * 500, summary="<" * 5000, evidence={f"k{i}": "v" * 3000 for i in range(25)})
+    )
     msg = slack_message(huge)
     header, summary, evidence = msg["blocks"][:3]
     assert len(header["text"]["text"]) <= 150
@@ -73,7 +90,8 @@ def test_slack_message_respects_block_kit_limits() -> None:
 
 def test_slack_resolved_and_request() -> None:
     request = SlackChannel("https://hooks.slack.com/services/T/B/secret").request(
-        "x:resolved", stored(alert("resolved")), NOW)
+        "x:resolved", stored(alert("resolved")), NOW
+    )
     body = json.loads(request.body)
     assert body["blocks"][0]["text"]["text"] == "✅ NonFiniteGradients resolved"
     assert request.headers["Content-Type"].startswith("application/json")
@@ -112,14 +130,21 @@ def test_pagerduty_channel_posts_to_the_configured_url_and_hides_the_key() -> No
 
 
 def test_alertmanager_postable_alert() -> None:
-    channel = AlertmanagerChannel("http://am:9093/", resend_interval=60,
-                                  generator_url="http://collector:9400/metrics")
+    channel = AlertmanagerChannel(
+        "http://am:9093/", resend_interval=60, generator_url="http://collector:9400/metrics"
+    )
     request = channel.request("id:firing", stored(alert()), NOW)
     assert request.url == "http://am:9093/api/v2/alerts"
     (posted,) = json.loads(request.body)
-    assert posted["labels"] == {"alertname": "NonFiniteGradients", "severity": "critical",
-                                "category": "numerical", "training_job": "run-42",
-                                "job": "run-42", "rank": "3", "team": "ml"}
+    assert posted["labels"] == {
+        "alertname": "NonFiniteGradients",
+        "severity": "critical",
+        "category": "numerical",
+        "training_job": "run-42",
+        "job": "run-42",
+        "rank": "3",
+        "team": "ml",
+    }
     assert set(posted["annotations"]) >= {"summary", "description", "diagnosis"}
     assert posted["startsAt"] == "2023-11-14T22:13:20.000Z"
     assert posted["endsAt"] == "2023-11-14T22:19:00.000Z"  # NOW + 4 x 60 s
@@ -140,8 +165,9 @@ class Recorder:
 def test_alertmanager_sink_reposts_firing_alerts_until_resolved() -> None:
     now = [NOW]
     transport = Recorder()
-    sink = AlertmanagerSink("http://am:9093", resend_interval=60, transport=transport,
-                            clock=lambda: now[0])
+    sink = AlertmanagerSink(
+        "http://am:9093", resend_interval=60, transport=transport, clock=lambda: now[0]
+    )
     sink.notify(Transition(alert(), "pending", "firing"))
     assert sink.deliver_due() == 60.0 and len(transport.requests) == 1
     now[0] += 60
@@ -161,7 +187,8 @@ def test_generic_webhook_is_signed_per_standard_webhooks() -> None:
     key = decode_secret(SECRET)
     payload = stored(alert())
     request = WebhookChannel("http://127.0.0.1:9/hook", secret=key).request(
-        f"{payload['id']}:firing", payload, NOW)
+        f"{payload['id']}:firing", payload, NOW
+    )
     assert verify(key, request.headers, request.body, now=NOW) == f"{payload['id']}:firing"
     assert json.loads(request.body) == payload
     unsigned = WebhookChannel("http://127.0.0.1:9/hook").request("a:firing", payload, NOW)
@@ -169,20 +196,34 @@ def test_generic_webhook_is_signed_per_standard_webhooks() -> None:
 
 
 def test_build_sinks_reads_secrets_from_env_or_files_and_never_shows_them(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     key_file = tmp_path / "pd-key"
     key_file.write_text("pd-sekrit\n")
-    monkeypatch.setenv("GRADWATCH_SLACK_WEBHOOK_URL", "https://hooks.slack.com/services/T/B/sl-sekrit")
+    monkeypatch.setenv(
+        "GRADWATCH_SLACK_WEBHOOK_URL", "https://hooks.slack.com/services/T/B/sl-sekrit"
+    )
     monkeypatch.setenv("GRADWATCH_ALERTMANAGER_URLS", "http://am-1:9093,http://am-2:9093")
     monkeypatch.setenv("GRADWATCH_ROUTES", '{"pagerduty": {"min_severity": "critical"}}')
-    config = load_config(None, {"pagerduty_routing_key_file": key_file, "data_dir": tmp_path,
-                                "webhooks": ["http://127.0.0.1:9/hook"],
-                                "webhook_secret": SECRET})
+    config = load_config(
+        None,
+        {
+            "pagerduty_routing_key_file": key_file,
+            "data_dir": tmp_path,
+            "webhooks": ["http://127.0.0.1:9/hook"],
+            "webhook_secret": SECRET,
+        },
+    )
     assert "sekrit" not in repr(config) and "MfKQ" not in repr(config)
     sinks = build_sinks(config)
     try:
-        assert [s.name for s in sinks] == ["webhook-0", "slack", "pagerduty",
-                                           "alertmanager-0", "alertmanager-1"]
+        assert [s.name for s in sinks] == [
+            "webhook-0",
+            "slack",
+            "pagerduty",
+            "alertmanager-0",
+            "alertmanager-1",
+        ]
         assert all(isinstance(s, OutboxSink) for s in sinks)
         assert isinstance(sinks[3], AlertmanagerSink)
         assert sinks[2].router.policy.min_severity == "critical"
@@ -193,14 +234,23 @@ def test_build_sinks_reads_secrets_from_env_or_files_and_never_shows_them(
             sink.close(timeout=1)
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    ({"webhook_secret": "not-a-whsec-secret"}, "webhook_secret: webhook secret must start"),
-    ({"slack_webhook_url": "https://x/sekrit", "slack_webhook_url_file": "/nonexistent"},
-     "both slack_webhook_url and slack_webhook_url_file"),
-    ({"pagerduty_routing_key_file": "/nonexistent/key"}, "cannot read pagerduty_routing_key_file"),
-])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"webhook_secret": "not-a-whsec-secret"}, "webhook_secret: webhook secret must start"),
+        (
+            {"slack_webhook_url": "https://x/sekrit", "slack_webhook_url_file": "/nonexistent"},
+            "both slack_webhook_url and slack_webhook_url_file",
+        ),
+        (
+            {"pagerduty_routing_key_file": "/nonexistent/key"},
+            "cannot read pagerduty_routing_key_file",
+        ),
+    ],
+)
 def test_bad_sink_secrets_are_clear_errors_that_hide_the_secret(
-        overrides: dict[str, Any], match: str) -> None:
+    overrides: dict[str, Any], match: str
+) -> None:
     with pytest.raises(ConfigError, match=match) as info:
         build_sinks(load_config(None, overrides))
     assert "sekrit" not in str(info.value) and "not-a-whsec" not in str(info.value)

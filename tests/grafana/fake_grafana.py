@@ -47,8 +47,9 @@ class FakeGrafana:
         self._ids = itertools.count(1)
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def url(self) -> str:
@@ -76,27 +77,45 @@ class FakeGrafana:
             return 400, {"message": "Dashboard title cannot be empty", "status": "empty-name"}
         uid = dashboard.get("uid") or f"gen{next(self._ids)}"
         stored = self.dashboards.get(uid)
-        if stored is not None and not body.get("overwrite", False) \
-                and dashboard.get("version") != stored["dashboard"]["version"]:
-            return 412, {"message": "The dashboard has been changed by someone else",
-                         "status": "version-mismatch"}
+        if (
+            stored is not None
+            and not body.get("overwrite", False)
+            and dashboard.get("version") != stored["dashboard"]["version"]
+        ):
+            return 412, {
+                "message": "The dashboard has been changed by someone else",
+                "status": "version-mismatch",
+            }
         version = 1 if stored is None else stored["dashboard"]["version"] + 1
         ident = stored["id"] if stored is not None else next(self._ids)
         slug = re.sub(r"[^a-z0-9]+", "-", dashboard["title"].lower()).strip("-")
-        self.dashboards[uid] = {"id": ident, "folderUid": body.get("folderUid"),
-                                "dashboard": {**dashboard, "id": ident, "uid": uid,
-                                              "version": version}}
-        return 200, {"id": ident, "uid": uid, "url": f"/d/{uid}/{slug}", "status": "success",
-                     "version": version, "slug": slug}
+        self.dashboards[uid] = {
+            "id": ident,
+            "folderUid": body.get("folderUid"),
+            "dashboard": {**dashboard, "id": ident, "uid": uid, "version": version},
+        }
+        return 200, {
+            "id": ident,
+            "uid": uid,
+            "url": f"/d/{uid}/{slug}",
+            "status": "success",
+            "version": version,
+            "slug": slug,
+        }
 
     def add_annotation(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         if not isinstance(body.get("text"), str) or not body["text"]:
             return 400, {"message": "text field should not be empty"}
         ident = next(self._ids)
         self.annotations[ident] = {
-            "id": ident, "time": body.get("time"), "timeEnd": body.get("timeEnd"),
-            "tags": list(body.get("tags") or []), "text": body["text"],
-            "dashboardUID": body.get("dashboardUID"), "panelId": body.get("panelId")}
+            "id": ident,
+            "time": body.get("time"),
+            "timeEnd": body.get("timeEnd"),
+            "tags": list(body.get("tags") or []),
+            "text": body["text"],
+            "dashboardUID": body.get("dashboardUID"),
+            "panelId": body.get("panelId"),
+        }
         return 200, {"message": "Annotation added", "id": ident}
 
     def patch_annotation(self, ident: int, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

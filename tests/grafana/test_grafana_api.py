@@ -32,10 +32,18 @@ def grafana() -> Iterator[FakeGrafana]:
 
 
 def alert(state: str = "firing", resolved_at: float | None = None) -> Alert:
-    return Alert(rule="NonFiniteGradients", category="numerical", severity="critical",
-                 job="run-7", state=state, step=37, summary="gradient of 'fc.weight' is NaN",
-                 started_at=T0, diagnosis={"verdict": "numerical", "summary": "NaN in the data"},
-                 resolved_at=resolved_at)
+    return Alert(
+        rule="NonFiniteGradients",
+        category="numerical",
+        severity="critical",
+        job="run-7",
+        state=state,
+        step=37,
+        summary="gradient of 'fc.weight' is NaN",
+        started_at=T0,
+        diagnosis={"verdict": "numerical", "summary": "NaN in the data"},
+        resolved_at=resolved_at,
+    )
 
 
 def closed_port() -> int:
@@ -77,15 +85,40 @@ def test_unreachable_grafana_is_a_clear_error() -> None:
 def test_cli_push(grafana: FakeGrafana, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     token = tmp_path / "token"
     token.write_text("s3cret\n")
-    assert grafana_main(["push", "--url", grafana.url, "--token-file", str(token),
-                         "--dashboard", str(DASHBOARD)]) == 0
+    assert (
+        grafana_main(
+            [
+                "push",
+                "--url",
+                grafana.url,
+                "--token-file",
+                str(token),
+                "--dashboard",
+                str(DASHBOARD),
+            ]
+        )
+        == 0
+    )
     assert "uid gradwatch-job, version 1" in capsys.readouterr().out
     token.write_text("nope")
-    assert grafana_main(["push", "--url", grafana.url, "--token-file", str(token),
-                         "--dashboard", str(DASHBOARD)]) == 1
+    assert (
+        grafana_main(
+            [
+                "push",
+                "--url",
+                grafana.url,
+                "--token-file",
+                str(token),
+                "--dashboard",
+                str(DASHBOARD),
+            ]
+        )
+        == 1
+    )
     assert "401" in capsys.readouterr().err
-    assert grafana_main(["push", "--url", grafana.url, "--token-file",
-                         str(tmp_path / "missing")]) == 2
+    assert (
+        grafana_main(["push", "--url", grafana.url, "--token-file", str(tmp_path / "missing")]) == 2
+    )
 
 
 def test_annotation_for_a_firing_alert_becomes_a_region_at_resolve(grafana: FakeGrafana) -> None:
@@ -96,8 +129,13 @@ def test_annotation_for_a_firing_alert_becomes_a_region_at_resolve(grafana: Fake
         assert grafana.wait_for(lambda g: len(g.annotations) == 1)
         (posted,) = grafana.annotations.values()
         assert posted["time"] == int(T0 * 1000) and posted["timeEnd"] is None
-        assert posted["tags"] == ["gradwatch", "job:run-7", "rule:NonFiniteGradients",
-                                  "category:numerical", "severity:critical"]
+        assert posted["tags"] == [
+            "gradwatch",
+            "job:run-7",
+            "rule:NonFiniteGradients",
+            "category:numerical",
+            "severity:critical",
+        ]
         assert "gradient of 'fc.weight' is NaN" in posted["text"]
         assert "diagnosis: numerical - NaN in the data" in posted["text"]
         assert posted["dashboardUID"] == "gradwatch-job"
@@ -125,8 +163,9 @@ def test_wrong_token_counts_one_failure_and_is_not_retried(grafana: FakeGrafana)
 
 
 def test_a_grafana_that_is_down_never_blocks_notify() -> None:
-    sink = GrafanaAnnotationSink(f"http://127.0.0.1:{closed_port()}", "t", timeout=1.0,
-                                 queue_size=16, retry_delays=(0.05,))
+    sink = GrafanaAnnotationSink(
+        f"http://127.0.0.1:{closed_port()}", "t", timeout=1.0, queue_size=16, retry_delays=(0.05,)
+    )
     sink.start()
     began = time.monotonic()
     for _ in range(500):
@@ -147,8 +186,9 @@ def test_config_builds_the_sink_only_when_configured(tmp_path: Path) -> None:
     assert build_grafana_sinks(CollectorConfig()) == []
     token = tmp_path / "token"
     token.write_text("abc\n")
-    (sink,) = build_grafana_sinks(CollectorConfig(grafana_url="http://127.0.0.1:3000",
-                                                  grafana_token_file=token))
+    (sink,) = build_grafana_sinks(
+        CollectorConfig(grafana_url="http://127.0.0.1:3000", grafana_token_file=token)
+    )
     assert sink.name == "grafana"
     sink.close(0.1)
     with pytest.raises(GrafanaError, match="no token"):

@@ -59,10 +59,12 @@ def panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:
 
 def expressions(dashboard: dict[str, Any]) -> list[tuple[str, str]]:
     """(expr, legendFormat) of every target plus the job variable's query."""
-    found = [(t["expr"], t.get("legendFormat", "")) for p in panels(dashboard)
-             for t in p["targets"]]
-    found += [(v["definition"], "") for v in dashboard["templating"]["list"]
-              if v["type"] == "query"]
+    found = [
+        (t["expr"], t.get("legendFormat", "")) for p in panels(dashboard) for t in p["targets"]
+    ]
+    found += [
+        (v["definition"], "") for v in dashboard["templating"]["list"] if v["type"] == "query"
+    ]
     return found
 
 
@@ -76,10 +78,15 @@ def test_dashboard_model_is_what_grafana_expects(dashboard: dict[str, Any]) -> N
     cells: set[tuple[int, int]] = set()
     for panel in dashboard["panels"]:
         grid = panel["gridPos"]
-        assert {"h", "w", "x", "y"} <= grid.keys() and all(isinstance(v, int) for v in grid.values())
+        assert {"h", "w", "x", "y"} <= grid.keys() and all(
+            isinstance(v, int) for v in grid.values()
+        )
         assert 0 <= grid["x"] and grid["x"] + grid["w"] <= 24, panel["title"]
-        mine = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"])
-                for y in range(grid["y"], grid["y"] + grid["h"])}
+        mine = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not cells & mine, f"panel {panel['title']!r} overlaps another"
         cells |= mine
     for panel in panels(dashboard):
@@ -96,10 +103,12 @@ def test_dashboard_model_is_what_grafana_expects(dashboard: dict[str, Any]) -> N
     # Grafana's own dashboard model (grafana-foundation-sdk, generated from its schema)
     # decodes it and keeps what matters.
     decoded = json.loads(json.dumps(Dashboard.from_json(dashboard), cls=JSONEncoder))
-    assert [(p["id"], p["type"], p["gridPos"]) for p in decoded["panels"]] == \
-        [(p["id"], p["type"], p["gridPos"]) for p in dashboard["panels"]]
-    assert [t["expr"] for p in decoded["panels"] for t in p.get("targets", [])] == \
-        [t["expr"] for p in panels(dashboard) for t in p["targets"]]
+    assert [(p["id"], p["type"], p["gridPos"]) for p in decoded["panels"]] == [
+        (p["id"], p["type"], p["gridPos"]) for p in dashboard["panels"]
+    ]
+    assert [t["expr"] for p in decoded["panels"] for t in p.get("targets", [])] == [
+        t["expr"] for p in panels(dashboard) for t in p["targets"]
+    ]
 
 
 def test_alert_annotations_come_from_the_gradwatch_tags(dashboard: dict[str, Any]) -> None:
@@ -111,9 +120,12 @@ def test_alert_annotations_come_from_the_gradwatch_tags(dashboard: dict[str, Any
     assert query["target"]["matchAny"] is False
     kinds = {p["type"] for p in panels(dashboard)}
     assert {"timeseries", "heatmap", "stat"} <= kinds
-    log_scaled = [p["title"] for p in panels(dashboard)
-                  if p["fieldConfig"]["defaults"].get("custom", {})
-                  .get("scaleDistribution", {}).get("type") == "log"]
+    log_scaled = [
+        p["title"]
+        for p in panels(dashboard)
+        if p["fieldConfig"]["defaults"].get("custom", {}).get("scaleDistribution", {}).get("type")
+        == "log"
+    ]
     assert "Total gradient norm (pre-clip)" in log_scaled
 
 
@@ -124,10 +136,14 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FakeGr
     import gradwatch
 
     with FakeGrafana(token="dash-token") as grafana:
-        config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                                 per_layer_metrics=True, grafana_url=grafana.url,
-                                 grafana_token="dash-token",
-                                 grafana_dashboard_uid=json.loads(DASHBOARD.read_text())["uid"])
+        config = CollectorConfig(
+            listen="tcp://127.0.0.1:*",
+            metrics_addr="127.0.0.1:0",
+            per_layer_metrics=True,
+            grafana_url=grafana.url,
+            grafana_token="dash-token",
+            grafana_dashboard_uid=json.loads(DASHBOARD.read_text())["uid"],
+        )
         server = Server(config, registry=CollectorRegistry())
         server.start()
         try:
@@ -137,13 +153,24 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FakeGr
             # The healthy job also runs AMP's GradScaler, evals and activation statistics,
             # so the loss-scale, validation and activation panels have series too.
             for job, nan_step in ((HEALTHY_JOB, None), (JOB, NAN_STEP)):
-                model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                            torch.nn.Linear(32, 32), torch.nn.ReLU(),
-                                            torch.nn.Linear(32, 1))
+                model = torch.nn.Sequential(
+                    torch.nn.Linear(8, 32),
+                    torch.nn.Tanh(),
+                    torch.nn.Linear(32, 32),
+                    torch.nn.ReLU(),
+                    torch.nn.Linear(32, 1),
+                )
                 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
                 scaler = torch.amp.GradScaler("cpu") if nan_step is None else None
-                with gradwatch.watch(model, optimizer, job=job, endpoint=server.bound_endpoint,
-                                     flush_every=FLUSH_EVERY, stats_every=5, scaler=scaler) as mon:
+                with gradwatch.watch(
+                    model,
+                    optimizer,
+                    job=job,
+                    endpoint=server.bound_endpoint,
+                    flush_every=FLUSH_EVERY,
+                    stats_every=5,
+                    scaler=scaler,
+                ) as mon:
                     for step in range(1, NAN_STEP + 2 * FLUSH_EVERY):
                         x = torch.randn(16, 8)
                         if step == nan_step:
@@ -160,11 +187,15 @@ def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, FakeGr
                         optimizer.zero_grad()
                         if step % 10 == 0:
                             with torch.no_grad():
-                                mon.log_eval(loss=torch.nn.functional.mse_loss(
-                                    model(x), x.sum(1, keepdim=True)))
-            assert grafana.wait_for(lambda g: any(
-                "category:numerical" in a["tags"] for a in g.annotations.values()), 30.0), \
-                "no annotation for the numerical alert reached Grafana"
+                                mon.log_eval(
+                                    loss=torch.nn.functional.mse_loss(
+                                        model(x), x.sum(1, keepdim=True)
+                                    )
+                                )
+            assert grafana.wait_for(
+                lambda g: any("category:numerical" in a["tags"] for a in g.annotations.values()),
+                30.0,
+            ), "no annotation for the numerical alert reached Grafana"
             yield str(server.metrics_url), grafana
         finally:
             assert server.stop(10), "the collector did not stop within its deadline"
@@ -185,7 +216,8 @@ def scrape(url: str) -> dict[str, set[str]]:
 
 
 def test_every_dashboard_metric_is_exported_by_a_live_collector(
-        dashboard: dict[str, Any], live: tuple[str, FakeGrafana]) -> None:
+    dashboard: dict[str, Any], live: tuple[str, FakeGrafana]
+) -> None:
     metrics_url, _ = live
     exported = scrape(metrics_url)
     for expr, legend in expressions(dashboard):
@@ -195,21 +227,31 @@ def test_every_dashboard_metric_is_exported_by_a_live_collector(
             assert name in exported, f"{name} (in {expr!r}) is not in the collector's scrape"
         labelled = [exported[n] for n in used if exported[n]]
         for label in LEGEND_LABEL.findall(legend):
-            assert any(label in labels for labels in labelled) or not labelled, \
+            assert any(label in labels for labels in labelled) or not labelled, (
                 f"legend label {label!r} of {expr!r} is not a label of {used}"
+            )
     # The job really reported: its per-job and per-layer series are there.
-    for name in ("gradwatch_job_loss", "gradwatch_job_grad_norm", "gradwatch_layer_grad_norm",
-                 "gradwatch_job_first_last_grad_ratio", "gradwatch_alerts_firing",
-                 "gradwatch_job_eval_loss", "gradwatch_job_loss_scale",
-                 "gradwatch_activation_saturated_fraction", "gradwatch_activation_dead_fraction",
-                 "gradwatch_rank_last_seen_timestamp_seconds"):
+    for name in (
+        "gradwatch_job_loss",
+        "gradwatch_job_grad_norm",
+        "gradwatch_layer_grad_norm",
+        "gradwatch_job_first_last_grad_ratio",
+        "gradwatch_alerts_firing",
+        "gradwatch_job_eval_loss",
+        "gradwatch_job_loss_scale",
+        "gradwatch_activation_saturated_fraction",
+        "gradwatch_activation_dead_fraction",
+        "gradwatch_rank_last_seen_timestamp_seconds",
+    ):
         assert "training_job" in exported[name], f"{name} has no series for the job"
-    assert not any("job" in labels for labels in exported.values()), \
+    assert not any("job" in labels for labels in exported.values()), (
         "a collector series has a `job` label: it would clash with the scrape job's"
+    )
 
 
 def test_the_numerical_alert_is_an_annotation_the_dashboard_shows(
-        live: tuple[str, FakeGrafana]) -> None:
+    live: tuple[str, FakeGrafana],
+) -> None:
     _, grafana = live
     (annotation,) = [a for a in grafana.annotations.values() if "category:numerical" in a["tags"]]
     assert {"gradwatch", f"job:{JOB}", "severity:critical"} <= set(annotation["tags"])
@@ -234,26 +276,43 @@ def prometheus_query(base: str, expr: str) -> dict[str, Any]:
 
 
 def test_a_real_prometheus_evaluates_every_dashboard_query(
-        dashboard: dict[str, Any], live: tuple[str, FakeGrafana], tmp_path: Path) -> None:
+    dashboard: dict[str, Any], live: tuple[str, FakeGrafana], tmp_path: Path
+) -> None:
     """Prometheus scrapes the live collector; every panel query parses and the job's answer."""
     prometheus = require_binary("prometheus")
     metrics_url, _ = live
     target = urllib.parse.urlsplit(metrics_url).netloc
     config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({
-        "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "gradwatch-collector",
-                            "static_configs": [{"targets": [target]}]}]}))
+    config.write_text(
+        json.dumps(
+            {
+                "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {"job_name": "gradwatch-collector", "static_configs": [{"targets": [target]}]}
+                ],
+            }
+        )
+    )
     base = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen(
-        [prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address={base.removeprefix('http://')}", "--log.level=warn"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            f"--web.listen-address={base.removeprefix('http://')}",
+            "--log.level=warn",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         wanted = f'count_over_time(gradwatch_job_step{{training_job="{JOB}"}}[1m]) >= 3'
         deadline = time.monotonic() + PROMETHEUS_TIMEOUT_S
         while True:
-            assert proc.poll() is None, f"prometheus exited: {proc.stderr.read() if proc.stderr else ''}"
+            assert proc.poll() is None, (
+                f"prometheus exited: {proc.stderr.read() if proc.stderr else ''}"
+            )
             try:
                 if prometheus_query(base, wanted).get("data", {}).get("result"):
                     break
@@ -271,9 +330,14 @@ def test_a_real_prometheus_evaluates_every_dashboard_query(
             assert answer["status"] == "success", f"{expr!r}: {answer.get('error')}"
             if answer["data"]["result"]:
                 answered.add(expr)
-        for needed in ("gradwatch_job_loss", "gradwatch_job_grad_norm",
-                       "gradwatch_layer_grad_norm", "deriv(gradwatch_job_step",
-                       "gradwatch_ingest_messages_total", "gradwatch_alerts_firing"):
+        for needed in (
+            "gradwatch_job_loss",
+            "gradwatch_job_grad_norm",
+            "gradwatch_layer_grad_norm",
+            "deriv(gradwatch_job_step",
+            "gradwatch_ingest_messages_total",
+            "gradwatch_alerts_firing",
+        ):
             assert any(needed in expr for expr in answered), f"no data for {needed}"
         # A healthy job fills every per-job panel: its counters and gauges exist at zero
         # (lost batches, dropped steps, assembly incomplete/inexact/late, absent ranks),

@@ -1,4 +1,4 @@
-"""gradwatch_job_first_last_grad_ratio: the layer-ratio rule's measure, exported for the dashboard."""
+"""gradwatch_job_first_last_grad_ratio: the layer-ratio rule's measure, for the dashboard."""
 
 from __future__ import annotations
 
@@ -34,7 +34,8 @@ def test_modules_combine_weight_and_bias_and_skip_zero_and_nonfinite() -> None:
         # a frozen first module and a NaN last one are skipped, as the rule skips them
         step("skips", ("a.w", "b.w", "c.w", "d.w"), [0.0, 2.0, 8.0, float("nan")]),
         step("one-module", ("fc.weight", "fc.bias"), [1.0, 1.0]),
-        step("no-layers", (), []))
+        step("no-layers", (), []),
+    )
     assert set(got) == {"vanish", "skips"}
     assert np.isclose(got["vanish"], 100.0)
     assert np.isclose(got["skips"], 0.25)

@@ -35,7 +35,7 @@ ALERTMANAGER_DIR = REPO / "deploy" / "alertmanager"
 READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 START_ATTEMPTS = 3  # a free port can be taken between probing it and the bind
-POLL_S = 0.05       # polling another process's HTTP API: there is no event to block on
+POLL_S = 0.05  # polling another process's HTTP API: there is no event to block on
 
 T = TypeVar("T")
 
@@ -92,14 +92,19 @@ def wait_until(probe: Callable[[], T | None], timeout: float, what: str) -> T:
 
 
 @contextmanager
-def _serve(binary: str, argv: Callable[[int], Sequence[str]], log: Path,
-           name: str) -> Iterator[Running]:
+def _serve(
+    binary: str, argv: Callable[[int], Sequence[str]], log: Path, name: str
+) -> Iterator[Running]:
     """Start ``binary argv(port)`` and wait for ``/-/ready``; retry on a lost port race."""
     for attempt in range(1, START_ATTEMPTS + 1):
         port = free_port()
         with log.open("ab") as out:
-            process = subprocess.Popen([binary, *argv(port)], stdout=out,
-                                       stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                [binary, *argv(port)],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
         running = Running(f"http://127.0.0.1:{port}", process, log)
         try:
             if _wait_ready(running):
@@ -109,8 +114,9 @@ def _serve(binary: str, argv: Callable[[int], Sequence[str]], log: Path,
             raise
         _stop(process)
         if attempt == START_ATTEMPTS:
-            raise AssertionError(f"{name} did not become ready on {running.url}; its log:\n"
-                                 f"{running.log_tail()}")
+            raise AssertionError(
+                f"{name} did not become ready on {running.url}; its log:\n{running.log_tail()}"
+            )
     try:
         yield running
     finally:
@@ -126,8 +132,10 @@ def _wait_ready(running: Running) -> bool:
             return True
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{running.url}/-/ready did not answer within "
-                                   f"{READY_TIMEOUT_S}s; log:\n{running.log_tail()}") from None
+                raise TimeoutError(
+                    f"{running.url}/-/ready did not answer within "
+                    f"{READY_TIMEOUT_S}s; log:\n{running.log_tail()}"
+                ) from None
             time.sleep(POLL_S)
     return False
 
@@ -143,24 +151,35 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
         process.wait(STOP_TIMEOUT_S)
 
 
-def prometheus_config(targets: Sequence[str], alertmanagers: Sequence[str] = (),
-                      interval: str = "1s",
-                      rule_files: Sequence[Path] | None = None,
-                      job_name: str = "gradwatch",
-                      target_labels: dict[str, str] | None = None) -> dict[str, Any]:
+def prometheus_config(
+    targets: Sequence[str],
+    alertmanagers: Sequence[str] = (),
+    interval: str = "1s",
+    rule_files: Sequence[Path] | None = None,
+    job_name: str = "gradwatch",
+    target_labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """``deploy/prometheus/prometheus.yml`` pointed at ``targets``, fast, with the repo's
     rules (or ``rule_files``); the scrape job renamed ``job_name``, its targets labelled
     ``target_labels`` (as the Prometheus Operator names and labels a ServiceMonitor's)."""
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=interval, evaluation_interval=interval)
-    config["rule_files"] = [str(PROMETHEUS_DIR / name) for name in config["rule_files"]] \
-        if rule_files is None else [str(path) for path in rule_files]
+    config["rule_files"] = (
+        [str(PROMETHEUS_DIR / name) for name in config["rule_files"]]
+        if rule_files is None
+        else [str(path) for path in rule_files]
+    )
     (job,) = [job for job in config["scrape_configs"] if job["job_name"] == "gradwatch"]
     job["job_name"] = job_name
     job["static_configs"] = [{"targets": list(targets), "labels": dict(target_labels or {})}]
     if alertmanagers:
-        config["alerting"]["alertmanagers"] = [{"static_configs": [
-            {"targets": [urllib.parse.urlsplit(url).netloc for url in alertmanagers]}]}]
+        config["alerting"]["alertmanagers"] = [
+            {
+                "static_configs": [
+                    {"targets": [urllib.parse.urlsplit(url).netloc for url in alertmanagers]}
+                ]
+            }
+        ]
     else:
         del config["alerting"]
     return config
@@ -180,19 +199,35 @@ def alertmanager_config(webhook_url: str) -> dict[str, Any]:
 
 
 @contextmanager
-def start_prometheus(workdir: Path, targets: Sequence[str], alertmanagers: Sequence[str] = (),
-                     rule_files: Sequence[Path] | None = None, job_name: str = "gradwatch",
-                     target_labels: dict[str, str] | None = None) -> Iterator[Running]:
+def start_prometheus(
+    workdir: Path,
+    targets: Sequence[str],
+    alertmanagers: Sequence[str] = (),
+    rule_files: Sequence[Path] | None = None,
+    job_name: str = "gradwatch",
+    target_labels: dict[str, str] | None = None,
+) -> Iterator[Running]:
     binary = require_binary("prometheus")
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "prometheus.yml"
-    config.write_text(yaml.safe_dump(prometheus_config(
-        targets, alertmanagers, rule_files=rule_files, job_name=job_name,
-        target_labels=target_labels)))
+    config.write_text(
+        yaml.safe_dump(
+            prometheus_config(
+                targets,
+                alertmanagers,
+                rule_files=rule_files,
+                job_name=job_name,
+                target_labels=target_labels,
+            )
+        )
+    )
 
     def argv(port: int) -> list[str]:
-        return [f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}"]
+        return [
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
 
     with _serve(binary, argv, workdir / "prometheus.log", "prometheus") as running:
         yield running
@@ -207,8 +242,12 @@ def start_alertmanager(workdir: Path, webhook_url: str) -> Iterator[Running]:
 
     def argv(port: int) -> list[str]:
         # An empty cluster address turns gossip off: one instance, no extra port.
-        return [f"--config.file={config}", f"--storage.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="]
+        return [
+            f"--config.file={config}",
+            f"--storage.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--cluster.listen-address=",
+        ]
 
     with _serve(binary, argv, workdir / "alertmanager.log", "alertmanager") as running:
         yield running

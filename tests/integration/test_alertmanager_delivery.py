@@ -17,7 +17,6 @@ import pytest
 pytest.importorskip("torch")
 
 from gradwatch.collector.receiver import WebhookReceiver
-
 from tests.integration.promstack import start_alertmanager
 from tests.integration.training import running_collector, train
 
@@ -31,20 +30,27 @@ JOB_TTL_S = 1.0  # how soon the silent job is forgotten and its alerts resolved
 def _delivered(status: str) -> Callable[[list[Any]], bool]:
     def match(bodies: list[Any]) -> bool:
         return any(_ours(body, status) for body in bodies)
+
     return match
 
 
 def _ours(body: Any, status: str) -> list[dict[str, Any]]:
     """The alerts for our job and rule in one Alertmanager webhook body with ``status``."""
-    return [alert for alert in body.get("alerts", ())
-            if alert["status"] == status and alert["labels"].get("alertname") == RULE
-            and alert["labels"].get("job") == JOB]
+    return [
+        alert
+        for alert in body.get("alerts", ())
+        if alert["status"] == status
+        and alert["labels"].get("alertname") == RULE
+        and alert["labels"].get("job") == JOB
+    ]
 
 
 def test_alertmanager_delivers_the_collector_alert_and_its_resolve(tmp_path: Path) -> None:
-    with WebhookReceiver() as receiver, \
-            start_alertmanager(tmp_path / "alertmanager", receiver.url) as am, \
-            running_collector(alertmanager_urls=[am.url], job_ttl_seconds=JOB_TTL_S) as collector:
+    with (
+        WebhookReceiver() as receiver,
+        start_alertmanager(tmp_path / "alertmanager", receiver.url) as am,
+        running_collector(alertmanager_urls=[am.url], job_ttl_seconds=JOB_TTL_S) as collector,
+    ):
         train(collector, JOB, 2 * NAN_STEP, nan_step=NAN_STEP)
 
         bodies = receiver.wait_for(_delivered("firing"), TIMEOUT_S)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from gradwatch.collector.alertmanager import alertmanager_alert
 from gradwatch.collector.receiver import WebhookReceiver
-
 from tests.integration.promstack import (
     Running,
     http_get,
@@ -26,23 +26,35 @@ from tests.integration.promstack import (
 
 TIMEOUT_S = 15.0
 COLLECTOR = "collector:9400"
-NAN_ALERT = {"rule": "NonFiniteGradients", "severity": "critical", "category": "numerical",
-             "job": "run-42", "rank": 0, "state": "firing", "step": 7,
-             "summary": "NaN in the loss", "evidence": {}}
+NAN_ALERT = {
+    "rule": "NonFiniteGradients",
+    "severity": "critical",
+    "category": "numerical",
+    "job": "run-42",
+    "rank": 0,
+    "state": "firing",
+    "step": 7,
+    "summary": "NaN in the loss",
+    "evidence": {},
+}
 
 
 @pytest.fixture()
 def alertmanager(tmp_path: Path) -> Iterator[Running]:
-    with WebhookReceiver() as receiver, \
-            start_alertmanager(tmp_path / "alertmanager", receiver.url) as am:
+    with (
+        WebhookReceiver() as receiver,
+        start_alertmanager(tmp_path / "alertmanager", receiver.url) as am,
+    ):
         yield am
 
 
 def _post(am: Running, *labels: dict[str, str]) -> None:
-    body = json.dumps([{"labels": label_set, "annotations": {"summary": "test"}}
-                       for label_set in labels]).encode()
-    request = urllib.request.Request(f"{am.url}/api/v2/alerts", body,
-                                     {"Content-Type": "application/json"})
+    body = json.dumps(
+        [{"labels": label_set, "annotations": {"summary": "test"}} for label_set in labels]
+    ).encode()
+    request = urllib.request.Request(
+        f"{am.url}/api/v2/alerts", body, {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=5) as response:
         assert response.status == 200
 
@@ -53,9 +65,15 @@ Key = tuple[str, str]  # (alertname, training job, else scrape job, else instanc
 def _held(am: Running) -> dict[Key, str]:
     """What Alertmanager holds: (alertname, training job, job or instance) -> its state."""
     alerts: list[dict[str, Any]] = json.loads(http_get(f"{am.url}/api/v2/alerts"))
-    return {(a["labels"]["alertname"], a["labels"].get("training_job")
-             or a["labels"].get("job") or a["labels"].get("instance", "")):
-            a["status"]["state"] for a in alerts}
+    return {
+        (
+            a["labels"]["alertname"],
+            a["labels"].get("training_job")
+            or a["labels"].get("job")
+            or a["labels"].get("instance", ""),
+        ): a["status"]["state"]
+        for a in alerts
+    }
 
 
 def _assert_states(am: Running, expected: dict[Key, str]) -> None:
@@ -68,33 +86,70 @@ def _assert_states(am: Running, expected: dict[Key, str]) -> None:
 
 
 def test_a_collector_down_mutes_its_warnings_but_not_other_collectors(
-        alertmanager: Running) -> None:
-    _post(alertmanager,
-          {"alertname": "GradwatchCollectorDown", "severity": "critical",
-           "job": "gradwatch-collector", "instance": COLLECTOR},
-          {"alertname": "GradwatchNotificationBacklog", "severity": "warning",
-           "job": "gradwatch-collector", "instance": COLLECTOR, "sink": "webhook-0"},
-          {"alertname": "GradwatchCollectorAbsent", "severity": "warning"},
-          {"alertname": "GradwatchIngestRejecting", "severity": "warning",
-           "instance": "other:9400", "reason": "malformed"})
-    _assert_states(alertmanager, {
-        ("GradwatchCollectorDown", "gradwatch-collector"): "active",
-        ("GradwatchNotificationBacklog", "gradwatch-collector"): "suppressed",
-        ("GradwatchCollectorAbsent", ""): "suppressed",
-        ("GradwatchIngestRejecting", "other:9400"): "active"})
+    alertmanager: Running,
+) -> None:
+    _post(
+        alertmanager,
+        {
+            "alertname": "GradwatchCollectorDown",
+            "severity": "critical",
+            "job": "gradwatch-collector",
+            "instance": COLLECTOR,
+        },
+        {
+            "alertname": "GradwatchNotificationBacklog",
+            "severity": "warning",
+            "job": "gradwatch-collector",
+            "instance": COLLECTOR,
+            "sink": "webhook-0",
+        },
+        {"alertname": "GradwatchCollectorAbsent", "severity": "warning"},
+        {
+            "alertname": "GradwatchIngestRejecting",
+            "severity": "warning",
+            "instance": "other:9400",
+            "reason": "malformed",
+        },
+    )
+    _assert_states(
+        alertmanager,
+        {
+            ("GradwatchCollectorDown", "gradwatch-collector"): "active",
+            ("GradwatchNotificationBacklog", "gradwatch-collector"): "suppressed",
+            ("GradwatchCollectorAbsent", ""): "suppressed",
+            ("GradwatchIngestRejecting", "other:9400"): "active",
+        },
+    )
 
 
 def test_the_collectors_own_nan_alert_mutes_the_prometheus_backup_for_that_job_only(
-        alertmanager: Running) -> None:
-    _post(alertmanager,
-          # The labels each producer really sets: the collector's Alertmanager sink, and
-          # Prometheus (job = its scrape job, the training job in training_job).
-          alertmanager_alert(NAN_ALERT, now=time.time(), valid_for=300.0)["labels"],
-          {"alertname": "GradwatchNonFiniteGradients", "severity": "critical",
-           "job": "gradwatch-collector", "training_job": "run-42", "instance": COLLECTOR},
-          {"alertname": "GradwatchNonFiniteGradients", "severity": "critical",
-           "job": "gradwatch-collector", "training_job": "run-43", "instance": COLLECTOR})
-    _assert_states(alertmanager, {
-        ("NonFiniteGradients", "run-42"): "active",
-        ("GradwatchNonFiniteGradients", "run-42"): "suppressed",
-        ("GradwatchNonFiniteGradients", "run-43"): "active"})
+    alertmanager: Running,
+) -> None:
+    _post(
+        alertmanager,
+        # The labels each producer really sets: the collector's Alertmanager sink, and
+        # Prometheus (job = its scrape job, the training job in training_job).
+        alertmanager_alert(NAN_ALERT, now=time.time(), valid_for=300.0)["labels"],
+        {
+            "alertname": "GradwatchNonFiniteGradients",
+            "severity": "critical",
+            "job": "gradwatch-collector",
+            "training_job": "run-42",
+            "instance": COLLECTOR,
+        },
+        {
+            "alertname": "GradwatchNonFiniteGradients",
+            "severity": "critical",
+            "job": "gradwatch-collector",
+            "training_job": "run-43",
+            "instance": COLLECTOR,
+        },
+    )
+    _assert_states(
+        alertmanager,
+        {
+            ("NonFiniteGradients", "run-42"): "active",
+            ("GradwatchNonFiniteGradients", "run-42"): "suppressed",
+            ("GradwatchNonFiniteGradients", "run-43"): "active",
+        },
+    )

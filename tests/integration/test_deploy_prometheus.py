@@ -32,8 +32,14 @@ TOOL_TIMEOUT_S = 30
 
 
 def _run(tool: str, *args: str, cwd: Path) -> str:
-    done = subprocess.run([require_binary(tool), *args], check=False, cwd=cwd,
-                          capture_output=True, text=True, timeout=TOOL_TIMEOUT_S)
+    done = subprocess.run(
+        [require_binary(tool), *args],
+        check=False,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=TOOL_TIMEOUT_S,
+    )
     output = done.stdout + done.stderr
     assert done.returncode == 0, f"{tool} {' '.join(args)} failed:\n{output}"
     return output
@@ -80,8 +86,9 @@ def test_every_alert_has_for_severity_annotations_and_both_unit_test_outcomes() 
         assert "for" in rule, f"{name}: say how long it must hold (`for:`)"
         assert rule["labels"]["severity"] in SEVERITIES, name
         assert ANNOTATIONS <= set(rule["annotations"]), f"{name}: needs {sorted(ANNOTATIONS)}"
-        assert sorted(set(cases.get(name, []))) == [False, True], \
+        assert sorted(set(cases.get(name, []))) == [False, True], (
             f"{name}: alerts.test.yml needs a firing and a not-firing case"
+        )
 
 
 def _exported(metrics_text: str) -> dict[str, list[dict[str, str]]]:
@@ -89,7 +96,8 @@ def _exported(metrics_text: str) -> dict[str, list[dict[str, str]]]:
     from prometheus_client.parser import text_string_to_metric_families
 
     exported: dict[str, list[dict[str, str]]] = {
-        line.split()[2]: [] for line in metrics_text.splitlines() if line.startswith("# TYPE ")}
+        line.split()[2]: [] for line in metrics_text.splitlines() if line.startswith("# TYPE ")
+    }
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
             exported.setdefault(sample.name, []).append(dict(sample.labels))
@@ -106,19 +114,22 @@ def _check_matchers(name: str, matchers: str, samples: list[dict[str, str]]) -> 
             # Regex matchers here are plain alternatives (a|b): each must exist.
             missing = set(value.split("|") if op == "=~" else [value]) - seen
             if missing:
-                problems.append(f"{name}{{{label}{op}{value!r}}}: {sorted(missing)} never "
-                                f"exported (exported: {sorted(seen)})")
+                problems.append(
+                    f"{name}{{{label}{op}{value!r}}}: {sorted(missing)} never "
+                    f"exported (exported: {sorted(seen)})"
+                )
     return problems
 
 
 def test_every_metric_the_alerts_use_is_exported_by_a_live_collector() -> None:
     pytest.importorskip("torch")
     from gradwatch.collector.receiver import WebhookReceiver
-
     from tests.integration.training import running_collector, train
 
-    with WebhookReceiver() as receiver, \
-            running_collector(webhooks=[receiver.url], per_layer_metrics=True) as collector:
+    with (
+        WebhookReceiver() as receiver,
+        running_collector(webhooks=[receiver.url], per_layer_metrics=True) as collector,
+    ):
         train(collector, "it-names", 10)
         exported = _exported(http_get(collector.metrics_url).decode())
 
@@ -130,8 +141,9 @@ def test_every_metric_the_alerts_use_is_exported_by_a_live_collector() -> None:
             if name not in exported:
                 problems.append(f"{rule['alert']}: {name} is not exported")
             elif matchers:
-                problems += [f"{rule['alert']}: {p}"
-                             for p in _check_matchers(name, matchers, exported[name])]
+                problems += [
+                    f"{rule['alert']}: {p}" for p in _check_matchers(name, matchers, exported[name])
+                ]
     assert used, "no gradwatch metric found in alerts.yml"
     assert not problems, "\n".join(problems)
 
@@ -141,23 +153,28 @@ def test_every_label_the_alerts_group_by_or_print_is_one_the_collector_exports()
     alert grouping by, or a summary printing, a label no series has."""
     pytest.importorskip("torch")
     from gradwatch.collector.receiver import WebhookReceiver
-
     from tests.integration.training import running_collector, train
 
-    with WebhookReceiver() as receiver, \
-            running_collector(webhooks=[receiver.url]) as collector:
+    with WebhookReceiver() as receiver, running_collector(webhooks=[receiver.url]) as collector:
         train(collector, "it-labels", 10)
         exported = _exported(http_get(collector.metrics_url).decode())
-    labels = TARGET_LABELS | {label for samples in exported.values()
-                              for sample in samples for label in sample}
-    assert "training_job" in labels and "job" not in \
-        {label for samples in exported.values() for sample in samples for label in sample}
+    labels = TARGET_LABELS | {
+        label for samples in exported.values() for sample in samples for label in sample
+    }
+    assert "training_job" in labels and "job" not in {
+        label for samples in exported.values() for sample in samples for label in sample
+    }
     problems = []
     for rule in _alert_rules():
         text = rule["expr"] + " ".join(rule["annotations"].values())
-        used = {label.strip() for group in GROUPING.findall(rule["expr"])
-                for label in group.split(",") if label.strip()}
+        used = {
+            label.strip()
+            for group in GROUPING.findall(rule["expr"])
+            for label in group.split(",")
+            if label.strip()
+        }
         used |= set(TEMPLATE_LABEL.findall(text))
-        problems += [f"{rule['alert']}: label {label!r} is on no series" for label in
-                     sorted(used - labels)]
+        problems += [
+            f"{rule['alert']}: label {label!r} is on no series" for label in sorted(used - labels)
+        ]
     assert not problems, "\n".join(problems)

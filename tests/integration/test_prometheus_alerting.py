@@ -30,7 +30,6 @@ import yaml
 pytest.importorskip("torch")
 
 from gradwatch.collector.receiver import WebhookReceiver
-
 from tests.integration.promstack import (
     PROMETHEUS_DIR,
     Running,
@@ -73,9 +72,11 @@ def _states(prom: Running) -> dict[str, list[dict[str, Any]]]:
     return held
 
 
-def _settles(prom: Running, want: Callable[[dict[str, list[dict[str, Any]]]], bool],
-             what: str) -> dict[str, list[dict[str, Any]]]:
+def _settles(
+    prom: Running, want: Callable[[dict[str, list[dict[str, Any]]]], bool], what: str
+) -> dict[str, list[dict[str, Any]]]:
     """Wait until the held alerts satisfy ``want`` in an evaluation begun after now."""
+
     def last_evaluation() -> str:
         (group,) = [g for g in api(prom.url, "/api/v1/rules")["groups"] if g["name"] == GROUP]
         return str(group["lastEvaluation"])
@@ -92,9 +93,13 @@ def _settles(prom: Running, want: Callable[[dict[str, list[dict[str, Any]]]], bo
 
 
 def _ours(body: Any, status: str, instance: str) -> list[dict[str, Any]]:
-    return [alert for alert in body.get("alerts", ()) if alert["status"] == status
-            and alert["labels"].get("alertname") == DOWN
-            and alert["labels"].get("instance") == instance]
+    return [
+        alert
+        for alert in body.get("alerts", ())
+        if alert["status"] == status
+        and alert["labels"].get("alertname") == DOWN
+        and alert["labels"].get("instance") == instance
+    ]
 
 
 def _delivered(status: str, instance: str) -> Callable[[list[Any]], bool]:
@@ -104,17 +109,28 @@ def _delivered(status: str, instance: str) -> Callable[[list[Any]], bool]:
 def _scraped_as_collector(prom: Running, target: str) -> None:
     """Wait until Prometheus has scraped the collector at ``target`` at least once."""
     selector = f'gradwatch_build_info{{job="{OPERATOR_JOB}",instance="{target}"}}'
-    wait_until(lambda: api(prom.url, "/api/v1/query", query=selector)["result"] or None,
-               TIMEOUT_S, f"{selector} in Prometheus; log:\n{prom.log_tail()}")
+    wait_until(
+        lambda: api(prom.url, "/api/v1/query", query=selector)["result"] or None,
+        TIMEOUT_S,
+        f"{selector} in Prometheus; log:\n{prom.log_tail()}",
+    )
 
 
 def test_self_alerts_under_the_operators_job_name(tmp_path: Path) -> None:
     target = f"127.0.0.1:{free_port()}"  # nothing listens here until the collector starts
     rules = _shipped_rules_without_delay(tmp_path)
-    with WebhookReceiver() as receiver, \
-            start_alertmanager(tmp_path / "alertmanager", receiver.url) as am, \
-            start_prometheus(tmp_path / "prometheus", [target], [am.url], [rules],
-                             job_name=OPERATOR_JOB, target_labels=OPERATOR_LABELS) as prom:
+    with (
+        WebhookReceiver() as receiver,
+        start_alertmanager(tmp_path / "alertmanager", receiver.url) as am,
+        start_prometheus(
+            tmp_path / "prometheus",
+            [target],
+            [am.url],
+            [rules],
+            job_name=OPERATOR_JOB,
+            target_labels=OPERATOR_LABELS,
+        ) as prom,
+    ):
         # 1. No collector has ever answered: absent, but nothing known to be down.
         states = _settles(prom, lambda s: bool(s[ABSENT]), f"{ABSENT} before any collector")
         assert states[DOWN] == []
@@ -122,8 +138,11 @@ def test_self_alerts_under_the_operators_job_name(tmp_path: Path) -> None:
         # 2. A healthy collector under the Operator's job name: neither fires.
         with running_collector(metrics_addr=target):
             _scraped_as_collector(prom, target)
-            _settles(prom, lambda s: not s[ABSENT] and not s[DOWN],
-                     f"{ABSENT} resolving once the collector is scraped")
+            _settles(
+                prom,
+                lambda s: not s[ABSENT] and not s[DOWN],
+                f"{ABSENT} resolving once the collector is scraped",
+            )
 
         # 3. It stops: Down fires, with the scrape's labels, and reaches the webhook.
         states = _settles(prom, lambda s: bool(s[DOWN]), f"{DOWN} after the collector stopped")
@@ -142,6 +161,9 @@ def test_self_alerts_under_the_operators_job_name(tmp_path: Path) -> None:
 
         # 4. Back again: Down resolves, and so does its notification.
         with running_collector(metrics_addr=target):
-            _settles(prom, lambda s: not s[DOWN] and not s[ABSENT],
-                     f"{DOWN} resolving once the collector is back")
+            _settles(
+                prom,
+                lambda s: not s[DOWN] and not s[ABSENT],
+                f"{DOWN} resolving once the collector is back",
+            )
             receiver.wait_for(_delivered("resolved", target), TIMEOUT_S)

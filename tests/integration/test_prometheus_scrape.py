@@ -57,8 +57,11 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Sen
         target = urlsplit(collector.metrics_url).netloc
         with start_prometheus(tmp_path_factory.mktemp("prometheus"), [target]) as prom:
             step = f'gradwatch_job_step{{training_job="{JOB}"}}'
-            wait_until(lambda: query(prom.url, f"{step} == {STEPS}") or None, TIMEOUT_S,
-                       f"{step} reaching {STEPS} in Prometheus; log:\n{prom.log_tail()}")
+            wait_until(
+                lambda: query(prom.url, f"{step} == {STEPS}") or None,
+                TIMEOUT_S,
+                f"{step} reaching {STEPS} in Prometheus; log:\n{prom.log_tail()}",
+            )
             yield sent, prom
 
 
@@ -76,14 +79,15 @@ def test_prometheus_holds_what_the_agent_sent(scraped: tuple[list[Sent], Running
     sent, prom = scraped
     last = sent[-1]
     # The training job has a label of its own; `job` stays the scrape job on every series.
-    assert _value(prom.url, f'gradwatch_job_loss{{{OF_JOB}}}') == \
-        pytest.approx(last.loss, rel=1e-6)
-    assert _value(prom.url, f'gradwatch_job_grad_norm{{{OF_JOB}}}') == \
-        pytest.approx(last.grad_norm, rel=1e-4)
-    assert _value(prom.url, f'gradwatch_job_learning_rate{{{OF_JOB},group="0"}}') == \
-        pytest.approx(LEARNING_RATE, rel=1e-6)
-    assert _value(prom.url, f'gradwatch_job_ranks{{{OF_JOB}}}') == 1
-    assert _value(prom.url, f'gradwatch_job_nonfinite_layers{{{OF_JOB}}}') == 0
+    assert _value(prom.url, f"gradwatch_job_loss{{{OF_JOB}}}") == pytest.approx(last.loss, rel=1e-6)
+    assert _value(prom.url, f"gradwatch_job_grad_norm{{{OF_JOB}}}") == pytest.approx(
+        last.grad_norm, rel=1e-4
+    )
+    assert _value(prom.url, f'gradwatch_job_learning_rate{{{OF_JOB},group="0"}}') == pytest.approx(
+        LEARNING_RATE, rel=1e-6
+    )
+    assert _value(prom.url, f"gradwatch_job_ranks{{{OF_JOB}}}") == 1
+    assert _value(prom.url, f"gradwatch_job_nonfinite_layers{{{OF_JOB}}}") == 0
     # The collector's own series keep the scrape job.
     batches = 'gradwatch_ingest_messages_total{job="gradwatch",kind="batch"}'
     assert _value(prom.url, batches) == STEPS // FLUSH_EVERY
@@ -91,7 +95,8 @@ def test_prometheus_holds_what_the_agent_sent(scraped: tuple[list[Sent], Running
 
 
 def test_every_alert_rule_evaluates_cleanly_against_live_series(
-        scraped: tuple[list[Sent], Running]) -> None:
+    scraped: tuple[list[Sent], Running],
+) -> None:
     _, prom = scraped
 
     def rules_now() -> dict[str, dict[str, Any]]:
@@ -106,11 +111,13 @@ def test_every_alert_rule_evaluates_cleanly_against_live_series(
         fresh = all(rule["lastEvaluation"] > before[name] for name, rule in now.items())
         return now if fresh else None
 
-    rules = wait_until(evaluated_again, TIMEOUT_S, "a rule evaluation after the scrape; "
-                       f"Prometheus log:\n{prom.log_tail()}")
+    rules = wait_until(
+        evaluated_again,
+        TIMEOUT_S,
+        f"a rule evaluation after the scrape; Prometheus log:\n{prom.log_tail()}",
+    )
     assert len(rules) >= 10, sorted(rules)
-    broken = {name: rule.get("lastError") for name, rule in rules.items()
-              if rule["health"] != "ok"}
+    broken = {name: rule.get("lastError") for name, rule in rules.items() if rule["health"] != "ok"}
     assert not broken, broken
     # A healthy collector whose job just reported fires nothing.
     assert [name for name, rule in rules.items() if rule["state"] != "inactive"] == []

@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from gradwatch.collector.config import CollectorConfig
-from gradwatch.collector.server import Server
 from prometheus_client import CollectorRegistry
 
 import gradwatch
+from gradwatch.collector.config import CollectorConfig
+from gradwatch.collector.server import Server
 
 FLUSH_EVERY = 5
 LEARNING_RATE = 0.05
@@ -68,11 +68,18 @@ def train(collector: Server, job: str, steps: int, nan_step: int | None = None) 
     heard = collector.messages_handled
     # early_stats=False: no cadence statistics in 20 steps, so the batches the
     # collector counts are exactly the step batches (steps // flush_every).
-    with gradwatch.watch(model, optimizer, job=job, endpoint=collector.bound_endpoint,
-                         flush_every=FLUSH_EVERY, heartbeat_every=HEARTBEAT_S,
-                         early_stats=False) as mon:
-        assert collector.wait_for_messages(heard + 1, CONNECT_TIMEOUT_S), \
+    with gradwatch.watch(
+        model,
+        optimizer,
+        job=job,
+        endpoint=collector.bound_endpoint,
+        flush_every=FLUSH_EVERY,
+        heartbeat_every=HEARTBEAT_S,
+        early_stats=False,
+    ) as mon:
+        assert collector.wait_for_messages(heard + 1, CONNECT_TIMEOUT_S), (
             f"the collector heard nothing from the agent within {CONNECT_TIMEOUT_S}s"
+        )
         for step in range(1, steps + 1):
             x = torch.randn(16, 4)
             if step == nan_step:
@@ -81,8 +88,14 @@ def train(collector: Server, job: str, steps: int, nan_step: int | None = None) 
             loss.backward()
             # The test's own measurement, synchronising freely (the agent never does).
             norms = [p.grad.norm().item() for p in model.parameters() if p.grad is not None]
-            sent.append(Sent(step, loss.item(), math.sqrt(sum(n * n for n in norms)),
-                             optimizer.param_groups[0]["lr"]))
+            sent.append(
+                Sent(
+                    step,
+                    loss.item(),
+                    math.sqrt(sum(n * n for n in norms)),
+                    optimizer.param_groups[0]["lr"],
+                )
+            )
             optimizer.step()
             mon.log(loss=loss)
             optimizer.zero_grad()
