@@ -20,7 +20,9 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-USAGE = """usage: gradwatch [--version] COMMAND [ARGS...]
+from gradwatch.logs import LogFormat, configure_logging
+
+USAGE = """usage: gradwatch [--version] [--log-format text|json] COMMAND [ARGS...]
 
 commands:
   collector     run the collector daemon (ingest, rules, /metrics, alert webhooks)
@@ -32,6 +34,9 @@ commands:
   keys          CurveZMQ key pairs and the collector's allow-list (SECURITY.md)
   demo          agent + collector + rules + alert on loopback; ends by itself
   version       print the version (also: gradwatch --version)
+
+--log-format json: log lines (warnings, the collector's logs) as one JSON object
+each, for cluster log collectors; the collector also reads GRADWATCH_LOG_FORMAT.
 
 Run 'gradwatch COMMAND --help' for a command's options.
 """
@@ -175,6 +180,10 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gradwatch ARGS``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
+    log_format, args = _log_format(args)
+    if log_format == "":
+        print(f"gradwatch: --log-format takes text or json\n\n{USAGE}", end="", file=sys.stderr)
+        return 2
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
@@ -187,6 +196,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     extras, modules = missing_extras(args[0])
     if extras:
         return _need(args[0], extras, modules)
+    if log_format is not None:
+        if args[0] == "collector":  # it configures logging from its own settings
+            args[1:1] = ["--log-format", log_format]
+        else:
+            configure_logging("WARNING", log_format)
     try:
         try:
             return command(args[1:])
@@ -201,6 +215,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if extra is None:
             raise
         return _need(args[0], (extra,), (exc.name or "?",))
+
+
+def _log_format(args: list[str]) -> tuple[LogFormat | None, list[str]]:
+    """Take a leading ``--log-format X`` off ``args``; ``""`` for a value that is no format."""
+    if not args or not args[0].startswith("--log-format"):
+        return None, args
+    flag, eq, value = args[0].partition("=")
+    if flag != "--log-format":
+        return None, args
+    rest = args[1:]
+    if not eq:
+        value, rest = (rest[0], rest[1:]) if rest else ("", rest)
+    if value == "json":
+        return "json", rest
+    if value == "text":
+        return "text", rest
+    return "", rest
 
 
 def _need(command: str, extras: Sequence[str], modules: Sequence[str]) -> int:

@@ -192,15 +192,21 @@ def test_configure_logging_refuses_an_unknown_format() -> None:
 
 
 @pytest.mark.parametrize(
-    ("flags", "env"),
-    [(["--log-format", "json"], {}), ([], {"GRADWATCH_LOG_FORMAT": "json"})],
-    ids=["flag", "environment"],
+    ("before", "after", "env"),
+    [
+        ([], ["--log-format", "json"], {}),
+        (["--log-format=json"], [], {}),
+        ([], [], {"GRADWATCH_LOG_FORMAT": "json"}),
+    ],
+    ids=["flag", "global-flag", "environment"],
 )
-def test_collector_logs_json_lines(tmp_path: Path, flags: list[str], env: dict[str, str]) -> None:
+def test_collector_logs_json_lines(
+    tmp_path: Path, before: list[str], after: list[str], env: dict[str, str]
+) -> None:
     ready = tmp_path / "ready.json"
     argv = ["collector", "--listen", "tcp://127.0.0.1:*", "--metrics-addr", "127.0.0.1:0"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch", *argv, "--ready-file", str(ready), *flags],
+        [sys.executable, "-m", "gradwatch", *before, *argv, "--ready-file", str(ready), *after],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -227,3 +233,35 @@ def test_a_bad_log_format_in_the_environment_exits_2() -> None:
     result = run_gradwatch(*argv, env={"GRADWATCH_LOG_FORMAT": "xml"})
     assert result.returncode == 2
     assert "log_format: Input should be 'text' or 'json'" in result.stderr
+
+
+def test_global_log_format_applies_to_one_shot_commands() -> None:
+    """A warning logged inside any command comes out as one JSON line."""
+    code = (
+        "import logging, sys\n"
+        "from gradwatch import cli\n"
+        "def warn(argv):\n"
+        "    logging.getLogger('gradwatch.replay').warning('skipped %d lines', 3)\n"
+        "    return 0\n"
+        "cli.COMMANDS['version'] = warn\n"
+        "sys.exit(cli.main(sys.argv[1:]))\n"
+    )
+    run = [sys.executable, "-c", code]
+    result = subprocess.run(
+        [*run, "--log-format", "json", "version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    body = json.loads(result.stderr)
+    assert body["message"] == "skipped 3 lines" and body["logger"] == "gradwatch.replay"
+    bad = subprocess.run(
+        [*run, "--log-format", "xml", "version"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "--log-format takes text or json" in bad.stderr
