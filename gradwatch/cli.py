@@ -180,9 +180,10 @@ COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gradwatch ARGS``; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
-    log_format, args = _log_format(args)
-    if log_format == "":
-        print(f"gradwatch: --log-format takes text or json\n\n{USAGE}", end="", file=sys.stderr)
+    try:
+        log_format, args = _log_format(args)
+    except ValueError as exc:
+        print(f"{exc}\n\n{USAGE}", end="", file=sys.stderr)
         return 2
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
@@ -218,12 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _log_format(args: list[str]) -> tuple[LogFormat | None, list[str]]:
-    """Take a leading ``--log-format X`` off ``args``; ``""`` for a value that is no format."""
-    if not args or not args[0].startswith("--log-format"):
+    """Take a leading ``--log-format X`` off ``args``; ``ValueError`` when X is no format."""
+    if not args or args[0].partition("=")[0] != "--log-format":
         return None, args
-    flag, eq, value = args[0].partition("=")
-    if flag != "--log-format":
-        return None, args
+    _, eq, value = args[0].partition("=")
     rest = args[1:]
     if not eq:
         value, rest = (rest[0], rest[1:]) if rest else ("", rest)
@@ -231,7 +230,7 @@ def _log_format(args: list[str]) -> tuple[LogFormat | None, list[str]]:
         return "json", rest
     if value == "text":
         return "text", rest
-    return "", rest
+    raise ValueError(f"gradwatch: --log-format takes text or json, not {value!r}")
 
 
 def _need(command: str, extras: Sequence[str], modules: Sequence[str]) -> int:
