@@ -118,7 +118,7 @@ def test_nan_at_a_known_step_alerts_within_two_flush_intervals(
         for field in ("rule", "summary", "evidence", "diagnosis", "id"):
             assert alert[field], field
 
-        wanted = f'gradwatch_job_step{{job="e2e"}} {float(last_step)}'
+        wanted = f'gradwatch_job_step{{training_job="e2e"}} {float(last_step)}'
         text = _scrape_until(collector["metrics_url"], wanted, timeout=20.0)
         assert wanted in text
         firing = [

@@ -86,7 +86,7 @@ def test_hostile_messages_are_counted_and_a_valid_batch_still_arrives() -> None:
         job = server.state.job("run-ok")
         lead = job.lead() if job is not None else None
         assert lead is not None and lead.last_step == 8
-    assert 'gradwatch_job_step{job="run-ok"} 8.0' in text
+    assert 'gradwatch_job_step{training_job="run-ok"} 8.0' in text
     expected: dict[str, int] = {}
     for _, reason in HOSTILE:
         expected[reason] = expected.get(reason, 0) + 1
