@@ -92,7 +92,7 @@ lint_in_test=${GRADWATCH_LINT:-0}
 # subpackage folder (docs/layout.md), so wire/x.py is the module gradwatch.wire.x.
 # Prints "-p NAME" / "-m NAME" pairs for the paths given; other paths are skipped.
 mypy_targets() {
-  local path top module
+  local path top module skipped=()
   for path in "$@"; do
     path=${path#./}; path=${path%/}
     top=${path%%/*}
@@ -101,12 +101,14 @@ mypy_targets() {
     elif [ -L "gradwatch/$top" ]; then
       module=gradwatch/$path
     else
-      echo "mypy: skipping $path (it type-checks the gradwatch package only)" >&2
+      skipped+=("$path")
       continue
     fi
     module=${module%.py}; module=${module%/__init__}; module=${module//\//.}
     if [ -d "$path" ]; then echo "-p $module"; else echo "-m $module"; fi
   done
+  [ ${#skipped[@]} -eq 0 ] ||
+    echo "mypy checks the gradwatch package only; not: ${skipped[*]}" >&2
 }
 
 # mypy on the gradwatch modules among the given paths. mypy also reports the modules
