@@ -17,7 +17,8 @@ Example::
 
 from gradwatch.collector.alertmanager import AlertmanagerSink
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError, load_config
-from gradwatch.collector.outbox import Outbox, OutboxSink
+from gradwatch.collector.outbox import OutboxSink
+from gradwatch.collector.outbox_store import Outbox
 from gradwatch.collector.receiver import WebhookReceiver
 from gradwatch.collector.server import Server
 from gradwatch.collector.webhook import WebhookChannel

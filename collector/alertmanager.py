@@ -32,7 +32,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from gradwatch.collector.config import VERSION
-from gradwatch.collector.outbox import Outbox, OutboxSink
+from gradwatch.collector.outbox import OutboxSink
+from gradwatch.collector.outbox_store import Outbox
 from gradwatch.collector.pagerduty import iso8601
 from gradwatch.collector.sinks import alert_payload, mask_url
 from gradwatch.collector.webhook import HttpRequest

@@ -23,7 +23,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from gradwatch.collector.actions import Actions
 from gradwatch.collector.alertmanager import AlertmanagerSink
 from gradwatch.collector.config import CollectorConfig, ConfigError, SinkKind
-from gradwatch.collector.outbox import Outbox, OutboxSink
+from gradwatch.collector.outbox import OutboxSink
+from gradwatch.collector.outbox_store import Outbox
 from gradwatch.collector.pagerduty import PagerDutyChannel
 from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.routing import Router

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gradwatch.collector.outbox import OUTBOX_FILE, Outbox, OutboxError, OutboxSink
+from gradwatch.collector.outbox import OutboxSink
+from gradwatch.collector.outbox_store import OUTBOX_FILE, Outbox, OutboxError
 from gradwatch.collector.routing import RoutePolicy, Router
 from gradwatch.collector.webhook import (
     HttpRequest,

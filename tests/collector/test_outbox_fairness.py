@@ -8,7 +8,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from gradwatch.collector.outbox import Outbox
+from gradwatch.collector.outbox_store import Outbox
 
 
 def pending_ids(outbox: Outbox) -> set[str]:
