@@ -2,18 +2,19 @@
 
 :class:`~gradwatch.collector.outbox_store.Outbox` is one SQLite table
 (``<data_dir>/outbox.sqlite3``, WAL; in memory when there is no data dir) of
-``(sink, id, body, state, attempts, created_at, next_attempt_at)``. :class:`OutboxSink` is a :class:`Sink` over it:
-``notify`` routes the transition and inserts a row (a local insert, never the
-network); a worker thread takes due rows, sends them through a *channel* (which
-formats the HTTP request: generic webhook, Slack, PagerDuty, Alertmanager) and
-an injected transport, and marks each delivered, or reschedules it with
-exponential backoff and jitter (``Retry-After`` honoured). A notification is
-given up only when it is older than ``max_age`` (24 h by default), even when
-the receiver rejects it (a 4xx is usually a misconfiguration someone fixes; it
-is logged as a warning). On start the worker
-resumes every pending row, so a collector killed with ``kill -9`` and started
-again with the same data dir delivers what it had not. The id of a row is
-``<alert id>:<state>``: the same notification is stored, and sent, once.
+``(sink, id, body, state, attempts, created_at, next_attempt_at)``.
+:class:`OutboxSink` is a :class:`Sink` over it: ``notify`` routes the
+transition and inserts a row (a local insert, never the network); a worker
+thread takes due rows, sends them through a *channel* (which formats the HTTP
+request: generic webhook, Slack, PagerDuty, Alertmanager) and an injected
+transport, and marks each delivered, or reschedules it with exponential backoff
+and jitter (``Retry-After`` honoured). A notification is given up only when it
+is older than ``max_age`` (24 h by default), even when the receiver rejects it
+(a 4xx is usually a misconfiguration someone fixes; it is logged as a warning).
+On start the worker resumes every pending row, so a collector killed with
+``kill -9`` and started again with the same data dir delivers what it had not.
+The id of a row is ``<alert id>:<state>``: the same notification is stored, and
+sent, once.
 
 Bounded and fair between jobs: at most ``max_pending`` pending rows per sink.
 Past that one row is dropped (counted and logged) per row stored, chosen in
