@@ -7,6 +7,7 @@ needs between messages: per (job, rank, incarnation) schema caches, the last
 batch ``seq`` (a gap means lost batches) and the agent's cumulative ``dropped``
 count (deltas feed a counter). Nothing that arrives on the socket can make it
 raise: every rejected message is counted by reason and logged, rate-limited.
+A batch's values become rows through its schema's plan (:mod:`gradwatch.collector.rows`).
 
 Example::
 
@@ -31,11 +32,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
+from gradwatch.collector.rows import Plan, compile_plan, stats_rows, step_rows
+from gradwatch.rules.step import Eval, Stats, Step
 from gradwatch.wire import (
-    MISSING_BITS,
     Batch,
     Event,
     Heartbeat,
@@ -44,7 +43,6 @@ from gradwatch.wire import (
     decode,
     row_width,
 )
-from gradwatch.wire import columns as col
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +56,6 @@ MAX_SHARED_PLANS = 1024  # distinct schemas across all streams
 MAX_TRAIN_MODE_MODULES = 256  # names kept from one eval event; the rest are counted, not named
 # JSON has no NaN/Inf: agents send non-finite event numbers as these strings.
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
-
-# Largest finite value of the gradients' dtype, named by the schema.
-_DTYPE_MAX = {
-    "float16": 65504.0,
-    "half": 65504.0,
-    "bfloat16": float.fromhex("0x1.fep127"),
-    "float32": FLOAT32_MAX,
-    "float": FLOAT32_MAX,
-    "float64": float(np.finfo(np.float64).max),
-    "double": float(np.finfo(np.float64).max),
-}
 
 Frames = Sequence[bytes | memoryview]
 
@@ -97,32 +84,11 @@ class IngestStats:
     lost_batches: Mapping[str, int]
 
 
-@dataclass(frozen=True, slots=True)
-class _Plan:
-    """A schema compiled to column indices, once per schema rather than per row."""
-
-    schema: Schema
-    loss: int | None
-    loss_scale: int | None
-    skipped: int | None
-    grad_norm: int | None
-    lr: tuple[int, ...]
-    scalars: tuple[tuple[str, int], ...]
-    first_layer: int
-    dtype_max: float
-    stats: bool = False  # a cadence-statistics schema: layer values are weight norms
-    # Activation columns of a cadence-statistics schema, per module:
-    # (module, kind, mean, std, zero_frac, sat_frac) column indices.
-    acts: tuple[tuple[str, str, int, int, int | None, int | None], ...] = ()
-    # Update-ratio column index per layer (-1: none), or () when the schema has none.
-    ratios: tuple[int, ...] = ()
-
-
 @dataclass(slots=True)
 class _Stream:
     """Decoding state of one agent instance (job, rank, incarnation)."""
 
-    plans: OrderedDict[int, _Plan] = field(default_factory=OrderedDict)
+    plans: OrderedDict[int, Plan] = field(default_factory=OrderedDict)
     last_seq: int | None = None
     dropped: int | None = None
 
@@ -159,7 +125,7 @@ class Ingest:
         self.may_grow: Callable[[str, int], bool] | None = None
         self._max_streams = max_streams
         self._streams: OrderedDict[tuple[str, int, str], _Stream] = OrderedDict()
-        self._plans: OrderedDict[Schema, _Plan] = OrderedDict()  # LRU, see _shared_plan
+        self._plans: OrderedDict[Schema, Plan] = OrderedDict()  # LRU, see _shared_plan
         self._lock = threading.Lock()
         self._messages: Counter[str] = Counter(dict.fromkeys(KINDS, 0))
         self._rejected: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
@@ -271,10 +237,10 @@ class Ingest:
             )
             return NOTHING
         if plan.stats:
-            return Ingested(stats=_stats_rows(batch, plan))
-        return Ingested(steps=_rows(batch, plan))
+            return Ingested(stats=stats_rows(batch, plan))
+        return Ingested(steps=step_rows(batch, plan))
 
-    def _plan(self, stream: _Stream, batch: Batch) -> _Plan | None:
+    def _plan(self, stream: _Stream, batch: Batch) -> Plan | None:
         plans = stream.plans
         if batch.schema is None:
             plan = plans.get(batch.schema_id)
@@ -292,7 +258,7 @@ class Ingest:
                 plans.popitem(last=False)
         return plan
 
-    def _shared_plan(self, schema: Schema, job: str, rank: int) -> _Plan | None:
+    def _shared_plan(self, schema: Schema, job: str, rank: int) -> Plan | None:
         """One compiled plan per distinct schema, shared by every rank that sends it.
 
         Every rank of a job sends the same layer names; sharing them saves a copy
@@ -304,7 +270,7 @@ class Ingest:
             if plan is None and self.may_grow is not None and not self.may_grow(job, rank):
                 return None
             if plan is None:
-                plan = self._plans[schema] = _compile(schema)
+                plan = self._plans[schema] = compile_plan(schema)
                 while len(self._plans) > MAX_SHARED_PLANS:
                     self._plans.popitem(last=False)
             else:
@@ -409,184 +375,3 @@ def _number(value: object) -> float | None:
         except OverflowError:  # a JSON integer beyond float range
             return math.inf if value > 0 else -math.inf
     return None
-
-
-def _compile(schema: Schema) -> _Plan:
-    index = {name: i for i, name in enumerate(schema.columns)}
-    groups = sorted(
-        (int(name[len(col.LR_PREFIX) :]), i)
-        for name, i in index.items()
-        if name.startswith(col.LR_PREFIX) and name[len(col.LR_PREFIX) :].isdigit()
-    )
-    grad_norm = col.scalar(col.GRAD_NORM_SCALAR)
-    scalars = tuple(
-        (name[len(col.SCALAR_PREFIX) :], i)
-        for name, i in index.items()
-        if name.startswith(col.SCALAR_PREFIX) and name != grad_norm
-    )
-    dtype = schema.dtype.removeprefix("torch.").lower()
-    return _Plan(
-        schema=schema,
-        loss=index.get(col.LOSS),
-        loss_scale=index.get(col.LOSS_SCALE),
-        skipped=index.get(col.SKIPPED),
-        grad_norm=index.get(grad_norm),
-        lr=tuple(i for _, i in groups),
-        scalars=scalars,
-        first_layer=len(schema.columns),
-        dtype_max=_DTYPE_MAX.get(dtype, FLOAT32_MAX),
-        stats=col.WEIGHT_NORMS in index,
-        acts=_act_plan(index) if col.WEIGHT_NORMS in index else (),
-        ratios=_ratio_plan(index, schema.layers) if col.WEIGHT_NORMS in index else (),
-    )
-
-
-def _ratio_plan(index: Mapping[str, int], layers: tuple[str, ...]) -> tuple[int, ...]:
-    found = [index.get(col.update_ratio(layer), -1) for layer in layers]
-    return tuple(found) if any(i >= 0 for i in found) else ()
-
-
-def _act_plan(
-    index: Mapping[str, int],
-) -> tuple[tuple[str, str, int, int, int | None, int | None], ...]:
-    """Group ``act/<module>/<kind>/<stat>`` columns by module; a module needs mean and std."""
-    found: dict[tuple[str, str], dict[str, int]] = {}
-    for name, i in index.items():
-        if not name.startswith(col.ACT_PREFIX):
-            continue
-        parts = name[len(col.ACT_PREFIX) :].rsplit("/", 2)
-        if len(parts) != 3 or not parts[0]:
-            continue  # not ours to read: receivers ignore columns they do not know
-        module, kind, stat = parts
-        found.setdefault((module, kind), {})[stat] = i
-    return tuple(
-        (
-            module,
-            kind,
-            stats[col.ACT_MEAN],
-            stats[col.ACT_STD],
-            stats.get(col.ACT_ZERO_FRAC),
-            stats.get(col.ACT_SAT_FRAC),
-        )
-        for (module, kind), stats in found.items()
-        if col.ACT_MEAN in stats and col.ACT_STD in stats
-    )
-
-
-def _stats_rows(batch: Batch, plan: _Plan) -> tuple[Stats, ...]:
-    """One ``Stats`` per row, with the layers whose weight norm was measured."""
-    rows, first = len(batch.steps), plan.first_layer
-    raw = np.frombuffer(batch.values, "<f4").reshape(rows, plan.schema.width)
-    measured = raw[:, first:].view("<u4") != MISSING_BITS
-    norms = raw[:, first:].astype(np.float64)
-    named = raw[:, :first].astype(np.float64).tolist()
-    named_missing = (raw[:, :first].view("<u4") == MISSING_BITS).tolist()
-    out = []
-    for r in range(rows):
-        values, gone = named[r], named_missing[r]
-        acts = tuple(
-            ActStats(
-                module, kind, values[m], values[s], _cell(values, gone, z), _cell(values, gone, f)
-            )
-            for module, kind, m, s, z, f in plan.acts
-            if not gone[m] and not gone[s]
-        )
-        keep = measured[r]
-        layers = (
-            plan.schema.layers
-            if keep.all()
-            else tuple(name for name, k in zip(plan.schema.layers, keep.tolist(), strict=True) if k)
-        )
-        row = norms[r] if keep.all() else norms[r][keep]
-        row.flags.writeable = False
-        ratios = None
-        if plan.ratios:
-            # NaN where a layer's ratio was not measured; None when none was.
-            cells = [_cell(values, gone, i) if i >= 0 else None for i in plan.ratios]
-            if any(c is not None for c in cells):
-                full = np.array([math.nan if c is None else c for c in cells], np.float64)
-                ratios = full if keep.all() else full[keep]
-                ratios.flags.writeable = False
-        out.append(
-            Stats(
-                job=batch.job,
-                step=batch.steps[r],
-                time=batch.times[r],
-                rank=batch.rank,
-                layers=layers,
-                weight_norms=row,
-                act=acts,
-                update_ratios=ratios,
-                world=batch.world,
-                shards=batch.shards or 0,
-                census=batch.census if r == rows - 1 else None,
-            )
-        )
-    return tuple(out)
-
-
-def _rows(batch: Batch, plan: _Plan) -> tuple[Step, ...]:
-    """One ``Step`` per row; a MISSING cell becomes ``None`` (or is left out)."""
-    rows, first = len(batch.steps), plan.first_layer
-    raw = np.frombuffer(batch.values, "<f4").reshape(rows, plan.schema.width)
-    missing = raw.view("<u4") == MISSING_BITS
-    # Named columns as Python lists: per-cell access below is list indexing.
-    named = raw[:, :first].astype(np.float64).tolist()
-    named_missing = missing[:, :first].tolist()
-    norms = raw[:, first:].astype(np.float64)
-    layer_missing = missing[:, first:]
-    measured = ~layer_missing
-    n_measured = measured.sum(axis=1)
-    totals = np.sqrt(np.square(np.where(measured, norms, 0.0)).sum(axis=1))
-    layers = plan.schema.layers
-    roles = plan.schema.layer_roles
-
-    steps = []
-    for r in range(rows):
-        values, gone = named[r], named_missing[r]
-        if n_measured[r] == len(layers):
-            # A copy, not a view: the state keeps each rank's latest step, and a
-            # view would keep the whole batch (flush_every rows) alive per rank.
-            row_layers, row_norms, row_roles = layers, norms[r].copy(), roles
-        else:
-            keep = measured[r]
-            row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
-            row_norms = norms[r][keep]
-            row_roles = (
-                tuple(role for role, k in zip(roles, keep.tolist(), strict=True) if k)
-                if roles
-                else ()
-            )
-        row_norms.flags.writeable = False
-        grad_norm = _cell(values, gone, plan.grad_norm)
-        logged = grad_norm is not None
-        if grad_norm is None and n_measured[r]:
-            grad_norm = float(totals[r])
-        lr = () if any(gone[i] for i in plan.lr) else tuple(values[i] for i in plan.lr)
-        skipped = _cell(values, gone, plan.skipped)
-        steps.append(
-            Step(
-                job=batch.job,
-                step=batch.steps[r],
-                time=batch.times[r],
-                rank=batch.rank,
-                loss=_cell(values, gone, plan.loss),
-                grad_norm=grad_norm,
-                layers=row_layers,
-                layer_norms=row_norms,
-                lr=lr,
-                loss_scale=_cell(values, gone, plan.loss_scale),
-                skipped=skipped is not None and skipped > 0.5,
-                scalars={name: values[i] for name, i in plan.scalars if not gone[i]},
-                dtype_max=plan.dtype_max,
-                grad_norm_logged=logged,
-                world=batch.world,
-                shards=batch.shards or 0,
-                layer_roles=row_roles,
-            )
-        )
-    return tuple(steps)
-
-
-def _cell(values: list[float], gone: list[bool], i: int | None) -> float | None:
-    return None if i is None or gone[i] else values[i]
