@@ -265,12 +265,14 @@ def _lr_note(data: ReportData, lr: np.ndarray) -> str:
     with np.errstate(divide="ignore", invalid="ignore"):
         rise = np.where((prev > 0) & np.isfinite(prev) & np.isfinite(cur), cur / prev, np.nan)
     parts = []
-    if np.isfinite(rise).any():
-        k = int(np.nanargmax(rise))
+    k = int(np.nanargmax(rise)) if np.isfinite(rise).any() else -1
+    if k >= 0 and rise[k] > 1:
         parts.append(
             f"Largest step-to-step rise: ×{fmt(rise[k])} at step {int(data.steps[k + 1])} "
             f"({fmt(prev[k])} → {fmt(cur[k])})."
         )
+    elif k >= 0:
+        parts.append("The lr never rose from one logged step to the next.")
     first = data.first_alert
     logged = np.flatnonzero((data.steps <= (first.step if first else -1)) & np.isfinite(lr))
     if first is not None and len(logged):

@@ -133,6 +133,7 @@ def test_a_recorded_trace_becomes_a_self_contained_post_mortem(
     # Six tensors and 60 steps need no binning: one cell per tensor and step.
     assert "Each cell is one parameter tensor at one step" in page.sections["layers"]
     assert "the lr was 0.02" in page.sections["lr"]  # constant SGD lr at the NaN alert
+    assert "The lr never rose" in page.sections["lr"]
     assert 'class="badge">A1<' in html  # the alert is marked on the charts
 
 
