@@ -39,7 +39,8 @@ from typing import Any
 import zmq
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from gradwatch.collector.actions import Actions, ActionsMetrics, action_settings
+from gradwatch.collector.actions import Actions, action_settings
+from gradwatch.collector.actions_metrics import ActionsMetrics
 from gradwatch.collector.assembly_metrics import AssemblyMetrics
 from gradwatch.collector.auth import (
     AuthCounters,

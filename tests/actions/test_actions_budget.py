@@ -132,7 +132,7 @@ def test_alerts_get_their_last_good_checkpoint() -> None:
 def test_metrics_text() -> None:
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from gradwatch.collector.actions import ActionsMetrics
+    from gradwatch.collector.actions_metrics import ActionsMetrics
 
     clock, sent = Clock(), []
     actions = make(clock, sent)
