@@ -18,17 +18,16 @@ Example::
 from __future__ import annotations
 
 import json
-import reprlib
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
+from gradwatch.collector.config_file import describe_errors, read_config_file
 from gradwatch.collector.routing import RoutePolicy
 
 MiB = 1024 * 1024
@@ -496,7 +495,10 @@ def load_config(
 
     Raises ``ConfigError`` listing every invalid key and what to do about it.
     """
-    file_values = _read_file(path) if path is not None else {}
+    try:
+        file_values = read_config_file(path) if path is not None else {}
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
     flags = {key: value for key, value in (overrides or {}).items() if value is not None}
     try:
         # Fields set by the environment (and only those) must beat the file;
@@ -506,7 +508,7 @@ def load_config(
         env_values = from_env.model_dump(include=from_env.model_fields_set)
         return CollectorConfig(**{**file_values, **env_values, **flags})
     except ValidationError as exc:
-        raise ConfigError(_describe(exc, path)) from exc
+        raise ConfigError(describe_errors(exc, path, CollectorConfig.model_fields)) from exc
     except SettingsError as exc:  # a GRADWATCH_* value that is not the JSON it must be
         raise ConfigError(
             f"invalid collector configuration: {exc}: {exc.__cause__ or 'bad value'}; set "
@@ -517,76 +519,3 @@ def load_config(
             "invalid collector configuration: a GRADWATCH_* value (routes, a JSON object) is "
             "nested too deeply to read; give it the documented shape"
         ) from exc
-
-
-def _read_file(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(
-            f"cannot read config file {path}: {exc.strerror or exc}; "
-            "check the --config path or leave it out to use defaults"
-        ) from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(
-            f"config file {path} is not UTF-8 text ({exc}); point --config at the YAML file"
-        ) from exc
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from exc
-    except RecursionError as exc:
-        raise ConfigError(
-            f"config file {path} is nested too deeply to read; "
-            "a config file is a flat mapping of keys to values"
-        ) from exc
-    except ValueError as exc:  # a date like 2024-13-45, an integer of over 4300 digits
-        raise ConfigError(
-            f"config file {path} has a value YAML cannot read ({exc}); fix it or quote it"
-        ) from exc
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            f"config file {path} must hold a mapping of keys to values, not a {type(data).__name__}"
-        )
-    # Accept the flag spelling (metrics-addr) as well as the field name.
-    return {str(key).replace("-", "_"): value for key, value in data.items()}
-
-
-# Keys whose values may be or embed secrets (tokens in URLs): never echoed in errors.
-_UNECHOED = (
-    "webhook",
-    "slack",
-    "pagerduty_routing_key",
-    "alertmanager_urls",
-    "grafana_token",
-    "command_key",
-    "metrics_basic_auth_password",
-)
-
-
-# Bounded: the full repr of a YAML alias bomb would take minutes and gigabytes.
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 80
-
-
-def _describe(exc: ValidationError, path: Path | None) -> str:
-    lines = []
-    for error in exc.errors():
-        key = ".".join(str(part) for part in error["loc"]) or "(config)"
-        if error["type"] == "extra_forbidden":
-            known = ", ".join(sorted(CollectorConfig.model_fields))
-            lines.append(f"  {key}: unknown key; valid keys are {known}")
-            continue
-        message = error["msg"].removeprefix("Value error, ")
-        # Webhook URLs may embed tokens: never echo them back, nor a whole-config
-        # input (a cross-field check's), which holds every secret that was set.
-        secret = key.startswith(_UNECHOED) or key == "(config)"
-        got = "" if secret else f" (got {_REPR.repr(error.get('input')):.80})"
-        lines.append(f"  {key}: {message}{got}")
-    where = f"the config file {path}, " if path is not None else ""
-    return (
-        "invalid collector configuration:\n"
-        + "\n".join(lines)
-        + f"\nFix these keys in {where}the GRADWATCH_<KEY> environment variables "
-        "or the command-line flags."
-    )
