@@ -12,9 +12,9 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import tomllib
 from dockerfile_parse import DockerfileParser
 from prometheus_client import CollectorRegistry
 
