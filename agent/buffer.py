@@ -36,13 +36,41 @@ Example::
 from __future__ import annotations
 
 import queue
+from collections import deque
 from typing import Any
 
 import torch
 
-from gradwatch.agent.layout import Columns, HostValue, fill_missing
+from gradwatch.agent.layout import MISSING_I32, Columns, HostValue, fill_missing
 from gradwatch.agent.shipper import Counters, FlushItem
 from gradwatch.agent.workqueue import WorkQueue
+
+
+class Pool:
+    """The free host buffers: a bounded deque (append and popleft are atomic under the GIL).
+
+    The part of ``queue.Queue`` the agent uses, without its lock and condition
+    variable: taking a buffer is on the training thread at every flush, returning
+    it on the shipper thread.
+    """
+
+    def __init__(self, maxsize: int) -> None:
+        self.maxsize = maxsize
+        self.queue: deque[torch.Tensor] = deque()
+
+    def put_nowait(self, item: torch.Tensor) -> None:
+        if len(self.queue) >= self.maxsize:
+            raise queue.Full
+        self.queue.append(item)
+
+    def get_nowait(self) -> torch.Tensor:
+        try:
+            return self.queue.popleft()
+        except IndexError:
+            raise queue.Empty from None
+
+    def qsize(self) -> int:
+        return len(self.queue)
 
 
 class StepBuffer:
@@ -65,7 +93,7 @@ class StepBuffer:
         self._allocate(columns.device_width)
         self.layout = columns.snapshot()
         self.host_buffers_made = 0
-        self.pool: queue.Queue[torch.Tensor] = queue.Queue(pool_size)
+        self.pool = Pool(pool_size)
         for _ in range(pool_size):
             self.pool.put_nowait(self._host_buffer())
 
@@ -79,6 +107,10 @@ class StepBuffer:
         # Views made once (and cells on first use): indexing on the hot path
         # costs a microsecond or two each, several per step.
         n_layers = len(self._columns.layers)
+        # A flush is a handful of tensor ops on a cold cache right after the backward
+        # pass, each dearer there than its own work: views of whole halves, made once.
+        self._halves = [self._dev[0], self._dev[1]]
+        self._halves_i32 = [half.view(torch.int32) for half in self._halves]
         self._rows = [[self._dev[h, r] for r in range(self._rows_per_half)] for h in range(2)]
         self._layer_views = [[row[:n_layers] for row in half] for half in self._rows]
         self._cells: list[list[dict[int, torch.Tensor]]] = [
@@ -144,7 +176,8 @@ class StepBuffer:
         if not n:
             return
         start = self._seg_start
-        rows = self._dev[self._half, start:start + n]
+        rows = self._halves[self._half] if n == self._rows_per_half else \
+            self._dev[self._half, start:start + n]
         item = self._stage(rows, n)
         if item is None or not self._enqueue(item):
             self._counters.steps_dropped_agent += n
@@ -153,20 +186,19 @@ class StepBuffer:
         self._steps, self._times, self._host = [], [], []
 
     def _stage(self, rows: torch.Tensor, n: int) -> FlushItem | None:
-        common: dict[str, Any] = dict(rows=n, width=self._width, layout=self.layout,
-                                      steps=self._steps, times=self._times,
-                                      host_rows=self._host)
         if not (self._cuda or self._on_host):
             # Another accelerator: clone on the device (queued, no wait) and
             # let the shipper thread do the blocking read.
-            return FlushItem(buf=None, ready=None, device_copy=rows.clone(), **common)
+            return FlushItem(None, n, self._width, None, rows.clone(), self.layout,
+                             self._steps, self._times, self._host)
         try:
             buf = self.pool.get_nowait()
         except queue.Empty:
             return None
-        if buf.numel() < n * self._width:
+        size = n * self._width
+        if buf.numel() < size:
             buf = self._host_buffer()  # the rows grew (rare): replace the small one
-        host = buf[: n * self._width].view(n, self._width)
+        host = buf.view(n, self._width) if buf.numel() == size else buf[:size].view(n, self._width)
         ready = None
         if self._cuda:
             host.copy_(rows, non_blocking=True)
@@ -175,7 +207,8 @@ class StepBuffer:
             self._half_ready[self._half].append(ready)
         else:
             host.copy_(rows)
-        return FlushItem(buf=buf, ready=ready, device_copy=None, **common)
+        return FlushItem(buf, n, self._width, ready, None, self.layout, self._steps,
+                         self._times, self._host)
 
     def _enqueue(self, item: FlushItem) -> bool:
         try:
@@ -195,5 +228,5 @@ class StepBuffer:
                 # Device-side wait (see the module docstring): the host does not block.
                 stream.wait_event(ready)
             self._half_ready[self._half] = []
-        fill_missing(self._dev[self._half])
+        self._halves_i32[self._half].fill_(MISSING_I32)  # fill_missing, on a view made once
         self._select(0)

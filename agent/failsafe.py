@@ -90,6 +90,7 @@ class Failsafe:
     _root: torch.nn.Module
     _was_training: bool
     _device: torch.device
+    _by_reference: bool  # the loss may travel as a reference (agent/layout.py: Later)
     _optimizer: Any  # torch.optim.Optimizer, or a stand-in with its param_groups
     _scaler: Any
     _lr_columns: list[str]

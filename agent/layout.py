@@ -41,9 +41,27 @@ from gradwatch.wire import MISSING_BITS, Schema
 # The MISSING bit pattern as the signed int32 that ``Tensor.fill_`` accepts.
 MISSING_I32 = MISSING_BITS - (1 << 32) if MISSING_BITS >= 1 << 31 else MISSING_BITS
 
-# Host values travel as Python numbers or CPU 0-d tensors; None means "not
-# measured this step".
-HostValue = float | int | torch.Tensor | None
+
+
+@dataclass(frozen=True, slots=True)
+class Later:
+    """A 0-d CPU tensor logged by reference, read by the shipper, with its version then.
+
+    The loss of a step's forward is an autograd result that nothing writes in
+    place, so a CPU loop's loss is not copied on the training thread (a tensor
+    copy there, on a cache the backward pass just emptied, cost more than the
+    rest of ``log()``): the shipper reads it when it merges the batch. Should
+    the loop write it in place after all (its version counter moved), the
+    value is not sent: MISSING, counted, and said once.
+    """
+
+    tensor: torch.Tensor
+    version: int
+
+
+# Host values travel as Python numbers, CPU 0-d tensors or references to them;
+# None means "not measured this step".
+HostValue = float | int | torch.Tensor | Later | None
 _F32 = struct.Struct("=I")
 _F32F = struct.Struct("=f")
 # One MISSING cell as it travels.
@@ -143,14 +161,17 @@ class Columns:
             dev_pairs=dev, host_pairs=host)
 
 
-def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostValue]]) -> bytes:
+def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostValue]],
+               stale: list[int] | None = None) -> bytes:
     """Pack ``len(host)`` rows as the wire's little-endian float32 values.
 
     ``dev`` is the host copy of the device rows (``n x device_width`` float32,
     CPU). Runs on the shipper thread, where reading tensors is allowed.
     Works on the raw 32-bit patterns in an ``array``, not with torch ops:
     a dozen small tensor ops cost ~350 us of this thread's time per batch, and
-    that time holds the GIL the training thread needs.
+    that time holds the GIL the training thread needs. A :class:`Later` whose
+    tensor was written in place since ``log()`` stays MISSING and is counted in
+    ``stale[0]``.
     """
     n_rows, width = dev.shape[0], dev.shape[1]
     n_cols, n_layers = len(layout.schema.columns), layout.n_layers
@@ -167,8 +188,14 @@ def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostVa
         if r < len(host):
             row = host[r]
             for col, slot in layout.host_pairs:
-                if slot < len(row) and row[slot] is not None:
-                    out[base + col] = _f32_bits(row[slot])
+                if slot < len(row) and (value := row[slot]) is not None:
+                    if type(value) is Later:
+                        if value.tensor._version != value.version:
+                            if stale is not None:
+                                stale[0] += 1
+                            continue
+                        value = value.tensor
+                    out[base + col] = _f32_bits(value)
     if sys.byteorder != "little":
         out.byteswap()
     return out.tobytes()

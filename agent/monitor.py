@@ -75,6 +75,7 @@ logger = logging.getLogger(__name__)
 MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropout._DropoutNd)
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
+_NEVER = float("inf")  # NoticeBoard.next_s while nothing is switched off
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +170,10 @@ class Monitor(StepRecorder):
         self._work = WorkQueue(config.pool_size + config.max_pending_events)
         self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
                                   config.pool_size, self._work, self._counters)
+        # On CPU the loss travels as a reference the shipper reads (agent/layout.py:
+        # Later). Not on CUDA: a CUDA graph replay rewrites its outputs in place
+        # without a version bump, and a read there must wait for the device.
+        self._by_reference = self._device.type == "cpu"
         self.incarnation = secrets.token_hex(8)
         # Step phases (host clock), for stragglers and hangs: whether a training
         # forward began since the last log(), when that log() ended, and the
@@ -240,7 +245,8 @@ class Monitor(StepRecorder):
             self._commit(scalars, skipped)
             if self._manual:
                 self._before_update()
-            self._resend_notices()
+            if self._notices.next_s != _NEVER:  # something is off: resend it now and then
+                self._resend_notices()
         except Exception as exc:
             self._fail("recording a step in Monitor.log()", exc)
         if self._pending is not None and self.config.on_rollback == "exit":

@@ -43,7 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradwatch.agent.activations import ActHooks, is_compiled
 from gradwatch.agent.failsafe import describe, to_host_async
 from gradwatch.agent.hooks import Detached
-from gradwatch.agent.layout import HostValue
+from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rollback_exit import RollbackExit
 from gradwatch.agent.shipper import StatsItem
@@ -129,7 +129,11 @@ class StepRecorder(RollbackExit):
             self._read_grads()
             self._step_lrs = [group["lr"] for group in optimizer.param_groups]
             self._open = True
-            self._before_update()
+            # Every line here runs on a cache the backward pass just emptied, where
+            # a call costs microseconds: _before_update only when it has work.
+            if self._stats_now or self._cadence.forced or \
+                    self._root.training is not self._was_training:
+                self._before_update()
         except Exception as exc:
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
         finally:
@@ -193,11 +197,12 @@ class StepRecorder(RollbackExit):
 
     def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
         dev: list[tuple[int, torch.Tensor]] = []
-        host: list[tuple[int, HostValue]] = [(self._columns.host_slot(wc.SKIPPED), skipped)]
+        columns = self._columns
+        host: list[tuple[int, HostValue]] = [(columns.host_slot(wc.SKIPPED), skipped)]
         if self._began:
             data, forward = self._phase_columns
-            host.append((self._columns.host_slot(data), self._data_s))
-            host.append((self._columns.host_slot(forward), self._forward_s))
+            host.append((columns.host_slot(data), self._data_s))
+            host.append((columns.host_slot(forward), self._forward_s))
         for name, value in scalars.items():
             column = self._column_of.get(name) or self._name_column(name)
             self._route(column, value, dev, host)
@@ -210,23 +215,26 @@ class StepRecorder(RollbackExit):
         if len(lrs) != len(groups):
             lrs = [g["lr"] for g in groups]  # param groups added between the step and log()
         for column, lr in zip(self._lr_columns, lrs, strict=True):
-            self._route(column, lr, dev, host)
+            if type(lr) is float:  # the usual rate: straight to its host slot
+                host.append((columns.host_slot(column), lr))
+            else:
+                self._route(column, lr, dev, host)
         if self._scaler is not None:
             # The scale as a device tensor; get_scale() would sync.
             scale = getattr(self._scaler, "_scale", None)
             if isinstance(scale, torch.Tensor):
                 self._route(wc.LOSS_SCALE, scale, dev, host)
-        if self._columns.dirty:
-            self._buffer.relayout()
-        cell = self._buffer.cell
+        buffer = self._buffer
+        if columns.dirty:
+            buffer.relayout()
         for slot, tensor in dev:
-            cell(slot).copy_(tensor)
-        host_row: list[HostValue] = [None] * self._columns.host_width
+            buffer.cell(slot).copy_(tensor)
+        host_row: list[HostValue] = [None] * columns.host_width
         for slot, value in host:
             host_row[slot] = value
         self._step += 1
         now = time.time()
-        self._buffer.commit(self._step, now, host_row)
+        buffer.commit(self._step, now, host_row)
         self._began, self._data_s, self._forward_s = False, 0.0, 0.0
         self._since = time.perf_counter()
         self._counters.steps_logged += 1
@@ -245,7 +253,7 @@ class StepRecorder(RollbackExit):
                                      f"{type(exc).__name__}: {exc}", optional=True))
         self._stats_now = self._cadence.due(self._step + 1)
         acts = self._acts
-        if acts is not None:
+        if acts is not None and (self._stats_now or acts.armed):
             # Hooks live only for a cadence step's forward pass: armed now when
             # the next step is one, removed here at its log().
             acts.disarm()
@@ -297,10 +305,16 @@ class StepRecorder(RollbackExit):
                 self._warn_once(column, f"{column!r} is {describe(value)}; only "
                                 "one-element tensors are logged, so it was skipped")
                 return
+            # An autograd result (the loss of this step's forward) is not written in
+            # place by the loop: on CPU the shipper reads it (agent/layout.py: Later),
+            # which spares this thread a tensor copy per step.
+            fresh = self._by_reference and value.grad_fn is not None
             value = value.detach()
             if value.dim():
                 value = value.reshape(())
-            if value.device == self._device:
+            if fresh:
+                host.append((self._columns.host_slot(column), Later(value, value._version)))
+            elif value.device == self._device:
                 dev.append((self._columns.device_slot(column), value))
             elif value.device.type == "cpu":
                 # A CPU tensor next to a device buffer: read later by the

@@ -164,20 +164,20 @@ class NoticeBoard:
     def __init__(self, every_s: float) -> None:
         self._every_s = every_s
         self._held: dict[str, Notice] = {}
-        self._next = float("inf")
+        self.next_s = float("inf")
 
     def add(self, notice: Notice, now: float, connected: bool) -> bool:
         """Hold ``notice``; False if the same part was already off."""
         new = notice.off not in self._held
         self._held[notice.off] = notice
-        self._next = now + self._every_s if connected else 0.0
+        self.next_s = now + self._every_s if connected else 0.0
         return new
 
     def due(self, now: float, connected: bool) -> list[Notice]:
         """The notices to send again now (a float compare when none is due)."""
-        if now < self._next or not connected:
+        if now < self.next_s or not connected:
             return []
-        self._next = now + self._every_s
+        self.next_s = now + self._every_s
         return list(self._held.values())
 
 

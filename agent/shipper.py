@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
@@ -66,6 +66,12 @@ _STOP = object()
 COMMAND_POLL_S = 0.1
 FIRST_BEAT_RETRY_S = 0.05  # until the first heartbeat gets through
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class BufferPool(Protocol):
+    """Where the shipper returns host buffers: agent/buffer.py's Pool, or a ``queue.Queue``."""
+
+    def put_nowait(self, item: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -150,7 +156,7 @@ class Shipper:
 
     def __init__(self, config: AgentConfig, incarnation: str,
                  work: WorkQueue | queue.Queue[Any],
-                 pool: queue.Queue[torch.Tensor], counters: Counters,
+                 pool: BufferPool, counters: Counters,
                  last_step: Callable[[], int],
                  on_failure: Callable[[str, BaseException], None] | None = None,
                  on_command: Callable[[Rollback], None] | None = None,
@@ -198,6 +204,7 @@ class Shipper:
         # Schema id -> when it last travelled; cleared on a (re)connection.
         self._schema_sent: dict[int, float] = {}
         self._refusal_logged = False
+        self._stale_logged = False
         self._seq = 0  # batches of any schema sent by this incarnation
         self._stats_schema: Schema | None = None
         self._deadline = math.inf
@@ -330,11 +337,18 @@ class Shipper:
             return False
 
     def _ship_batch(self, item: FlushItem) -> None:
+        stale = [0]
         try:
-            values = merge_rows(item.layout, self._host_rows(item), item.host_rows)
+            values = merge_rows(item.layout, self._host_rows(item), item.host_rows, stale)
         finally:
             if item.buf is not None:
                 self._pool.put_nowait(item.buf)
+        if stale[0] and not self._stale_logged:
+            self._stale_logged = True
+            logger.warning("gradwatch: %d logged loss value(s) were changed in place after "
+                           "log() and before the agent read them, so they were not sent; "
+                           "log a copy (loss.detach().clone()) if the loop reuses that "
+                           "tensor", stale[0])
         counters = self._counters
         if self._send_batch(item.layout.schema, item.steps, item.times, values):
             counters.batches_sent += 1

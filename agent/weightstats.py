@@ -109,6 +109,9 @@ class WeightStats:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
         self._after = torch.empty_like(self._before)
+        # Each layer's part of both buffers, cut once: one fused norm reads them all.
+        self._parts = [*self._before.split(counts), *self._after.split(counts)]
+        self._any_unsampled = bool(self._unsampled.numel())
         self._have_before = False
         self._plan_phases(weights, max_phases, min_phase_elements)
         # The latest norm of each slice (read in rotation) and the samples waiting on them.
@@ -176,11 +179,10 @@ class WeightStats:
             # float64 weights (model.double()) cannot be normed into float32 directly:
             # norm in their own dtype, then narrow the per-layer results.
             dtype = torch.float32 if self._before.dtype in _NARROW else None
-            moved = torch._foreach_norm(self._before.split(self._counts), 2, dtype=dtype)
-            size = torch._foreach_norm(self._after.split(self._counts), 2, dtype=dtype)
-            out.copy_(torch.stack(moved))
-            out.div_(torch.stack(size).to(torch.float32).clamp_min_(_TINY))
-            if self._unsampled.numel():
+            # ||moved|| of every layer, then ||after||: one fused read of both buffers.
+            both = torch.stack(torch._foreach_norm(self._parts, 2, dtype=dtype))
+            torch.div(both[:n], both[n:].clamp_min_(_TINY), out=out)
+            if self._any_unsampled:
                 out.view(torch.int32).index_fill_(0, self._unsampled, MISSING_I32)
         return out
 
@@ -190,6 +192,23 @@ class WeightStats:
         self._waiting = []
 
     def _gather(self, into: torch.Tensor) -> None:
+        """Gather every sample into ``into`` (one ``cat``); called under ``no_grad``."""
+        reader = self._reader
+        if not (reader.sharded or reader.multi_device):
+            # One strided view per parameter, made anew (the storage may have been
+            # swapped) but in one call: on a cold cache each call costs microseconds.
+            views = []
+            for w, spec in zip(reader.params, self._samples, strict=True):
+                if spec is None:
+                    continue
+                if not w.is_contiguous():
+                    break  # channels_last and the like: the general path below
+                offset, stride, count = spec
+                views.append(w.as_strided((count,), (stride,), w.storage_offset() + offset))
+            else:
+                if views:
+                    torch.cat(views, out=into)
+                return
         views = []
         for w, spec in zip(self._weights(), self._samples, strict=True):
             if spec is None:

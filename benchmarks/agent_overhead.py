@@ -18,10 +18,15 @@ prints, per variant, the p50 / p99 / max / mean step time and the overhead
 of p50, p99 and mean against the baseline's; then the agent's own
 training-thread time (the optimizer pre-hook plus ``log()``, timed directly:
 steadier than step times on a busy machine) as p50 / p99 / max / mean, and
-its ratio to the fused read timed the same way in the same run; then the
-agent's extra memory: what ``watch()`` keeps allocated plus the peak of what
-its calls allocate over a run of cadence steps (torch profiler, CPU tensors;
-``torch.cuda.max_memory_allocated`` on CUDA, see cuda_sync_check.py).
+its ratio to the fused read timed the same way in the same run, both in wall
+time and in the training thread's own CPU time (``time.thread_time``: what
+it executed, without the time the OS gave other processes); the agent's
+CPU time per kind of step (plain, flush, cadence, weight-norm slice); then
+the agent's extra memory: what ``watch()`` keeps allocated plus the peak of
+what its calls allocate over a run of cadence steps (torch profiler, CPU
+tensors; ``torch.cuda.max_memory_allocated`` on CUDA, see
+cuda_sync_check.py), and the process's resident memory (RSS) with and
+without the agent, measured in a fresh process per workload.
 Targets at default settings: p50, p99 and mean overhead <= 0.5% (transformer)
 and <= 3% (MLP); agent / read <= 1.2.
 
@@ -33,8 +38,12 @@ and <= 3% (MLP); agent / read <= 1.2.
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import json
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,16 +65,18 @@ VARIANTS = ("baseline", "agent", "read", "naive")
 # Time spent inside the agent's two training-thread entry points (and in the
 # bare read), per step, measured directly. It misses indirect costs (cache
 # pollution, the shipper thread holding the GIL), which the step times include.
-_INSIDE: dict[str, float] = {"agent": 0.0, "read": 0.0}
+# Both in wall time and in the thread's CPU time ("agent_cpu", "read_cpu").
+_INSIDE: dict[str, float] = {"agent": 0.0, "read": 0.0, "agent_cpu": 0.0, "read_cpu": 0.0}
 
 
 def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
     def timed(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         try:
             return method(*args, **kwargs)
         finally:
             _INSIDE["agent"] += time.perf_counter() - t0
+            _INSIDE["agent_cpu"] += time.thread_time() - c0
 
     return timed
 
@@ -142,7 +153,7 @@ class Receiver:
 
 
 def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], None]
-              ) -> tuple[Callable[[], None], Callable[[], None]]:
+              ) -> tuple[Callable[[], str], Callable[[], None]]:
     model = copy.deepcopy(work.model)
     opt = work.make_opt(model)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -151,23 +162,33 @@ def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], No
     sink: list[float] = []
     row = torch.empty(len(params), dtype=torch.float32, device=params[0].device)
 
-    def step() -> None:
+    def step() -> str:
+        """One training step; returns what kind of step it was for the agent."""
         x, y = work.batch()
         loss = work.loss(model(x), y)
         loss.backward()
+        kind = variant
         if variant == "read":
-            t0 = time.perf_counter()
+            c0, t0 = time.thread_time(), time.perf_counter()
             norms = torch._foreach_norm([p.grad for p in params], 2, dtype=torch.float32)
             torch.stack(norms, out=row)
             _INSIDE["read"] += time.perf_counter() - t0
+            _INSIDE["read_cpu"] += time.thread_time() - c0
+        if mon is not None:
+            cadence = mon._stats_now or mon._cadence.forced
+            slicing = mon._wstats is not None and mon._wstats.busy
         opt.step()
         if mon is not None:
             mon.log(loss=loss)
+            flushed = not mon._buffer._steps  # a flush hands the open segment over
+            kind = "cadence" if cadence else "flush" if flushed else \
+                "slice" if slicing else "plain"
         elif variant == "naive":
             sink[:] = [p.grad.norm().item() for p in params]
             sink.append(loss.item())
         opt.zero_grad(set_to_none=True)
         sync()
+        return kind
 
     return step, (mon.close if mon is not None else lambda: None)
 
@@ -179,20 +200,40 @@ def measure(work: Workload, steps: int, warmup: int, chunk: int, endpoint: str,
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    inside: dict[str, list[float]] = {"agent": [], "read": []}
+    inside: dict[str, list[float]] = {"agent": [], "read": [], "agent_cpu": [], "read_cpu": []}
+    kinds: dict[str, list[float]] = collections.defaultdict(list)  # agent CPU time by kind
     while len(times["baseline"]) < steps:
         for variant, (step, _) in runners.items():  # round-robin, chunk steps each
             ts = times[variant]
             for _ in range(chunk):
-                _INSIDE["agent"] = _INSIDE["read"] = 0.0
+                for key in _INSIDE:
+                    _INSIDE[key] = 0.0
                 t0 = time.perf_counter()
-                step()
+                kind = step()
                 ts.append(time.perf_counter() - t0)
-                if variant in inside:
+                if variant in ("agent", "read"):
                     inside[variant].append(_INSIDE[variant])
+                    inside[variant + "_cpu"].append(_INSIDE[variant + "_cpu"])
+                if variant == "agent":
+                    kinds[kind].append(_INSIDE["agent_cpu"])
     for _, close in runners.values():
         close()
-    return {"times": times, "inside": inside}
+    return {"times": times, "inside": inside, "kinds": dict(kinds)}
+
+
+def base_step_cpu(work: Workload, steps: int) -> float:
+    """The unwatched step's median thread CPU time: the denominator of CPU-time shares."""
+    model = copy.deepcopy(work.model)
+    opt = work.make_opt(model)
+    times = []
+    for _ in range(steps):
+        c0 = time.thread_time()
+        x, y = work.batch()
+        work.loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.thread_time() - c0)
+    return statistics.median(times)
 
 
 def extra_memory(work: Workload, endpoint: str, steps: int = 24) -> tuple[int, int, int]:
@@ -219,12 +260,72 @@ def extra_memory(work: Workload, endpoint: str, steps: int = 24) -> tuple[int, i
     return kept, peak, budget
 
 
+def _rss_kib() -> tuple[int, int]:
+    """This process's resident memory now and at its peak (VmRSS, VmHWM), KiB (Linux)."""
+    fields = {}
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            fields[key] = value.split()[0] if value.split() else "0"
+    return int(fields.get("VmRSS", 0)), int(fields.get("VmHWM", 0))
+
+
+def rss_probe(name: str, steps: int = 200) -> dict[str, int]:
+    """In a fresh process: RSS after ``steps`` unwatched steps, then after ``watch()`` and
+    ``steps`` watched ones (the dense early cadence included), shipping to a receiver.
+
+    Run as ``--rss-probe NAME``; the parent reads the JSON it prints. RSS counts
+    everything the agent brings (its threads' stacks, ZeroMQ's buffers, the host
+    pool), not only tensors, and whatever the allocator keeps, so it is an upper
+    bound on the agent's own share.
+    """
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    work = WORKLOADS[name]("cpu")
+    receiver = Receiver()
+    opt = work.make_opt(work.model)
+
+    def run(mon: Monitor | None) -> None:
+        for _ in range(steps):
+            x, y = work.batch()
+            loss = work.loss(work.model(x), y)
+            loss.backward()
+            opt.step()
+            if mon is not None:
+                mon.log(loss=loss)
+            opt.zero_grad(set_to_none=True)
+
+    try:
+        run(None)
+        before, before_peak = _rss_kib()
+        mon = gradwatch.watch(work.model, opt, job="rss",
+                              endpoint=f"tcp://127.0.0.1:{receiver.port}")
+        run(mon)
+        after, after_peak = _rss_kib()
+        mon.close()
+    finally:
+        receiver.close()
+    return {"before": before, "after": after, "before_peak": before_peak,
+            "after_peak": after_peak}
+
+
+def measure_rss(name: str) -> dict[str, int] | None:
+    """Run :func:`rss_probe` in a child process (a fresh heap); None if it failed."""
+    done = subprocess.run([sys.executable, __file__, "--rss-probe", name], capture_output=True,
+                          text=True, timeout=300, check=False)
+    if done.returncode:
+        print(f"  (RSS probe failed: {done.stderr.strip().splitlines()[-1:]})")
+        return None
+    result: dict[str, int] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
 def _q(ts: list[float], q: int) -> float:
     return statistics.quantiles(ts, n=100, method="inclusive")[q - 1]
 
 
 def report(name: str, result: dict[str, Any], memory: tuple[int, int, int] | None,
-           n_params: int) -> None:
+           n_params: int, rss: dict[str, int] | None = None) -> None:
     times, inside = result["times"], result["inside"]
     base = times["baseline"]
     b50, b99, bmean = statistics.median(base), _q(base, 99), statistics.mean(base)
@@ -247,6 +348,26 @@ def report(name: str, result: dict[str, Any], memory: tuple[int, int, int] | Non
           f"{r50 * 1e6:.0f} us, p99 {_q(read, 99) * 1e6:.0f} us, max {max(read) * 1e6:.0f} us,"
           f" mean {rmean * 1e6:.0f} us; agent / read: p50 {a50 / r50:.2f}x, p99 "
           f"{a99 / _q(read, 99):.2f}x, mean {amean / rmean:.2f}x")
+    acpu, rcpu = inside["agent_cpu"], inside["read_cpu"]
+    c50, c99, cmean = statistics.median(acpu), _q(acpu, 99), statistics.mean(acpu)
+    r50, r99, rmean = statistics.median(rcpu), _q(rcpu, 99), statistics.mean(rcpu)
+    base_cpu = b50 if not result.get("base_cpu") else result["base_cpu"]
+    print(f"  thread CPU time (time.thread_time), agent: p50 {c50 * 1e6:.0f} us, p99 "
+          f"{c99 * 1e6:.0f} us, max {max(acpu) * 1e6:.0f} us, mean {cmean * 1e6:.0f} us; read: "
+          f"p50 {r50 * 1e6:.0f} us, p99 {r99 * 1e6:.0f} us, max {max(rcpu) * 1e6:.0f} us, mean "
+          f"{rmean * 1e6:.0f} us; agent / read: p50 {c50 / r50:.2f}x, p99 {c99 / r99:.2f}x, "
+          f"mean {cmean / rmean:.2f}x; agent - read = {(c50 - r50) / base_cpu * 100:.2f}% / "
+          f"{(cmean - rmean) / base_cpu * 100:.2f}% (p50 / mean) of the baseline step")
+    kinds = result.get("kinds", {})
+    if kinds:
+        parts = [f"{kind} {len(ts)}x p50 {statistics.median(ts) * 1e6:.0f} us"
+                 for kind, ts in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
+        print("  agent CPU time by kind of step: " + ", ".join(parts))
+    if rss is not None:
+        print(f"  process RSS (fresh process, 200 steps each): {rss['before'] / 1024:.1f} MiB "
+              f"unwatched -> {rss['after'] / 1024:.1f} MiB watched (+{rss['after'] - rss['before']}"
+              f" KiB); peak {rss['before_peak'] / 1024:.1f} -> {rss['after_peak'] / 1024:.1f} MiB "
+              f"(+{rss['after_peak'] - rss['before_peak']} KiB)")
     if memory is not None:
         kept, peak, budget = memory
         print(f"  extra memory: {kept / 1024:.0f} KiB kept by watch() + {peak / 1024:.1f} KiB "
@@ -261,7 +382,11 @@ def main() -> None:
     ap.add_argument("--only", choices=tuple(WORKLOADS), help="run one workload")
     ap.add_argument("--transformer-steps", type=int, default=300)
     ap.add_argument("--mlp-steps", type=int, default=2000)
+    ap.add_argument("--rss-probe", choices=tuple(WORKLOADS), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rss_probe:
+        print(json.dumps(rss_probe(args.rss_probe)))
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     receiver = Receiver()
@@ -277,7 +402,8 @@ def main() -> None:
             work = WORKLOADS[name]("cpu")
             n_params = sum(p.numel() for p in work.model.parameters())
             result = measure(work, steps, warmup, chunk, endpoint, lambda: None)
-            report(name, result, extra_memory(work, endpoint), n_params)
+            result["base_cpu"] = base_step_cpu(work, steps=min(steps, 100))
+            report(name, result, extra_memory(work, endpoint), n_params, measure_rss(name))
     finally:
         receiver.close()
     print(f"\nreceiver got {receiver.messages} messages")
