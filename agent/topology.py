@@ -58,8 +58,9 @@ REPLICA_DIMS = frozenset({"dp", "dp_replicate", "cp", "dp_cp"})
 SHARD_DIMS = frozenset({"tp", "dp_shard", "fsdp", "dp_shard_cp"})
 
 
-def resolve_shards(model: torch.nn.Module, world: int, shards: int | None,
-                   env: Mapping[str, str] | None = None) -> int:
+def resolve_shards(
+    model: torch.nn.Module, world: int, shards: int | None, env: Mapping[str, str] | None = None
+) -> int:
     """The number of ranks one replica's gradients are split across; see the module docstring.
 
     Raises ``ValueError`` for a ``$GRADWATCH_SHARDS`` that is not an integer.
@@ -70,7 +71,9 @@ def resolve_shards(model: torch.nn.Module, world: int, shards: int | None,
         try:
             shards = int(raw)
         except ValueError:
-            raise ValueError(f"environment variable {ENV_SHARDS}={raw!r} is not an integer") from None
+            raise ValueError(
+                f"environment variable {ENV_SHARDS}={raw!r} is not an integer"
+            ) from None
     # AgentConfig checks that the result divides the world size.
     return _detect(model, world) if shards is None else shards
 
@@ -81,9 +84,15 @@ def _detect(model: torch.nn.Module, world: int) -> int:
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     if dtensor is not None:
         # The widest split: a replicated parameter (a LayerNorm under TP) must not decide it.
-        found = [math.prod(param.device_mesh.size(dim)
-                           for dim, placement in enumerate(param.placements) if placement.is_shard())
-                 for param in model.parameters() if isinstance(param, dtensor)]
+        found = [
+            math.prod(
+                param.device_mesh.size(dim)
+                for dim, placement in enumerate(param.placements)
+                if placement.is_shard()
+            )
+            for param in model.parameters()
+            if isinstance(param, dtensor)
+        ]
         if found:
             return max(found)
     fsdp = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
@@ -111,14 +120,18 @@ class Layout:
         known = STAGE_DIMS | REPLICA_DIMS | SHARD_DIMS
         for name, size in self.dims:
             if name not in known:
-                raise ValueError(f"layout dimension {name!r} is not one of {sorted(known)}; "
-                                 "rename it, or declare the layout as pp=..,dp=..,tp=..")
+                raise ValueError(
+                    f"layout dimension {name!r} is not one of {sorted(known)}; "
+                    "rename it, or declare the layout as pp=..,dp=..,tp=.."
+                )
             if size < 1:
                 raise ValueError(f"layout dimension {name!r} has size {size}; sizes are >= 1")
         kinds = [name in SHARD_DIMS for name, size in self.dims if size > 1]
-        if True in kinds and False in kinds[kinds.index(True):]:
-            raise ValueError(f"layout {self}: shard dimensions ({sorted(SHARD_DIMS)}) must be "
-                             "the innermost ones, so rank r holds shard r % shards; put them last")
+        if True in kinds and False in kinds[kinds.index(True) :]:
+            raise ValueError(
+                f"layout {self}: shard dimensions ({sorted(SHARD_DIMS)}) must be "
+                "the innermost ones, so rank r holds shard r % shards; put them last"
+            )
 
     def __str__(self) -> str:
         return ",".join(f"{name}={size}" for name, size in self.dims)
@@ -152,19 +165,22 @@ class Layout:
 
 
 def parse_layout(text: str) -> Layout:
-    """``"pp=4,dp=512,tp=8"`` (outermost first) as a :class:`Layout`; ``ValueError`` if malformed."""
+    """``"pp=4,dp=512,tp=8"`` (outermost first) as a :class:`Layout`; ValueError if malformed."""
     dims = []
     for part in text.split(","):
         name, sep, size = part.strip().partition("=")
         if not sep or not size.strip().isdigit():
-            raise ValueError(f"layout {text!r}: expected name=size pairs such as "
-                             "'pp=4,dp=512,tp=8' (outermost dimension first)")
+            raise ValueError(
+                f"layout {text!r}: expected name=size pairs such as "
+                "'pp=4,dp=512,tp=8' (outermost dimension first)"
+            )
         dims.append((name.strip(), int(size)))
     return Layout(tuple(dims))
 
 
-def resolve_layout(model: torch.nn.Module, world: int, layout: object = None,
-                   env: Mapping[str, str] | None = None) -> Layout | None:
+def resolve_layout(
+    model: torch.nn.Module, world: int, layout: object = None, env: Mapping[str, str] | None = None
+) -> Layout | None:
     """The job's :class:`Layout`: ``layout=`` (a Layout, a DeviceMesh, a ``{name: size}``
     mapping, a string), else ``$GRADWATCH_LAYOUT``, else the root DeviceMesh of the
     model's DTensor parameters when it names its dimensions, else None.
@@ -186,8 +202,10 @@ def resolve_layout(model: torch.nn.Module, world: int, layout: object = None,
     else:
         found = _mesh_layout(layout, strict=True)
     if found is not None and found.world != world:
-        raise ValueError(f"layout {found} covers {found.world} ranks but the world has {world}; "
-                         "declare every mesh dimension (pp, dp, tp, ...)")
+        raise ValueError(
+            f"layout {found} covers {found.world} ranks but the world has {world}; "
+            "declare every mesh dimension (pp, dp, tp, ...)"
+        )
     return found
 
 
@@ -230,10 +248,11 @@ def share_scales(model: torch.nn.Module, layout: Layout | None) -> list[float] |
     for p, dt in zip(params, is_dtensor, strict=True):
         copies = 1
         if dt:
-            names = p.device_mesh.mesh_dim_names or ()
-            for name, placement in zip(names, p.placements, strict=False):
+            mesh, placements = getattr(p, "device_mesh"), getattr(p, "placements")  # noqa: B009 -- DTensor attributes a Parameter's type lacks
+            names = mesh.mesh_dim_names or ()
+            for name, placement in zip(names, placements, strict=False):
                 if name in SHARD_DIMS and placement.is_replicate():
-                    copies *= p.device_mesh.size(names.index(name))
+                    copies *= mesh.size(names.index(name))
         elif any(is_dtensor) or (megatron and not getattr(p, "tensor_model_parallel", False)):
             # A plain tensor in a sharded model is a whole copy on every shard rank.
             copies = layout.shards if any(is_dtensor) else sizes.get("tp", 1)
@@ -269,8 +288,10 @@ def _mesh_layout(mesh: object, strict: bool) -> Layout | None:
     shape = getattr(mesh, "shape", None)
     if not names or shape is None:
         if strict:
-            raise ValueError("layout=: expected a Layout, a DeviceMesh with mesh_dim_names, a "
-                             "{name: size} mapping or 'pp=..,dp=..,tp=..'")
+            raise ValueError(
+                "layout=: expected a Layout, a DeviceMesh with mesh_dim_names, a "
+                "{name: size} mapping or 'pp=..,dp=..,tp=..'"
+            )
         return None
     try:
         return Layout(tuple(zip(names, (int(s) for s in shape), strict=True)))

@@ -53,6 +53,12 @@ assembly, a missing probe alert, p99 alert latency over (flush interval +
     python benchmarks/collector_load.py --quick               # ~1 min
     python benchmarks/collector_load.py --ranks 2048 --layers 1000
     python benchmarks/collector_load.py --ranks 64 --layers 1000 --step-rate 50 --shards 1
+    python benchmarks/collector_load.py --layout pp=4,dp=512,tp=8 --layers 1000
+
+``--layout`` (agent/topology.py) simulates a 3D job: ranks = the layout's
+world, ``--layers`` per pipeline stage, ``shards`` = TP x FSDP shards, and only
+one replica per model shard sends per-layer norms (the others send their loss
+and a non-finite flag); offered and sustained values count layer values sent.
 
 Everything binds 127.0.0.1 only; every process it starts is stopped at exit.
 The senders share the machine with the collector: on a small machine (2
@@ -82,14 +88,20 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loadgen import sender_main  # benchmarks/ is on sys.path when run as a script
-from load_report import Result, fmt_n, fmt_rate, fmt_s, print_table, rss_at  # noqa: E402
+from load_report import Result, fmt_n, fmt_rate, fmt_s, print_table, rss_at
+from loadgen import WARMUP_PER_RANK_S, WARMUP_TIMEOUT_S, sender_main  # benchmarks/ on sys.path
 
+from gradwatch.collector.exposition import JOB_LABEL
 from gradwatch.collector.receiver import WebhookReceiver
 
 # (ranks, layers, steps/s per rank); the last one fills what used to be per-rank history.
-DEFAULT_LADDER = ((8, 100, 1.0), (64, 1000, 1.0), (256, 1000, 1.0), (1024, 1000, 1.0),
-                  (64, 1000, 50.0))
+DEFAULT_LADDER = (
+    (8, 100, 1.0),
+    (64, 1000, 1.0),
+    (256, 1000, 1.0),
+    (1024, 1000, 1.0),
+    (64, 1000, 50.0),
+)
 QUICK_LADDER = ((8, 100, 1.0), (256, 1000, 1.0))
 READY_TIMEOUT_S = 30.0
 SCRAPE_EVERY_S = 2.0
@@ -123,8 +135,12 @@ class TimedReceiver(WebhookReceiver):
         except ValueError:
             body = None
         if isinstance(body, dict) and isinstance(body.get("step"), int):
-            key = (str(body.get("job")), str(body.get("category")), body["step"],
-                   str(body.get("state")))
+            key = (
+                str(body.get("job")),
+                str(body.get("category")),
+                body["step"],
+                str(body.get("state")),
+            )
             with self._cond:
                 if key not in self.arrivals:
                     self.arrivals[key] = (now, body.get("rank"))
@@ -134,8 +150,9 @@ class TimedReceiver(WebhookReceiver):
                         rules[rule] = rules.get(rule, 0) + 1
         return super()._record(path, headers, raw)
 
-    def arrival(self, job: str, category: str, step: int,
-                state: str = "firing") -> tuple[float, Any] | None:
+    def arrival(
+        self, job: str, category: str, step: int, state: str = "firing"
+    ) -> tuple[float, Any] | None:
         """(arrival time, the alert's rank), or None if it has not arrived."""
         with self._cond:
             return self.arrivals.get((job, category, step, state))
@@ -148,18 +165,35 @@ class TimedReceiver(WebhookReceiver):
 # ---------------------------------------------------------------- collector process
 
 
-def start_collector(tmp: Path, webhook_url: str) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
+def start_collector(
+    tmp: Path, webhook_url: str
+) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
     ready = tmp / "ready.json"
     log = tmp / "collector.log"
-    cmd = [sys.executable, "-m", "gradwatch", "collector", "--listen", "tcp://127.0.0.1:*",
-           "--metrics-addr", "127.0.0.1:0", "--webhook", webhook_url, "--ready-file", str(ready),
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradwatch",
+        "collector",
+        "--listen",
+        "tcp://127.0.0.1:*",
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--webhook",
+        webhook_url,
+        "--ready-file",
+        str(ready),
+        "--log-level",
+        "warning",
+    ]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:
-            raise RuntimeError(f"collector exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(
+                f"collector exited with {proc.returncode}: {log.read_text()[-2000:]}"
+            )
         if time.monotonic() > deadline:
             raise RuntimeError("collector not ready in time")
         time.sleep(0.05)
@@ -217,7 +251,7 @@ def total(samples: dict[str, float], prefix: str) -> float:
 
 
 def of_job(samples: dict[str, float], name: str, job: str) -> float:
-    return samples.get(f'{name}{{job="{job}"}}', math.nan)
+    return samples.get(f'{name}{{{JOB_LABEL}="{job}"}}', math.nan)
 
 
 class Monitor(threading.Thread):
@@ -232,7 +266,7 @@ class Monitor(threading.Thread):
         self.peak_rss_kib = 0
         self.rss_trace: list[tuple[float, int]] = []  # (unix time, VmRSS KiB)
         self.lags: list[tuple[float, float]] = []  # (unix time, gradwatch_job_ingest_lag_seconds)
-        self.max_absent = 0.0                      # gradwatch_job_absent_ranks
+        self.max_absent = 0.0  # gradwatch_job_absent_ranks
 
     def run(self) -> None:
         next_scrape = time.monotonic() + SCRAPE_EVERY_S / 2
@@ -270,8 +304,9 @@ def steps_sent(duration: float, rate: float, flush_every: int) -> int:
     return int((duration * rate + 1) // flush_every) * flush_every
 
 
-def probe_plan(ranks: int, steps: int, rate: float, n: int, warmup_s: float,
-               flush_every: int) -> list[tuple[int, int]]:
+def probe_plan(
+    ranks: int, steps: int, rate: float, n: int, warmup_s: float, flush_every: int
+) -> list[tuple[int, int]]:
     """``n`` (step, rank) NaN probes, spread over the run after ``warmup_s``, on spread ranks.
 
     The first probe is a flush's first row, which waits longest for its batch
@@ -292,11 +327,15 @@ def probe_plan(ranks: int, steps: int, rate: float, n: int, warmup_s: float,
     last = steps - 2  # a clean step after the last probe resolves it within the run
     gap = (last - first) / n
     if gap < 2:
-        raise ValueError(f"{n} probes do not fit in steps {first}..{last} with a clean step "
-                         "between them; lengthen --duration or lower --probes")
+        raise ValueError(
+            f"{n} probes do not fit in steps {first}..{last} with a clean step "
+            "between them; lengthen --duration or lower --probes"
+        )
     if n > FLAP_MAX * ranks:
-        raise ValueError(f"{n} probes on {ranks} ranks would trip the flapping guard "
-                         f"({FLAP_MAX} firings per rank); lower --probes")
+        raise ValueError(
+            f"{n} probes on {ranks} ranks would trip the flapping guard "
+            f"({FLAP_MAX} firings per rank); lower --probes"
+        )
     return [(first + int(gap * i), ((2 * i + 1) * ranks // (2 * n)) % ranks) for i in range(n)]
 
 
@@ -305,21 +344,45 @@ class Probe:
     step: int
     rank: int
     t_agent: float  # the row's times entry: when the simulated agent logged the step
-    t_send: float   # when the batch carrying it was handed to the rank's socket
+    t_send: float  # when the batch carrying it was handed to the rank's socket
 
 
 # ---------------------------------------------------------------- one configuration
 
 
-def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
-               receiver: TimedReceiver, tag: str) -> Result:
+def places(layout: str | None, ranks: list[int]) -> list[tuple[int, bool]] | None:
+    """Per rank: (pipeline stage, sends per-layer norms), as the agent decides it."""
+    if layout is None:
+        return None
+    from gradwatch.agent.topology import parse_layout, reports_layers  # imports torch
+
+    parsed = parse_layout(layout)
+    return [(parsed.stage(r), reports_layers(parsed, r)) for r in ranks]
+
+
+def run_config(
+    ranks: int,
+    layers: int,
+    rate: float,
+    args: argparse.Namespace,
+    receiver: TimedReceiver,
+    tag: str,
+) -> Result:
     shards = args.shards or ranks
-    res = Result(ranks, layers, rate, shards, args.duration, args.flush_every)
+    res = Result(
+        ranks, layers, rate, shards, args.duration, args.flush_every, layout=args.layout or ""
+    )
     res.load_avg = os.getloadavg()[0]
     flush_interval = res.flush_interval
     warmup_s = min(PROBE_WARMUP_S, args.duration / 3)
-    plan = probe_plan(ranks, steps_sent(args.duration, rate, args.flush_every), rate,
-                      args.probes, warmup_s, args.flush_every)
+    plan = probe_plan(
+        ranks,
+        steps_sent(args.duration, rate, args.flush_every),
+        rate,
+        args.probes,
+        warmup_s,
+        args.flush_every,
+    )
     res.probes_planned = len(plan)
     job = f"load-{tag}"
     tmp = Path(tempfile.mkdtemp(prefix="gw-load-"))
@@ -336,21 +399,40 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
         shares = [list(range(ranks))[i::n_senders] for i in range(n_senders)]
         for sid, share in enumerate(shares):
             cq = ctx.Queue()
-            p = ctx.Process(target=sender_main, daemon=True, args=(
-                sid, info["listen"], job, ranks, shards, share, layers, rate,
-                args.flush_every, args.duration, 2.0, plan, cq, results))
+            p = ctx.Process(
+                target=sender_main,
+                daemon=True,
+                args=(
+                    sid,
+                    info["listen"],
+                    job,
+                    ranks,
+                    shards,
+                    share,
+                    layers,
+                    rate,
+                    args.flush_every,
+                    args.duration,
+                    args.heartbeat_every,
+                    plan,
+                    cq,
+                    results,
+                    places(args.layout, share),
+                ),
+            )
             p.start()
             senders.append(p)
             cmds.append(cq)
         ready = 0
         while ready < n_senders:
-            msg = results.get(timeout=60)
+            msg = results.get(timeout=30 + max(WARMUP_TIMEOUT_S, WARMUP_PER_RANK_S * ranks))
             if msg[0] == "error":
                 raise RuntimeError(f"sender {msg[1]} failed:\n{msg[2]}")
             if msg[0] == "ready":
                 if msg[2] != len(shares[msg[1]]):
-                    raise RuntimeError(f"sender {msg[1]}: {msg[2]} of {len(shares[msg[1]])} "
-                                       "sockets connected")
+                    raise RuntimeError(
+                        f"sender {msg[1]}: {msg[2]} of {len(shares[msg[1]])} sockets connected"
+                    )
                 ready += 1
         _, base = scrape(url)
         base_batches = total(base, BATCHES)
@@ -409,9 +491,11 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
         wait_until = time.time() + ASSEMBLY_DEADLINE_S + 5
         while time.time() < wait_until:
             _, samples = scrape(url)
-            if of_job(samples, "gradwatch_assembly_steps_total", job) >= res.last_step + 1 \
-                    and all(receiver.arrival(job, "numerical", probe.step, state) is not None
-                            for probe in probes for state in ("firing", "resolved")):
+            if of_job(samples, "gradwatch_assembly_steps_total", job) >= res.last_step + 1 and all(
+                receiver.arrival(job, "numerical", probe.step, state) is not None
+                for probe in probes
+                for state in ("firing", "resolved")
+            ):
                 break
             time.sleep(0.2)
         monitor.observe(samples)
@@ -423,8 +507,7 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
             res.latencies.append(arrived[0] - probe.t_agent)
             res.send_latencies.append(arrived[0] - probe.t_send)
             if arrived[1] != probe.rank:
-                res.wrong_rank.append(f"step {probe.step}: rank {arrived[1]}, "
-                                      f"NaN on {probe.rank}")
+                res.wrong_rank.append(f"step {probe.step}: rank {arrived[1]}, NaN on {probe.rank}")
             if receiver.arrival(job, "numerical", probe.step, "resolved") is None:
                 res.unresolved += 1
         fired = receiver.rules_fired(job)
@@ -434,10 +517,19 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
         res.other_alerts = fired
 
         mem = mem_kib(pid)
-        values_processed = processed * args.flush_every * layers
-        res.offered_vps = ranks * layers * rate
-        res.sent_vps = sum(d["values_sent"] for d in done.values()) / args.duration
+        values_sent = sum(d["values_sent"] for d in done.values())
+        values_processed = values_sent * min(1.0, processed / max(1, expected))
+        reporters = (
+            sum(r for _, r in places(args.layout, list(range(ranks))) or [])
+            if args.layout
+            else ranks
+        )
+        res.offered_vps = reporters * layers * rate
+        res.sent_vps = values_sent / args.duration
         res.sustained_vps = max(0.0, values_processed) / max(1e-9, t_done - t0)
+        res.bytes_per_step = sum(d["bytes_sent"] for d in done.values()) / max(
+            1, sum(d["steps_sent"] for d in done.values())
+        )
         res.lost_batches = max(0, int(expected - processed))
         res.eagain_batches = sum(d["batches_eagain"] for d in done.values())
         res.rejected = int(total(samples, "gradwatch_ingest_rejected_total"))
@@ -450,14 +542,16 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
         res.asm_late = of_job(samples, "gradwatch_assembly_late_reports_total", job)
         res.max_absent = monitor.max_absent
         res.max_lag_s = max((lag for _, lag in monitor.lags), default=math.nan)
-        res.max_lag_warm_s = max((lag for t, lag in monitor.lags if t >= t0 + warmup_s),
-                                 default=math.nan)
+        res.max_lag_warm_s = max(
+            (lag for t, lag in monitor.lags if t >= t0 + warmup_s), default=math.nan
+        )
         res.drain_s = t_done - t_end if res.caught_up else math.inf
         res.cpu_s = cpu1 - cpu0
         res.cpu_pct = 100.0 * res.cpu_s / max(1e-9, t_done - t0)
         res.peak_rss_mib = max(mem["VmHWM"], monitor.peak_rss_kib) / 1024
-        res.rss_growth_mib = (rss_at(monitor.rss_trace, t_end)
-                              - rss_at(monitor.rss_trace, t0 + args.duration / 2)) / 1024
+        res.rss_growth_mib = (
+            rss_at(monitor.rss_trace, t_end) - rss_at(monitor.rss_trace, t0 + args.duration / 2)
+        ) / 1024
         if monitor.scrapes:
             res.scrape_med_ms = statistics.median(monitor.scrapes) * 1000
             res.scrape_max_ms = max(monitor.scrapes) * 1000
@@ -489,31 +583,73 @@ def run_config(ranks: int, layers: int, rate: float, args: argparse.Namespace,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="2 configs x 30 s (~1 min)")
     parser.add_argument("--ranks", type=int, help="one config: ranks (with --layers)")
     parser.add_argument("--layers", type=int, help="one config: layers per rank")
-    parser.add_argument("--step-rate", type=float,
-                        help="one config: steps/s per rank (default 1; the ladder sets its own)")
-    parser.add_argument("--duration", type=float, help="seconds of load per config "
-                        "(default 60, --quick 30)")
-    parser.add_argument("--flush-every", type=int, default=10,
-                        help="rows per batch, as AgentConfig.flush_every (default 10)")
-    parser.add_argument("--shards", type=int, help="shards declared in every batch: "
-                        "default the world (FSDP), 1 = DDP; must divide every config's ranks")
+    parser.add_argument(
+        "--step-rate",
+        type=float,
+        help="one config: steps/s per rank (default 1; the ladder sets its own)",
+    )
+    parser.add_argument(
+        "--duration", type=float, help="seconds of load per config (default 60, --quick 30)"
+    )
+    parser.add_argument(
+        "--flush-every",
+        type=int,
+        default=10,
+        help="rows per batch, as AgentConfig.flush_every (default 10)",
+    )
+    parser.add_argument(
+        "--shards",
+        type=int,
+        help="shards declared in every batch: "
+        "default the world (FSDP), 1 = DDP; must divide every config's ranks",
+    )
     parser.add_argument("--senders", type=int, default=2, help="sender processes")
+    parser.add_argument(
+        "--layout",
+        help="one 3D config, e.g. pp=4,dp=512,tp=8 (outermost "
+        "first; --layers per stage; ranks and shards follow from it)",
+    )
+    parser.add_argument(
+        "--heartbeat-every",
+        type=float,
+        default=2.0,
+        help="seconds between a rank's heartbeats (AgentConfig default 2)",
+    )
     parser.add_argument("--probes", type=int, help="NaN probes per config (default 8, quick 3)")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds to wait after the run for the collector to catch up")
-    parser.add_argument("--rss-trace", action="store_true",
-                        help="also print the collector's RSS over time per config")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds to wait after the run for the collector to catch up",
+    )
+    parser.add_argument(
+        "--rss-trace",
+        action="store_true",
+        help="also print the collector's RSS over time per config",
+    )
     args = parser.parse_args(argv)
+    if args.layout is not None:
+        from gradwatch.agent.topology import parse_layout  # imports torch
+
+        try:
+            layout = parse_layout(args.layout)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.ranks is not None or args.layers is None:
+            parser.error("--layout goes with --layers (per stage), not --ranks")
+        args.ranks, args.shards = layout.world, layout.shards
     if (args.ranks is None) != (args.layers is None):
         parser.error("--ranks and --layers go together")
     if args.ranks is not None:
         ladder: tuple[tuple[int, int, float], ...] = (
-            (args.ranks, args.layers, args.step_rate or 1.0),)
+            (args.ranks, args.layers, args.step_rate or 1.0),
+        )
     elif args.step_rate is not None:
         parser.error("--step-rate goes with --ranks and --layers (the ladder sets its own)")
     else:
@@ -522,14 +658,24 @@ def main(argv: list[str] | None = None) -> int:
     args.probes = args.probes if args.probes is not None else (3 if args.quick else 8)
     for ranks, _, rate in ladder:
         if args.shards is not None and (args.shards < 1 or ranks % args.shards):
-            parser.error(f"--shards {args.shards} does not divide {ranks} ranks; use 1 (DDP), "
-                         "the world (FSDP, the default) or a divisor")
+            parser.error(
+                f"--shards {args.shards} does not divide {ranks} ranks; use 1 (DDP), "
+                "the world (FSDP, the default) or a divisor"
+            )
         if args.duration < args.flush_every / rate:
-            parser.error(f"--duration must cover at least one flush "
-                         f"({args.flush_every / rate:g} s at {rate:g} steps/s)")
+            parser.error(
+                f"--duration must cover at least one flush "
+                f"({args.flush_every / rate:g} s at {rate:g} steps/s)"
+            )
         try:
-            probe_plan(ranks, steps_sent(args.duration, rate, args.flush_every), rate,
-                       args.probes, min(PROBE_WARMUP_S, args.duration / 3), args.flush_every)
+            probe_plan(
+                ranks,
+                steps_sent(args.duration, rate, args.flush_every),
+                rate,
+                args.probes,
+                min(PROBE_WARMUP_S, args.duration / 3),
+                args.flush_every,
+            )
         except ValueError as exc:
             parser.error(str(exc))
 
@@ -542,16 +688,22 @@ def main(argv: list[str] | None = None) -> int:
     with TimedReceiver() as receiver:
         for ranks, layers, rate in ladder:
             tag = f"{ranks}x{layers}@{rate:g}"
-            print(f"== {tag}: {ranks} ranks x {layers} layers at {rate:g} steps/s, "
-                  f"{args.duration:g} s ...", flush=True)
+            print(
+                f"== {tag}: {ranks} ranks x {layers} layers at {rate:g} steps/s, "
+                f"{args.duration:g} s ...",
+                flush=True,
+            )
             r = run_config(ranks, layers, rate, args, receiver, tag)
             results.append(r)
-            print(f"   sustained {fmt_rate(r.sustained_vps)} v/s of {fmt_rate(r.offered_vps)} "
-                  f"offered, lost {r.lost}, assembled {fmt_n(r.asm_steps)}/{r.last_step + 1} "
-                  f"(incomplete {fmt_n(r.asm_incomplete)}, late {fmt_n(r.asm_late)}), alert "
-                  f"p50/p99 {fmt_s(r.pct(50))}/{fmt_s(r.pct(99))} s, cpu {r.cpu_pct:.0f}%, "
-                  f"RSS {r.peak_rss_mib:.0f} MiB, scrape med {r.scrape_med_ms:.1f} ms, burst "
-                  f"send {r.burst_send_s:.2f} s", flush=True)
+            print(
+                f"   sustained {fmt_rate(r.sustained_vps)} v/s of {fmt_rate(r.offered_vps)} "
+                f"offered, lost {r.lost}, assembled {fmt_n(r.asm_steps)}/{r.last_step + 1} "
+                f"(incomplete {fmt_n(r.asm_incomplete)}, late {fmt_n(r.asm_late)}), alert "
+                f"p50/p99 {fmt_s(r.pct(50))}/{fmt_s(r.pct(99))} s, cpu {r.cpu_pct:.0f}%, "
+                f"RSS {r.peak_rss_mib:.0f} MiB, scrape med {r.scrape_med_ms:.1f} ms, burst "
+                f"send {r.burst_send_s:.2f} s",
+                flush=True,
+            )
     print(f"\ncollector load benchmark, {time.monotonic() - started:.0f} s total\n")
     print_table(results, args)
     return 0

@@ -25,18 +25,18 @@ class Result:
     shards: int
     duration: float
     flush_every: int
-    load_avg: float = math.nan      # 1-min load average before the collector started
-    offered_vps: float = 0.0        # nominal: ranks x layers x step rate
-    sent_vps: float = 0.0           # what the senders actually sent, over the run
+    load_avg: float = math.nan  # 1-min load average before the collector started
+    offered_vps: float = 0.0  # nominal: ranks x layers x step rate
+    sent_vps: float = 0.0  # what the senders actually sent, over the run
     sustained_vps: float = 0.0
-    lost_batches: int = 0           # sent, never processed
+    lost_batches: int = 0  # sent, never processed
     eagain_batches: int = 0
     rejected: int = 0
     transit_lost: int = 0
     agent_dropped: int = 0
     job_step: float = math.nan
     last_step: int = -1
-    drain_s: float = math.nan       # after the last send, until all was processed
+    drain_s: float = math.nan  # after the last send, until all was processed
     caught_up: bool = False
     asm_steps: float = math.nan
     asm_incomplete: float = math.nan
@@ -45,7 +45,7 @@ class Result:
     max_absent: float = 0.0
     max_lag_s: float = math.nan
     max_lag_warm_s: float = math.nan  # after the probes' warm-up: without the schema flush
-    latencies: list[float] = field(default_factory=list)       # agent -> webhook
+    latencies: list[float] = field(default_factory=list)  # agent -> webhook
     send_latencies: list[float] = field(default_factory=list)  # batch sent -> webhook
     probes_planned: int = 0
     probes_missing: int = 0
@@ -64,10 +64,13 @@ class Result:
     burst_send_s: float = 0.0
     log_lines: list[str] = field(default_factory=list)
     rss_trace: list[tuple[float, float]] = field(default_factory=list)  # (s since start, MiB)
+    layout: str = ""  # a 3D layout (pp=..,dp=..,tp=..); "" = every rank sends layers
+    bytes_per_step: float = math.nan  # batch bytes sent per rank and step, all ranks averaged
 
     @property
     def name(self) -> str:
-        return f"{self.ranks}x{self.layers}" + (f"@{self.rate:g}" if self.rate != 1.0 else "")
+        shape = f"{self.layout}x{self.layers}" if self.layout else f"{self.ranks}x{self.layers}"
+        return shape + (f"@{self.rate:g}" if self.rate != 1.0 else "")
 
     @property
     def flush_interval(self) -> float:
@@ -89,8 +92,6 @@ def rss_at(trace: list[tuple[float, int]], when: float) -> float:
     """VmRSS (KiB) of the last sample at or before ``when`` (the first if none)."""
     before = [kib for t, kib in trace if t <= when]
     return float(before[-1] if before else trace[0][1]) if trace else math.nan
-
-
 
 
 def fmt_rate(v: float) -> str:
@@ -116,11 +117,15 @@ def fmt_n(v: float) -> str:
 def breaks(r: Result) -> list[str]:
     why = []
     if r.lost:
-        why.append(f"loss ({r.lost_batches} unprocessed, {r.eagain_batches} EAGAIN, "
-                   f"{r.rejected} rejected, {r.transit_lost} lost in transit)")
+        why.append(
+            f"loss ({r.lost_batches} unprocessed, {r.eagain_batches} EAGAIN, "
+            f"{r.rejected} rejected, {r.transit_lost} lost in transit)"
+        )
     if not (r.asm_incomplete == 0 and r.asm_late == 0 and r.asm_steps >= r.last_step + 1):
-        why.append(f"assembly ({fmt_n(r.asm_steps)} of {r.last_step + 1} steps assembled, "
-                   f"{fmt_n(r.asm_incomplete)} incomplete, {fmt_n(r.asm_late)} late reports)")
+        why.append(
+            f"assembly ({fmt_n(r.asm_steps)} of {r.last_step + 1} steps assembled, "
+            f"{fmt_n(r.asm_incomplete)} incomplete, {fmt_n(r.asm_late)} late reports)"
+        )
     if r.probes_missing:
         why.append(f"{r.probes_missing} of {r.probes_planned} probe alerts missing")
     limit = r.flush_interval + 1.0
@@ -130,26 +135,52 @@ def breaks(r: Result) -> list[str]:
         why.append(f"peak RSS {r.peak_rss_mib:.0f} MiB > 1 GiB")
     if r.scrape_med_ms > 100:
         why.append(f"median scrape {r.scrape_med_ms:.0f} ms > 100 ms")
+    if r.scrape_max_ms > 1000:
+        why.append(f"max scrape {r.scrape_max_ms:.0f} ms > 1 s")
     return why
 
 
 def print_table(results: list[Result], args: argparse.Namespace) -> None:
-    head = ("config", "offered v/s", "sustained v/s", "lost", "drain s", "asm steps",
-            "incompl/late", "lag max s (warm)", "alert p50/p99 s", "send->hook p50/p99 ms", "n",
-            "cpu %", "RSS MiB", "2nd half MiB", "scrape med/max ms", "sender lag s")
+    head = (
+        "config",
+        "offered v/s",
+        "sustained v/s",
+        "lost",
+        "drain s",
+        "asm steps",
+        "incompl/late",
+        "lag max s (warm)",
+        "alert p50/p99 s",
+        "send->hook p50/p99 ms",
+        "n",
+        "cpu %",
+        "RSS MiB",
+        "2nd half MiB",
+        "scrape med/max ms",
+        "sender lag s",
+    )
     rows = []
     for r in results:
-        rows.append((
-            r.name, fmt_rate(r.offered_vps), fmt_rate(r.sustained_vps),
-            f"{r.lost}" + (f" (+{r.eagain_batches} EAGAIN)" if r.eagain_batches else ""),
-            fmt_s(r.drain_s), f"{fmt_n(r.asm_steps)}/{r.last_step + 1}",
-            f"{fmt_n(r.asm_incomplete)}/{fmt_n(r.asm_late)}",
-            f"{fmt_s(r.max_lag_s)} ({fmt_s(r.max_lag_warm_s)})",
-            f"{fmt_s(r.pct(50))}/{fmt_s(r.pct(99))}",
-            f"{fmt_ms(r.pct(50, r.send_latencies))}/{fmt_ms(r.pct(99, r.send_latencies))}",
-            f"{len(r.latencies)}/{r.probes_planned}", f"{r.cpu_pct:.0f}",
-            f"{r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f}", f"{r.rss_growth_mib:+.1f}",
-            f"{r.scrape_med_ms:.1f}/{r.scrape_max_ms:.1f}", f"{r.sender_lag_s:.2f}"))
+        rows.append(
+            (
+                r.name,
+                fmt_rate(r.offered_vps),
+                fmt_rate(r.sustained_vps),
+                f"{r.lost}" + (f" (+{r.eagain_batches} EAGAIN)" if r.eagain_batches else ""),
+                fmt_s(r.drain_s),
+                f"{fmt_n(r.asm_steps)}/{r.last_step + 1}",
+                f"{fmt_n(r.asm_incomplete)}/{fmt_n(r.asm_late)}",
+                f"{fmt_s(r.max_lag_s)} ({fmt_s(r.max_lag_warm_s)})",
+                f"{fmt_s(r.pct(50))}/{fmt_s(r.pct(99))}",
+                f"{fmt_ms(r.pct(50, r.send_latencies))}/{fmt_ms(r.pct(99, r.send_latencies))}",
+                f"{len(r.latencies)}/{r.probes_planned}",
+                f"{r.cpu_pct:.0f}",
+                f"{r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f}",
+                f"{r.rss_growth_mib:+.1f}",
+                f"{r.scrape_med_ms:.1f}/{r.scrape_max_ms:.1f}",
+                f"{r.sender_lag_s:.2f}",
+            )
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = "  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))
     print(line)
@@ -157,31 +188,40 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
     for row in rows:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
     shards = "shards = world (FSDP)" if args.shards is None else f"shards = {args.shards}"
-    print(f"\n(values = per-layer gradient norms; config = ranks x layers[@steps/s, default 1]; "
-          f"flush every {args.flush_every} steps; {shards}; {args.duration:g} s per config; "
-          f"{args.senders} sender processes on {os.cpu_count()} CPUs; lost = unprocessed + "
-          "EAGAIN + rejected + lost in transit; asm steps = steps assembled / steps sent; "
-          "incompl/late = assembly incomplete steps / late reports; lag max = largest "
-          "gradwatch_job_ingest_lag_seconds seen (warm: after the first 20 s, i.e. without "
-          "the first flush, which carries every rank's schema); alert = NaN logged at the agent -> "
-          "webhook, incl. batching (target p99 < flush interval + 1 s); send->hook = from "
-          "the batch's send; p99 of n probes is their max; cpu % of one core over run + "
-          "drain; RSS = start->peak (VmHWM); 2nd half = RSS growth over the run's second "
-          "half)")
+    print(
+        f"\n(values = per-layer gradient norms; config = ranks x layers[@steps/s, default 1]; "
+        f"flush every {args.flush_every} steps; {shards}; {args.duration:g} s per config; "
+        f"{args.senders} sender processes on {os.cpu_count()} CPUs; lost = unprocessed + "
+        "EAGAIN + rejected + lost in transit; asm steps = steps assembled / steps sent; "
+        "incompl/late = assembly incomplete steps / late reports; lag max = largest "
+        "gradwatch_job_ingest_lag_seconds seen (warm: after the first 20 s, i.e. without "
+        "the first flush, which carries every rank's schema); alert = NaN logged at the agent -> "
+        "webhook, incl. batching (target p99 < flush interval + 1 s); send->hook = from "
+        "the batch's send; p99 of n probes is their max; cpu % of one core over run + "
+        "drain; RSS = start->peak (VmHWM); 2nd half = RSS growth over the run's second "
+        "half)"
+    )
     broke = next(((r, why) for r in results if (why := breaks(r))), None)
     if broke is None:
-        print("\nno configuration broke (loss, incomplete/late assembly, missing alert, alert "
-              "p99 > flush interval + 1 s, RSS > 1 GiB, median scrape > 100 ms)")
+        print(
+            "\nno configuration broke (loss, incomplete/late assembly, missing alert, alert "
+            "p99 > flush interval + 1 s, RSS > 1 GiB, median scrape > 100 ms)"
+        )
     else:
         r, why = broke
         print(f"\nBREAKS at {r.name}: " + "; ".join(why))
     for r in results:
-        notes = [f"load avg {r.load_avg:.2f} before the run"]
+        notes = [
+            f"load avg {r.load_avg:.2f} before the run",
+            f"{r.bytes_per_step:.0f} batch bytes per rank and step",
+        ]
         if r.last_step + 1 > OLD_HISTORY_STEPS:
-            notes.append(f"{r.last_step + 1} steps per rank, past the {OLD_HISTORY_STEPS} of "
-                         "per-rank history the collector used to keep (1.17 GiB at 64x1000): "
-                         f"RSS {r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f} MiB, "
-                         f"{r.rss_growth_mib:+.1f} MiB over the second half")
+            notes.append(
+                f"{r.last_step + 1} steps per rank, past the {OLD_HISTORY_STEPS} of "
+                "per-rank history the collector used to keep (1.17 GiB at 64x1000): "
+                f"RSS {r.rss_start_mib:.0f}->{r.peak_rss_mib:.0f} MiB, "
+                f"{r.rss_growth_mib:+.1f} MiB over the second half"
+            )
         later = breaks(r)
         if later and broke is not None and r is not broke[0]:
             notes.append("also over: " + "; ".join(later))
@@ -198,18 +238,23 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         if r.unresolved:
             notes.append(f"{r.unresolved} probe incidents never resolved")
         if r.other_alerts:
-            notes.append("other alerts fired: " + ", ".join(
-                f"{rule} x{n}" for rule, n in sorted(r.other_alerts.items())))
+            notes.append(
+                "other alerts fired: "
+                + ", ".join(f"{rule} x{n}" for rule, n in sorted(r.other_alerts.items()))
+            )
         if r.agent_dropped:
             notes.append(f"collector counted {r.agent_dropped} agent-dropped steps")
         if r.scrape_errors:
             notes.append(f"{r.scrape_errors} failed scrapes")
         warnings = [ln for ln in r.log_lines if "WARNING" in ln or "ERROR" in ln]
         if warnings:
-            notes.append(f"{len(warnings)} collector log warning/error lines, first: "
-                         f"{warnings[0][:200]}")
+            notes.append(
+                f"{len(warnings)} collector log warning/error lines, first: {warnings[0][:200]}"
+            )
         print(f"  {r.name}: " + "; ".join(notes))
         if args.rss_trace and r.rss_trace:
             every = max(1, len(r.rss_trace) // 12)
-            print(f"  {r.name} RSS MiB over time: " + ", ".join(
-                f"{t:.0f}s {m:.0f}" for t, m in r.rss_trace[::every]))
+            print(
+                f"  {r.name} RSS MiB over time: "
+                + ", ".join(f"{t:.0f}s {m:.0f}" for t, m in r.rss_trace[::every])
+            )

@@ -12,6 +12,12 @@ assembles each step across ranks: ``world`` = FSDP, each rank one shard; 1 =
 DDP, any rank holds the whole gradient), plus a heartbeat per rank every
 ``heartbeat_every`` s at a per-rank phase.
 
+Under a 3D layout (``places``: per rank, its pipeline stage and whether it is
+its model shard's reporter, agent/topology.reports_layers) a reporter sends its
+stage's layers (named apart per stage) and every other rank a batch with no
+layers, only its loss, lr, skipped and the ``s/grad_nonfinite`` flag, as an
+agent with ``watch(layout=...)`` does.
+
 *Probes* are NaNs in the job's own stream, planned by the parent before the
 start: for each ``(step, rank)`` in ``probes``, that rank's row of that step
 has a NaN loss and NaN first layers, as a rank whose forward pass blew up
@@ -45,40 +51,98 @@ import zmq
 from gradwatch.wire import Batch, Heartbeat, Schema, encode
 
 COLUMNS = ("loss", "lr/0", "skipped")
-SEND_HWM = 16             # AgentConfig.send_hwm
-SCHEMA_EVERY_S = 30.0     # AgentConfig.schema_every_s
+QUIET_COLUMNS = (*COLUMNS, "s/grad_nonfinite")  # a replica that sends no layers
+SEND_HWM = 16  # AgentConfig.send_hwm
+SCHEMA_EVERY_S = 30.0  # AgentConfig.schema_every_s
 WARMUP_TIMEOUT_S = 30.0
-POISONED_LAYERS = 3       # a probe's NaN layers: the first ones, where a blow-up shows first
+CONNECT_CHUNK = 256
+WARMUP_PER_RANK_S = 0.015  # 8,192 sockets per sender took ~40 s to connect on 2 busy cores
+POISONED_LAYERS = 3  # a probe's NaN layers: the first ones, where a blow-up shows first
 
 
-def layer_names(layers: int) -> tuple[str, ...]:
-    return tuple(f"blocks.{i // 4}.{('attn.qkv', 'attn.proj', 'mlp.fc1', 'mlp.fc2')[i % 4]}.weight"
-                 for i in range(layers))
+def layer_names(layers: int, stage: int = 0) -> tuple[str, ...]:
+    """A stage's layer names; stages hold consecutive blocks, so names never repeat."""
+    first = stage * layers
+    return tuple(
+        f"blocks.{i // 4}.{('attn.qkv', 'attn.proj', 'mlp.fc1', 'mlp.fc2')[i % 4]}.weight"
+        for i in range(first, first + layers)
+    )
 
 
-def poison(row: np.ndarray) -> None:
+def poison(row: np.ndarray, quiet: bool = False) -> None:
     """Make one row (columns then layers) what a rank whose step went NaN logs."""
-    row[0] = np.nan                                                # loss
-    row[len(COLUMNS):len(COLUMNS) + POISONED_LAYERS] = np.nan     # first layers went bad
+    row[0] = np.nan  # loss
+    if quiet:
+        row[len(COLUMNS)] = 1.0  # s/grad_nonfinite
+    else:
+        row[len(COLUMNS) : len(COLUMNS) + POISONED_LAYERS] = np.nan  # first layers went bad
 
 
-def sender_main(sid: int, endpoint: str, job: str, world: int, shards: int, ranks: list[int],
-                layers: int, step_rate: float, flush_every: int, duration: float,
-                heartbeat_every: float, probes: list[tuple[int, int]], cmd: Any,
-                res: Any) -> None:
+def sender_main(
+    sid: int,
+    endpoint: str,
+    job: str,
+    world: int,
+    shards: int,
+    ranks: list[int],
+    layers: int,
+    step_rate: float,
+    flush_every: int,
+    duration: float,
+    heartbeat_every: float,
+    probes: list[tuple[int, int]],
+    cmd: Any,
+    res: Any,
+    places: list[tuple[int, bool]] | None = None,
+) -> None:
     try:
-        _Sender(sid, endpoint, job, world, shards, ranks, layers, step_rate, flush_every,
-                duration, heartbeat_every, probes, cmd, res).run()
-    except BaseException:  # noqa: BLE001 -- report it, never leave the parent waiting
+        _Sender(
+            sid,
+            endpoint,
+            job,
+            world,
+            shards,
+            ranks,
+            layers,
+            step_rate,
+            flush_every,
+            duration,
+            heartbeat_every,
+            probes,
+            cmd,
+            res,
+            places,
+        ).run()
+    except BaseException:
         res.put(("error", sid, traceback.format_exc()))
 
 
 class _Sender:
-    def __init__(self, sid: int, endpoint: str, job: str, world: int, shards: int,
-                 ranks: list[int], layers: int, step_rate: float, flush_every: int,
-                 duration: float, heartbeat_every: float, probes: list[tuple[int, int]],
-                 cmd: Any, res: Any) -> None:
-        self.sid, self.endpoint, self.job, self.world, self.shards = sid, endpoint, job, world, shards
+    def __init__(
+        self,
+        sid: int,
+        endpoint: str,
+        job: str,
+        world: int,
+        shards: int,
+        ranks: list[int],
+        layers: int,
+        step_rate: float,
+        flush_every: int,
+        duration: float,
+        heartbeat_every: float,
+        probes: list[tuple[int, int]],
+        cmd: Any,
+        res: Any,
+        places: list[tuple[int, bool]] | None = None,
+    ) -> None:
+        self.sid, self.endpoint, self.job, self.world, self.shards = (
+            sid,
+            endpoint,
+            job,
+            world,
+            shards,
+        )
         self.ranks, self.layers = ranks, layers
         self.step_rate, self.flush_every, self.duration = step_rate, flush_every, duration
         self.heartbeat_every = heartbeat_every
@@ -86,21 +150,44 @@ class _Sender:
         # (local rank index, step) -> the probe's rank; only this sender's ranks.
         self.probes = {(local[rank], step): rank for step, rank in probes if rank in local}
         self.cmd, self.res = cmd, res
-        self.schema = Schema(id=0, columns=COLUMNS, layers=layer_names(layers))
-        self.width = self.schema.width
+        # Per rank: (stage, reports layers); one Schema object per stage, shared, as ingest does.
+        self.places = places or [(0, True)] * len(ranks)
+        stages = {stage for stage, _ in self.places}
+        by_stage = {s: Schema(id=0, columns=COLUMNS, layers=layer_names(layers, s)) for s in stages}
+        quiet = Schema(id=0, columns=QUIET_COLUMNS, layers=())
+        self.schemas = [by_stage[s] if reports else quiet for s, reports in self.places]
         self.incs = [f"{os.getpid():x}-{r}" for r in ranks]
         self.seq = [0] * len(ranks)
         self.schema_sent = [-1e18] * len(ranks)  # monotonic time the schema last travelled
-        self.dropped = [0] * len(ranks)          # cumulative steps not shipped, per rank
+        self.dropped = [0] * len(ranks)  # cumulative steps not shipped, per rank
         rng = np.random.default_rng(1000 + sid)
-        # Healthy, stationary gradients: a per-layer level in [0.5, 2] times 5% noise.
-        self.base = rng.uniform(0.5, 2.0, size=(len(ranks), layers)).astype("<f4")
+        # Healthy, stationary gradients: a per-layer level in [0.5, 2] times 5% noise
+        # (reporters only: the others send no layers).
+        reporters = [i for i, (_, reports) in enumerate(self.places) if reports]
+        self.base = dict(
+            zip(
+                reporters,
+                rng.uniform(0.5, 2.0, size=(len(reporters), layers)).astype("<f4"),
+                strict=True,
+            )
+        )
         self.noise = (1.0 + 0.05 * rng.standard_normal((flush_every * 8, layers))).astype("<f4")
         self.rng = rng
-        self.stats = {"batches_sent": 0, "steps_sent": 0, "values_sent": 0,
-                      "batches_eagain": 0, "steps_eagain": 0, "heartbeats_sent": 0,
-                      "heartbeats_eagain": 0, "probes_sent": 0, "probes_eagain": 0,
-                      "max_flush_lag_s": 0.0, "max_burst_send_s": 0.0, "last_step": -1}
+        self.stats = {
+            "batches_sent": 0,
+            "steps_sent": 0,
+            "values_sent": 0,
+            "batches_eagain": 0,
+            "steps_eagain": 0,
+            "bytes_sent": 0,
+            "heartbeats_sent": 0,
+            "heartbeats_eagain": 0,
+            "probes_sent": 0,
+            "probes_eagain": 0,
+            "max_flush_lag_s": 0.0,
+            "max_burst_send_s": 0.0,
+            "last_step": -1,
+        }
 
     # ------------------------------------------------------------ setup
 
@@ -113,20 +200,29 @@ class _Sender:
             s.setsockopt(zmq.SNDHWM, SEND_HWM)
             s.setsockopt(zmq.IMMEDIATE, 1)
             s.setsockopt(zmq.LINGER, 0)
-            s.connect(self.endpoint)
             self.socks.append(s)
 
     def _warm_up(self) -> int:
-        """One heartbeat per rank, retried until its connection is up (IMMEDIATE=1)."""
-        pending = set(range(len(self.ranks)))
-        deadline = time.monotonic() + WARMUP_TIMEOUT_S
-        while pending and time.monotonic() < deadline:
-            for i in list(pending):
-                if self._heartbeat(i, step=-1, count=False):
-                    pending.discard(i)
-            if pending:
-                time.sleep(0.05)
-        return len(self.ranks) - len(pending)
+        """Connect, CONNECT_CHUNK sockets at a time, each until a heartbeat goes (IMMEDIATE=1).
+
+        Thousands of connects at once overflow the listener's accept backlog, and
+        the refused ones back off for seconds; a job's ranks start over minutes anyway.
+        """
+        deadline = time.monotonic() + max(WARMUP_TIMEOUT_S, WARMUP_PER_RANK_S * len(self.ranks))
+        connected = 0
+        for start in range(0, len(self.ranks), CONNECT_CHUNK):
+            chunk = range(start, min(start + CONNECT_CHUNK, len(self.ranks)))
+            pending = set(chunk)
+            for i in chunk:
+                self.socks[i].connect(self.endpoint)
+            while pending and time.monotonic() < deadline:
+                for i in list(pending):
+                    if self._heartbeat(i, step=-1, count=False):
+                        pending.discard(i)
+                if pending:
+                    time.sleep(0.02)
+            connected += len(chunk) - len(pending)
+        return connected
 
     # ------------------------------------------------------------ sends
 
@@ -139,34 +235,56 @@ class _Sender:
             return False
 
     def _heartbeat(self, i: int, step: int, count: bool = True) -> bool:
-        hb = Heartbeat(job=self.job, rank=self.ranks[i], world=self.world,
-                       incarnation=self.incs[i], time=time.time(), step=step,
-                       dropped=self.dropped[i])
+        hb = Heartbeat(
+            job=self.job,
+            rank=self.ranks[i],
+            world=self.world,
+            incarnation=self.incs[i],
+            time=time.time(),
+            step=step,
+            dropped=self.dropped[i],
+        )
         ok = self._send(i, encode(hb))
         if count:
             self.stats["heartbeats_sent" if ok else "heartbeats_eagain"] += 1
         return ok
 
     def _batch(self, i: int, first_step: int, t0: float) -> None:
-        fe, w = self.flush_every, self.width
+        schema = self.schemas[i]
+        fe, w = self.flush_every, schema.width
         steps = tuple(range(first_step, first_step + fe))
         times = tuple(t0 + s / self.step_rate for s in steps)
         vals = np.empty((fe, w), dtype="<f4")
         vals[:, 0] = [2.0 * np.exp(-s / 5000.0) + 0.01 * self.rng.random() for s in steps]
         vals[:, 1] = 1e-4
         vals[:, 2] = 0.0
-        off = int(self.rng.integers(0, self.noise.shape[0] - fe + 1))
-        np.multiply(self.base[i], self.noise[off:off + fe], out=vals[:, len(COLUMNS):])
+        base = self.base.get(i)
+        if base is None:
+            vals[:, 3] = 0.0  # s/grad_nonfinite: its own gradients are finite
+        else:
+            off = int(self.rng.integers(0, self.noise.shape[0] - fe + 1))
+            np.multiply(base, self.noise[off : off + fe], out=vals[:, len(COLUMNS) :])
         probed = [(row, step) for row, step in enumerate(steps) if (i, step) in self.probes]
         for row, _ in probed:
-            poison(vals[row])
+            poison(vals[row], quiet=base is None)
         now = time.monotonic()
         attach = now - self.schema_sent[i] >= SCHEMA_EVERY_S
-        batch = Batch(job=self.job, rank=self.ranks[i], world=self.world, schema_id=0,
-                      seq=self.seq[i], incarnation=self.incs[i], dropped=self.dropped[i],
-                      steps=steps, times=times, values=vals.tobytes(),
-                      schema=self.schema if attach else None, shards=self.shards)
-        ok = self._send(i, encode(batch))
+        batch = Batch(
+            job=self.job,
+            rank=self.ranks[i],
+            world=self.world,
+            schema_id=0,
+            seq=self.seq[i],
+            incarnation=self.incs[i],
+            dropped=self.dropped[i],
+            steps=steps,
+            times=times,
+            values=vals.tobytes(),
+            schema=schema if attach else None,
+            shards=self.shards,
+        )
+        frames = encode(batch)
+        ok = self._send(i, frames)
         t_send = time.time()
         if ok:
             self.seq[i] += 1
@@ -174,7 +292,8 @@ class _Sender:
                 self.schema_sent[i] = now
             self.stats["batches_sent"] += 1
             self.stats["steps_sent"] += fe
-            self.stats["values_sent"] += fe * self.layers
+            self.stats["values_sent"] += fe * len(schema.layers)
+            self.stats["bytes_sent"] += sum(len(f) for f in frames)
         else:
             self.dropped[i] += fe
             self.stats["batches_eagain"] += 1
@@ -227,8 +346,9 @@ class _Sender:
                 started = time.monotonic()
                 for i in range(n):
                     self._batch(i, flush_k * fe, t0)
-                self.stats["max_burst_send_s"] = max(self.stats["max_burst_send_s"],
-                                                     time.monotonic() - started)
+                self.stats["max_burst_send_s"] = max(
+                    self.stats["max_burst_send_s"], time.monotonic() - started
+                )
                 self.stats["last_step"] = (flush_k + 1) * fe - 1
                 flush_k += 1
                 continue

@@ -67,12 +67,13 @@ import numpy as np
 
 from gradwatch.rules.step import Stats, Step, nonfinite_layers
 from gradwatch.wire.census import roles_for
+from gradwatch.wire.columns import GRAD_NONFINITE_SCALAR
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
 MAX_BLAMED = 64  # layers named in one step's blame
 # A scalar a rank that sends no per-layer norms sets to 1.0 when any of its own
 # gradients is NaN/Inf (agent/topology.reports_layers): a replica gone bad alone.
-NONFINITE_SCALAR = "grad_nonfinite"
+NONFINITE_SCALAR = GRAD_NONFINITE_SCALAR
 
 Record = Step | Stats
 
@@ -86,10 +87,10 @@ def assembles(record: Record) -> bool:
 class AssemblyCounts:
     """Cumulative counters of one job, for exposition (``Assembler.counts`` hands out copies)."""
 
-    steps: int = 0        # steps emitted
-    incomplete: int = 0   # emitted at the deadline without every expected rank
-    inexact: int = 0      # emitted with some layers left out (a shard missing)
-    late: int = 0         # reports of a step already emitted, dropped
+    steps: int = 0  # steps emitted
+    incomplete: int = 0  # emitted at the deadline without every expected rank
+    inexact: int = 0  # emitted with some layers left out (a shard missing)
+    late: int = 0  # reports of a step already emitted, dropped
     restarts: int = 0
 
 
@@ -145,8 +146,9 @@ class _Catalog:
 
     def model_order(self) -> np.ndarray:
         if self.order is None or len(self.order) != len(self.names):
-            self.order = np.array(sorted(range(len(self.names)), key=self.keys.__getitem__),
-                                  np.int64)
+            self.order = np.array(
+                sorted(range(len(self.names)), key=self.keys.__getitem__), np.int64
+            )
         return self.order
 
 
@@ -192,8 +194,9 @@ class _Stream:
 class Assembler:
     """Per job: rank reports in, whole steps out, in step order; see the module docstring."""
 
-    def __init__(self, deadline_seconds: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, deadline_seconds: float = 5.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.deadline_seconds = deadline_seconds
         self._clock = clock
         self._streams: dict[tuple[str, str], _Stream] = {}
@@ -258,8 +261,11 @@ class Assembler:
 
     def counts(self) -> dict[str, AssemblyCounts]:
         """Per job, the step stream's counters (for ``gradwatch_assembly_*``)."""
-        return {job: replace(stream.counts) for (job, kind), stream in self._streams.items()
-                if kind == "step"}
+        return {
+            job: replace(stream.counts)
+            for (job, kind), stream in self._streams.items()
+            if kind == "step"
+        }
 
     def absent(self, job: str) -> frozenset[int]:
         """Ranks of ``job`` that missed a deadline and have not reported since."""
@@ -289,8 +295,11 @@ class Assembler:
             low = min(stream.pending)
             pending = stream.pending[low]
             complete = _complete(stream, pending)
-            if not complete and now - pending.first < self.deadline_seconds \
-                    and len(stream.pending) <= MAX_PENDING_STEPS:
+            if (
+                not complete
+                and now - pending.first < self.deadline_seconds
+                and len(stream.pending) <= MAX_PENDING_STEPS
+            ):
                 break
             del stream.pending[low]
             if not complete:
@@ -329,22 +338,38 @@ class Assembler:
         lowest = pending.lowest
         assert lowest is not None
         if isinstance(lowest, Stats):
-            return replace(lowest, layers=layers, weight_norms=kept,
-                           update_ratios=_ratios(pending, rows, keep, norms, stream.shards),
-                           assembled=len(pending.ranks), time=pending.last_time)
+            return replace(
+                lowest,
+                layers=layers,
+                weight_norms=kept,
+                update_ratios=_ratios(pending, rows, keep, norms, stream.shards),
+                assembled=len(pending.ranks),
+                time=pending.last_time,
+            )
         loss = pending.loss_sum / pending.loss_n if pending.loss_n else None
         # The total needs every layer exactly, unless a non-finite layer already decides it.
-        total = float(np.sqrt(acc.sum())) if len(rows) and (
-            exact.all() or not np.isfinite(acc).all()) else None
+        total = (
+            float(np.sqrt(acc.sum()))
+            if len(rows) and (exact.all() or not np.isfinite(acc).all())
+            else None
+        )
         grad_norm = lowest.grad_norm if lowest.grad_norm_logged else total
         if pending.flagged and grad_norm is not None and math.isfinite(grad_norm):
             grad_norm = math.nan  # a replica's own gradients went bad: the job's did
         roles = catalog.roles
         layer_roles = tuple(roles[n] for n in layers) if all(n in roles for n in layers) else ()
-        return replace(lowest, layers=layers, layer_norms=kept, loss=loss, grad_norm=grad_norm,
-                       layer_roles=layer_roles, skipped=pending.skipped,
-                       assembled=len(pending.ranks), time=pending.last_time,
-                       blame=_blame(stream, pending, layers, kept, loss, grad_norm))
+        return replace(
+            lowest,
+            layers=layers,
+            layer_norms=kept,
+            loss=loss,
+            grad_norm=grad_norm,
+            layer_roles=layer_roles,
+            skipped=pending.skipped,
+            assembled=len(pending.ranks),
+            time=pending.last_time,
+            blame=_blame(stream, pending, layers, kept, loss, grad_norm),
+        )
 
 
 def _complete(stream: _Stream, pending: _Pending) -> bool:
@@ -354,11 +379,16 @@ def _complete(stream: _Stream, pending: _Pending) -> bool:
     another rank's first batch). After it: every rank heard from and not absent
     has reported. A shard still missing then is held only by absent ranks or
     ranks never heard from, which are not waited for (and the check stays
-    O(absent ranks), never O(world): a hostile header may claim a huge world).
+    O(1) until every rank not absent reported, then O(absent ranks), never
+    O(world): a hostile header may claim a huge world).
     """
     if not stream.counts.steps:  # nothing emitted yet: this is the job's first step
         return len(pending.ranks) >= stream.world
-    # Reporting ranks are all known; absent ones are not waited for.
+    # Reporting ranks are all known; absent ones are not waited for. At most
+    # len(absent) are gone: below that bound the step cannot be complete, so the
+    # exact count (O(absent), thousands of ranks after an outage) runs only near the end.
+    if len(pending.ranks) + len(stream.absent) < len(stream.known):
+        return False
     gone = sum(1 for r in stream.absent if r in stream.known and r not in pending.ranks)
     return len(pending.ranks) >= len(stream.known) - gone
 
@@ -378,13 +408,20 @@ def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:
     loss_bad = _loss_bad(record)
     norms = record.layer_norms[bad]
     norms.flags.writeable = False
-    blame = {name: record.rank for name in layers[:MAX_BLAMED]}
+    blame = dict.fromkeys(layers[:MAX_BLAMED], record.rank)
     if loss_bad:
         blame["loss"] = record.rank
-    return replace(record, layers=layers, layer_norms=norms,
-                   layer_roles=roles_for(layers, record.layers, record.layer_roles),
-                   loss=record.loss if loss_bad else None, grad_norm=None,
-                   grad_norm_logged=False, assembled=1, blame=blame)
+    return replace(
+        record,
+        layers=layers,
+        layer_norms=norms,
+        layer_roles=roles_for(layers, record.layers, record.layer_roles),
+        loss=record.loss if loss_bad else None,
+        grad_norm=None,
+        grad_norm_logged=False,
+        assembled=1,
+        blame=blame,
+    )
 
 
 def _new(record: Record, now: float) -> _Pending:
@@ -441,8 +478,12 @@ def _add(pending: _Pending, record: Record, stream: _Stream) -> None:
     squares = np.square(values)
     pending.acc[rows] += squares
     pending.seen[rows] += 1
-    if isinstance(record, Stats) and record.update_ratios is not None \
-            and pending.updates is not None and pending.updates_seen is not None:
+    if (
+        isinstance(record, Stats)
+        and record.update_ratios is not None
+        and pending.updates is not None
+        and pending.updates_seen is not None
+    ):
         ratios = np.asarray(record.update_ratios, np.float64)
         measured = np.isfinite(ratios)  # NaN: not measured on this rank
         dw = np.where(measured, ratios, 0.0) ** 2 * squares
@@ -461,25 +502,40 @@ def _loss_bad(step: Step) -> bool:
     return step.loss is not None and not math.isfinite(step.loss)
 
 
-def _ratios(pending: _Pending, rows: np.ndarray, keep: np.ndarray, norms: np.ndarray,
-            shards: int) -> np.ndarray | None:
+def _ratios(
+    pending: _Pending, rows: np.ndarray, keep: np.ndarray, norms: np.ndarray, shards: int
+) -> np.ndarray | None:
     if pending.updates is None or pending.updates_seen is None or not pending.updates_seen.any():
         return None
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratios = np.where(pending.updates_seen[rows] >= shards,
-                          np.sqrt(pending.updates[rows]) / np.maximum(norms, 1e-30), np.nan)
-    out = ratios[keep]
+        ratios: np.ndarray = np.where(
+            pending.updates_seen[rows] >= shards,
+            np.sqrt(pending.updates[rows]) / np.maximum(norms, 1e-30),
+            np.nan,
+        )
+    out: np.ndarray = ratios[keep]
     out.flags.writeable = False
     return out
 
 
-def _blame(stream: _Stream, pending: _Pending, layers: tuple[str, ...], norms: np.ndarray,
-           loss: float | None, grad_norm: float | None) -> dict[str, int]:
+def _blame(
+    stream: _Stream,
+    pending: _Pending,
+    layers: tuple[str, ...],
+    norms: np.ndarray,
+    loss: float | None,
+    grad_norm: float | None,
+) -> dict[str, int]:
     """Per non-finite layer (and "loss"), the rank where it first went non-finite."""
-    bad_layers = [name for name, ok in zip(layers, np.isfinite(norms).tolist(), strict=True)
-                  if not ok]
-    if pending.flagged and not bad_layers and grad_norm is not None \
-            and not math.isfinite(grad_norm):
+    bad_layers = [
+        name for name, ok in zip(layers, np.isfinite(norms).tolist(), strict=True) if not ok
+    ]
+    if (
+        pending.flagged
+        and not bad_layers
+        and grad_norm is not None
+        and not math.isfinite(grad_norm)
+    ):
         bad_layers = ["grad_norm"]  # only a flag: no layer to name
     loss_bad = loss is not None and not math.isfinite(loss)  # the mean over ranks
     if not bad_layers and not loss_bad:

@@ -65,13 +65,16 @@ class Launch:
         while any(p.poll() is None for p in self.procs):
             if time.monotonic() >= deadline:
                 self.kill()
-                raise LaunchError(f"ranks still running after {timeout:.0f} s; they were "
-                                  f"killed. Look for a hung collective:\n{self.stderr_tails()}")
+                raise LaunchError(
+                    f"ranks still running after {timeout:.0f} s; they were "
+                    f"killed. Look for a hung collective:\n{self.stderr_tails()}"
+                )
             time.sleep(POLL_S)  # polling child processes; no portable wait-for-any
         codes = [p.returncode for p in self.procs]
         if check and any(codes):
-            raise LaunchError(f"ranks exited with codes {codes}; see each rank's stderr:\n"
-                              f"{self.stderr_tails()}")
+            raise LaunchError(
+                f"ranks exited with codes {codes}; see each rank's stderr:\n{self.stderr_tails()}"
+            )
         return codes
 
     def stderr_tails(self) -> str:
@@ -79,8 +82,10 @@ class Launch:
         for rank in range(len(self.procs)):
             path = self.out_dir / f"rank{rank}.stderr"
             text = path.read_text(errors="replace") if path.exists() else "(no stderr file)"
-            parts.append(f"--- rank {rank} stderr (last {STDERR_TAIL_CHARS} chars) ---\n"
-                         f"{text[-STDERR_TAIL_CHARS:]}")
+            parts.append(
+                f"--- rank {rank} stderr (last {STDERR_TAIL_CHARS} chars) ---\n"
+                f"{text[-STDERR_TAIL_CHARS:]}"
+            )
         return "\n".join(parts)
 
     def kill(self) -> None:
@@ -97,13 +102,25 @@ class Launch:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.kill()
 
 
-def launch(world: int, mode: str, endpoint: str, job: str, steps: int, out_dir: Path,
-           worker: str = "tests.distributed.worker", **options: float | str) -> Launch:
+def launch(
+    world: int,
+    mode: str,
+    endpoint: str,
+    job: str,
+    steps: int,
+    out_dir: Path,
+    worker: str = "tests.distributed.worker",
+    **options: float | str,
+) -> Launch:
     """Start ``world`` ranks of the worker (module ``worker``), each in its own session.
 
     ``options`` become the worker's flags (``stall_at=3`` -> ``--stall-at 3``).
@@ -120,17 +137,40 @@ def launch(world: int, mode: str, endpoint: str, job: str, steps: int, out_dir: 
         # gloo picks its interface from the hostname otherwise; keep it on loopback.
         "GLOO_SOCKET_IFNAME": "lo",
     }
-    argv = [sys.executable, "-m", worker, "--mode", mode,
-            "--steps", str(steps), "--endpoint", endpoint, "--job", job, "--out", str(out_dir)]
+    argv = [
+        sys.executable,
+        "-m",
+        worker,
+        "--mode",
+        mode,
+        "--steps",
+        str(steps),
+        "--endpoint",
+        endpoint,
+        "--job",
+        job,
+        "--out",
+        str(out_dir),
+    ]
     for key, value in options.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(world):
-            with open(out_dir / f"rank{rank}.stdout", "wb") as out, \
-                    open(out_dir / f"rank{rank}.stderr", "wb") as err:
-                procs.append(subprocess.Popen(argv, cwd=REPO_ROOT, env={**env, "RANK": str(rank)},
-                                              stdout=out, stderr=err, start_new_session=True))
+            with (
+                open(out_dir / f"rank{rank}.stdout", "wb") as out,
+                open(out_dir / f"rank{rank}.stderr", "wb") as err,
+            ):
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        cwd=REPO_ROOT,
+                        env={**env, "RANK": str(rank)},
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
     except BaseException:
         Launch(procs, out_dir).kill()
         raise
@@ -211,6 +251,10 @@ class Receiver:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.stop()

@@ -23,8 +23,9 @@ from gradwatch.wire import columns as wc
 from tests.distributed.harness import Receiver, launch
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_gloo_available(),
-                       reason="this torch build has no gloo backend"),
+    pytest.mark.skipif(
+        not torch.distributed.is_gloo_available(), reason="this torch build has no gloo backend"
+    ),
     pytest.mark.slow,
 ]
 
@@ -49,30 +50,38 @@ def layer_rows(messages: list[Message]) -> Rows:
         floats = struct.unpack(f"<{len(batch.values) // 4}f", batch.values)
         for r, step in enumerate(batch.steps):
             start = r * schema.width + len(schema.columns)
-            values = floats[start: start + len(schema.layers)]
+            values = floats[start : start + len(schema.layers)]
             rows.setdefault(batch.rank, {})[step] = dict(zip(schema.layers, values, strict=True))
     return rows
 
 
 def all_steps_arrived(world: int, steps: int) -> Callable[[list[Message]], bool]:
     """A ``Receiver.wait_for`` condition: every rank's rows of steps 1..``steps`` are in."""
+
     def done(messages: list[Message]) -> bool:
         rows = layer_rows(messages)
         return all(len(rows.get(rank, {})) >= steps for rank in range(world))
+
     return done
 
 
-def run_job(tmp_path: Path, world: int, mode: str, steps: int,
-            **options: float | str) -> tuple[Receiver, Rows, dict[int, dict[str, float]]]:
+def run_job(
+    tmp_path: Path, world: int, mode: str, steps: int, **options: float | str
+) -> tuple[Receiver, Rows, dict[int, dict[str, float]]]:
     """Run a job to the end; the receiver (stopped), the wire's rows, and the direct norms."""
-    with Receiver() as rx, launch(world, mode, rx.endpoint, f"gloo-{mode}", steps, tmp_path,
-                                  **options) as job:
+    with (
+        Receiver() as rx,
+        launch(world, mode, rx.endpoint, f"gloo-{mode}", steps, tmp_path, **options) as job,
+    ):
         job.wait(JOB_TIMEOUT_S)
         assert rx.wait_for(all_steps_arrived(world, steps), ARRIVAL_TIMEOUT_S), (
             f"not every rank's {steps} steps reached the receiver: got "
-            f"{ {r: sorted(s) for r, s in layer_rows(rx.messages()).items()} }")
-    direct = {int(step): norms for step, norms
-              in json.loads((tmp_path / "direct.json").read_text()).items()}
+            f"{ {r: sorted(s) for r, s in layer_rows(rx.messages()).items()} }"
+        )
+    direct = {
+        int(step): norms
+        for step, norms in json.loads((tmp_path / "direct.json").read_text()).items()
+    }
     assert sorted(direct) == list(range(1, steps + 1))
     for rank in range(world):
         assert (tmp_path / f"rank{rank}.done").exists()
@@ -123,8 +132,9 @@ def test_fsdp2_shards_combine_to_the_global_norms(tmp_path: Path) -> None:
 
 def test_stalled_rank_shows_alive_but_not_stepping(tmp_path: Path) -> None:
     world, stall_at, stall_s = 2, 3, 4.0
-    rx, rows, _ = run_job(tmp_path, world, "ddp", 5, stall_rank=1, stall_at=stall_at,
-                          stall_seconds=stall_s)
+    rx, rows, _ = run_job(
+        tmp_path, world, "ddp", 5, stall_rank=1, stall_at=stall_at, stall_seconds=stall_s
+    )
     messages = rx.messages()
     for rank in range(world):
         # Rank 1 sleeps in its data loader; rank 0 waits in step 3's all-reduce. Neither
@@ -133,8 +143,13 @@ def test_stalled_rank_shows_alive_but_not_stepping(tmp_path: Path) -> None:
         assert stalled >= stall_s * 0.9, (rank, stalled)
         # ... and both keep beating (every 0.2 s) meanwhile, with a step below 3.
         beats = [hb for hb in messages if isinstance(hb, Heartbeat) and hb.rank == rank]
-        during = [hb for hb in beats if step_time(messages, rank, stall_at - 1) < hb.time
-                  < step_time(messages, rank, stall_at)]
+        during = [
+            hb
+            for hb in beats
+            if step_time(messages, rank, stall_at - 1)
+            < hb.time
+            < step_time(messages, rank, stall_at)
+        ]
         assert len(during) >= 10, (rank, len(during))
         first, last = min(hb.time for hb in during), max(hb.time for hb in during)
         assert last - first >= stall_s * 0.75, (rank, first, last)

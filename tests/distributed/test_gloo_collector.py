@@ -25,6 +25,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from gradwatch.collector.config import CollectorConfig
+from gradwatch.collector.exposition import JOB_LABEL
 from gradwatch.collector.server import Server
 from gradwatch.rules import Engine, load_rules_text
 from gradwatch.rules.step import Step
@@ -32,8 +33,9 @@ from tests.distributed.harness import launch
 from tests.recording_sink import RecordingSink, fired, firing_alert
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_gloo_available(),
-                       reason="this torch build has no gloo backend"),
+    pytest.mark.skipif(
+        not torch.distributed.is_gloo_available(), reason="this torch build has no gloo backend"
+    ),
     pytest.mark.slow,
 ]
 
@@ -100,7 +102,8 @@ def wait_until(done: Callable[[], bool], timeout: float, what: str) -> None:
 
 @pytest.mark.parametrize(("mode", "world", "steps"), [("ddp", 2, 6), ("fsdp", 3, 6)])
 def test_assembled_norms_equal_the_norms_computed_in_the_job(
-        tmp_path: Path, mode: str, world: int, steps: int) -> None:
+    tmp_path: Path, mode: str, world: int, steps: int
+) -> None:
     with collector() as (server, engine, sink):
         with launch(world, mode, server.bound_endpoint, f"asm-{mode}", steps, tmp_path) as job:
             job.wait(JOB_TIMEOUT_S)
@@ -114,28 +117,40 @@ def test_assembled_norms_equal_the_norms_computed_in_the_job(
         assert whole.shards == (1 if mode == "ddp" else world)
         expected = direct[whole.step]
         assert whole.layers == tuple(expected)
-        np.testing.assert_allclose(whole.layer_norms, list(expected.values()), rtol=1e-5,
-                                   atol=1e-7)
+        np.testing.assert_allclose(whole.layer_norms, list(expected.values()), rtol=1e-5, atol=1e-7)
         total = math.sqrt(sum(v * v for v in expected.values()))
         assert whole.grad_norm == pytest.approx(total, rel=1e-5)
-    job_label = f'{{job="asm-{mode}"}}'
+    job_label = f'{{{JOB_LABEL}="asm-{mode}"}}'
     assert f"gradwatch_assembly_steps_total{job_label} {float(steps)}" in metrics
     assert f"gradwatch_assembly_incomplete_steps_total{job_label} 0.0" in metrics
     assert f"gradwatch_job_world_size{job_label} {float(world)}" in metrics
     assert f"gradwatch_job_absent_ranks{job_label} 0.0" in metrics
     # A healthy job: no gradient alert. (The liveness rules here use test thresholds,
     # a 2 s stall, that a loaded 2-core machine can reach between two steps.)
-    assert not [t for t in sink.transitions
-                if t.current == "firing" and t.alert.category not in ("stalled", "straggler")]
+    assert not [
+        t
+        for t in sink.transitions
+        if t.current == "firing" and t.alert.category not in ("stalled", "straggler")
+    ]
 
 
 def test_a_stalled_rank_is_reported_as_hung_and_named(tmp_path: Path) -> None:
     with collector() as (server, _engine, sink):
         # Rank 1 sticks in its data loader before step 3; rank 0 waits in the all-reduce.
-        with launch(2, "ddp", server.bound_endpoint, "hang", 4, tmp_path,
-                    stall_rank=1, stall_at=3, stall_seconds=6) as job:
-            alert = firing_alert(sink.wait_for(fired("RankStalled"), ALERT_TIMEOUT_S),
-                                 "RankStalled")
+        with launch(
+            2,
+            "ddp",
+            server.bound_endpoint,
+            "hang",
+            4,
+            tmp_path,
+            stall_rank=1,
+            stall_at=3,
+            stall_seconds=6,
+        ) as job:
+            alert = firing_alert(
+                sink.wait_for(fired("RankStalled"), ALERT_TIMEOUT_S), "RankStalled"
+            )
             job.wait(JOB_TIMEOUT_S)
     assert alert.rank == 1 and alert.category == "stalled"
     assert alert.evidence["last_step"] == 2 and alert.evidence["waiting_ranks"] == [0]
@@ -145,10 +160,19 @@ def test_a_stalled_rank_is_reported_as_hung_and_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_a_straggler_is_named(tmp_path: Path, mode: str) -> None:
     with collector() as (server, _engine, sink):
-        with launch(3, mode, server.bound_endpoint, f"slow-{mode}", 20, tmp_path,
-                    slow_rank=2, slow_seconds=0.25) as job:
-            alert = firing_alert(sink.wait_for(fired("RankStraggling"), ALERT_TIMEOUT_S),
-                                 "RankStraggling")
+        with launch(
+            3,
+            mode,
+            server.bound_endpoint,
+            f"slow-{mode}",
+            20,
+            tmp_path,
+            slow_rank=2,
+            slow_seconds=0.25,
+        ) as job:
+            alert = firing_alert(
+                sink.wait_for(fired("RankStraggling"), ALERT_TIMEOUT_S), "RankStraggling"
+            )
             job.wait(JOB_TIMEOUT_S)
     assert alert.rank == 2 and alert.category == "straggler"
     # Its data loader is slow: under FSDP the others wait inside their forward's
@@ -160,11 +184,13 @@ def test_a_straggler_is_named(tmp_path: Path, mode: str) -> None:
 def test_a_nan_born_on_one_rank_is_blamed_on_it(tmp_path: Path) -> None:
     with collector() as (server, _engine, sink):
         # Rank 1's batch at step 4 is NaN; the all-reduce spreads it to every rank's gradients.
-        with launch(3, "ddp", server.bound_endpoint, "nan", 5, tmp_path,
-                    nan_rank=1, nan_at=4) as job:
+        with launch(
+            3, "ddp", server.bound_endpoint, "nan", 5, tmp_path, nan_rank=1, nan_at=4
+        ) as job:
             job.wait(JOB_TIMEOUT_S)
-            alert = firing_alert(sink.wait_for(fired("NonFiniteGradients"), ALERT_TIMEOUT_S),
-                                 "NonFiniteGradients")
+            alert = firing_alert(
+                sink.wait_for(fired("NonFiniteGradients"), ALERT_TIMEOUT_S), "NonFiniteGradients"
+            )
     assert alert.rank == 1 and alert.step == 4
     assert alert.evidence["first_bad_rank"] == 1
     assert "first on rank 1" in alert.summary

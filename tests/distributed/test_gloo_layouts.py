@@ -21,8 +21,9 @@ from tests.distributed.harness import launch
 from tests.distributed.test_gloo_collector import JOB_TIMEOUT_S, collector, wait_until
 
 pytestmark = [
-    pytest.mark.skipif(not torch.distributed.is_gloo_available(),
-                       reason="this torch build has no gloo backend"),
+    pytest.mark.skipif(
+        not torch.distributed.is_gloo_available(), reason="this torch build has no gloo backend"
+    ),
     pytest.mark.slow,
 ]
 
@@ -30,8 +31,18 @@ WORLD = 4
 STEPS = 4
 # Model order of each job's layers, stage 0 first.
 ORDER = {
-    "pp": ["fc1.weight", "fc1.bias", "norm.weight", "norm.bias", "fc2.weight", "fc2.bias",
-           "fc3.weight", "fc3.bias", "fc4.weight", "fc4.bias"],
+    "pp": [
+        "fc1.weight",
+        "fc1.bias",
+        "norm.weight",
+        "norm.bias",
+        "fc2.weight",
+        "fc2.bias",
+        "fc3.weight",
+        "fc3.bias",
+        "fc4.weight",
+        "fc4.bias",
+    ],
     "tp": ["fc1.weight", "fc1.bias", "fc2.weight"],
 }
 SHARDS = {"pp": 1, "tp": 2}
@@ -53,8 +64,15 @@ def job_norms(out: Path) -> dict[int, dict[str, float]]:
 @pytest.mark.parametrize("mode", ["pp", "tp"])
 def test_one_step_spans_every_stage_and_shard(tmp_path: Path, mode: str) -> None:
     with collector() as (server, engine, sink):
-        with launch(WORLD, mode, server.bound_endpoint, f"3d-{mode}", STEPS, tmp_path,
-                    worker="tests.distributed.worker3d") as job:
+        with launch(
+            WORLD,
+            mode,
+            server.bound_endpoint,
+            f"3d-{mode}",
+            STEPS,
+            tmp_path,
+            worker="tests.distributed.worker3d",
+        ) as job:
             job.wait(JOB_TIMEOUT_S)
         wait_until(lambda: len(engine.steps) >= STEPS, 10.0, "every assembled step")
         judged = list(engine.steps)
@@ -65,11 +83,13 @@ def test_one_step_spans_every_stage_and_shard(tmp_path: Path, mode: str) -> None
         assert list(whole.layers) == ORDER[mode]
         expected = [truth[whole.step][name] for name in ORDER[mode]]
         np.testing.assert_allclose(whole.layer_norms, expected, rtol=1e-5, atol=1e-7)
-        assert whole.grad_norm == pytest.approx(math.sqrt(sum(v * v for v in expected)),
-                                                rel=1e-5)
+        assert whole.grad_norm == pytest.approx(math.sqrt(sum(v * v for v in expected)), rel=1e-5)
         assert whole.loss is not None and math.isfinite(whole.loss)
-    assert not [t for t in sink.transitions
-                if t.current == "firing" and t.alert.category not in ("stalled", "straggler")]
+    assert not [
+        t
+        for t in sink.transitions
+        if t.current == "firing" and t.alert.category not in ("stalled", "straggler")
+    ]
     if mode == "tp":
         # The probe's fc1 (column-parallel) is sharded; its plain fc2 and LayerNorm are
         # whole copies on both TP ranks, so their norms go out as norm/sqrt(2).

@@ -13,20 +13,44 @@ import numpy as np
 import pytest
 import torch
 
-from gradwatch.agent.topology import (Layout, parse_layout, reports_layers, resolve_layout,
-                                      resolve_shards, share_scales)
+from gradwatch.agent.topology import (
+    Layout,
+    parse_layout,
+    reports_layers,
+    resolve_layout,
+    resolve_shards,
+    share_scales,
+)
 from gradwatch.rules.assembly import NONFINITE_SCALAR, Assembler
 from gradwatch.rules.step import Stats, Step
 
 STAGES = (("s0.a", "s0.b"), ("s1.a", "s1.b"))  # pp=2: each stage's layers
 
 
-def report(step: int, rank: int, layers: tuple[str, ...], norms: tuple[float, ...], *,
-           world: int, shards: int, loss: float | None = 1.0,
-           scalars: dict[str, float] | None = None) -> Step:
-    return Step(job="j", step=step, time=float(step), rank=rank, loss=loss, layers=layers,
-                layer_norms=np.array(norms, np.float64), lr=(0.1,), world=world, shards=shards,
-                scalars=scalars or {})
+def report(
+    step: int,
+    rank: int,
+    layers: tuple[str, ...],
+    norms: tuple[float, ...],
+    *,
+    world: int,
+    shards: int,
+    loss: float | None = 1.0,
+    scalars: dict[str, float] | None = None,
+) -> Step:
+    return Step(
+        job="j",
+        step=step,
+        time=float(step),
+        rank=rank,
+        loss=loss,
+        layers=layers,
+        layer_norms=np.array(norms, np.float64),
+        lr=(0.1,),
+        world=world,
+        shards=shards,
+        scalars=scalars or {},
+    )
 
 
 class Clock:
@@ -61,11 +85,14 @@ def test_only_one_replica_per_model_shard_sends_layers() -> None:
     assert not reports_layers(small, 9, silent=frozenset({0}))  # its own reporter, rank 1, is up
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("tp=2,dp=2", "innermost"),
-    ("pp=2,xp=2", "not one of"),
-    ("pp:2", "name=size"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tp=2,dp=2", "innermost"),
+        ("pp=2,xp=2", "not one of"),
+        ("pp:2", "name=size"),
+    ],
+)
 def test_a_bad_layout_says_what_to_do(text: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_layout(text)
@@ -75,7 +102,8 @@ def test_a_layout_is_declared_by_argument_mapping_or_environment() -> None:
     model = torch.nn.Linear(2, 2)
     assert resolve_layout(model, 8, {"pp": 2, "dp": 2, "tp": 2}) == parse_layout("pp=2,dp=2,tp=2")
     assert resolve_layout(model, 4, None, env={"GRADWATCH_LAYOUT": "dp=2,tp=2"}) == Layout(
-        (("dp", 2), ("tp", 2)))
+        (("dp", 2), ("tp", 2))
+    )
     assert resolve_layout(model, 4, None, env={}) is None  # nothing declared, no DTensor
     with pytest.raises(ValueError, match="covers 8 ranks but the world has 4"):
         resolve_layout(model, 4, "pp=2,dp=2,tp=2")
@@ -83,8 +111,13 @@ def test_a_layout_is_declared_by_argument_mapping_or_environment() -> None:
     assert share_scales(model, parse_layout("dp=2,tp=2")) is None  # nothing replicated to scale
 
 
-def pp_job(asm: Assembler, step: int, order: list[int], norms: dict[int, tuple[float, ...]],
-           reporters: frozenset[int] = frozenset({0, 2})) -> list[Step]:
+def pp_job(
+    asm: Assembler,
+    step: int,
+    order: list[int],
+    norms: dict[int, tuple[float, ...]],
+    reporters: frozenset[int] = frozenset({0, 2}),
+) -> list[Step]:
     """pp=2, dp=2 (stage 0: ranks 0, 1; stage 1: ranks 2, 3): ranks report in ``order``."""
     out: list[Step] = []
     for rank in order:
@@ -132,8 +165,9 @@ def test_a_replica_without_layers_flags_its_own_nonfinite_gradients() -> None:
     asm = Assembler(deadline_seconds=5.0, clock=Clock())
     out = []
     for rank, layers, norms, flag in [(0, ("a",), (1.0,), 0.0), (1, (), (), 1.0)]:
-        out += asm.add(report(1, rank, layers, norms, world=2, shards=1,
-                              scalars={NONFINITE_SCALAR: flag}))
+        out += asm.add(
+            report(1, rank, layers, norms, world=2, shards=1, scalars={NONFINITE_SCALAR: flag})
+        )
     [whole] = out
     assert isinstance(whole, Step)
     assert whole.layers == ("a",) and whole.grad_norm is not None and math.isnan(whole.grad_norm)
@@ -152,10 +186,24 @@ def test_tp_shards_add_and_cadence_stats_span_the_stages() -> None:
     assert whole.layer_norms.tolist() == [5.0]
     # Cadence stats of a pp=2, dp=2 job: weight norms span both stages too.
     stats = []
-    for rank, layers, w in [(2, STAGES[1], (1.0, 1.0)), (3, (), ()), (1, (), ()),
-                            (0, STAGES[0], (2.0, 2.0))]:
-        stats += asm.add(Stats(job="pp", step=1, time=1.0, rank=rank, layers=layers,
-                               weight_norms=np.array(w), world=4, shards=1))
+    for rank, layers, w in [
+        (2, STAGES[1], (1.0, 1.0)),
+        (3, (), ()),
+        (1, (), ()),
+        (0, STAGES[0], (2.0, 2.0)),
+    ]:
+        stats += asm.add(
+            Stats(
+                job="pp",
+                step=1,
+                time=1.0,
+                rank=rank,
+                layers=layers,
+                weight_norms=np.array(w),
+                world=4,
+                shards=1,
+            )
+        )
     [sample] = stats
     assert isinstance(sample, Stats) and sample.weight_norms is not None
     assert sample.layers == STAGES[0] + STAGES[1] and sample.assembled == 4

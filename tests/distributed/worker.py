@@ -72,8 +72,9 @@ def rendezvous(rank: int, world: int) -> dist.Store:
     """
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     fd = socket.create_server((host, port)).detach() if rank == 0 else None
-    return dist.TCPStore(host, port, world, rank == 0, PG_TIMEOUT, master_listen_fd=fd,
-                         multi_tenant=True)
+    return dist.TCPStore(
+        host, port, world, rank == 0, PG_TIMEOUT, master_listen_fd=fd, multi_tenant=True
+    )
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -139,16 +140,28 @@ def shard_sizes(model: nn.Module) -> dict[str, list[int]]:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=rendezvous(rank, world), rank=rank, world_size=world,
-                            timeout=PG_TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=rendezvous(rank, world), rank=rank, world_size=world, timeout=PG_TIMEOUT
+    )
     torch.manual_seed(0)  # the same initial weights on every rank
     model, watched = wrap(Net(), args.mode, world)
     params = watched.parameters()
     optimizer: torch.optim.Optimizer = (
-        torch.optim.SGD(params, lr=0.05) if args.optimizer == "sgd"
-        else torch.optim.AdamW(params, lr=1e-3))
-    mon = gradwatch.watch(watched, optimizer, args.job, args.endpoint, rank=rank, world=world,
-                          flush_every=2, heartbeat_every=0.2, stats_every=0)
+        torch.optim.SGD(params, lr=0.05)
+        if args.optimizer == "sgd"
+        else torch.optim.AdamW(params, lr=1e-3)
+    )
+    mon = gradwatch.watch(
+        watched,
+        optimizer,
+        args.job,
+        args.endpoint,
+        rank=rank,
+        world=world,
+        flush_every=2,
+        heartbeat_every=0.2,
+        stats_every=0,
+    )
     data = torch.Generator().manual_seed(1000 + rank)  # each rank its own batches
     direct: dict[int, dict[str, float]] = {}
     for step in range(1, args.steps + 1):

@@ -101,8 +101,9 @@ def norms(model: nn.Module) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=rendezvous(rank, world), rank=rank, world_size=world,
-                            timeout=PG_TIMEOUT)
+    dist.init_process_group(
+        "gloo", store=rendezvous(rank, world), rank=rank, world_size=world, timeout=PG_TIMEOUT
+    )
     layout = parse_layout(LAYOUTS[args.mode])
     coords = layout.coords(rank)
     torch.manual_seed(0)  # the same initial weights on every rank
@@ -110,28 +111,43 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.mode == "pp":
         net = Net()
         stage = coords["pp"]
-        model: nn.Module = Stage0(net, ("fc1", "norm", "fc2")) if stage == 0 \
-            else Stage1(net, ("fc3", "fc4"))
+        model: nn.Module = (
+            Stage0(net, ("fc1", "norm", "fc2")) if stage == 0 else Stage1(net, ("fc3", "fc4"))
+        )
         peer = rank + 2 if stage == 0 else rank - 2  # the other stage of this replica
         # Every rank creates every group, in the same order (new_group is collective).
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         dp_group = groups[stage]
     else:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        model = parallelize_module(TPNet(), mesh["tp"],
-                                   {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        model = parallelize_module(
+            TPNet(), mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+        )
         dp_group = mesh["dp"].get_group()
-        probe = nn.Sequential(parallelize_module(TPNet(), mesh["tp"], {"fc1": ColwiseParallel()}),
-                              nn.LayerNorm(4))
+        probe = nn.Sequential(
+            parallelize_module(TPNet(), mesh["tp"], {"fc1": ColwiseParallel()}), nn.LayerNorm(4)
+        )
         (args.out / f"scales{rank}.json").write_text(json.dumps(share_scales(probe, layout)))
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.05)
-    mon = gradwatch.watch(model, optimizer, args.job, args.endpoint, rank=rank, world=world,
-                          flush_every=2, heartbeat_every=0.2, stats_every=0)
+    mon = gradwatch.watch(
+        model,
+        optimizer,
+        args.job,
+        args.endpoint,
+        rank=rank,
+        world=world,
+        flush_every=2,
+        heartbeat_every=0.2,
+        stats_every=0,
+    )
     data = torch.Generator().manual_seed(1000 + coords.get("dp", 0))  # one batch per replica
     direct: dict[int, dict[str, float]] = {}
     for step in range(1, args.steps + 1):

@@ -37,8 +37,12 @@ def load(path: Path) -> Any:
 
 
 def k8s_documents() -> list[tuple[str, dict[str, Any]]]:
-    return [(path.name, doc) for path in sorted((FLEET / "k8s").glob("*.yaml"))
-            for doc in yaml.safe_load_all(path.read_text(encoding="utf-8")) if doc]
+    return [
+        (path.name, doc)
+        for path in sorted((FLEET / "k8s").glob("*.yaml"))
+        for doc in yaml.safe_load_all(path.read_text(encoding="utf-8"))
+        if doc
+    ]
 
 
 def k8s(kind: str, name: str) -> dict[str, Any]:
@@ -48,8 +52,11 @@ def k8s(kind: str, name: str) -> dict[str, Any]:
 
 def collector_settings(env: dict[str, str] | list[dict[str, Any]]) -> dict[str, Any]:
     items = env.items() if isinstance(env, dict) else ((e["name"], e.get("value")) for e in env)
-    return {k.removeprefix("GRADWATCH_").lower(): v for k, v in items
-            if k.startswith("GRADWATCH_") and v is not None}
+    return {
+        k.removeprefix("GRADWATCH_").lower(): v
+        for k, v in items
+        if k.startswith("GRADWATCH_") and v is not None
+    }
 
 
 def check(argv: list[str]) -> None:
@@ -60,20 +67,32 @@ def check(argv: list[str]) -> None:
 def kubernetes_discovery(promtool: str) -> bool:
     """Whether this promtool knows ``kubernetes_sd_configs`` (distribution builds may drop it)."""
     probe = "scrape_configs:\n  - job_name: p\n    kubernetes_sd_configs: [{role: pod}]\n"
-    done = subprocess.run([promtool, "check", "config", "/dev/stdin"], input=probe,
-                          capture_output=True, text=True, timeout=60, check=False)
+    done = subprocess.run(
+        [promtool, "check", "config", "/dev/stdin"],
+        input=probe,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return "kubernetes_sd_configs not found" not in done.stdout + done.stderr
 
 
 # ------------------------------------------------------------------------ compose
 
+
 def test_fleet_compose_is_valid_and_wired_for_ha() -> None:
     compose = load(FLEET / "compose.yaml")
-    schema = json.loads(files("check_jsonschema.builtin_schemas.vendor")
-                        .joinpath("compose-spec.json").read_text(encoding="utf-8"))
+    schema = json.loads(
+        files("check_jsonschema.builtin_schemas.vendor")
+        .joinpath("compose-spec.json")
+        .read_text(encoding="utf-8")
+    )
     validator = jsonschema.validators.validator_for(schema)(schema)
-    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
-              for e in validator.iter_errors(compose)]
+    errors = [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(compose)
+    ]
     assert not errors, "\n".join(errors)
     services = compose["services"]
     collectors = sorted(n for n in services if n.startswith("collector-"))
@@ -92,14 +111,20 @@ def test_fleet_compose_is_valid_and_wired_for_ha() -> None:
     for name in ams:
         args = services[name]["command"]
         assert {a.split("=", 1)[1] for a in args if a.startswith("--cluster.peer=")} == {
-            f"{am}:9094" for am in ams}, name
+            f"{am}:9094" for am in ams
+        }, name
         assert "--cluster.listen-address=0.0.0.0:9094" in args
     prometheus = load(FLEET / "prometheus.yml")
     (scrape,) = prometheus["scrape_configs"]
     assert {t for sc in scrape["static_configs"] for t in sc["targets"]} == {
-        f"{c}:9400" for c in collectors}
-    assert {t for am in prometheus["alerting"]["alertmanagers"] for sc in am["static_configs"]
-            for t in sc["targets"]} == {f"{am}:9093" for am in ams}
+        f"{c}:9400" for c in collectors
+    }
+    assert {
+        t
+        for am in prometheus["alerting"]["alertmanagers"]
+        for sc in am["static_configs"]
+        for t in sc["targets"]
+    } == {f"{am}:9093" for am in ams}
 
 
 def test_promtool_and_amtool_accept_the_compose_configs(tmp_path: Path) -> None:
@@ -112,6 +137,7 @@ def test_promtool_and_amtool_accept_the_compose_configs(tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------- kubernetes
 
+
 @pytest.mark.parametrize("version", K8S_VERSIONS)
 def test_fleet_k8s_objects_are_valid(version: str) -> None:
     for name, doc in k8s_documents():
@@ -120,8 +146,15 @@ def test_fleet_k8s_objects_are_valid(version: str) -> None:
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{name} {doc['kind']} is invalid for Kubernetes {version}: {exc}")
     assert {d["kind"] for _, d in k8s_documents()} >= {
-        "StatefulSet", "Deployment", "Service", "ConfigMap", "ClusterRole",
-        "ClusterRoleBinding", "ServiceAccount", "PodDisruptionBudget"}
+        "StatefulSet",
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "ServiceAccount",
+        "PodDisruptionBudget",
+    }
 
 
 def test_fleet_k8s_alertmanager_cluster_and_who_posts_to_it(tmp_path: Path) -> None:
@@ -143,8 +176,12 @@ def test_fleet_k8s_alertmanager_cluster_and_who_posts_to_it(tmp_path: Path) -> N
     urls = CollectorConfig(alertmanager_urls=settings["alertmanager_urls"]).alertmanager_urls
     assert set(urls) == {f"http://{n}:9093" for n in names}
     prometheus = yaml.safe_load(k8s("ConfigMap", "prometheus-config")["data"]["prometheus.yml"])
-    assert {t for am in prometheus["alerting"]["alertmanagers"] for sc in am["static_configs"]
-            for t in sc["targets"]} == {f"{n}:9093" for n in names}
+    assert {
+        t
+        for am in prometheus["alerting"]["alertmanagers"]
+        for sc in am["static_configs"]
+        for t in sc["targets"]
+    } == {f"{n}:9093" for n in names}
     # The ConfigMap is deploy/alertmanager/alertmanager.yml (same routes and receivers).
     config = k8s("ConfigMap", "alertmanager-config")["data"]["alertmanager.yml"]
     assert yaml.safe_load(config) == load(ROOT / "deploy" / "alertmanager" / "alertmanager.yml")
@@ -152,17 +189,21 @@ def test_fleet_k8s_alertmanager_cluster_and_who_posts_to_it(tmp_path: Path) -> N
     check([require_binary("amtool"), "check-config", str(tmp_path / "alertmanager.yml")])
 
 
-def test_fleet_k8s_prometheus_finds_every_collector_and_promtool_accepts_it(
-        tmp_path: Path) -> None:
+def test_fleet_k8s_prometheus_finds_every_collector_and_promtool_accepts_it(tmp_path: Path) -> None:
     text = k8s("ConfigMap", "prometheus-config")["data"]["prometheus.yml"]
     config = yaml.safe_load(text)
     (scrape,) = config["scrape_configs"]
-    keep = {tuple(r["source_labels"]): r["regex"] for r in scrape["relabel_configs"]
-            if r.get("action") == "keep"}
+    keep = {
+        tuple(r["source_labels"]): r["regex"]
+        for r in scrape["relabel_configs"]
+        if r.get("action") == "keep"
+    }
     # The pool collector's pod matches every keep rule: its labels and its port's name.
     pod = k8s("Deployment", "gradwatch-collector-pool-a")["spec"]["template"]
-    labels = {f"__meta_kubernetes_pod_label_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v
-              for k, v in pod["metadata"]["labels"].items()}
+    labels = {
+        f"__meta_kubernetes_pod_label_{re.sub(r'[^a-zA-Z0-9_]', '_', k)}": v
+        for k, v in pod["metadata"]["labels"].items()
+    }
     (container,) = pod["spec"]["containers"]
     ports = {p["name"] for p in container["ports"]}
     for (source,), regex in keep.items():
@@ -175,7 +216,8 @@ def test_fleet_k8s_prometheus_finds_every_collector_and_promtool_accepts_it(
         (secrets / name).write_text("x")
     shutil.copy(ROOT / "deploy" / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
     text = text.replace("/etc/prometheus/secrets", str(secrets)).replace(
-        "/etc/prometheus/alerts/alerts.yml", str(tmp_path / "alerts.yml"))
+        "/etc/prometheus/alerts/alerts.yml", str(tmp_path / "alerts.yml")
+    )
     if not kubernetes_discovery(require_binary("promtool")):
         # Debian builds Prometheus without Kubernetes discovery: check everything else.
         checked = yaml.safe_load(text)

@@ -68,19 +68,32 @@ def alertmanager_cluster(workdir: Path, webhook_url: str, replicas: int = 2) -> 
         for i in range(replicas):
             peers = [f"--cluster.peer=127.0.0.1:{p}" for j, p in enumerate(gossip) if j != i]
             with (workdir / f"am{i}.log").open("wb") as log:
-                procs.append(subprocess.Popen([
-                    binary, f"--config.file={workdir / 'alertmanager.yml'}",
-                    f"--storage.path={workdir / f'data{i}'}",
-                    f"--web.listen-address=127.0.0.1:{web[i]}",
-                    f"--cluster.listen-address=127.0.0.1:{gossip[i]}",
-                    f"--cluster.advertise-address=127.0.0.1:{gossip[i]}",
-                    f"--cluster.peer-timeout={PEER_TIMEOUT_S:g}s",
-                    "--cluster.gossip-interval=100ms", "--cluster.pushpull-interval=1s",
-                    *peers], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                procs.append(
+                    subprocess.Popen(
+                        [
+                            binary,
+                            f"--config.file={workdir / 'alertmanager.yml'}",
+                            f"--storage.path={workdir / f'data{i}'}",
+                            f"--web.listen-address=127.0.0.1:{web[i]}",
+                            f"--cluster.listen-address=127.0.0.1:{gossip[i]}",
+                            f"--cluster.advertise-address=127.0.0.1:{gossip[i]}",
+                            f"--cluster.peer-timeout={PEER_TIMEOUT_S:g}s",
+                            "--cluster.gossip-interval=100ms",
+                            "--cluster.pushpull-interval=1s",
+                            *peers,
+                        ],
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        stdin=subprocess.DEVNULL,
+                    )
+                )
         urls = [f"http://127.0.0.1:{p}" for p in web]
         for url in urls:
-            wait_until(lambda url=url: _peers(url) if _peers(url) == replicas else None,
-                       TIMEOUT_S, f"{url}: a cluster of {replicas} peers")
+            wait_until(
+                lambda url=url: _peers(url) if _peers(url) == replicas else None,
+                TIMEOUT_S,
+                f"{url}: a cluster of {replicas} peers",
+            )
         yield urls
     except BaseException:
         for i in range(len(procs)):
@@ -107,8 +120,12 @@ def _peers(url: str) -> int | None:
 
 @contextmanager
 def collector(alertmanagers: Sequence[str]) -> Iterator[Server]:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             alertmanager_urls=list(alertmanagers), job_ttl_seconds=60.0)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        alertmanager_urls=list(alertmanagers),
+        job_ttl_seconds=60.0,
+    )
     server = Server(config, registry=CollectorRegistry())
     server.start()
     try:
@@ -118,7 +135,7 @@ def collector(alertmanagers: Sequence[str]) -> Iterator[Server]:
 
 
 def send_steps(endpoints: Sequence[str], steps: range, seq: int) -> None:
-    """One rank's batch of ``steps``, teed to every collector of the pair (a NaN at ``NAN_STEP``)."""
+    """One rank's batch of ``steps``, teed to every collector of the pair (NaN at ``NAN_STEP``)."""
     ctx = zmq.Context()
     socks = []
     try:
@@ -133,12 +150,22 @@ def send_steps(endpoints: Sequence[str], steps: range, seq: int) -> None:
         for row, step in enumerate(steps):
             if step == NAN_STEP:
                 values[row, [0, 2, 3]] = np.nan  # the loss and every layer went NaN
-        hb = Heartbeat(job=JOB, rank=0, world=1, incarnation="ha", time=now, step=steps[0] - 1,
-                       dropped=0)
-        batch = Batch(job=JOB, rank=0, world=1, schema_id=0, seq=seq, incarnation="ha",
-                      dropped=0, steps=tuple(steps), times=tuple(now + 0.01 * i for i in
-                                                                range(len(steps))),
-                      values=values.tobytes(), schema=SCHEMA)
+        hb = Heartbeat(
+            job=JOB, rank=0, world=1, incarnation="ha", time=now, step=steps[0] - 1, dropped=0
+        )
+        batch = Batch(
+            job=JOB,
+            rank=0,
+            world=1,
+            schema_id=0,
+            seq=seq,
+            incarnation="ha",
+            dropped=0,
+            steps=tuple(steps),
+            times=tuple(now + 0.01 * i for i in range(len(steps))),
+            values=values.tobytes(),
+            schema=SCHEMA,
+        )
         for sock in socks:
             sock.send_multipart(encode(hb))
             sock.send_multipart(encode(batch))
@@ -150,9 +177,14 @@ def send_steps(endpoints: Sequence[str], steps: range, seq: int) -> None:
 
 def _ours(bodies: list[Any], status: str) -> list[dict[str, Any]]:
     """Our alert in each notification with ``status`` (one entry per notification)."""
-    return [alert for body in bodies for alert in body.get("alerts", ())
-            if alert["status"] == status and alert["labels"].get("alertname") == RULE
-            and alert["labels"].get("training_job", alert["labels"].get("job")) == JOB]
+    return [
+        alert
+        for body in bodies
+        for alert in body.get("alerts", ())
+        if alert["status"] == status
+        and alert["labels"].get("alertname") == RULE
+        and alert["labels"].get("training_job", alert["labels"].get("job")) == JOB
+    ]
 
 
 def _held(url: str) -> list[dict[str, Any]]:
@@ -162,8 +194,11 @@ def _held(url: str) -> list[dict[str, Any]]:
 
 
 def test_one_notification_per_incident_from_an_ha_pair(tmp_path: Path) -> None:
-    with WebhookReceiver() as receiver, \
-            alertmanager_cluster(tmp_path / "am", receiver.url) as ams, ExitStack() as stack:
+    with (
+        WebhookReceiver() as receiver,
+        alertmanager_cluster(tmp_path / "am", receiver.url) as ams,
+        ExitStack() as stack,
+    ):
         pair = [stack.enter_context(collector(ams)) for _ in range(2)]
         endpoints = [c.bound_endpoint for c in pair]
         send_steps(endpoints, range(1, NAN_STEP + 1), seq=0)  # up to the NaN: it fires
@@ -178,8 +213,12 @@ def test_one_notification_per_incident_from_an_ha_pair(tmp_path: Path) -> None:
         receiver.wait_for(lambda bodies: bool(_ours(bodies, "resolved")), TIMEOUT_S)
         # A duplicate from the second replica would come within the window; none may.
         try:
-            receiver.wait_for(lambda bodies: len(_ours(bodies, "firing")) > 1
-                              or len(_ours(bodies, "resolved")) > 1, QUIET_WINDOW_S)
+            receiver.wait_for(
+                lambda bodies: (
+                    len(_ours(bodies, "firing")) > 1 or len(_ours(bodies, "resolved")) > 1
+                ),
+                QUIET_WINDOW_S,
+            )
         except TimeoutError:
             pass
         bodies = receiver.bodies
