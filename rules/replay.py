@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from os import PathLike
 from pathlib import Path
@@ -183,20 +183,27 @@ class Replay:
     _assembler: Assembler | None = None
     _eval_rank: int | None = None
 
-    def run(self, source: Source) -> list[Transition]:
-        """Replay ``source`` (a path, or an iterable of lines); raises ``TraceError`` on a bad trace."""
+    def run(self, source: Source,
+            on_record: Callable[[TraceRecord], None] | None = None) -> list[Transition]:
+        """Replay ``source`` (a path, or an iterable of lines); raises ``TraceError`` on a bad trace.
+
+        ``on_record`` sees every record the trace yields, in file order, before it is
+        fed to the rules: a caller that also wants the curves (``gradwatch report``)
+        reads the trace once.
+        """
         if isinstance(source, (str, PathLike)):
             path = Path(source)
             with path.open(encoding="utf-8") as lines:
-                return self._run(lines, str(path))
-        return self._run(source, "<trace>")
+                return self._run(lines, str(path), on_record)
+        return self._run(source, "<trace>", on_record)
 
     def last_good_checkpoint(self, step: int) -> str | None:
         """Newest checkpoint saved strictly before ``step`` (the one to roll back to)."""
         before = [c for c in self.checkpoints if c.step < step]
         return max(before, key=lambda c: c.step).path if before else None
 
-    def _run(self, lines: Iterable[str], source: str) -> list[Transition]:
+    def _run(self, lines: Iterable[str], source: str,
+             on_record: Callable[[TraceRecord], None] | None) -> list[Transition]:
         reader = TraceReader(lines, strict=self.strict, source=source)
         header = self.header = reader.header
         now = 0.0
@@ -210,6 +217,8 @@ class Replay:
         out: list[Transition] = []
         for rec in reader:
             self.records += 1
+            if on_record is not None:
+                on_record(rec)
             stamp = getattr(rec, "time", None)
             if stamp is not None and math.isfinite(stamp):
                 # Ranks ship in batches, so their times interleave out of order in the file;

@@ -78,6 +78,18 @@ def test_replay_takes_lines_and_skips_bad_ones_when_lenient(tmp_path: Path) -> N
     assert run.skipped == 1 and run.problems[0][0] == 4
 
 
+def test_on_record_sees_every_record_in_file_order_and_changes_nothing(tmp_path: Path) -> None:
+    _, path = live_and_record(worked_example(), tmp_path)
+    seen: list[Any] = []
+    run = Replay(RULES)
+    with_hook = run.run(path, on_record=seen.append)
+    assert len(seen) == run.records > 0
+    lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]  # after the header
+    assert [type(r).__name__.removeprefix("Trace").lower() for r in seen] == [d["type"] for d in lines]
+    without = Replay(RULES).run(path)
+    assert [t.alert.to_dict() for t in with_hook] == [t.alert.to_dict() for t in without]
+
+
 def test_replay_ticks_liveness_from_the_trace() -> None:
     header = '{"type":"header","version":1,"job":"j","layers":[]}'
     lines = [header]
