@@ -31,7 +31,7 @@ from gradwatch.rules.liveness import (
     StalledDetector,
     StragglerDetector,
 )
-from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
+from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.registry import detector_names, make_detector, register_detector
@@ -43,6 +43,7 @@ from gradwatch.rules.rulefile import (
     load_rules,
     load_rules_text,
 )
+from gradwatch.rules.spike import LossSpikeDetector
 from gradwatch.rules.step import ActStats, Eval, Liveness, Stats, Step
 from gradwatch.rules.vanishing import VanishingGradientDetector
 from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector

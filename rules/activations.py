@@ -48,8 +48,8 @@ class _ShareDetector:
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no activation statistics."""
-        measured = [(a, self._share(a)) for a in stats.act if a.kind in self.kinds]
-        measured = [(a, s) for a, s in measured if s is not None]
+        shares = [(a, self._share(a)) for a in stats.act if a.kind in self.kinds]
+        measured = [(a, s) for a, s in shares if s is not None]
         if not measured:
             return None
         over: list[tuple[str, float, int]] = []

@@ -133,7 +133,7 @@ class Engine:
         self._rank_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" not in inputs]
         self._job_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs]
         self._clock = clock
-        self._ranks: dict[tuple[str, int], _RankState] = {}
+        self._ranks: dict[tuple[str, int | None], _RankState] = {}  # None: assembled records
         self._jobs: dict[str, _JobState] = {}
 
     # ------------------------------------------------------------ inputs

@@ -244,7 +244,8 @@ def mark_overflow_skips(records: list[Record]) -> list[Record]:
         else:
             skips.update(stretch)
             stretch = []
-    return [replace(r, skipped=True, loss_scale=math.nan) if i in skips else r for i, r in enumerate(records)]
+    return [replace(r, skipped=True, loss_scale=math.nan) if i in skips and isinstance(r, Step) else r
+            for i, r in enumerate(records)]
 
 
 def with_gaps(records: Sequence[Record]) -> list[Record]:

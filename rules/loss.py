@@ -6,8 +6,7 @@ decreases then rises (learning rate too high)." NaN is the non-finite rule's;
 these are the other three shapes:
 
 * :class:`FlatFromStartDetector` -- the loss has made no progress since step one.
-* :class:`LossSpikeDetector` -- the loss jumps far above its robust running
-  level; a spike that recovers is told apart from one that stays up.
+* loss jumps (spikes, level shifts, divergence) are :mod:`gradwatch.rules.spike`'s.
 * :class:`RisingLossDetector` -- the loss trend turns up after decreasing.
 
 Every comparison is between medians with a MAD noise scale (:mod:`series`),
@@ -19,14 +18,13 @@ from __future__ import annotations
 import bisect
 import math
 from collections import deque
-from typing import Annotated, Literal
+from typing import Annotated
 
 import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
-from gradwatch.rules.growth import fit_line
-from gradwatch.rules.series import MAD_TO_SIGMA, flat_since_start, median_se
+from gradwatch.rules.series import MAD_TO_SIGMA, flat_since_start, median_se, slope_t
 from gradwatch.rules.step import Step
 
 
@@ -153,160 +151,7 @@ class FlatFromStartDetector:
 
     def _trend(self) -> float:
         """t statistic of the slope across the latest window: a slow, steady descent is learning."""
-        y = np.asarray(self._tail, dtype=np.float64)
-        slope, r2 = fit_line(np.arange(y.size, dtype=np.float64), y)
-        if r2 >= 1.0:
-            return math.copysign(math.inf, slope) if slope else 0.0
-        return math.copysign(math.sqrt(r2 * (y.size - 2) / (1.0 - r2)), slope)
-
-
-Report = Literal["spike", "divergence"]
-
-
-class LossSpikeDetector:
-    """Active during a loss spike (``report="spike"``) or once it proves a divergence.
-
-    The running level is the median of the last ``window`` losses and the
-    noise scale 1.4826 × their MAD, in log space when the losses are positive
-    (batch noise is multiplicative; floored at ``min_rel_sigma``).
-    A loss ``sigmas`` noise scales above the level, at least ``min_rise``
-    (relative) above it, and undoing at least ``min_range`` of the run's own
-    progress (its start level, the median of its first 5 losses, minus the
-    level) opens an episode. The last test is what makes the rule hold at
-    every scale: near a converged 3e-4 loss, 3e-3 is many noise scales and
-    10x up, yet a negligible share of a run that started at 2. The reference level is frozen for
-    the episode (spike values never enter the window). The episode ends when
-    ``recover_steps`` consecutive losses are back within ``recover_sigmas``.
-
-    ``report="spike"`` is active while the episode's latest loss is still up
-    (category ``loss_spike``); ``report="divergence"`` only once the loss has
-    been up for ``diverge_after`` steps (the loss "stays up / keeps rising":
-    learning rate too high). After ``rebase_after`` steps up the new level is
-    accepted.
-
-    Example::
-
-        det = LossSpikeDetector(window=128, sigmas=6.0)
-        det.observe(step).evidence["height_sigmas"]
-    """
-
-    @validated_params
-    def __init__(
-        self,
-        *,
-        report: Report = "spike",
-        window: Annotated[int, Field(ge=8)] = 128,
-        min_history: Annotated[int, Field(ge=8)] = 64,
-        sigmas: Annotated[float, Field(gt=0.0)] = 6.0,
-        min_rise: Annotated[float, Field(ge=0.0)] = 0.1,
-        min_rel_sigma: Annotated[float, Field(ge=0.0)] = 0.001,
-        min_range: Annotated[float, Field(ge=0.0)] = 0.1,
-        recover_sigmas: Annotated[float, Field(ge=0.0)] = 3.0,
-        recover_steps: Annotated[int, Field(ge=1)] = 3,
-        diverge_after: Annotated[int, Field(ge=1)] = 50,
-        rebase_after: Annotated[int, Field(ge=2)] = 1000,
-    ) -> None:
-        if min_history > window:
-            raise ValueError(f"min_history ({min_history}) must not exceed window ({window})")
-        self.report, self.window, self.min_history = report, window, min_history
-        self.sigmas, self.min_rise, self.min_rel_sigma = sigmas, min_rise, min_rel_sigma
-        self.min_range = min_range
-        self._first: list[float] = []  # the run's first losses: where its progress is measured from
-        self.recover_sigmas, self.recover_steps = recover_sigmas, recover_steps
-        self.diverge_after, self.rebase_after = diverge_after, rebase_after
-        self._window = SortedWindow(window)
-        self._sigma: tuple[float, bool] | None = None  # cached noise scale and its space
-        self._sigma_age = 0
-        self._episode: _Episode | None = None
-
-    def observe(self, step: Step) -> Finding | None:
-        """Judge one step; None when it carried no loss (NaN is the non-finite rule's)."""
-        loss = finite_loss(step)
-        if loss is None:
-            return None
-        if len(self._first) < 5:
-            self._first.append(loss)
-        episode = self._episode
-        if episode is None:
-            episode = self._maybe_open(step.step, loss)
-            if episode is None:
-                self._window.add(loss)
-                self._sigma_age += 1
-                return INACTIVE
-            self._episode = episode
-        else:
-            episode.add(step.step, loss)
-            if episode.recovered >= self.recover_steps or episode.steps >= self.rebase_after:
-                if episode.steps >= self.rebase_after:
-                    self._window.clear()  # the loss settled at a new level: accept it
-                    self._sigma = None
-                self._episode = None
-                return INACTIVE
-        return self._finding(episode)
-
-    def _maybe_open(self, step: int, loss: float) -> _Episode | None:
-        if len(self._window) < self.min_history:
-            return None
-        level = self._window.median()
-        if loss < level + self.min_rise * abs(level):
-            return None  # the cheap test first: most steps end here
-        if loss - level < self.min_range * (float(np.median(self._first)) - level):
-            return None  # a negligible share of the run's progress, however many sigmas
-        sigma, log = self._noise(level)
-        centre = math.log(level) if log else level
-        height = ((math.log(loss) if log else loss) - centre) / sigma
-        if height < self.sigmas:
-            return None
-        back = self.recover_sigmas * sigma
-        recover_below = level * math.exp(back) if log else level + back
-        return _Episode(step, level, sigma, loss, height, recover_below, log)
-
-    def _noise(self, level: float) -> tuple[float, bool]:
-        """The window's noise scale, recomputed after every 8 new losses (it drifts slowly)."""
-        if self._sigma is None or self._sigma_age >= 8:
-            values = self._window.values()
-            # Batch losses are skewed (noise is multiplicative): judge positive losses in log
-            # space, where a 6σ excursion is as rare as the rule means it to be.
-            log = bool(values[0] > 0.0)
-            space = np.log(values) if log else values
-            centre = math.log(level) if log else level
-            sigma = MAD_TO_SIGMA * float(np.median(np.abs(space - centre)))
-            floor = self.min_rel_sigma if log else self.min_rel_sigma * abs(level)
-            self._sigma, self._sigma_age = (max(sigma, floor, 1e-12), log), 0
-        return self._sigma
-
-    def _finding(self, ep: _Episode) -> Finding:
-        diverging = ep.steps >= self.diverge_after
-        # Active only while the latest loss is still up: the alert resolves as the loss
-        # returns, and a one-step outlier is active for one step (the rule's `for` drops it).
-        if ep.recovered or (self.report == "divergence" and not diverging):
-            return INACTIVE
-        evidence = {
-            "level": ep.level,
-            "sigma": ep.sigma,
-            "spike_step": ep.start,
-            "spike_loss": ep.first,
-            "height_sigmas": ep.height,
-            "peak_loss": ep.peak,
-            "peak_step": ep.peak_step,
-            "peak_sigmas": ep.sigmas_of(ep.peak),
-            "space": "log" if ep.log else "linear",
-            "loss": ep.latest,
-            "steps_above": ep.steps,
-            "window": self.window,
-        }
-        if diverging:
-            summary = (
-                f"loss has stayed above its level for {ep.steps} steps since step {ep.start}: "
-                f"now {ep.latest:.4g} vs level {ep.level:.4g} (peak {ep.peak:.4g} at step "
-                f"{ep.peak_step}); diverging, not a passing spike"
-            )
-        else:
-            summary = (
-                f"loss spike at step {ep.start}: {ep.first:.4g} is {ep.height:.1f}σ above its "
-                f"running level {ep.level:.4g} (median of the last {self.window} steps)"
-            )
-        return Finding(True, summary, evidence)
+        return slope_t(self._tail)
 
 
 class SortedWindow:
@@ -341,36 +186,6 @@ class SortedWindow:
         return np.asarray(self._sorted, dtype=np.float64)
 
 
-class _Episode:
-    """One spike, from the loss that opened it until it recovers."""
-
-    __slots__ = ("start", "level", "sigma", "first", "height", "recover_below", "log",
-                 "peak", "peak_step", "latest", "steps", "recovered")
-
-    def __init__(self, start: int, level: float, sigma: float, loss: float, height: float,
-                 recover_below: float, log: bool) -> None:
-        self.start, self.level, self.sigma, self.log = start, level, sigma, log
-        self.first, self.height, self.recover_below = loss, height, recover_below
-        self.peak, self.peak_step, self.latest = loss, start, loss
-        self.steps, self.recovered = 1, 0
-
-    def sigmas_of(self, loss: float) -> float:
-        """How many noise scales ``loss`` sits above the level."""
-        if self.log:
-            return (math.log(loss) - math.log(self.level)) / self.sigma if loss > 0 else -math.inf
-        return (loss - self.level) / self.sigma
-
-    def add(self, step: int, loss: float) -> None:
-        self.latest = loss
-        if loss > self.peak:
-            self.peak, self.peak_step = loss, step
-        if loss <= self.recover_below:
-            self.recovered += 1
-        else:
-            self.recovered = 0
-            self.steps += 1
-
-
 class RisingLossDetector:
     """Active while the loss trend has turned up after decreasing (seed Stage 2: LR too high).
 
@@ -382,7 +197,10 @@ class RisingLossDetector:
     real share of the run's progress: near a converged loss of 3e-4, a move
     to 5e-4 is +66% yet nothing; and a loss that fell to exactly 0 has no
     relative rise at all), and the lowest block came after the first one
-    fell by ``drop`` -- the curve went down first, then up.
+    fell by ``drop`` -- the curve went down first, then up -- and the newest
+    block is not ``z`` standard errors below the oldest of the sustained ones:
+    a loss falling again is learning (after a jump to a new data
+    distribution, it learns the new data), not the seed's rising curve.
 
     Example::
 
@@ -441,7 +259,12 @@ class RisingLossDetector:
             gap = median - best[0]
             if not (gap > need and gap > self.z * math.hypot(se, best[1])):
                 return INACTIVE
-        latest = self._recent[-1]
+        latest, oldest = self._recent[-1], self._recent[0]
+        if oldest[0] - latest[0] > self.z * math.hypot(oldest[1], latest[1]):
+            # Falling again across the sustained blocks: the run is learning its way back
+            # down (after a change of data it learns the new data), not rising. A learning
+            # rate too high keeps the loss up or pushes it higher (seed Stage 2).
+            return INACTIVE
         rise = latest[0] / best[0] - 1.0 if best[0] > 0 else None
         undone = (latest[0] - best[0]) / (first - best[0])
         relative = f"{rise:+.0%} over" if rise is not None else "up from"

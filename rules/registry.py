@@ -28,10 +28,11 @@ from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetec
 from gradwatch.rules.events import ExtremeStepDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
-from gradwatch.rules.loss import FlatFromStartDetector, LossSpikeDetector, RisingLossDetector
+from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
 from gradwatch.rules.modelstate import FrozenMidRunDetector, NotInOptimizerDetector, TrainingInEvalModeDetector
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
+from gradwatch.rules.spike import LossSpikeDetector
 from gradwatch.rules.stepping import OptimizerIdleDetector
 from gradwatch.rules.vanishing import VanishingGradientDetector, ZeroGradientsDetector
 from gradwatch.rules.weights import (
@@ -82,7 +83,9 @@ def make_detector(name: str, params: Mapping[str, Any] | None = None) -> Detecto
 
 
 def _params_model(name: str, factory: DetectorFactory) -> type[BaseModel]:
-    target = factory.__init__ if isinstance(factory, type) else factory
+    # A class's params are its __init__'s keyword arguments (mypy flags reading __init__ off a
+    # type as unsound for subclasses; here the class itself is what the rule file names).
+    target = factory.__init__ if isinstance(factory, type) else factory  # type: ignore[misc]
     hints = typing.get_type_hints(target, include_extras=True)
     fields: dict[str, Any] = {}
     for param in inspect.signature(factory).parameters.values():

@@ -71,6 +71,22 @@ def flat_since_start(first: Sequence[float], head: Sequence[float], tail: Sequen
     return Flatness(flat, level_first, level_head, level_tail, (level_head - level_tail) / scale, bound)
 
 
+def slope_t(values: Sequence[float]) -> float:
+    """t statistic of the least-squares slope of ``values`` against their index.
+
+    Negative when the series falls; its size says how many standard errors the
+    slope is from zero (a straight line is +-inf, fewer than 3 values or a flat
+    series 0). Used to tell a steady trend from noise over a short series.
+    """
+    y = np.asarray(values, dtype=np.float64)
+    if y.size < 3:
+        return 0.0
+    slope, r2 = fit_line(np.arange(y.size, dtype=np.float64), y)
+    if r2 >= 1.0:
+        return math.copysign(math.inf, slope) if slope else 0.0
+    return math.copysign(math.sqrt(r2 * (y.size - 2) / (1.0 - r2)), slope)
+
+
 def trending_up(values: Sequence[float], factor: float, min_r2: float = 0.5) -> bool:
     """A sustained rise: the last third's median is ``factor`` times the first third's,
     and log(values) rises along a line that explains at least ``min_r2`` of its variance.

@@ -134,7 +134,7 @@ class _Run:
     def norms(self, i: int, t: int) -> np.ndarray:
         s, rng = self.s, self.rng
         ramp = 0.2 + 0.8 * min(1.0, (i + 1) / max(1, s.warmup))
-        norms = self.scale * ramp * float(rng.lognormal(0.0, s.norm_noise)) * rng.lognormal(
+        norms: np.ndarray = self.scale * ramp * float(rng.lognormal(0.0, s.norm_noise)) * rng.lognormal(
             0.0, s.norm_noise / 2, self.scale.size)
         if self.faulty(t):
             k = t - s.fault_at

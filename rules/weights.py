@@ -14,6 +14,9 @@
   the fastest-moving layer below ``low`` (default 1e-6) while the learning
   rate is non-zero and not annealed away -- nothing learns (frozen
   parameters, an optimizer that never steps, bf16 rounding every update away).
+  ``direction="small"``: the global ratio of the layers that move below
+  ``low``, the rate not annealed away, and the loss no ``min_progress`` below
+  where the run started -- everything moves, too little to learn.
   smdebug's WeightUpdateRatio uses 10 and 1e-8 on its own definition of the
   ratio; the defaults here are calibrated on synthetic runs.
 """
@@ -37,6 +40,9 @@ from gradwatch.rules.step import Stats, Step
 # agent's densest steady cadence (every step) would need more, but the early dense
 # phase lasts ~20 samples (agent/cadence.py) and later ones are stats_every apart.
 _MAX_SPAN_SAMPLES = 64
+# "Since the start" only for a run seen from (near) its first step, as LossFlatFromStart's
+# max_first_step: a resumed converged run is flat and moves little, and is healthy.
+_FIRST_STEP_MAX = 10
 
 
 class WeightRunawayDetector:
@@ -144,7 +150,7 @@ class WeightRunawayDetector:
         return Finding(True, summary, evidence)
 
 
-Direction = Literal["high", "low", "partial"]
+Direction = Literal["high", "low", "small", "partial"]
 
 
 class UpdateRatioDetector:
@@ -181,11 +187,16 @@ class UpdateRatioDetector:
         self._lr_peak = 0.0
         self._held = 0
         self._since: int | None = None
+        self._start: list[float] = []  # the run's first 10 losses: "small" judges progress from them
+        self._start_step: int | None = None
 
     def observe(self, step: Step) -> None:
         """Track the learning rate (and the loss, for ``min_progress``); judged on cadence samples."""
         if self.min_progress and step.loss is not None and math.isfinite(step.loss):
             self._losses.append((step.step, step.loss))
+            if len(self._start) < 10:
+                self._start.append(step.loss)
+                self._start_step = step.step if self._start_step is None else self._start_step
         if step.lr:
             lr = max(step.lr)
             if math.isfinite(lr):
@@ -204,6 +215,12 @@ class UpdateRatioDetector:
         if self.direction == "high":
             value = self.global_ratio(ratios, finite, stats.weight_norms)
             outside = value > self.high
+        elif self.direction == "small":
+            # Layers that move, however little (exact zeros are WeightsFrozen's and
+            # LayersFrozen's), weighted by their norm: the model's typical update.
+            moving = finite & (ratios > 0.0)
+            value = self.global_ratio(ratios, moving, stats.weight_norms) if moving.any() else 0.0
+            outside = self._judged() and 0.0 < value < self.low
         elif self.direction == "partial":
             # Some layers never move while others learn: a freeze left on (or meant: the
             # rule is informational). Judged like "low", on the rate the run is using.
@@ -227,6 +244,8 @@ class UpdateRatioDetector:
             return INACTIVE  # a span: Adam's first steps and a waking init move weights fast, briefly
         if self.direction == "high" and self._progressing(self._since, stats.step):
             return INACTIVE  # large updates that keep lowering the loss: a fast, healthy run
+        if self.direction == "small" and self._learned():
+            return INACTIVE  # the run learned since its start: small updates of a converged model
         return self._finding(value, stats, frozen)
 
     def _progressing(self, start: int, end: int) -> bool:
@@ -241,6 +260,15 @@ class UpdateRatioDetector:
         last = float(np.median([v for _, v in inside[-fifth:]]))
         return last <= (1.0 - self.min_progress) * first
 
+    def _learned(self) -> bool:
+        """True unless the latest losses sit within ``min_progress`` of the run's first ones."""
+        if len(self._start) < 10 or len(self._losses) < 10:
+            return True  # too few losses to say it did not learn
+        if self._start_step is None or self._start_step > _FIRST_STEP_MAX:
+            return True  # first seen mid-way (a resume, a restarted collector): not its start
+        recent = [v for _, v in list(self._losses)[-max(3, len(self._losses) // 5):]]
+        return float(np.median(recent)) <= (1.0 - self.min_progress) * float(np.median(self._start))
+
     def _judged(self) -> bool:
         # Frozen only means something while the rate is non-zero and not annealed away.
         lr = self._lr
@@ -248,7 +276,7 @@ class UpdateRatioDetector:
 
     @staticmethod
     def global_ratio(ratios: np.ndarray, finite: np.ndarray, weights: np.ndarray | None) -> float:
-        """‖Δw‖/‖w‖ over the whole model: layers weighted by their weight norm."""
+        """‖Δw‖/‖w‖ over the whole model (the layers ``finite`` selects) weighted by their weight norm."""
         if weights is not None and np.asarray(weights).shape == ratios.shape:
             w = np.asarray(weights, dtype=np.float64)
             ok = finite & np.isfinite(w)
@@ -269,6 +297,13 @@ class UpdateRatioDetector:
             summary = (
                 f"updates too large: ‖Δw‖/‖w‖ = {value:.3g} > {self.high:g} for {self._held} samples "
                 f"since step {self._since} (healthy is ~1e-3); learning rate too high?"
+            )
+        elif self.direction == "small":
+            summary = (
+                f"updates too small: ‖Δw‖/‖w‖ = {value:.3g} < {self.low:g} for {self._held} samples "
+                f"since step {self._since} (healthy is ~1e-3) with lr {self._lr:.3g}, and the loss has "
+                "not fallen since the start; learning rate too low, or an optimizer setting that "
+                "shrinks every step (Adam's eps, a tiny lr multiplier)?"
             )
         else:
             summary = (

@@ -162,7 +162,8 @@ def test_ten_thousand_steps_of_a_thousand_layers_stay_bounded() -> None:
 
 def test_for_counts_observations_of_the_rules_signal_not_steps() -> None:
     # The Hugging Face path: a loss every 10 steps, the steps between carry none. One logged
-    # outlier followed by unlogged steps is one observation: LossSpike's `for: 3` holds it.
+    # outlier followed by unlogged steps is one observation: LossSpike's min_steps (3 losses
+    # up in a row) holds it; three are a spike, reported once three losses are back.
     rules = [r for r in load_default_rules() if r.name == "LossSpike"]
     rng = np.random.default_rng(0)
 
@@ -180,4 +181,5 @@ def test_for_counts_observations_of_the_rules_signal_not_steps() -> None:
     three = base[:150] + [6.0, 6.2, 6.1] + base[150:]
     engine = Engine(rules, clock=lambda: 0.0)
     fired = [t.alert for s in logged(three) for t in engine.observe(s) if t.current == "firing"]
-    assert [(a.rule, a.step) for a in fired] == [("LossSpike", 1510)]  # pending from the first of the three
+    assert [(a.rule, a.step) for a in fired] == [("LossSpike", 1560)]  # 1510-1530 up, back by 1560
+    assert fired[0].evidence["spike_step"] == 1510

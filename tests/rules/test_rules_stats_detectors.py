@@ -292,3 +292,35 @@ def test_a_share_hovering_at_the_threshold_is_one_incident() -> None:
     active = [det.observe_stats(stats(k, act=[ActStats("m", "gelu", 0.0, 1.0, zero_frac=z)])).active  # type: ignore[union-attr]
               for k, z in enumerate(shares)]
     assert active == [False, True, True, True, True, True, False, False]
+
+
+def small_run(loss_at, ratio: float = 3e-6, first: int = 1, lr_at=lambda t: 1e-3) -> list[bool]:
+    """The default UpdatesTooSmall params over 200 steps, a cadence sample every 10."""
+    det = UpdateRatioDetector(direction="small", low=1e-5, samples=3, span=50, lr_fraction=0.1,
+                              min_progress=0.1)
+    out = []
+    for t in range(first, first + 200):
+        det.observe(Step(job="j", step=t, time=0.0, loss=loss_at(t), lr=(lr_at(t),)))
+        if t % 10 == 0:
+            found = det.observe_stats(stats(t, weights=[4.0, 0.1, 2.0, 0.1], ratios=[ratio, 0.0, ratio, ratio]))
+            out.append(bool(found and found.active))
+    return out
+
+
+def test_updates_far_too_small_on_a_run_that_does_not_learn() -> None:
+    flat = small_run(lambda t: 1.38 + 0.02 * math.sin(t))
+    assert flat.index(True) == 5  # samples at 10..60: three below, spanning 50 steps
+    assert not any(small_run(lambda t: 1.38 + 0.02 * math.sin(t), ratio=1e-3))  # healthy ~1e-3
+
+
+@pytest.mark.parametrize("case", ["learned", "resumed", "annealed", "not moving"])
+def test_small_updates_that_are_healthy_or_someone_elses(case: str) -> None:
+    if case == "learned":  # converged: small updates, the loss far below its start
+        found = small_run(lambda t: 0.05 + 1.3 * math.exp(-t / 20.0))
+    elif case == "resumed":  # first seen at step 5,000: its first losses are not the run's start
+        found = small_run(lambda t: 0.05, first=5000)
+    elif case == "annealed":  # the end of a decay: 1% of the peak rate
+        found = small_run(lambda t: 1.38, lr_at=lambda t: 1e-3 if t < 20 else 1e-5)
+    else:  # exact zeros everywhere: WeightsFrozen's, not this rule's
+        found = small_run(lambda t: 1.38, ratio=0.0)
+    assert not any(found)

@@ -13,7 +13,7 @@ from gradwatch.rules.testing import FAULTS, fault_run, feed_all, healthy_control
 RULES = load_default_rules()
 # `for: 1` everywhere: not one step of a healthy run may even look suspicious. The
 # heavy-tailed control is the exception by design: a lone 1.8x hard batch *is* a 6σ
-# excursion, and LossSpike's `for: 3` is what keeps it quiet.
+# excursion, and LossSpike's min_steps (3 losses up in a row, in the detector) keeps it quiet.
 EAGER = [replace(r, for_steps=1) for r in RULES]
 
 # fault -> (the rule that must fire, its category, other rules allowed to fire too)
@@ -42,10 +42,11 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     covered = {rule for rule, _, _ in EXPECTED.values()}
     # Gradient-norm rules are exercised in test_rules_engine and test_rules_gpt_signals; the
     # census rules and GradientsAllZero in test_rules_gradient_faults; liveness in
-    # test_rules_liveness and test_rules_straggler. Checked here: the signal groups.
+    # test_rules_liveness and test_rules_straggler; UpdatesTooSmall in test_rules_stats_detectors.
+    # Checked here: the signal groups.
     elsewhere = {"GradientNormGrowingGeometrically", "LayerGradNormRatioVanishing", "LayerGradNormRatioExploding",
                  "GradientsAllZero", "LayersLagging", "LayersFrozenMidRun", "TrainingInEvalMode", "DeadGELUSiLUUnits",
-                 "WeightsStartedTooSmall", "ParametersNotInOptimizer"}
+                 "WeightsStartedTooSmall", "ParametersNotInOptimizer", "UpdatesTooSmall"}
     groups = {"numerical", "gradients", "activations", "weights", "model", "mixed-precision"}
     assert {r.name for r in RULES if r.group in groups} <= covered | elsewhere
     assert covered | elsewhere <= {r.name for r in RULES}

@@ -759,9 +759,6 @@ PARTIAL_FREEZE = ("a backbone frozen with requires_grad_(False) before watch(): 
                   "counts it (params_frozen) but no rule pages on it, since a deliberate "
                   "head-only fine-tune (families.healthy_head_only_finetune) looks the same "
                   "except that its optimizer does not hold the frozen parameters")
-TASK_SWITCH = ("known false alarm: an unannounced switch to a new task mid-run is, in the "
-               "loss alone, a spike that does not recover (LossSpike, LossDiverging, "
-               "LossRising); announce it with mon.data_changed() (the announced control passes)")
 
 SCENARIOS: tuple[Scenario, ...] = (
     # numerical
@@ -839,8 +836,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("healthy_noisy_batch_of_2", None, 0, _noisy_small_batch),
     Scenario("healthy_dataset_shift_midrun", None, 0, _dataset_shift),
     Scenario("healthy_task_switch_announced", None, 0, _task_switch),
+    # Unannounced, the jump is worth a note (LossLevelShift, info: "call mon.data_changed()"),
+    # never a page: the run learns the new task (the loss falls steadily, gradients calm).
     Scenario("healthy_task_switch_unannounced", None, 0,
-             lambda c: _task_switch(c, announced=False), needs=TASK_SWITCH),
+             lambda c: _task_switch(c, announced=False), allow="info"),
     Scenario("healthy_seed_example_fixed_init", None, 0,
              lambda c: seed_worked_example(c, init_scale=1.0)),
     Scenario("healthy_warmup_cosine", None, 0, _warmup_cosine),

@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from scenarios.families import ALL_SCENARIOS
+from scenarios.families import ALL_SCENARIOS, BY_NAME
 from scenarios.scenario_lib import Scenario, run_scenario
 
 
@@ -57,3 +57,11 @@ def test_healthy_control_raises_no_alert(scenario: Scenario) -> None:
     assert not result.other, (
         f"{scenario.name}: false alarm{allowed}: {_describe(result.other)} "
         f"(all fired: {_describe(result.fired)})")
+
+
+def test_an_unannounced_task_switch_is_a_note_naming_the_step() -> None:
+    # The control above allows info; this checks the note is there and says what to do.
+    result = run_scenario(BY_NAME["healthy_task_switch_unannounced"])
+    notes = [a for a in result.alerts if a.rule == "LossLevelShift"]
+    assert notes and {a.severity for a in result.alerts} == {"info"}, _describe(result.fired)
+    assert notes[0].evidence["spike_step"] == 250 and "mon.data_changed()" in notes[0].summary
