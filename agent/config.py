@@ -18,9 +18,12 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradwatch.wire.messages import MAX_JOB_CHARS, MAX_RANK, MAX_ROWS
+
+if TYPE_CHECKING:
+    from gradwatch.agent.topology import Layout
 
 MAX_STEP = 2**62  # the wire's bound on step numbers
 
@@ -96,6 +99,11 @@ class AgentConfig:
     curve_secret_key_file: str | None = None
     # The number of the first logged step (agent/steps.py); 1 unless resuming.
     start_step: int = 1
+    # The job's parallel layout (agent/topology.py), and whether this rank sends
+    # per-layer norms: one replica per model shard does; the others send the
+    # loss, a non-finite-gradient flag, phases, heartbeats and events only.
+    layout: Layout | None = None
+    reports_layers: bool = True
 
     def __post_init__(self) -> None:
         if not (0 < len(self.job) <= MAX_JOB_CHARS and self.job.isprintable()):

@@ -106,6 +106,11 @@ class Failsafe:
     _data_s: float
     _forward_s: float
     _phase_columns: tuple[str, str]
+    # A rank that sends no layers reads its norms into _scratch, for the
+    # non-finite flag's device cell; _scales: per-layer factors (shared copies).
+    _scratch: torch.Tensor | None
+    _nonfinite_slot: int
+    _scales: torch.Tensor | None
     _ratio_columns: tuple[str, ...]
 
     def _event(self, kind: str, step: int, values: dict[str, Any],

@@ -62,7 +62,7 @@ from gradwatch.agent.recording import Scalar, StepRecorder
 from gradwatch.agent.recovery import NoticeBoard
 from gradwatch.agent.shipper import Counters, Shipper
 from gradwatch.agent.steps import check_watch_args
-from gradwatch.agent.topology import resolve_shards
+from gradwatch.agent.topology import reports_layers, resolve_layout, resolve_shards, share_scales
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import columns as wc
 from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
@@ -161,8 +161,17 @@ class Monitor(StepRecorder):
         base = [wc.LOSS, *self._lr_columns, wc.SKIPPED]
         if scaler is not None:
             base.append(wc.LOSS_SCALE)
-        self._columns = Columns(self._reader.names, base, config.device_columns)
-        self._columns.layer_roles = self._census.roles(self._reader.params)
+        reports = config.reports_layers
+        self._columns = Columns(self._reader.names if reports else (), base,
+                                config.device_columns)
+        self._columns.layer_roles = self._census.roles(self._reader.params) if reports else ()
+        self._scratch = self._scales = None
+        if not reports:  # a replica whose model shard has a reporter (agent/topology.py)
+            self._scratch = torch.empty(len(self._reader.names), device=self._device)
+            self._nonfinite_slot = self._columns.device_slot(
+                wc.scalar(wc.GRAD_NONFINITE_SCALAR))
+        else:
+            self._scales = _layer_scales(model, self._reader.params, config, self._device)
         self._column_of = {wc.LOSS: wc.LOSS}
         if self._manual:
             self._column_of["lr"] = wc.lr(0)  # the hand-written update's rate, if logged
@@ -359,7 +368,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
           on_rollback: str = "return", resume_file: str | None = None,
           curve_server_public_key_file: str | None = None,
           curve_secret_key_file: str | None = None, shards: int | None = None,
-          start_step: int = 1, early_stats: bool = True) -> Monitor:
+          start_step: int = 1, early_stats: bool = True, layout: object = None) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``job`` (required) names the run. ``optimizer`` None: the loop updates the
@@ -394,6 +403,12 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     the collector can assemble exact global norms (1 for DDP, the world size for
     FSDP/ZeRO); detected from DTensor/FSDP parameters when not given
     (agent/topology.py; ``$GRADWATCH_SHARDS`` overrides the detection).
+    ``layout``: the job's parallel layout (a ``gradwatch.agent.topology.Layout``,
+    a DeviceMesh with ``mesh_dim_names``, ``{"pp": 4, "dp": 512, "tp": 8}``
+    outermost first, or ``"pp=4,dp=512,tp=8"``; else ``$GRADWATCH_LAYOUT``):
+    it sets ``shards``, and only one replica per model shard sends per-layer
+    norms; the others send the loss, a ``grad_nonfinite`` flag, phases and
+    heartbeats, and no cadence statistics (docs/distributed.md).
     CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
     ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
     else the ``GRADWATCH_CURVE_*`` environment variables.
@@ -412,7 +427,9 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                      start_step=start_step)
     assert job is not None  # checked above
     rank, world = resolve_rank_world(rank, world)
-    shards = resolve_shards(model, world, shards)
+    topo = resolve_layout(model, world, layout)
+    shards = topo.shards if topo is not None and shards is None else \
+        resolve_shards(model, world, shards)
     try:
         cmd_endpoint, cmd_key = command_settings(command_endpoint, command_key)
     except ValueError as exc:
@@ -422,6 +439,7 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
         logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         cmd_endpoint, cmd_key = None, None
     config = AgentConfig(job=job, rank=rank, world=world, shards=shards, endpoint=endpoint,
+                         layout=topo, reports_layers=reports_layers(topo, rank),
                          flush_every=flush_every, heartbeat_every=heartbeat_every,
                          stats_every=stats_every, activation_stats=activation_stats,
                          activation_modules=check_activation_modules(activation_modules),
@@ -432,3 +450,14 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                          early_stats=early_stats)
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
+
+def _layer_scales(model: torch.nn.Module, params: tuple[torch.nn.Parameter, ...],
+                  config: AgentConfig, device: torch.device) -> torch.Tensor | None:
+    """Per watched layer, the factor its norms are sent with (agent/topology.share_scales:
+    a copy held whole by every rank of a shard group counts once), or None (all 1)."""
+    scales = share_scales(model, config.layout)
+    if scales is None:
+        return None
+    factor = {id(p): s for (_, p), s in zip(model.named_parameters(), scales, strict=True)}
+    return torch.tensor([factor.get(id(p), 1.0) for p in params], dtype=torch.float32,
+                        device=device)

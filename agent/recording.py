@@ -86,7 +86,9 @@ class StepRecorder(RollbackExit):
                                                            prepend=True))
         self._hooks.append(model.register_forward_hook(Detached(ended, compile_safe=True)))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
-        if self.config.activation_stats and self.config.stats_every:
+        # A rank that sends no layers sends no cadence statistics either: its
+        # reporter's (same model, same update) stand for it.
+        if self.config.activation_stats and self.config.stats_every and self._scratch is None:
             self._acts = ActHooks.attach(model, self._device, on_error=self._acts_failed,
                                          max_modules=self.config.max_act_modules,
                                          inputs=dict(self.config.activation_modules))
@@ -94,7 +96,7 @@ class StepRecorder(RollbackExit):
                 self._degrade(Notice("activation statistics", "the model is compiled "
                                      "(torch.compile); forward hooks would recompile it",
                                      optional=True))
-        if self.config.stats_every:
+        if self.config.stats_every and self._scratch is None:
             self._wstats = WeightStats(self._reader)
             self._stats_now = self._cadence.due(self._step + 1)
             if self._acts is not None and self._stats_now:
@@ -164,21 +166,28 @@ class StepRecorder(RollbackExit):
         """Read this step's gradient norms into the open row; after a failure caused by a
         change of the model (dtype, sparse gradients, device), carry on without what
         cannot be read (agent/recovery.py) and tell the collector."""
-        row = self._buffer.current_layers
+        scratch = self._scratch
+        row = self._buffer.current_layers if scratch is None else scratch
         try:
             self._reader.read_into(row)
-            return
         except Exception:
             fixed = recover(self._reader)
             if fixed is None:
                 raise
-        self._reader, notice = fixed
-        if self._wstats is not None:  # it reads the weights through the old reader
-            weights = getattr(self._reader, "weights_reader", self._reader)
-            self._wstats = None if weights is None else WeightStats(weights)
-        if notice is not None:
-            self._degrade(notice)
-        self._reader.read_into(row)
+            self._reader, notice = fixed
+            if self._wstats is not None:  # it reads the weights through the old reader
+                weights = getattr(self._reader, "weights_reader", self._reader)
+                self._wstats = None if weights is None else WeightStats(weights)
+            if notice is not None:
+                self._degrade(notice)
+            if scratch is not None and scratch.numel() != len(self._reader.names):
+                row = self._scratch = torch.empty(len(self._reader.names), device=self._device)
+            self._reader.read_into(row)
+        if self._scales is not None and self._scales.numel() == row.numel():
+            row.mul_(self._scales)
+        elif scratch is not None:
+            # A rank that sends no layers still says whether any gradient is NaN/Inf.
+            self._buffer.cell(self._nonfinite_slot).copy_(torch.isfinite(row).all().logical_not())
 
     def _forward_began(self, module: torch.nn.Module, args: Any) -> None:
         # Evaluation forwards between steps are not part of the step.
@@ -287,6 +296,8 @@ class StepRecorder(RollbackExit):
         """Queue a complete sample's statistics without waiting for them."""
         values = done.norms
         assert values is not None
+        if self._scales is not None and self._scales.numel() == values.numel():
+            values = values * self._scales
         if done.parts:
             values = torch.cat((*done.parts, values))
         values, ready = to_host_async(values)

@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pl = pytest.importorskip("lightning.pytorch",
-                         reason="lightning is not installed: pip install 'gradwatch[integrations]'")
+                         reason="lightning is not installed: pip install 'gradwatch[lightning]'")
 
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402

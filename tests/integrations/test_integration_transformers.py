@@ -21,9 +21,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed: pip install 'gradwatch[integrations]'")
+    "transformers", reason="transformers is not installed: pip install 'gradwatch[hf]'")
 pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate: "
-                    "pip install 'gradwatch[integrations]'")
+                    "pip install 'gradwatch[hf]'")
 
 from torch import nn  # noqa: E402
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
@@ -116,7 +116,8 @@ def test_trainer_run_reaches_the_collector(collector: RecordingCollector, tmp_pa
         # Every step carries its own loss; the Trainer logs their mean since its last log.
         losses = [by_step[k].loss for k in range(step - LOG_EVERY + 1, step + 1)]
         assert all(v is not None for v in losses)
-        assert sum(losses) / LOG_EVERY == pytest.approx(h["loss"], rel=1e-5)
+        # abs: transformers 4.x rounds the logged loss to 4 decimals (5.x does not).
+        assert sum(losses) / LOG_EVERY == pytest.approx(h["loss"], rel=1e-5, abs=5e-5)
         # Per-layer norms read before the Trainer clipped: their total is its pre-clip norm.
         total = math.sqrt(sum(v * v for v in by_step[step].layer_grad_norms))
         assert total == pytest.approx(h["grad_norm"], rel=1e-5)
