@@ -1,8 +1,9 @@
 """What a post-mortem shows, read from a trace: per-step series, evals, stats, alerts.
 
-The trace is read with :mod:`gradwatch.wire.trace` (bad lines skipped and
-counted) and the alerts come from replaying it through the rules engine
-(:class:`gradwatch.rules.replay.Replay`), exactly as ``gradwatch replay`` does.
+The trace is read once: replaying it through the rules engine
+(:class:`gradwatch.rules.replay.Replay`, exactly as ``gradwatch replay`` does;
+bad lines skipped and counted) gives the alerts, and hands every record it
+parses (:mod:`gradwatch.wire.trace`) to the curves.
 Curves follow the lowest-numbered rank, the one the diagnosis follows.
 
 Example::
@@ -14,7 +15,7 @@ Example::
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,7 +25,13 @@ from gradwatch.rules import Alert, RuleSpec, load_default_rules
 from gradwatch.rules.ratio import group_layers
 from gradwatch.rules.replay import Replay
 from gradwatch.rules.step import Census
-from gradwatch.wire.trace import TraceError, TraceEval, TraceReader, TraceStats, TraceStep
+from gradwatch.wire.trace import (
+    TraceError,
+    TraceEval,
+    TraceRecord,
+    TraceStats,
+    TraceStep,
+)
 
 
 @dataclass(slots=True)
@@ -87,8 +94,9 @@ def load_report_data(
 ) -> ReportData:
     """Read ``trace`` (a path, or its lines) and replay it through ``rules`` (default: packaged).
 
-    Lines are read once, so a caller may pass a file it is drawing progress
-    for (``gradwatch.progress.progress_lines``); ``source`` names the trace in
+    Lines are read and parsed once (the replay hands its records to the
+    curves), so a caller may pass a file it is drawing progress for
+    (``gradwatch.progress.progress_lines``); ``source`` names the trace in
     error messages. Raises ``gradwatch.wire.trace.TraceError`` for a trace
     without a valid header, and ``OSError`` when the file cannot be read.
     """
@@ -96,10 +104,11 @@ def load_report_data(
         with trace.open(encoding="utf-8") as lines:
             return load_report_data(lines, rules, source=source or str(trace))
     name = source or "<trace>"
-    kept: list[str] = []
+    records: list[TraceRecord] = []
     run = Replay(load_default_rules() if rules is None else rules, strict=False)
     try:
-        transitions = run.run(_keeping(trace, kept))
+        # One parse: the replay hands every record it reads to the curves too.
+        transitions = run.run(trace, on_record=records.append)
     except TraceError as exc:  # lines carry no file name: the message gets it back
         raise TraceError(exc.problems, name) from None
     alerts = [
@@ -107,11 +116,8 @@ def load_report_data(
         for t in transitions
         if t.current == "firing"
     ]
-    # The curves need the records themselves, which the replay does not hand out: parse the kept
-    # lines again (about a third of the load time of a large trace).
-    reader = TraceReader(kept, strict=False, source=name)
-    header = reader.header
-    records = list(reader)
+    header = run.header
+    assert header is not None  # run() reads the header first, or raises TraceError
     steps = [r for r in records if isinstance(r, TraceStep)]
     rank = min((r.rank for r in steps), default=None)
     steps = sorted((r for r in steps if r.rank == rank), key=lambda r: r.step)
@@ -146,12 +152,6 @@ def load_report_data(
             (r.step, r.census) for r in sorted(stats, key=lambda r: r.step) if r.census is not None
         ],
     )
-
-
-def _keeping(lines: Iterable[str], kept: list[str]) -> Iterator[str]:
-    for line in lines:
-        kept.append(line)
-        yield line
 
 
 def _column(steps: Sequence[TraceStep], name: str) -> np.ndarray:

@@ -9,6 +9,7 @@ import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from gradwatch.cli import main
@@ -23,6 +24,7 @@ from gradwatch.wire.trace import (
     encode_record,
 )
 from tests.report.recorded import JOB, NAN_STEP, STEPS
+from tests.report.synthetic import write_synthetic_trace
 
 SECTIONS = (
     "summary",
@@ -147,6 +149,15 @@ def test_report_data_follows_the_trace(recorded_trace: Path) -> None:
     ratio, first, last = data.first_last_ratio()
     assert (first, last) == ("0", "4") and ratio[0] > 0
     assert [a.rule for a in data.alerts] == ["NonFiniteGradients"]
+
+
+def test_a_one_shot_stream_of_lines_is_enough(tmp_path: Path) -> None:
+    trace = write_synthetic_trace(tmp_path / "t.jsonl", layers=8, steps=300)
+    lines = iter(trace.read_text(encoding="utf-8").splitlines(keepends=True))
+    data = load_report_data(lines, source="piped")  # an iterator can be read only once
+    assert data.layer_norms.shape == (8, 300) and np.isfinite(data.layer_norms).all()
+    assert data.lr.shape == (1, 300) and data.lr[0, 0] > 0
+    assert [a.rule for a in data.alerts] == [a.rule for a in load_report_data(trace).alerts]
 
 
 def write_trace(path: Path, records: list) -> Path:
