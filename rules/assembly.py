@@ -221,7 +221,7 @@ class Assembler:
         stream.known.add(record.rank)
         if record.step <= stream.emitted:
             stream.counts.late += 1
-            late = _late_nonfinite(stream, record)
+            late = _nonfinite_only(record)
             return out + ([late] if late is not None else [])
         pending = stream.pending.get(record.step)
         if pending is None:
@@ -393,7 +393,7 @@ def _complete(stream: _Stream, pending: _Pending) -> bool:
     return len(pending.ranks) >= len(stream.known) - gone
 
 
-def _late_nonfinite(stream: _Stream, record: Record) -> Step | None:
+def _nonfinite_only(record: Record) -> Step | None:
     """A late report's non-finite values, as a step of their own: a NaN is never dropped.
 
     Only those layers (and the loss) travel: the step was already judged
