@@ -20,5 +20,13 @@ from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.gradients import NoLayersError
 from gradwatch.agent.monitor import Monitor, MonitorStats, watch
 
-__all__ = ["ROLLBACK_EXIT_CODE", "AgentConfig", "Monitor", "MonitorStats", "NoLayersError",
-           "Rollback", "resume_plan", "watch"]
+__all__ = [
+    "ROLLBACK_EXIT_CODE",
+    "AgentConfig",
+    "Monitor",
+    "MonitorStats",
+    "NoLayersError",
+    "Rollback",
+    "resume_plan",
+    "watch",
+]

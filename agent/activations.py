@@ -146,18 +146,25 @@ def _frac_stat(kind: str) -> str | None:
     return None
 
 
-def check_activation_modules(spec: Mapping[str, str] | None) -> tuple[tuple[str, str], ...]:
-    """``watch(activation_modules=...)`` as (pattern, kind) pairs; ValueError for a bad kind."""
+def check_activation_modules(spec: object) -> tuple[tuple[str, str], ...]:
+    """``watch(activation_modules=...)`` as (pattern, kind) pairs; ValueError for a bad kind.
+
+    ``spec`` is typed ``Mapping[str, str] | None`` in ``watch()``; checked here whatever it is.
+    """
     if not spec:
         return ()
     if not isinstance(spec, Mapping):
-        raise ValueError("activation_modules must map module names (fnmatch patterns) to an "
-                         f"activation kind, e.g. {{'*.mlp.c_proj': 'gelu'}}; got {type(spec).__name__}")
+        raise ValueError(
+            "activation_modules must map module names (fnmatch patterns) to an "
+            f"activation kind, e.g. {{'*.mlp.c_proj': 'gelu'}}; got {type(spec).__name__}"
+        )
     out = []
     for pattern, kind in spec.items():
         if not isinstance(pattern, str) or not pattern or kind not in KINDS:
-            raise ValueError(f"activation_modules[{pattern!r}] = {kind!r}: the key must be a "
-                             f"module name or pattern and the value one of {', '.join(KINDS)}")
+            raise ValueError(
+                f"activation_modules[{pattern!r}] = {kind!r}: the key must be a "
+                f"module name or pattern and the value one of {', '.join(KINDS)}"
+            )
         out.append((pattern, kind))
     return tuple(out)
 
@@ -203,25 +210,33 @@ def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> l
                 break
     for pattern, _ in patterns:
         if pattern not in matched:
-            logger.warning("gradwatch: activation_modules pattern %r matches no module of the "
-                           "model; check the names with [n for n, _ in model.named_modules()]",
-                           pattern)
+            logger.warning(
+                "gradwatch: activation_modules pattern %r matches no module of the "
+                "model; check the names with [n for n, _ in model.named_modules()]",
+                pattern,
+            )
     return found
 
 
 class ActHooks:
     """The hookable modules of one model and the device vector their statistics land in."""
 
-    def __init__(self, targets: list[_Target], device: torch.device,
-                 on_error: Callable[[str, BaseException], None] | None) -> None:
+    def __init__(
+        self,
+        targets: list[_Target],
+        device: torch.device,
+        on_error: Callable[[str, BaseException], None] | None,
+    ) -> None:
         self._on_error = on_error
         columns: list[str] = []
         # (target, first slot, whether a share is measured)
         self._plan: list[tuple[_Target, int, bool]] = []
         for target in targets:
             first = len(columns)
-            columns += [wc.act(target.name, target.kind, wc.ACT_MEAN),
-                        wc.act(target.name, target.kind, wc.ACT_STD)]
+            columns += [
+                wc.act(target.name, target.kind, wc.ACT_MEAN),
+                wc.act(target.name, target.kind, wc.ACT_STD),
+            ]
             frac = _frac_stat(target.kind)
             if frac is not None:
                 columns.append(wc.act(target.name, target.kind, frac))
@@ -232,10 +247,14 @@ class ActHooks:
         self._handles: list[Any] = []
 
     @classmethod
-    def attach(cls, model: nn.Module, device: torch.device,
-               on_error: Callable[[str, BaseException], None] | None,
-               max_modules: int = MAX_ACT_MODULES,
-               inputs: Mapping[str, str] | None = None) -> ActHooks | None:
+    def attach(
+        cls,
+        model: nn.Module,
+        device: torch.device,
+        on_error: Callable[[str, BaseException], None] | None,
+        max_modules: int = MAX_ACT_MODULES,
+        inputs: Mapping[str, str] | None = None,
+    ) -> ActHooks | None:
         """Find the modules to measure; None for a compiled model (warned) or none found.
 
         ``inputs``: ``watch(activation_modules=...)``, module name patterns
@@ -245,13 +264,18 @@ class ActHooks:
             logger.warning(
                 "gradwatch: the model is compiled with torch.compile; activation statistics "
                 "are off for compiled models (forward hooks would force recompiles). Gradient, "
-                "weight and loss signals are unaffected.")
+                "weight and loss signals are unaffected."
+            )
             return None
         found = find_targets(model, inputs)
         if len(found) > max_modules:
-            logger.warning("gradwatch: activation statistics cover the first %d of %d "
-                           "nonlinearity modules (model order); the other %d are not measured",
-                           max_modules, len(found), len(found) - max_modules)
+            logger.warning(
+                "gradwatch: activation statistics cover the first %d of %d "
+                "nonlinearity modules (model order); the other %d are not measured",
+                max_modules,
+                len(found),
+                len(found) - max_modules,
+            )
             found = found[:max_modules]
         return cls(found, device, on_error) if found else None
 
@@ -296,9 +320,8 @@ class ActHooks:
                     return
                 with torch.no_grad():
                     y = y.detach()
-                    stats = _measure_rows(y, dim) if kind == "softmax" \
-                        else _measure(y, kind, frac)
-                    values[first:first + width].copy_(stats)
+                    stats = _measure_rows(y, dim) if kind == "softmax" else _measure(y, kind, frac)
+                    values[first : first + width].copy_(stats)
             except Exception as exc:  # never raise into the user's forward pass
                 self.disarm()
                 if self._on_error is not None:

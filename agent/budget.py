@@ -31,10 +31,10 @@ SLACK = 64 * 1024
 class Budget:
     """Bytes the agent may hold on the model's device and in (pinned) host memory."""
 
-    step_buffer: int   # device: two halves of flush_every rows
-    host_pool: int     # host (pinned under CUDA): pool_size flushed halves in flight
-    samples: int       # device: update-ratio samples before and after the update
-    stats: int         # device and host: cadence vectors in progress and queued
+    step_buffer: int  # device: two halves of flush_every rows
+    host_pool: int  # host (pinned under CUDA): pool_size flushed halves in flight
+    samples: int  # device: update-ratio samples before and after the update
+    stats: int  # device and host: cadence vectors in progress and queued
     slack: int = SLACK
 
     @property
@@ -42,8 +42,13 @@ class Budget:
         return self.step_buffer + self.host_pool + self.samples + self.stats + self.slack
 
 
-def memory_budget(n_layers: int, config: AgentConfig, elem_bytes: int = F32,
-                  act_columns: int = 0, sample: int = SAMPLE) -> Budget:
+def memory_budget(
+    n_layers: int,
+    config: AgentConfig,
+    elem_bytes: int = F32,
+    act_columns: int = 0,
+    sample: int = SAMPLE,
+) -> Budget:
     """The budget for a model of ``n_layers`` trainable tensors of ``elem_bytes`` each element.
 
     ``act_columns``: activation-statistics columns (3 per hooked module at most).
@@ -54,7 +59,9 @@ def memory_budget(n_layers: int, config: AgentConfig, elem_bytes: int = F32,
     # norms (at most one slice per tensor and phase boundary).
     vector = (act_columns + 2 * n_layers + n_layers + MAX_PHASES) * F32
     queued = config.pool_size + config.max_pending_events
-    return Budget(step_buffer=2 * row_bytes,
-                  host_pool=(config.pool_size + 1) * row_bytes,
-                  samples=2 * n_layers * sample * elem_bytes,
-                  stats=(queued + 3) * vector)
+    return Budget(
+        step_buffer=2 * row_bytes,
+        host_pool=(config.pool_size + 1) * row_bytes,
+        samples=2 * n_layers * sample * elem_bytes,
+        stats=(queued + 3) * vector,
+    )

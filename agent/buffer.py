@@ -80,9 +80,15 @@ class StepBuffer:
     shipped as one batch. ``current`` is the row the next step writes into.
     """
 
-    def __init__(self, columns: Columns, device: torch.device, flush_every: int,
-                 pool_size: int, work: WorkQueue | queue.Queue[Any],
-                 counters: Counters) -> None:
+    def __init__(
+        self,
+        columns: Columns,
+        device: torch.device,
+        flush_every: int,
+        pool_size: int,
+        work: WorkQueue | queue.Queue[Any],
+        counters: Counters,
+    ) -> None:
         self._columns = columns
         self._device = device
         self._cuda = device.type == "cuda"
@@ -99,8 +105,9 @@ class StepBuffer:
 
     def _allocate(self, width: int) -> None:
         self._width = width
-        self._dev = torch.empty(2, self._rows_per_half, width, dtype=torch.float32,
-                                device=self._device)
+        self._dev = torch.empty(
+            2, self._rows_per_half, width, dtype=torch.float32, device=self._device
+        )
         # Every cell starts as MISSING, so a value nobody wrote reads "not
         # measured", never 0. Halves are refilled in one kernel when reused.
         fill_missing(self._dev)
@@ -114,7 +121,8 @@ class StepBuffer:
         self._rows = [[self._dev[h, r] for r in range(self._rows_per_half)] for h in range(2)]
         self._layer_views = [[row[:n_layers] for row in half] for half in self._rows]
         self._cells: list[list[dict[int, torch.Tensor]]] = [
-            [{} for _ in range(self._rows_per_half)] for _ in range(2)]
+            [{} for _ in range(self._rows_per_half)] for _ in range(2)
+        ]
         self._half = 0
         self._seg_start = 0
         # Events recorded after each copy out of a half, waited on before reuse.
@@ -127,8 +135,9 @@ class StepBuffer:
     def _host_buffer(self) -> torch.Tensor:
         self.host_buffers_made += 1
         # Pinned memory is what lets the device-to-host copy run asynchronously.
-        return torch.empty(self._rows_per_half * self._width, dtype=torch.float32,
-                           pin_memory=self._cuda)
+        return torch.empty(
+            self._rows_per_half * self._width, dtype=torch.float32, pin_memory=self._cuda
+        )
 
     def _select(self, row: int) -> None:
         """Make ``row`` of the current half the one the next step writes."""
@@ -176,8 +185,11 @@ class StepBuffer:
         if not n:
             return
         start = self._seg_start
-        rows = self._halves[self._half] if n == self._rows_per_half else \
-            self._dev[self._half, start:start + n]
+        rows = (
+            self._halves[self._half]
+            if n == self._rows_per_half
+            else self._dev[self._half, start : start + n]
+        )
         item = self._stage(rows, n)
         if item is None or not self._enqueue(item):
             self._counters.steps_dropped_agent += n
@@ -189,8 +201,17 @@ class StepBuffer:
         if not (self._cuda or self._on_host):
             # Another accelerator: clone on the device (queued, no wait) and
             # let the shipper thread do the blocking read.
-            return FlushItem(None, n, self._width, None, rows.clone(), self.layout,
-                             self._steps, self._times, self._host)
+            return FlushItem(
+                None,
+                n,
+                self._width,
+                None,
+                rows.clone(),
+                self.layout,
+                self._steps,
+                self._times,
+                self._host,
+            )
         try:
             buf = self.pool.get_nowait()
         except queue.Empty:
@@ -207,8 +228,9 @@ class StepBuffer:
             self._half_ready[self._half].append(ready)
         else:
             host.copy_(rows)
-        return FlushItem(buf, n, self._width, ready, None, self.layout, self._steps,
-                         self._times, self._host)
+        return FlushItem(
+            buf, n, self._width, ready, None, self.layout, self._steps, self._times, self._host
+        )
 
     def _enqueue(self, item: FlushItem) -> bool:
         try:

@@ -43,7 +43,7 @@ class Cadence:
     def __init__(self, stats_every: int, early: bool = True) -> None:
         self.every = stats_every
         self.early = early
-        self._origin = 0        # the step the dense start counts from
+        self._origin = 0  # the step the dense start counts from
         self._next = 1 if early else stats_every
         self._forced = False
 

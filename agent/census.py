@@ -63,15 +63,24 @@ from gradwatch.wire.census import (
 logger = logging.getLogger(__name__)
 
 _COMPILED_PREFIX = "_orig_mod."
-_NORM_TYPES: tuple[type, ...] = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm,
-                                 nn.LocalResponseNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()))
+_NORM_TYPES: tuple[type, ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
 # Custom normalisation modules (LlamaRMSNorm, T5LayerNorm, LayerNorm2d...): by class name.
 _NORM_NAME = re.compile(r"norm(\d+d)?$", re.IGNORECASE)
 _EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
 # Parameters of unknown modules named like these are embeddings (ViT's pos_embed, cls_token).
 _EMBEDDING_NAME = re.compile(r"(emb|token)", re.IGNORECASE)
-_MODE_TYPES = (nn.modules.batchnorm._NormBase, nn.modules.dropout._DropoutNd,
-               nn.MultiheadAttention, nn.RNNBase)
+_MODE_TYPES = (
+    nn.modules.batchnorm._NormBase,
+    nn.modules.dropout._DropoutNd,
+    nn.MultiheadAttention,
+    nn.RNNBase,
+)
 
 
 def is_norm(module: nn.Module) -> bool:
@@ -96,8 +105,11 @@ def mode_matters(module: nn.Module) -> bool:
 def mode_modules(model: nn.Module) -> tuple[tuple[str, nn.Module], ...]:
     """The modules whose mode may matter (filter with :func:`mode_matters` when reading:
     a dropout rate may change during the run)."""
-    return tuple((_clean(name) or type(m).__name__, m) for name, m in model.named_modules()
-                 if isinstance(m, _MODE_TYPES))
+    return tuple(
+        (_clean(name) or type(m).__name__, m)
+        for name, m in model.named_modules()
+        if isinstance(m, _MODE_TYPES)
+    )
 
 
 def _clean(name: str) -> str:
@@ -107,8 +119,8 @@ def _clean(name: str) -> str:
 @dataclass(slots=True)
 class _Param:
     param: nn.Parameter
-    name: str          # the name named_parameters() gives it (its first)
-    names: list[str]   # every name it is reachable by
+    name: str  # the name named_parameters() gives it (its first)
+    names: list[str]  # every name it is reachable by
     owners: list[nn.Module]
     numel: int
 
@@ -143,9 +155,13 @@ class ModelCensus:
 
     def _switch_off(self, what: str, exc: Exception) -> None:
         self._off = True
-        logger.warning("gradwatch: the model census failed while %s (%s: %s); layer roles and "
-                       "the census are off for this run, every other signal is unaffected",
-                       what, type(exc).__name__, exc)
+        logger.warning(
+            "gradwatch: the model census failed while %s (%s: %s); layer roles and "
+            "the census are off for this run, every other signal is unaffected",
+            what,
+            type(exc).__name__,
+            exc,
+        )
 
     def _walk(self, model: nn.Module) -> None:
         by_id: dict[int, _Param] = {}
@@ -161,8 +177,9 @@ class ModelCensus:
         self._params = tuple(by_id.values())
         self._by_id = by_id
         self._modes = mode_modules(model)
-        self._tied = tuple(tuple(capped_names(p.names, MAX_TIED_NAMES)) for p in self._params
-                           if len(p.names) > 1)[:MAX_TIED_GROUPS]
+        self._tied = tuple(
+            tuple(capped_names(p.names, MAX_TIED_NAMES)) for p in self._params if len(p.names) > 1
+        )[:MAX_TIED_GROUPS]
 
     @classmethod
     def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> ModelCensus:
@@ -183,8 +200,16 @@ class ModelCensus:
         if isinstance(owner, _EMBEDDING_TYPES):
             return ROLE_EMBEDDING
         if param.dim() >= 2:
-            known = isinstance(owner, (nn.Linear, nn.modules.conv._ConvNd, nn.Bilinear,
-                                       nn.MultiheadAttention, nn.RNNBase))
+            known = isinstance(
+                owner,
+                (
+                    nn.Linear,
+                    nn.modules.conv._ConvNd,
+                    nn.Bilinear,
+                    nn.MultiheadAttention,
+                    nn.RNNBase,
+                ),
+            )
             leaf = entry.name.rsplit(".", 1)[-1]
             return ROLE_EMBEDDING if not known and _EMBEDDING_NAME.search(leaf) else ROLE_WEIGHT
         return ROLE_BIAS if param.dim() == 1 else ROLE_OTHER
@@ -222,17 +247,28 @@ class ModelCensus:
             self._flags = flags
             self._recount(flags)
         eval_modules = capped_names(
-            name for name, m in self._modes if not m.training and mode_matters(m))
+            name for name, m in self._modes if not m.training and mode_matters(m)
+        )
         training = bool(self._model.training)
         last = self._last
-        if last is None or changed or last.eval_modules != eval_modules or \
-                last.model_training != training:
+        if (
+            last is None
+            or changed
+            or last.eval_modules != eval_modules
+            or last.model_training != training
+        ):
             total, trainable, frozen, orphan = self._counts
             last = self._last = Census(
-                params_total=total, params_trainable=trainable, params_frozen=frozen,
-                params_not_in_optimizer=orphan, frozen_modules=self._frozen_modules,
-                not_in_optimizer=self._not_in_optimizer, tied=self._tied,
-                eval_modules=eval_modules, model_training=training)
+                params_total=total,
+                params_trainable=trainable,
+                params_frozen=frozen,
+                params_not_in_optimizer=orphan,
+                frozen_modules=self._frozen_modules,
+                not_in_optimizer=self._not_in_optimizer,
+                tied=self._tied,
+                eval_modules=eval_modules,
+                model_training=training,
+            )
         return last
 
     def _recount(self, flags: list[bool]) -> None:
@@ -251,16 +287,20 @@ class ModelCensus:
         self._not_in_optimizer = capped_names(orphans)
         found: list[tuple[str, int]] = []
         if frozen:
-            frozen_ids = {id(e.param) for e, grad in zip(self._params, flags, strict=True)
-                          if not grad}
+            frozen_ids = {
+                id(e.param) for e, grad in zip(self._params, flags, strict=True) if not grad
+            }
             found = _frozen_prefixes(self._model, "", frozen_ids)[2]
         found.sort(key=lambda item: -item[1])
-        self._frozen_modules = tuple((capped_name(name or type(self._model).__name__), n)
-                                     for name, n in found[:MAX_CENSUS_NAMES])
+        self._frozen_modules = tuple(
+            (capped_name(name or type(self._model).__name__), n)
+            for name, n in found[:MAX_CENSUS_NAMES]
+        )
 
 
-def _frozen_prefixes(module: nn.Module, prefix: str, frozen: set[int]
-                     ) -> tuple[bool, int, list[tuple[str, int]]]:
+def _frozen_prefixes(
+    module: nn.Module, prefix: str, frozen: set[int]
+) -> tuple[bool, int, list[tuple[str, int]]]:
     """Whether ``module`` holds parameters that are all frozen, its frozen elements, and
     the largest wholly frozen prefixes (or frozen parameter names) below it; one pass."""
     has_params, whole, count = False, True, 0

@@ -54,12 +54,12 @@ logger = logging.getLogger(__name__)
 ENV_ROOT = "GRADWATCH_CHECKPOINT_ROOT"
 ENV_FULL_HASH = "GRADWATCH_CHECKPOINT_FULL_HASH_MAX_BYTES"
 FULL_HASH_MAX_BYTES = 512 * 1024 * 1024  # ~0.3-0.5 s of SHA-256 on one core
-EDGE_BYTES = 8 * 1024 * 1024             # headers and trailers (zip directory) change first
+EDGE_BYTES = 8 * 1024 * 1024  # headers and trailers (zip directory) change first
 SAMPLE_BYTES = 64 * 1024
 SAMPLES = 64
 MAX_DIR_FILES = 10_000
-MAX_ENTRIES = 1024        # saves remembered; the oldest are forgotten first
-MAX_QUEUED = 64           # saves and commands waiting for the hashing thread
+MAX_ENTRIES = 1024  # saves remembered; the oldest are forgotten first
+MAX_QUEUED = 64  # saves and commands waiting for the hashing thread
 CHUNK = 1024 * 1024
 
 # Why a rollback was refused; each is counted and reported to the collector.
@@ -85,8 +85,12 @@ def full_hash_max_bytes(env: dict[str, str] | None = None) -> int:
     try:
         return max(0, int(raw)) if raw else FULL_HASH_MAX_BYTES
     except ValueError:
-        logger.warning("gradwatch: %s=%r is not a number of bytes; using %d", ENV_FULL_HASH,
-                       raw, FULL_HASH_MAX_BYTES)
+        logger.warning(
+            "gradwatch: %s=%r is not a number of bytes; using %d",
+            ENV_FULL_HASH,
+            raw,
+            FULL_HASH_MAX_BYTES,
+        )
         return FULL_HASH_MAX_BYTES
 
 
@@ -94,21 +98,24 @@ def confined(path: str, root: Path) -> Path:
     """``path`` resolved (symbolic links followed); raises :class:`Unusable` outside ``root``."""
     real = Path(os.path.realpath(path))
     if real != root and root not in real.parents:
-        raise Unusable("outside_root", f"{path} resolves to {real}, outside the checkpoint root "
-                       f"{root}; save checkpoints under it or set {ENV_ROOT}")
+        raise Unusable(
+            "outside_root",
+            f"{path} resolves to {real}, outside the checkpoint root "
+            f"{root}; save checkpoints under it or set {ENV_ROOT}",
+        )
     return real
 
 
-def digest_of(path: Path, full_max: int = FULL_HASH_MAX_BYTES,
-              root: Path | None = None) -> str:
+def digest_of(path: Path, full_max: int = FULL_HASH_MAX_BYTES, root: Path | None = None) -> str:
     """The content digest of a checkpoint file or directory (see the module doc)."""
     h = hashlib.sha256()
     try:
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file())
             if len(files) > MAX_DIR_FILES:
-                raise Unusable("unreadable", f"{path} holds {len(files)} files, more than "
-                               f"{MAX_DIR_FILES}")
+                raise Unusable(
+                    "unreadable", f"{path} holds {len(files)} files, more than {MAX_DIR_FILES}"
+                )
             for file in files:
                 if root is not None:
                     confined(str(file), root)
@@ -171,9 +178,13 @@ class CheckpointLedger:
     thread. ``record`` and ``check`` never block and never raise.
     """
 
-    def __init__(self, root: Path, accept: Callable[[object], None],
-                 refuse: Callable[[object, str, str], None],
-                 full_max: int = FULL_HASH_MAX_BYTES) -> None:
+    def __init__(
+        self,
+        root: Path,
+        accept: Callable[[object], None],
+        refuse: Callable[[object, str, str], None],
+        full_max: int = FULL_HASH_MAX_BYTES,
+    ) -> None:
         self.root = root
         self._accept, self._refuse, self._full_max = accept, refuse, full_max
         self._entries: OrderedDict[str, Vouched] = OrderedDict()  # by path as given
@@ -184,15 +195,25 @@ class CheckpointLedger:
 
     def record(self, step: int, path: str) -> None:
         """Vouch for the checkpoint of ``step`` at ``path`` (hashed on the ledger's thread)."""
-        self._put(_Save(step, path), lambda: logger.warning(
-            "gradwatch: checkpoint %s (step %d) was not recorded: %d saves and commands are "
-            "already waiting to be hashed; a rollback to it will be refused", path, step,
-            MAX_QUEUED))
+        self._put(
+            _Save(step, path),
+            lambda: logger.warning(
+                "gradwatch: checkpoint %s (step %d) was not recorded: %d saves and commands are "
+                "already waiting to be hashed; a rollback to it will be refused",
+                path,
+                step,
+                MAX_QUEUED,
+            ),
+        )
 
     def check(self, item: object, path: str, step: int) -> None:
         """Check a command's target, then ``accept`` or ``refuse`` it."""
-        self._put(_Check(item, path, step), lambda: self._refuse(
-            item, "busy", f"{MAX_QUEUED} saves and commands are waiting to be hashed"))
+        self._put(
+            _Check(item, path, step),
+            lambda: self._refuse(
+                item, "busy", f"{MAX_QUEUED} saves and commands are waiting to be hashed"
+            ),
+        )
 
     def entries(self) -> list[Vouched]:
         with self._lock:
@@ -217,8 +238,9 @@ class CheckpointLedger:
         if self._closed:
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="gradwatch-checkpoints",
-                                            daemon=True)
+            self._thread = threading.Thread(
+                target=self._run, name="gradwatch-checkpoints", daemon=True
+            )
             self._thread.start()
         try:
             self._work.put_nowait(item)
@@ -235,17 +257,25 @@ class CheckpointLedger:
                 else:
                     self._verify(item)
             except Exception as exc:  # never kill the thread: later saves still count
-                logger.error("gradwatch: checking checkpoint %s failed (%s: %s); please report "
-                             "this as a gradwatch bug", getattr(item, "path", "?"),
-                             type(exc).__name__, exc)
+                logger.error(
+                    "gradwatch: checking checkpoint %s failed (%s: %s); please report "
+                    "this as a gradwatch bug",
+                    getattr(item, "path", "?"),
+                    type(exc).__name__,
+                    exc,
+                )
 
     def _vouch(self, save: _Save) -> None:
         try:
             real = confined(save.path, self.root)
             digest = digest_of(real, self._full_max, self.root)
         except Unusable as exc:
-            logger.warning("gradwatch: checkpoint %s (step %d) cannot be a rollback target: "
-                           "%s", save.path, save.step, exc)
+            logger.warning(
+                "gradwatch: checkpoint %s (step %d) cannot be a rollback target: %s",
+                save.path,
+                save.step,
+                exc,
+            )
             return
         with self._lock:
             self._entries[save.path] = Vouched(save.step, save.path, real, digest)
@@ -258,8 +288,11 @@ class CheckpointLedger:
             entry = self._entries.get(check.path)
         try:
             if entry is None or entry.step != check.step:
-                raise Unusable("unvouched", f"this process never saved {check.path!r} as the "
-                               f"checkpoint of step {check.step} (a forged or stale report)")
+                raise Unusable(
+                    "unvouched",
+                    f"this process never saved {check.path!r} as the "
+                    f"checkpoint of step {check.step} (a forged or stale report)",
+                )
             if confined(check.path, self.root) != entry.real:
                 raise Unusable("changed", f"{check.path} now resolves elsewhere than when saved")
             if digest_of(entry.real, self._full_max, self.root) != entry.digest:

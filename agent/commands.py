@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 # rollback is; distinct from 1 (a crash) so launchers can restart on it alone.
 ROLLBACK_EXIT_CODE = 75
 DEFAULT_RESUME_FILE = ".gradwatch-resume.json"
-MAX_AGE_S = 60.0        # older (or further in the future) commands are refused as stale
+MAX_AGE_S = 60.0  # older (or further in the future) commands are refused as stale
 ENV_ENDPOINT = "GRADWATCH_COMMAND_ENDPOINT"
 ENV_KEY = "GRADWATCH_COMMAND_KEY"
 ENV_KEY_FILE = "GRADWATCH_COMMAND_KEY_FILE"
@@ -85,8 +85,9 @@ class CommandRefused(ValueError):
         self.reason = reason
 
 
-def verify_command(frames: list[bytes], key: bytes, job: str, now: float,
-                   seen: dict[str, float]) -> Rollback | None:
+def verify_command(
+    frames: list[bytes], key: bytes, job: str, now: float, seen: dict[str, float]
+) -> Rollback | None:
     """Check one received command; ``None`` if it is for another job.
 
     ``seen`` maps nonces to their ``issued_at``; an accepted nonce is added.
@@ -105,18 +106,25 @@ def verify_command(frames: list[bytes], key: bytes, job: str, now: float,
         if fields.get("job") != job:
             return None  # a SUB topic is a prefix: "run-1" also hears "run-10"
         issued_at, nonce = float(fields["issued_at"]), str(fields["nonce"])
-        rollback = Rollback(checkpoint=str(fields["checkpoint"]), step=int(fields["step"]),
-                            skip_batches=int(fields["skip_batches"]),
-                            alert_id=str(fields["alert_id"]), rule=str(fields.get("rule", "")),
-                            issued_at=issued_at)
+        rollback = Rollback(
+            checkpoint=str(fields["checkpoint"]),
+            step=int(fields["step"]),
+            skip_batches=int(fields["skip_batches"]),
+            alert_id=str(fields["alert_id"]),
+            rule=str(fields.get("rule", "")),
+            issued_at=issued_at,
+        )
         action = fields["action"]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CommandRefused("malformed", f"{type(exc).__name__}: {exc}") from None
     if action != "rollback":
         raise CommandRefused("malformed", f"unknown action {action!r}")
     if not math.isfinite(issued_at) or abs(now - issued_at) > MAX_AGE_S:
-        raise CommandRefused("stale", f"issued {now - issued_at:.0f}s from this agent's clock "
-                             f"(limit {MAX_AGE_S:.0f}s); check both hosts' clocks (NTP)")
+        raise CommandRefused(
+            "stale",
+            f"issued {now - issued_at:.0f}s from this agent's clock "
+            f"(limit {MAX_AGE_S:.0f}s); check both hosts' clocks (NTP)",
+        )
     if nonce in seen:
         raise CommandRefused("replayed", f"nonce {nonce} was already used")
     for old in [n for n, t in seen.items() if now - t > 2 * MAX_AGE_S]:
@@ -132,11 +140,18 @@ class CommandReceiver:
     receiver switches itself off; training and metric shipping go on.
     """
 
-    def __init__(self, context: zmq.Context[Any], endpoint: str, job: str, key: bytes,
-                 on_command: Callable[[Rollback], None],
-                 clock: Callable[[], float] = time.time, curve: CurveKeys | None = None,
-                 report: Callable[[int, dict[str, Any]], None] | None = None,
-                 root: Path | None = None) -> None:
+    def __init__(
+        self,
+        context: zmq.Context[Any],
+        endpoint: str,
+        job: str,
+        key: bytes,
+        on_command: Callable[[Rollback], None],
+        clock: Callable[[], float] = time.time,
+        curve: CurveKeys | None = None,
+        report: Callable[[int, dict[str, Any]], None] | None = None,
+        root: Path | None = None,
+    ) -> None:
         self._job, self._key, self._on_command, self._clock = job, key, on_command, clock
         self._report = report  # sends a note event to the collector; shipper thread only
         self._seen: dict[str, float] = {}
@@ -145,8 +160,9 @@ class CommandReceiver:
         self._lock = threading.Lock()
         # Refusals decided on the ledger's thread, reported from poll() (the socket's thread).
         self._refusals: list[tuple[Rollback, str, str]] = []
-        self.ledger = CheckpointLedger(root or checkpoint_root(), self._vouched,
-                                       self._unvouched, full_hash_max_bytes())
+        self.ledger = CheckpointLedger(
+            root or checkpoint_root(), self._vouched, self._unvouched, full_hash_max_bytes()
+        )
         self._sock: zmq.Socket[Any] | None = context.socket(zmq.SUB)
         try:
             self._sock.setsockopt(zmq.LINGER, 0)
@@ -158,8 +174,10 @@ class CommandReceiver:
             self._sock.connect(endpoint)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
-            raise ValueError(f"cannot connect the command socket to {endpoint!r}: {exc}; "
-                             f"check {ENV_ENDPOINT} / command_endpoint") from exc
+            raise ValueError(
+                f"cannot connect the command socket to {endpoint!r}: {exc}; "
+                f"check {ENV_ENDPOINT} / command_endpoint"
+            ) from exc
 
     def poll(self) -> None:
         """Handle every command waiting on the socket, without blocking."""
@@ -175,9 +193,13 @@ class CommandReceiver:
                     return
                 self._handle(frames)
         except Exception as exc:
-            logger.error("gradwatch: the command receiver failed (%s: %s); rollback commands "
-                         "are now ignored for this run, training and monitoring continue",
-                         type(exc).__name__, exc, exc_info=exc)
+            logger.error(
+                "gradwatch: the command receiver failed (%s: %s); rollback commands "
+                "are now ignored for this run, training and monitoring continue",
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
             self.close()
 
     def close(self) -> None:
@@ -186,7 +208,7 @@ class CommandReceiver:
             self._sock.close(linger=0)
             self._sock = None
 
-    def vouch(self, step: int, path: str) -> None:
+    def vouch(self, step: int, path: object) -> None:
         """Record a checkpoint this process saved (hashed off this thread); never raises."""
         if isinstance(path, str) and path:
             self.ledger.record(step, path)
@@ -208,9 +230,15 @@ class CommandReceiver:
         assert isinstance(item, Rollback)
         with self._lock:
             self.accepted += 1
-        logger.warning("gradwatch: rollback command accepted (alert %s, rule %s): resume from "
-                       "%s (step %d), skip %d batches", item.alert_id, item.rule,
-                       item.checkpoint, item.step, item.skip_batches)
+        logger.warning(
+            "gradwatch: rollback command accepted (alert %s, rule %s): resume from "
+            "%s (step %d), skip %d batches",
+            item.alert_id,
+            item.rule,
+            item.checkpoint,
+            item.step,
+            item.skip_batches,
+        )
         self._on_command(item)
 
     def _unvouched(self, item: object, reason: str, detail: str) -> None:
@@ -219,11 +247,18 @@ class CommandReceiver:
             self.refused[reason] = self.refused.get(reason, 0) + 1
             self._refusals.append((item, reason, detail))
             del self._refusals[:-16]  # reported at the next poll; a flood keeps the newest
-        logger.error("gradwatch: REFUSED a signed rollback of job %r to %s (step %d, alert %s): "
-                     "%s: %s. Training continues from where it is; if this checkpoint is "
-                     "yours, report it with mon.checkpoint_saved(step, path) under %s",
-                     self._job, item.checkpoint, item.step, item.alert_id, reason, detail,
-                     self.ledger.root)
+        logger.error(
+            "gradwatch: REFUSED a signed rollback of job %r to %s (step %d, alert %s): "
+            "%s: %s. Training continues from where it is; if this checkpoint is "
+            "yours, report it with mon.checkpoint_saved(step, path) under %s",
+            self._job,
+            item.checkpoint,
+            item.step,
+            item.alert_id,
+            reason,
+            detail,
+            self.ledger.root,
+        )
 
     def _report_refusals(self) -> None:
         with self._lock:
@@ -231,13 +266,21 @@ class CommandReceiver:
         if self._report is None:
             return
         for item, reason, detail in refusals:
-            self._report(item.step, {"note": REFUSED_NOTE, "reason": reason,
-                                     "checkpoint": item.checkpoint[:512],
-                                     "alert_id": item.alert_id[:64], "detail": detail[:512]})
+            self._report(
+                item.step,
+                {
+                    "note": REFUSED_NOTE,
+                    "reason": reason,
+                    "checkpoint": item.checkpoint[:512],
+                    "alert_id": item.alert_id[:64],
+                    "detail": detail[:512],
+                },
+            )
 
 
-def command_settings(endpoint: str | None, key: str | bytes | None,
-                     env: Mapping[str, str] | None = None) -> tuple[str | None, bytes | None]:
+def command_settings(
+    endpoint: str | None, key: str | bytes | None, env: Mapping[str, str] | None = None
+) -> tuple[str | None, bytes | None]:
     """The command endpoint and key: explicit arguments, else the environment.
 
     The key comes from ``key``, else ``$GRADWATCH_COMMAND_KEY``, else the file
@@ -254,21 +297,28 @@ def command_settings(endpoint: str | None, key: str | bytes | None,
         try:
             raw = Path(env[ENV_KEY_FILE]).read_bytes().strip()
         except OSError as exc:
-            raise ValueError(f"cannot read the command key file {env[ENV_KEY_FILE]!r} "
-                             f"({ENV_KEY_FILE}): {exc.strerror or exc}") from exc
+            raise ValueError(
+                f"cannot read the command key file {env[ENV_KEY_FILE]!r} "
+                f"({ENV_KEY_FILE}): {exc.strerror or exc}"
+            ) from exc
     if raw is None:
-        raise ValueError(f"a command endpoint is set ({endpoint}) but no command key: set "
-                         f"{ENV_KEY} or {ENV_KEY_FILE} to the collector's command key, or "
-                         f"unset {ENV_ENDPOINT}")
+        raise ValueError(
+            f"a command endpoint is set ({endpoint}) but no command key: set "
+            f"{ENV_KEY} or {ENV_KEY_FILE} to the collector's command key, or "
+            f"unset {ENV_ENDPOINT}"
+        )
     secret = raw.encode("utf-8") if isinstance(raw, str) else bytes(raw)
     if len(secret) < MIN_KEY_BYTES:
-        raise ValueError(f"the command key is {len(secret)} bytes; it must be the collector's "
-                         f"key, at least {MIN_KEY_BYTES} bytes")
+        raise ValueError(
+            f"the command key is {len(secret)} bytes; it must be the collector's "
+            f"key, at least {MIN_KEY_BYTES} bytes"
+        )
     return endpoint, secret
 
 
-def resume_file_path(path: str | os.PathLike[str] | None = None,
-                     env: Mapping[str, str] | None = None) -> Path:
+def resume_file_path(
+    path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None
+) -> Path:
     """``path``, else ``$GRADWATCH_RESUME_FILE``, else ``./.gradwatch-resume.json``."""
     env = os.environ if env is None else env
     return Path(path if path is not None else env.get(ENV_RESUME_FILE) or DEFAULT_RESUME_FILE)
@@ -299,10 +349,16 @@ def resume_plan(path: str | os.PathLike[str] | None = None) -> Rollback | None:
         raise ValueError(f"cannot read the resume file {where}: {exc.strerror or exc}") from exc
     try:
         data = json.loads(text)
-        return Rollback(checkpoint=str(data["checkpoint"]), step=int(data["step"]),
-                        skip_batches=int(data["skip_batches"]), alert_id=str(data["alert_id"]),
-                        rule=str(data.get("rule", "")),
-                        issued_at=float(data.get("issued_at", 0.0)))
+        return Rollback(
+            checkpoint=str(data["checkpoint"]),
+            step=int(data["step"]),
+            skip_batches=int(data["skip_batches"]),
+            alert_id=str(data["alert_id"]),
+            rule=str(data.get("rule", "")),
+            issued_at=float(data.get("issued_at", 0.0)),
+        )
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"the resume file {where} is not a gradwatch resume plan ({exc}); "
-                         "delete it to start from your usual checkpoint") from exc
+        raise ValueError(
+            f"the resume file {where} is not a gradwatch resume plan ({exc}); "
+            "delete it to start from your usual checkpoint"
+        ) from exc

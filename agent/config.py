@@ -108,39 +108,52 @@ class AgentConfig:
     def __post_init__(self) -> None:
         if not (0 < len(self.job) <= MAX_JOB_CHARS and self.job.isprintable()):
             raise ValueError(
-                f"job must be 1 to {MAX_JOB_CHARS} printable characters, got {self.job!r}")
+                f"job must be 1 to {MAX_JOB_CHARS} printable characters, got {self.job!r}"
+            )
         if not 1 <= self.world <= MAX_RANK + 1 or not 0 <= self.rank < self.world:
             raise ValueError(
                 f"rank {self.rank} / world {self.world} is not a valid pair: need "
-                "0 <= rank < world; pass rank= and world= or set RANK and WORLD_SIZE")
+                "0 <= rank < world; pass rank= and world= or set RANK and WORLD_SIZE"
+            )
         if not 1 <= self.shards <= self.world or self.world % self.shards:
             raise ValueError(
                 f"shards={self.shards} must divide the world size {self.world}: 1 for DDP "
                 f"(replicated gradients), {self.world} for FSDP/ZeRO, the shard group size "
-                "for hybrid sharding")
+                "for hybrid sharding"
+            )
         if not 1 <= self.flush_every <= MAX_ROWS:
             raise ValueError(f"flush_every must be in [1, {MAX_ROWS}], got {self.flush_every}")
         if not 0 <= self.start_step < MAX_STEP:
             raise ValueError(f"start_step must be in [0, {MAX_STEP}), got {self.start_step}")
         if self.stats_every < 0:
-            raise ValueError(f"stats_every must be >= 0 (0: no cadence statistics), "
-                             f"got {self.stats_every}")
+            raise ValueError(
+                f"stats_every must be >= 0 (0: no cadence statistics), got {self.stats_every}"
+            )
         if not self.heartbeat_every > 0:
             raise ValueError(f"heartbeat_every must be > 0 seconds, got {self.heartbeat_every}")
-        for name in ("pool_size", "max_pending_events", "send_hwm", "device_columns",
-                     "max_act_modules"):
+        for name in (
+            "pool_size",
+            "max_pending_events",
+            "send_hwm",
+            "device_columns",
+            "max_act_modules",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.on_rollback not in ("return", "exit"):
             raise ValueError(f"on_rollback must be 'return' or 'exit', got {self.on_rollback!r}")
         if self.command_endpoint is not None and (
-                "://" not in self.command_endpoint or not self.command_key):
-            raise ValueError("command_endpoint needs a ZeroMQ address and command_key the "
-                             f"collector's command key; got {self.command_endpoint!r}")
+            "://" not in self.command_endpoint or not self.command_key
+        ):
+            raise ValueError(
+                "command_endpoint needs a ZeroMQ address and command_key the "
+                f"collector's command key; got {self.command_endpoint!r}"
+            )
         if not self.endpoint or "://" not in self.endpoint:
             raise ValueError(
                 f"endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT!r}, "
-                f"got {self.endpoint!r}")
+                f"got {self.endpoint!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,16 +177,19 @@ class SetupError(ValueError):
     """The user's agent settings are unusable (say which and how to fix); not a bug."""
 
 
-def load_curve_keys(config: AgentConfig,
-                    env: Mapping[str, str] | None = None) -> CurveKeys | None:
+def load_curve_keys(config: AgentConfig, env: Mapping[str, str] | None = None) -> CurveKeys | None:
     """The CURVE keys of ``config``, else of the environment; None when neither names any.
 
     Reads the key files (the one place the agent does). Raises ``SetupError``
     saying which setting is wrong when only half is set or a file is unusable.
     """
     env = os.environ if env is None else env
-    server = config.curve_server_public_key_file or env.get(ENV_CURVE_SERVER_KEY) or \
-        env.get(ENV_CURVE_SERVER_KEY_FILE) or None
+    server = (
+        config.curve_server_public_key_file
+        or env.get(ENV_CURVE_SERVER_KEY)
+        or env.get(ENV_CURVE_SERVER_KEY_FILE)
+        or None
+    )
     secret_file = config.curve_secret_key_file or env.get(ENV_CURVE_SECRET_KEY_FILE) or None
     if server is None and secret_file is None:
         return None
@@ -181,22 +197,27 @@ def load_curve_keys(config: AgentConfig,
         raise SetupError(
             f"CurveZMQ needs both the collector's public key ({ENV_CURVE_SERVER_KEY} or "
             f"{ENV_CURVE_SERVER_KEY_FILE}) and this agent's key pair "
-            f"({ENV_CURVE_SECRET_KEY_FILE}); only one is set")
+            f"({ENV_CURVE_SECRET_KEY_FILE}); only one is set"
+        )
     if _Z85_KEY.match(server) and not os.path.exists(server):
         server_public = server.encode("ascii")
     else:
         server_public, _ = _read_certificate(server, "the collector's public key")
     public, secret = _read_certificate(secret_file, "this agent's secret key")
     if secret is None:
-        raise SetupError(f"{secret_file} holds no secret key: point "
-                         f"{ENV_CURVE_SECRET_KEY_FILE} at NAME.key_secret, not NAME.key")
+        raise SetupError(
+            f"{secret_file} holds no secret key: point "
+            f"{ENV_CURVE_SECRET_KEY_FILE} at NAME.key_secret, not NAME.key"
+        )
     try:
         mode = os.stat(secret_file).st_mode
     except OSError as exc:
         raise SetupError(f"cannot read {secret_file!r}: {exc.strerror or exc}") from exc
     if mode & 0o077:
-        raise SetupError(f"{secret_file} is readable by other users (mode {mode & 0o777:o}); "
-                         f"run `chmod 600 {secret_file}`")
+        raise SetupError(
+            f"{secret_file} is readable by other users (mode {mode & 0o777:o}); "
+            f"run `chmod 600 {secret_file}`"
+        )
     return CurveKeys(server_public, public, secret)
 
 
@@ -206,15 +227,18 @@ def _read_certificate(path: str, what: str) -> tuple[bytes, bytes | None]:
     try:
         public, secret = load_certificate(path)
     except (OSError, ValueError) as exc:
-        raise SetupError(f"cannot read {what} from {path!r}: {exc}; create key files with "
-                         "`gradwatch keys generate`") from exc
+        raise SetupError(
+            f"cannot read {what} from {path!r}: {exc}; create key files with "
+            "`gradwatch keys generate`"
+        ) from exc
     if not _Z85_KEY.match(public.decode("ascii", "replace")):
         raise SetupError(f"{path!r}: {what} is not 40 Z85 characters")
     return public, secret
 
 
-def resolve_rank_world(rank: int | None, world: int | None,
-                       env: Mapping[str, str] | None = None) -> tuple[int, int]:
+def resolve_rank_world(
+    rank: int | None, world: int | None, env: Mapping[str, str] | None = None
+) -> tuple[int, int]:
     """Rank and world size: explicit, else torch.distributed, else env, else 0/1.
 
     ``torch.distributed`` is asked only when it is initialised, so a plain

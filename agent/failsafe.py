@@ -113,8 +113,9 @@ class Failsafe:
     _scales: torch.Tensor | None
     _ratio_columns: tuple[str, ...]
 
-    def _event(self, kind: str, step: int, values: dict[str, Any],
-               extra: dict[str, Any] | None = None) -> None:
+    def _event(
+        self, kind: str, step: int, values: dict[str, Any], extra: dict[str, Any] | None = None
+    ) -> None:
         """Queue an event of ``values`` (checked) and ``extra`` (the agent's own, sent as is)."""
         if self._off:
             return
@@ -128,8 +129,9 @@ class Failsafe:
         except Exception as exc:
             self._fail(f"queueing a {kind!r} event", exc)
 
-    def _event_item(self, kind: str, step: int, values: dict[str, Any],
-                    extra: dict[str, Any]) -> EventItem:
+    def _event_item(
+        self, kind: str, step: int, values: dict[str, Any], extra: dict[str, Any]
+    ) -> EventItem:
         plain: dict[str, Any] = dict(extra)
         tensors: dict[str, torch.Tensor] = {}
         for key, value in values.items():
@@ -144,16 +146,19 @@ class Failsafe:
             elif isinstance(value, numbers.Real):
                 plain[key] = float(value)  # e.g. a numpy scalar, which JSON cannot encode
             else:
-                self._warn_once(f"{kind}:{key}", f"{kind} field {key!r} ({describe(value)}) "
-                                "is not a number, one-element tensor or string; skipped")
+                self._warn_once(
+                    f"{kind}:{key}",
+                    f"{kind} field {key!r} ({describe(value)}) "
+                    "is not a number, one-element tensor or string; skipped",
+                )
         if not tensors:
             return EventItem(kind, step, plain)
-        on_device = [t.to(self._device, dtype=torch.float32, non_blocking=True)
-                     for t in tensors.values()]
+        on_device = [
+            t.to(self._device, dtype=torch.float32, non_blocking=True) for t in tensors.values()
+        ]
         stacked = torch.stack(on_device)
         stacked, ready = to_host_async(stacked)
         return EventItem(kind, step, plain, tuple(tensors), stacked, ready)
-
 
     def _fail(self, what: str, exc: BaseException) -> None:
         """Switch off for good, logging once; safe from either thread."""
@@ -163,14 +168,22 @@ class Failsafe:
             self._disabled = f"internal error while {what}: {type(exc).__name__}: {exc}"
             self._off = True
         if isinstance(exc, SetupError):  # the user's settings, not a gradwatch bug
-            logger.error("gradwatch: %s: %s. Monitoring is switched off for this run; training "
-                         "continues unaffected.", what, exc)
+            logger.error(
+                "gradwatch: %s: %s. Monitoring is switched off for this run; training "
+                "continues unaffected.",
+                what,
+                exc,
+            )
         else:
             logger.error(
                 "gradwatch: internal error while %s (%s: %s). Monitoring is now switched off "
                 "for this run; training continues unaffected. Please report this with the "
                 "traceback below; watch(enabled=False) silences gradwatch entirely.",
-                what, type(exc).__name__, exc, exc_info=exc)
+                what,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
         shipper = getattr(self, "_shipper", None)
         if shipper is not None and not shipper.on_its_thread():
             if not self._in_hook:  # inside the pre-hook, log()/close() remove the hooks
@@ -180,23 +193,31 @@ class Failsafe:
             # both, on a thread of its own: the training thread never waits for it.
             self._queue_notice(Notice("monitoring", self._disabled or what))
             self._queue_event_item(EventItem("note", self._step, {"note": CLOSED_NOTE}))
-            threading.Thread(target=shipper.stop, args=(FAIL_SEND_S,), daemon=True,
-                             name="gradwatch-stop").start()
+            threading.Thread(
+                target=shipper.stop, args=(FAIL_SEND_S,), daemon=True, name="gradwatch-stop"
+            ).start()
 
     def _degrade(self, notice: Notice) -> None:
         """Switch one part off (the rest goes on): log once, and tell the collector."""
         if not self._notices.add(notice, time.monotonic(), self._counters.heartbeats_sent > 0):
             return
         level = logging.INFO if notice.optional else logging.WARNING
-        logger.log(level, "gradwatch: %s switched off: %s. Training and the rest of the "
-                   "monitoring continue; the collector raises AgentDegraded.", notice.off,
-                   notice.reason)
+        logger.log(
+            level,
+            "gradwatch: %s switched off: %s. Training and the rest of the "
+            "monitoring continue; the collector raises AgentDegraded.",
+            notice.off,
+            notice.reason,
+        )
         if not self._off:
             self._queue_notice(notice)
 
     def _queue_notice(self, notice: Notice) -> None:
-        fields = {"off": notice.off, "reason": notice.reason[:MAX_NOTE_CHARS],
-                  "optional": notice.optional}
+        fields = {
+            "off": notice.off,
+            "reason": notice.reason[:MAX_NOTE_CHARS],
+            "optional": notice.optional,
+        }
         self._queue_event_item(EventItem(DEGRADED, max(self._step, 0), fields))
 
     def _queue_event_item(self, item: EventItem) -> None:
@@ -217,8 +238,13 @@ class Failsafe:
         acts, self._acts = self._acts, None
         if acts is not None:
             acts.disarm()
-        self._degrade(Notice("activation statistics",
-                             f"{what} failed: {type(exc).__name__}: {exc}", optional=True))
+        self._degrade(
+            Notice(
+                "activation statistics",
+                f"{what} failed: {type(exc).__name__}: {exc}",
+                optional=True,
+            )
+        )
 
     def _drop_hooks(self) -> None:
         # Removing a hook is only done on the training thread, which owns them.
@@ -235,13 +261,11 @@ class Failsafe:
             logger.warning("gradwatch: %s", message)
 
 
-
 def describe(value: Any) -> str:
     """Name a value's type (and shape) without printing it: a device tensor's repr syncs."""
     if isinstance(value, torch.Tensor):
         return f"a tensor of shape {tuple(value.shape)}"
     return f"a {type(value).__name__}"
-
 
 
 def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 
@@ -80,7 +81,8 @@ class GradReader:
         if not params:
             raise NoLayersError(
                 "the optimizer updates none of the model's trainable parameters; pass the "
-                "model whose parameters this optimizer was built with")
+                "model whose parameters this optimizer was built with"
+            )
         device = params[0].device
         wide = tuple(i for i, p in enumerate(params) if p.dtype not in _FP32_ACCUMULABLE)
         multi = any(p.device != device for p in params)
@@ -115,38 +117,50 @@ class GradReader:
             self._write_norms(list(before), row)
 
     def _weights(self) -> list[torch.Tensor]:
-        return [(p.to_local() if _is_dtensor(p) else p).detach() for p in self.params]
+        return [local(p).detach() for p in self.params]
 
-    def _write_norms(self, tensors: list[torch.Tensor | None], row: torch.Tensor) -> None:
+    def _write_norms(self, tensors: Sequence[torch.Tensor | None], row: torch.Tensor) -> None:
         if self.sharded:
-            tensors = [t.to_local() if _is_dtensor(t) else t for t in tensors]
+            tensors = [None if t is None else local(t) for t in tensors]
         # A list comprehension, not ``None in tensors``: ``in`` would call
         # Tensor.__eq__(None) per tensor, ~16 us each.
-        if self.wide or self.multi_device or [t for t in tensors if t is None]:
+        present = [t for t in tensors if t is not None]
+        norms: Sequence[torch.Tensor]
+        if self.wide or self.multi_device or len(present) != len(tensors):
             norms = self._norms_slow(tensors, row.device)
         else:
-            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+            norms = torch._foreach_norm(present, 2, dtype=torch.float32)
         # One kernel writes every norm (cast to the row's float32) in place.
         torch.stack(norms, out=row)
 
-    def _norms_slow(self, grads: Sequence[torch.Tensor | None],
-                    device: torch.device) -> list[torch.Tensor]:
+    def _norms_slow(
+        self, grads: Sequence[torch.Tensor | None], device: torch.device
+    ) -> list[torch.Tensor]:
         """Norms when some grads are absent, wide, or elsewhere: still no sync."""
-        present = [i for i, g in enumerate(grads) if g is not None]
+        present = {i: g for i, g in enumerate(grads) if g is not None}
         narrow = [i for i in present if i not in self.wide]
         wide = [i for i in present if i in self.wide]
         out: list[torch.Tensor] = [_zero(device)] * len(grads)
         if narrow:
-            normed = torch._foreach_norm([grads[i] for i in narrow], 2, dtype=torch.float32)
+            normed = torch._foreach_norm([present[i] for i in narrow], 2, dtype=torch.float32)
             for i, n in zip(narrow, normed, strict=True):
                 out[i] = n
         if wide:
-            for i, n in zip(wide, torch._foreach_norm([grads[i] for i in wide], 2), strict=True):
+            for i, n in zip(wide, torch._foreach_norm([present[i] for i in wide], 2), strict=True):
                 out[i] = n  # float64 here; stack casts it into the float32 row
         if self.multi_device:
             # A device-to-device copy, queued; it does not wait for the host.
             out = [n.to(device, non_blocking=True) for n in out]
         return out
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor parameter (FSDP2, tensor parallel), else ``t``."""
+    if _is_dtensor(t):
+        # DTensor is a Tensor subclass torch types apart; to_local is its own method.
+        shard: torch.Tensor = cast(Any, t).to_local()
+        return shard
+    return t
 
 
 def _is_dtensor(t: object) -> bool:

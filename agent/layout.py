@@ -42,7 +42,6 @@ from gradwatch.wire import MISSING_BITS, Schema
 MISSING_I32 = MISSING_BITS - (1 << 32) if MISSING_BITS >= 1 << 31 else MISSING_BITS
 
 
-
 @dataclass(frozen=True, slots=True)
 class Later:
     """A 0-d CPU tensor logged by reference, read by the shipper, with its version then.
@@ -155,14 +154,25 @@ class Columns:
         dev = tuple(sorted((index[n], s) for n, s in self._dev.items()))
         host = tuple(sorted((index[n], s) for n, s in self._host.items()))
         return Layout(
-            schema=Schema(id=self.schema_id, columns=tuple(self.names), layers=self.layers,
-                          layer_roles=self.layer_roles),
-            n_layers=len(self.layers), device_width=self.device_width,
-            dev_pairs=dev, host_pairs=host)
+            schema=Schema(
+                id=self.schema_id,
+                columns=tuple(self.names),
+                layers=self.layers,
+                layer_roles=self.layer_roles,
+            ),
+            n_layers=len(self.layers),
+            device_width=self.device_width,
+            dev_pairs=dev,
+            host_pairs=host,
+        )
 
 
-def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostValue]],
-               stale: list[int] | None = None) -> bytes:
+def merge_rows(
+    layout: Layout,
+    dev: torch.Tensor,
+    host: Sequence[Sequence[HostValue]],
+    stale: list[int] | None = None,
+) -> bytes:
     """Pack ``len(host)`` rows as the wire's little-endian float32 values.
 
     ``dev`` is the host copy of the device rows (``n x device_width`` float32,
@@ -182,7 +192,7 @@ def merge_rows(layout: Layout, dev: torch.Tensor, host: Sequence[Sequence[HostVa
     out = array.array("I", [MISSING_BITS]) * (n_rows * out_width)
     for r in range(n_rows):
         base, at = r * out_width, r * width
-        out[base + n_cols: base + out_width] = src[at: at + n_layers]
+        out[base + n_cols : base + out_width] = src[at : at + n_layers]
         for col, slot in layout.dev_pairs:
             out[base + col] = src[at + slot]
         if r < len(host):

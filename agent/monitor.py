@@ -109,8 +109,14 @@ class Monitor(StepRecorder):
     and the per-step recording (agent/recording.py); the public methods here.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 config: AgentConfig, scaler: Any = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        config: AgentConfig,
+        scaler: Any = None,
+        enabled: bool = True,
+    ) -> None:
         self.config = config
         self._counters = Counters()
         self._step = config.start_step - 1
@@ -156,20 +162,19 @@ class Monitor(StepRecorder):
         self._device = self._reader.device
         self._optimizer = optimizer
         self._scaler = scaler
-        self._lr_columns = [] if self._manual else [
-            wc.lr(g) for g in range(len(optimizer.param_groups))]
+        self._lr_columns = (
+            [] if self._manual else [wc.lr(g) for g in range(len(optimizer.param_groups))]
+        )
         base = [wc.LOSS, *self._lr_columns, wc.SKIPPED]
         if scaler is not None:
             base.append(wc.LOSS_SCALE)
         reports = config.reports_layers
-        self._columns = Columns(self._reader.names if reports else (), base,
-                                config.device_columns)
+        self._columns = Columns(self._reader.names if reports else (), base, config.device_columns)
         self._columns.layer_roles = self._census.roles(self._reader.params) if reports else ()
         self._scratch = self._scales = None
         if not reports:  # a replica whose model shard has a reporter (agent/topology.py)
             self._scratch = torch.empty(len(self._reader.names), device=self._device)
-            self._nonfinite_slot = self._columns.device_slot(
-                wc.scalar(wc.GRAD_NONFINITE_SCALAR))
+            self._nonfinite_slot = self._columns.device_slot(wc.scalar(wc.GRAD_NONFINITE_SCALAR))
         else:
             self._scales = _layer_scales(model, self._reader.params, config, self._device)
         self._column_of = {wc.LOSS: wc.LOSS}
@@ -177,8 +182,14 @@ class Monitor(StepRecorder):
             self._column_of["lr"] = wc.lr(0)  # the hand-written update's rate, if logged
         # Appended to, never woken: the shipper polls it (agent/workqueue.py).
         self._work = WorkQueue(config.pool_size + config.max_pending_events)
-        self._buffer = StepBuffer(self._columns, self._device, config.flush_every,
-                                  config.pool_size, self._work, self._counters)
+        self._buffer = StepBuffer(
+            self._columns,
+            self._device,
+            config.flush_every,
+            config.pool_size,
+            self._work,
+            self._counters,
+        )
         # On CPU the loss travels as a reference the shipper reads (agent/layout.py:
         # Later). Not on CUDA: a CUDA graph replay rewrites its outputs in place
         # without a version bump, and a read there must wait for the device.
@@ -191,16 +202,23 @@ class Monitor(StepRecorder):
         self._since = time.perf_counter()
         self._forward_t0 = None
         self._data_s = self._forward_s = 0.0
-        self._phase_columns = (wc.scalar(wc.DATA_SECONDS_SCALAR),
-                               wc.scalar(wc.FORWARD_SECONDS_SCALAR))
-        self._shipper = Shipper(config, self.incarnation, self._work, self._buffer.pool,
-                                # Steps on the wire are >= 0; a run numbered from 0
-                                # (start_step=0) has logged "step -1" before its first.
-                                self._counters, last_step=lambda: max(self._step, 0),
-                                on_failure=self._fail,
-                                on_command=self._on_command if config.command_endpoint else None,
-                                started=lambda: max(self._step + 1 if self._began
-                                                    else self._step, 0))
+        self._phase_columns = (
+            wc.scalar(wc.DATA_SECONDS_SCALAR),
+            wc.scalar(wc.FORWARD_SECONDS_SCALAR),
+        )
+        self._shipper = Shipper(
+            config,
+            self.incarnation,
+            self._work,
+            self._buffer.pool,
+            # Steps on the wire are >= 0; a run numbered from 0
+            # (start_step=0) has logged "step -1" before its first.
+            self._counters,
+            last_step=lambda: max(self._step, 0),
+            on_failure=self._fail,
+            on_command=self._on_command if config.command_endpoint else None,
+            started=lambda: max(self._step + 1 if self._began else self._step, 0),
+        )
         self._shipper.start()
         self._attach(model, optimizer)
 
@@ -217,11 +235,19 @@ class Monitor(StepRecorder):
         shipper = getattr(self, "_shipper", None)
         accepted, refused = shipper.command_counts() if shipper is not None else (0, 0)
         return MonitorStats(
-            steps_logged=c.steps_logged, steps_dropped=c.steps_dropped,
-            steps_sent=c.steps_sent, batches_sent=c.batches_sent, heartbeats_sent=c.heartbeats_sent,
-            events_sent=c.events_sent, events_dropped=c.events_dropped,
-            disabled=self._disabled, stats_sent=c.stats_sent, stats_dropped=c.stats_dropped,
-            commands_accepted=accepted, commands_refused=refused)
+            steps_logged=c.steps_logged,
+            steps_dropped=c.steps_dropped,
+            steps_sent=c.steps_sent,
+            batches_sent=c.batches_sent,
+            heartbeats_sent=c.heartbeats_sent,
+            events_sent=c.events_sent,
+            events_dropped=c.events_dropped,
+            disabled=self._disabled,
+            stats_sent=c.stats_sent,
+            stats_dropped=c.stats_dropped,
+            commands_accepted=accepted,
+            commands_refused=refused,
+        )
 
     def log(self, step: int | None = None, **scalars: Scalar) -> None:
         """Record this step: ``loss`` plus any named scalars (tensors or numbers).
@@ -300,8 +326,11 @@ class Monitor(StepRecorder):
             return
         extra: dict[str, Any] = {}
         if self._mode_sensitive:
-            training = [name for name, module in self._mode_sensitive
-                        if module.training and mode_matters(module)]
+            training = [
+                name
+                for name, module in self._mode_sensitive
+                if module.training and mode_matters(module)
+            ]
             extra["train_mode_modules"] = training[:MAX_TRAIN_MODE_NAMES]
         # An evaluation before the first logged step of a run numbered from 0
         # (start_step=0, nanoGPT's iter_num) is at step 0, not -1: steps are >= 0.
@@ -319,13 +348,15 @@ class Monitor(StepRecorder):
 
     def checkpoint_saved(self, step: int, path: str | os.PathLike[str]) -> None:
         """Tell the collector a checkpoint of ``step`` now exists at ``path``."""
-        if isinstance(step, torch.Tensor) or not isinstance(step, numbers.Integral):
+        if not isinstance(step, numbers.Integral):  # a tensor is not Integral either
             # No repr of the value: printing a device tensor would sync.
-            self._warn_once("checkpoint_saved", f"checkpoint_saved(step=<{type(step).__name__}>) "
-                            "needs a Python int (use the loop's step counter); event not sent")
+            self._warn_once(
+                "checkpoint_saved",
+                f"checkpoint_saved(step=<{type(step).__name__}>) "
+                "needs a Python int (use the loop's step counter); event not sent",
+            )
             return
         self._event("checkpoint", int(step), {"path": os.fspath(path)})
-
 
     def close(self) -> None:
         """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
@@ -353,22 +384,42 @@ class Monitor(StepRecorder):
     def __enter__(self) -> Monitor:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
 
-def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-          job: str | None = None, endpoint: str = DEFAULT_ENDPOINT, *, rank: int | None = None,
-          world: int | None = None, flush_every: int = 10, scaler: Any = None,
-          heartbeat_every: float = 2.0, stats_every: int = 50, enabled: bool = True,
-          activation_stats: bool = True, update_ratios: bool = True,
-          activation_modules: Mapping[str, str] | None = None,
-          command_endpoint: str | None = None, command_key: str | bytes | None = None,
-          on_rollback: str = "return", resume_file: str | None = None,
-          curve_server_public_key_file: str | None = None,
-          curve_secret_key_file: str | None = None, shards: int | None = None,
-          start_step: int = 1, early_stats: bool = True, layout: object = None) -> Monitor:
+def watch(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    job: str | None = None,
+    endpoint: str = DEFAULT_ENDPOINT,
+    *,
+    rank: int | None = None,
+    world: int | None = None,
+    flush_every: int = 10,
+    scaler: Any = None,
+    heartbeat_every: float = 2.0,
+    stats_every: int = 50,
+    enabled: bool = True,
+    activation_stats: bool = True,
+    update_ratios: bool = True,
+    activation_modules: Mapping[str, str] | None = None,
+    command_endpoint: str | None = None,
+    command_key: str | bytes | None = None,
+    on_rollback: str = "return",
+    resume_file: str | None = None,
+    curve_server_public_key_file: str | None = None,
+    curve_secret_key_file: str | None = None,
+    shards: int | None = None,
+    start_step: int = 1,
+    early_stats: bool = True,
+    layout: object = None,
+) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
     ``job`` (required) names the run. ``optimizer`` None: the loop updates the
@@ -416,20 +467,34 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
     (a bad value) before training starts; after that, nothing the monitor does
     raises into the loop, except that deliberate ``SystemExit``.
     """
-    check_watch_args(model, optimizer, job=job, endpoint=endpoint, rank=rank, world=world,
-                     flush_every=flush_every, heartbeat_every=heartbeat_every,
-                     stats_every=stats_every, enabled=enabled,
-                     activation_stats=activation_stats, update_ratios=update_ratios,
-                     command_endpoint=command_endpoint, command_key=command_key,
-                     on_rollback=on_rollback, resume_file=resume_file,
-                     curve_server_public_key_file=curve_server_public_key_file,
-                     curve_secret_key_file=curve_secret_key_file, shards=shards,
-                     start_step=start_step)
+    check_watch_args(
+        model,
+        optimizer,
+        job=job,
+        endpoint=endpoint,
+        rank=rank,
+        world=world,
+        flush_every=flush_every,
+        heartbeat_every=heartbeat_every,
+        stats_every=stats_every,
+        enabled=enabled,
+        activation_stats=activation_stats,
+        update_ratios=update_ratios,
+        command_endpoint=command_endpoint,
+        command_key=command_key,
+        on_rollback=on_rollback,
+        resume_file=resume_file,
+        curve_server_public_key_file=curve_server_public_key_file,
+        curve_secret_key_file=curve_secret_key_file,
+        shards=shards,
+        start_step=start_step,
+    )
     assert job is not None  # checked above
     rank, world = resolve_rank_world(rank, world)
     topo = resolve_layout(model, world, layout)
-    shards = topo.shards if topo is not None and shards is None else \
-        resolve_shards(model, world, shards)
+    shards = (
+        topo.shards if topo is not None and shards is None else resolve_shards(model, world, shards)
+    )
     try:
         cmd_endpoint, cmd_key = command_settings(command_endpoint, command_key)
     except ValueError as exc:
@@ -438,26 +503,44 @@ def watch(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
         # Set up by the environment: a broken rollback setup must not stop training.
         logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         cmd_endpoint, cmd_key = None, None
-    config = AgentConfig(job=job, rank=rank, world=world, shards=shards, endpoint=endpoint,
-                         layout=topo, reports_layers=reports_layers(topo, rank),
-                         flush_every=flush_every, heartbeat_every=heartbeat_every,
-                         stats_every=stats_every, activation_stats=activation_stats,
-                         activation_modules=check_activation_modules(activation_modules),
-                         update_ratios=update_ratios, command_endpoint=cmd_endpoint,
-                         command_key=cmd_key, on_rollback=on_rollback, resume_file=resume_file,
-                         curve_server_public_key_file=curve_server_public_key_file,
-                         curve_secret_key_file=curve_secret_key_file, start_step=start_step,
-                         early_stats=early_stats)
+    config = AgentConfig(
+        job=job,
+        rank=rank,
+        world=world,
+        shards=shards,
+        endpoint=endpoint,
+        layout=topo,
+        reports_layers=reports_layers(topo, rank),
+        flush_every=flush_every,
+        heartbeat_every=heartbeat_every,
+        stats_every=stats_every,
+        activation_stats=activation_stats,
+        activation_modules=check_activation_modules(activation_modules),
+        update_ratios=update_ratios,
+        command_endpoint=cmd_endpoint,
+        command_key=cmd_key,
+        on_rollback=on_rollback,
+        resume_file=resume_file,
+        curve_server_public_key_file=curve_server_public_key_file,
+        curve_secret_key_file=curve_secret_key_file,
+        start_step=start_step,
+        early_stats=early_stats,
+    )
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
 
-def _layer_scales(model: torch.nn.Module, params: tuple[torch.nn.Parameter, ...],
-                  config: AgentConfig, device: torch.device) -> torch.Tensor | None:
+def _layer_scales(
+    model: torch.nn.Module,
+    params: tuple[torch.nn.Parameter, ...],
+    config: AgentConfig,
+    device: torch.device,
+) -> torch.Tensor | None:
     """Per watched layer, the factor its norms are sent with (agent/topology.share_scales:
     a copy held whole by every rank of a shard group counts once), or None (all 1)."""
     scales = share_scales(model, config.layout)
     if scales is None:
         return None
     factor = {id(p): s for (_, p), s in zip(model.named_parameters(), scales, strict=True)}
-    return torch.tensor([factor.get(id(p), 1.0) for p in params], dtype=torch.float32,
-                        device=device)
+    return torch.tensor(
+        [factor.get(id(p), 1.0) for p in params], dtype=torch.float32, device=device
+    )

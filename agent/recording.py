@@ -42,6 +42,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradwatch.agent.activations import ActHooks, is_compiled
 from gradwatch.agent.failsafe import describe, to_host_async
+from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached
 from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
@@ -73,8 +74,7 @@ class StepRecorder(RollbackExit):
             # Process-wide, so an optimizer the loop re-creates mid-run (a new phase, a
             # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
             self._follow = Follower(self._reader.params, optimizer)
-            self._hooks.append(register_optimizer_step_pre_hook(
-                self._any_pre_hook))
+            self._hooks.append(register_optimizer_step_pre_hook(self._any_pre_hook))
         began, ended = self._forward_began, self._forward_ended
         if "torch._dynamo" in sys.modules:
             # A compiled model would trace these clock reads into its graph (and
@@ -82,21 +82,34 @@ class StepRecorder(RollbackExit):
             began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
         # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
         # parameters, which waits for the slowest rank; that wait is not "data".
-        self._hooks.append(model.register_forward_pre_hook(Detached(began, compile_safe=True),
-                                                           prepend=True))
+        self._hooks.append(
+            model.register_forward_pre_hook(Detached(began, compile_safe=True), prepend=True)
+        )
         self._hooks.append(model.register_forward_hook(Detached(ended, compile_safe=True)))
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         # A rank that sends no layers sends no cadence statistics either: its
         # reporter's (same model, same update) stand for it.
         if self.config.activation_stats and self.config.stats_every and self._scratch is None:
-            self._acts = ActHooks.attach(model, self._device, on_error=self._acts_failed,
-                                         max_modules=self.config.max_act_modules,
-                                         inputs=dict(self.config.activation_modules))
+            self._acts = ActHooks.attach(
+                model,
+                self._device,
+                on_error=self._acts_failed,
+                max_modules=self.config.max_act_modules,
+                inputs=dict(self.config.activation_modules),
+            )
             if self._acts is None and is_compiled(model):
-                self._degrade(Notice("activation statistics", "the model is compiled "
-                                     "(torch.compile); forward hooks would recompile it",
-                                     optional=True))
-        if self.config.stats_every and self._scratch is None:
+                self._degrade(
+                    Notice(
+                        "activation statistics",
+                        "the model is compiled (torch.compile); forward hooks would recompile it",
+                        optional=True,
+                    )
+                )
+        if (
+            self.config.stats_every
+            and self._scratch is None
+            and isinstance(self._reader, GradReader)
+        ):  # always, at attach
             self._wstats = WeightStats(self._reader)
             self._stats_now = self._cadence.due(self._step + 1)
             if self._acts is not None and self._stats_now:
@@ -106,9 +119,12 @@ class StepRecorder(RollbackExit):
         """Make the step being logged number ``step`` (log(step=...)); see agent/steps.py."""
         number = user_step(step)
         if number is None:
-            self._warn_once("log_step", f"log(step=<{type(step).__name__}>) needs a "
-                            "non-negative Python int (the loop's own counter); the agent "
-                            "counts on by itself")
+            self._warn_once(
+                "log_step",
+                f"log(step=<{type(step).__name__}>) needs a "
+                "non-negative Python int (the loop's own counter); the agent "
+                "counts on by itself",
+            )
             return
         if number <= self._step and self._counters.steps_logged:
             # The loop rewound (a resume, or a rollback done by hand): what was
@@ -116,7 +132,6 @@ class StepRecorder(RollbackExit):
             self._buffer.flush()
             self._reincarnate(f"log(step={number})")
         self._step = number - 1
-
 
     def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._off:
@@ -133,8 +148,11 @@ class StepRecorder(RollbackExit):
             self._open = True
             # Every line here runs on a cache the backward pass just emptied, where
             # a call costs microseconds: _before_update only when it has work.
-            if self._stats_now or self._cadence.forced or \
-                    self._root.training is not self._was_training:
+            if (
+                self._stats_now
+                or self._cadence.forced
+                or self._root.training is not self._was_training
+            ):
                 self._before_update()
         except Exception as exc:
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
@@ -147,8 +165,10 @@ class StepRecorder(RollbackExit):
             if self._open or self._off or not self._follow.adopts(optimizer):
                 return  # another model's optimizer, or one stepping inside ours (a wrapper)
             self._optimizer = optimizer
-            logger.info("gradwatch: following a new optimizer (%s) that updates the watched "
-                        "parameters", type(optimizer).__name__)
+            logger.info(
+                "gradwatch: following a new optimizer (%s) that updates the watched parameters",
+                type(optimizer).__name__,
+            )
         self._pre_hook(optimizer, args, kwargs)
 
     def _before_update(self) -> None:
@@ -177,7 +197,7 @@ class StepRecorder(RollbackExit):
             self._reader, notice = fixed
             if self._wstats is not None:  # it reads the weights through the old reader
                 weights = getattr(self._reader, "weights_reader", self._reader)
-                self._wstats = None if weights is None else WeightStats(weights)
+                self._wstats = WeightStats(weights) if isinstance(weights, GradReader) else None
             if notice is not None:
                 self._degrade(notice)
             if scratch is not None and scratch.numel() != len(self._reader.names):
@@ -239,8 +259,8 @@ class StepRecorder(RollbackExit):
         for slot, tensor in dev:
             buffer.cell(slot).copy_(tensor)
         host_row: list[HostValue] = [None] * columns.host_width
-        for slot, value in host:
-            host_row[slot] = value
+        for slot, cell_value in host:
+            host_row[slot] = cell_value
         self._step += 1
         now = time.time()
         buffer.commit(self._step, now, host_row)
@@ -257,9 +277,13 @@ class StepRecorder(RollbackExit):
                 if self._acts is not None:
                     self._acts.disarm()
                     self._acts = None
-                self._degrade(Notice("cadence statistics (weight norms, update ratios, "
-                                     "activations)", f"reading them failed: "
-                                     f"{type(exc).__name__}: {exc}", optional=True))
+                self._degrade(
+                    Notice(
+                        "cadence statistics (weight norms, update ratios, activations)",
+                        f"reading them failed: {type(exc).__name__}: {exc}",
+                        optional=True,
+                    )
+                )
         self._stats_now = self._cadence.due(self._step + 1)
         acts = self._acts
         if acts is not None and (self._stats_now or acts.armed):
@@ -302,19 +326,36 @@ class StepRecorder(RollbackExit):
             values = torch.cat((*done.parts, values))
         values, ready = to_host_async(values)
         try:
-            self._work.put_nowait(StatsItem(done.step, done.time, self._reader.names, values,
-                                            ready, done.columns, self._census.take()))
+            self._work.put_nowait(
+                StatsItem(
+                    done.step,
+                    done.time,
+                    self._reader.names,
+                    values,
+                    ready,
+                    done.columns,
+                    self._census.take(),
+                )
+            )
         except queue.Full:
             with self._counters.lock:
                 self._counters.stats_dropped += 1
 
-    def _route(self, column: str, value: Any, dev: list[tuple[int, torch.Tensor]],
-               host: list[tuple[int, HostValue]]) -> None:
+    def _route(
+        self,
+        column: str,
+        value: Any,
+        dev: list[tuple[int, torch.Tensor]],
+        host: list[tuple[int, HostValue]],
+    ) -> None:
         """Send a value to its device slot (tensors) or host slot (numbers)."""
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
-                self._warn_once(column, f"{column!r} is {describe(value)}; only "
-                                "one-element tensors are logged, so it was skipped")
+                self._warn_once(
+                    column,
+                    f"{column!r} is {describe(value)}; only "
+                    "one-element tensors are logged, so it was skipped",
+                )
                 return
             # An autograd result (the loss of this step's forward) is not written in
             # place by the loop: on CPU the shipper reads it (agent/layout.py: Later),
@@ -337,10 +378,11 @@ class StepRecorder(RollbackExit):
         elif type(value) in _NUMBERS or isinstance(value, numbers.Real):
             host.append((self._columns.host_slot(column), value))
         else:
-            self._warn_once(column, f"{column!r} is {describe(value)}; log tensors "
-                            "or numbers, so it was skipped")
+            self._warn_once(
+                column,
+                f"{column!r} is {describe(value)}; log tensors or numbers, so it was skipped",
+            )
 
     def _name_column(self, name: str) -> str:
         column = self._column_of[name] = wc.scalar(name)
         return column
-

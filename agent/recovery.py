@@ -61,8 +61,12 @@ class Notice:
 class Reader(Protocol):
     """What the monitor needs of a gradient reader (GradReader and the stand-ins here)."""
 
-    names: tuple[str, ...]
-    device: torch.device
+    @property
+    def names(self) -> tuple[str, ...]: ...
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def params(self) -> tuple[torch.nn.Parameter, ...]: ...
 
     def read_into(self, row: torch.Tensor) -> None: ...
     def read_weights_into(self, row: torch.Tensor) -> None: ...
@@ -77,8 +81,9 @@ class PartialReader:
     ``inner`` None: no gradient norm is read at all.
     """
 
-    def __init__(self, full: GradReader, inner: GradReader | None, index: torch.Tensor,
-                 weights: bool = True) -> None:
+    def __init__(
+        self, full: GradReader, inner: GradReader | None, index: torch.Tensor, weights: bool = True
+    ) -> None:
         self.names = full.names
         self.device = full.device
         self.params = full.params
@@ -126,11 +131,13 @@ def recover(reader: Reader) -> tuple[Reader, Notice | None] | None:
         return PartialReader(full, None, index, weights=False), Notice(
             "gradient and weight norms",
             f"the model moved from {full.device} to {moved} after watch(); call "
-            "gradwatch.watch() after model.to(device)")
+            "gradwatch.watch() after model.to(device)",
+        )
     wide = tuple(i for i, p in enumerate(params) if p.dtype not in _NARROW)
     fresh = GradReader(full.names, params, full.device, wide, full.multi_device, full.sharded)
-    sparse = [i for i, p in enumerate(params)
-              if p.grad is not None and p.grad.layout != torch.strided]
+    sparse = [
+        i for i, p in enumerate(params) if p.grad is not None and p.grad.layout != torch.strided
+    ]
     if not sparse:
         if wide == full.wide:
             return None  # nothing about the parameters changed
@@ -138,17 +145,24 @@ def recover(reader: Reader) -> tuple[Reader, Notice | None] | None:
     dense = [i for i in range(len(params)) if i not in sparse]
     inner = None
     if dense:
-        inner = GradReader(tuple(full.names[i] for i in dense), tuple(params[i] for i in dense),
-                           full.device, tuple(dense.index(i) for i in wide if i in dense),
-                           full.multi_device, full.sharded)
+        inner = GradReader(
+            tuple(full.names[i] for i in dense),
+            tuple(params[i] for i in dense),
+            full.device,
+            tuple(dense.index(i) for i in wide if i in dense),
+            full.multi_device,
+            full.sharded,
+        )
     names = [full.names[i] for i in sparse]
-    quoted = ", ".join(names[:MAX_NAMED]) + (f" and {len(names) - MAX_NAMED} more"
-                                            if len(names) > MAX_NAMED else "")
+    quoted = ", ".join(names[:MAX_NAMED]) + (
+        f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
+    )
     index = torch.tensor(dense, dtype=torch.long, device=full.device)
     return PartialReader(fresh, inner, index), Notice(
         "gradient norms of sparse layers",
         f"{quoted} get sparse gradients (e.g. nn.Embedding(sparse=True)), whose norms "
-        "cannot be read without a device sync; these layers are not measured, the others are")
+        "cannot be read without a device sync; these layers are not measured, the others are",
+    )
 
 
 class NoticeBoard:

@@ -25,8 +25,6 @@ import numbers
 import queue
 import secrets
 
-import torch
-
 from gradwatch.agent.commands import (
     ROLLBACK_EXIT_CODE,
     Rollback,
@@ -75,7 +73,7 @@ class RollbackExit(Failsafe):
         is one, continues as a new ``incarnation`` (the collector then sees the
         rewound steps as a restart, not a stall) and sends a ``note`` event.
         """
-        if isinstance(step, torch.Tensor) or not isinstance(step, numbers.Integral):
+        if not isinstance(step, numbers.Integral):  # a tensor is not Integral either
             self._warn_once("rollback_done", "rollback_done(step) needs a Python int; ignored")
             return
         self._step = int(step)
@@ -85,8 +83,11 @@ class RollbackExit(Failsafe):
         try:
             resume_file_path(self.config.resume_file).unlink(missing_ok=True)
         except OSError as exc:
-            self._warn_once("resume_file", f"cannot remove the resume file: {exc}; delete it "
-                            "or the next restart resumes from the same plan")
+            self._warn_once(
+                "resume_file",
+                f"cannot remove the resume file: {exc}; delete it "
+                "or the next restart resumes from the same plan",
+            )
         self._event("note", self._step, {"note": "rollback_done"})
 
     def _reincarnate(self, why: str) -> None:
@@ -96,9 +97,11 @@ class RollbackExit(Failsafe):
             self._work.put_nowait(Reincarnate(incarnation))  # ordered after earlier steps
             self.incarnation = incarnation
         except queue.Full:
-            self._warn_once("reincarnate", f"{why}: the send queue is full, so the "
-                            "collector may briefly see the rewound steps as a stall")
-
+            self._warn_once(
+                "reincarnate",
+                f"{why}: the send queue is full, so the "
+                "collector may briefly see the rewound steps as a stall",
+            )
 
     def _on_command(self, rollback: Rollback) -> None:
         # Shipper thread; the training thread takes it at a step boundary.
@@ -116,12 +119,19 @@ class RollbackExit(Failsafe):
         except OSError as exc:
             # Exiting without a plan would restart from the newest (maybe poisoned)
             # checkpoint: keep training and say so instead.
-            self._warn_once("resume_write", f"cannot write the resume file {where}: {exc}; "
-                            "the rollback was NOT done, training continues")
+            self._warn_once(
+                "resume_write",
+                f"cannot write the resume file {where}: {exc}; "
+                "the rollback was NOT done, training continues",
+            )
             return
-        logger.warning("gradwatch: exiting with code %d for a rollback to %s (step %d); the "
-                       "restarted process reads %s with gradwatch.agent.resume_plan()",
-                       ROLLBACK_EXIT_CODE, cmd.checkpoint, cmd.step, where)
+        logger.warning(
+            "gradwatch: exiting with code %d for a rollback to %s (step %d); the "
+            "restarted process reads %s with gradwatch.agent.resume_plan()",
+            ROLLBACK_EXIT_CODE,
+            cmd.checkpoint,
+            cmd.step,
+            where,
+        )
         self.close()
         raise SystemExit(ROLLBACK_EXIT_CODE)
-

@@ -78,16 +78,16 @@ class BufferPool(Protocol):
 class Counters:
     """Host-side counters; each field has exactly one writing thread."""
 
-    steps_logged: int = 0          # training thread
-    steps_dropped_agent: int = 0   # training thread: no free buffer / queue full
-    steps_dropped_send: int = 0    # shipper: ZeroMQ would block (no peer, slow peer)
-    batches_sent: int = 0          # shipper
-    steps_sent: int = 0            # shipper
-    heartbeats_sent: int = 0       # shipper
-    events_sent: int = 0           # shipper
-    events_dropped: int = 0        # both, under ``lock``
-    stats_sent: int = 0            # shipper: cadence-statistics batches
-    stats_dropped: int = 0         # both, under ``lock``
+    steps_logged: int = 0  # training thread
+    steps_dropped_agent: int = 0  # training thread: no free buffer / queue full
+    steps_dropped_send: int = 0  # shipper: ZeroMQ would block (no peer, slow peer)
+    batches_sent: int = 0  # shipper
+    steps_sent: int = 0  # shipper
+    heartbeats_sent: int = 0  # shipper
+    events_sent: int = 0  # shipper
+    events_dropped: int = 0  # both, under ``lock``
+    stats_sent: int = 0  # shipper: cadence-statistics batches
+    stats_dropped: int = 0  # both, under ``lock``
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -99,10 +99,10 @@ class Counters:
 class FlushItem:
     """One batch in flight: ``rows`` device rows in ``buf`` (or ``device_copy``)."""
 
-    buf: torch.Tensor | None          # pooled flat host buffer, returned after use
+    buf: torch.Tensor | None  # pooled flat host buffer, returned after use
     rows: int
     width: int
-    ready: Any                        # torch.cuda.Event, or None when already on host
+    ready: Any  # torch.cuda.Event, or None when already on host
     device_copy: torch.Tensor | None  # a device clone to read here (non-CUDA accelerators)
     layout: Layout
     steps: list[int]
@@ -154,13 +154,18 @@ class Shipper:
     memory barrier ZeroMQ asks for when a socket changes threads.
     """
 
-    def __init__(self, config: AgentConfig, incarnation: str,
-                 work: WorkQueue | queue.Queue[Any],
-                 pool: BufferPool, counters: Counters,
-                 last_step: Callable[[], int],
-                 on_failure: Callable[[str, BaseException], None] | None = None,
-                 on_command: Callable[[Rollback], None] | None = None,
-                 started: Callable[[], int] | None = None) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        incarnation: str,
+        work: WorkQueue | queue.Queue[Any],
+        pool: BufferPool,
+        counters: Counters,
+        last_step: Callable[[], int],
+        on_failure: Callable[[str, BaseException], None] | None = None,
+        on_command: Callable[[Rollback], None] | None = None,
+        started: Callable[[], int] | None = None,
+    ) -> None:
         self._cfg = config
         self._inc = incarnation
         self._work = work
@@ -186,19 +191,30 @@ class Shipper:
             if curve is not None:
                 curve.apply(self._sock)
             self._events = self._sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+            )
             if self._key_error is None:
                 self._sock.connect(config.endpoint)
         except zmq.ZMQError as exc:
             self._ctx.destroy(linger=0)
             raise ValueError(f"cannot connect to endpoint {config.endpoint!r}: {exc}") from exc
         self._commands: CommandReceiver | None = None
-        if on_command is not None and config.command_endpoint and config.command_key and \
-                self._key_error is None:
+        if (
+            on_command is not None
+            and config.command_endpoint
+            and config.command_key
+            and self._key_error is None
+        ):
             try:
-                self._commands = CommandReceiver(self._ctx, config.command_endpoint, config.job,
-                                                 config.command_key, on_command, curve=curve,
-                                                 report=self._report_note)
+                self._commands = CommandReceiver(
+                    self._ctx,
+                    config.command_endpoint,
+                    config.job,
+                    config.command_key,
+                    on_command,
+                    curve=curve,
+                    report=self._report_note,
+                )
             except ValueError as exc:  # a rollback feature problem never stops monitoring
                 logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         # Schema id -> when it last travelled; cleared on a (re)connection.
@@ -247,8 +263,11 @@ class Shipper:
             self._loop()
         except Exception as exc:  # never let a bug here go unseen or reach training
             if self._on_failure is not None:
-                what = "loading the CurveZMQ keys (fix the key settings; nothing was sent)" \
-                    if exc is self._key_error else "shipping batches (the shipper thread)"
+                what = (
+                    "loading the CurveZMQ keys (fix the key settings; nothing was sent)"
+                    if exc is self._key_error
+                    else "shipping batches (the shipper thread)"
+                )
                 self._on_failure(what, exc)
         finally:
             self._discard_queued()
@@ -264,8 +283,11 @@ class Shipper:
                 # made), retry soon: the collector learns which ranks run before their
                 # first steps arrive, and waits for each of them when assembling.
                 first = not sent and self._counters.heartbeats_sent == 0
-                next_beat = now + (min(FIRST_BEAT_RETRY_S, self._cfg.heartbeat_every) if first
-                                   else self._cfg.heartbeat_every)
+                next_beat = now + (
+                    min(FIRST_BEAT_RETRY_S, self._cfg.heartbeat_every)
+                    if first
+                    else self._cfg.heartbeat_every
+                )
             if now >= self._deadline:
                 return
             wait = min(next_beat, self._deadline) - now
@@ -322,9 +344,12 @@ class Shipper:
                 self._schema_sent.clear()
             elif not self._refusal_logged:  # retried every reconnect: say it once
                 self._refusal_logged = True
-                logger.error("gradwatch: the collector at %s refused this agent's connection "
-                             "(%s); steps are counted as dropped until it is fixed (SECURITY.md)",
-                             self._cfg.endpoint, _refusal_reason(event))
+                logger.error(
+                    "gradwatch: the collector at %s refused this agent's connection "
+                    "(%s); steps are counted as dropped until it is fixed (SECURITY.md)",
+                    self._cfg.endpoint,
+                    _refusal_reason(event),
+                )
 
     def _send(self, frames: list[bytes]) -> bool:
         try:
@@ -345,10 +370,13 @@ class Shipper:
                 self._pool.put_nowait(item.buf)
         if stale[0] and not self._stale_logged:
             self._stale_logged = True
-            logger.warning("gradwatch: %d logged loss value(s) were changed in place after "
-                           "log() and before the agent read them, so they were not sent; "
-                           "log a copy (loss.detach().clone()) if the loop reuses that "
-                           "tensor", stale[0])
+            logger.warning(
+                "gradwatch: %d logged loss value(s) were changed in place after "
+                "log() and before the agent read them, so they were not sent; "
+                "log a copy (loss.detach().clone()) if the loop reuses that "
+                "tensor",
+                stale[0],
+            )
         counters = self._counters
         if self._send_batch(item.layout.schema, item.steps, item.times, values):
             counters.batches_sent += 1
@@ -372,18 +400,34 @@ class Shipper:
             with self._counters.lock:
                 self._counters.stats_dropped += 1
 
-    def _send_batch(self, schema: Schema, steps: list[int], times: list[float],
-                    values: bytes, census: Census | None = None) -> bool:
+    def _send_batch(
+        self,
+        schema: Schema,
+        steps: list[int],
+        times: list[float],
+        values: bytes,
+        census: Census | None = None,
+    ) -> bool:
         """Send one batch, attaching ``schema`` when the peer may not know it; True if sent."""
         now = time.monotonic()
         last = self._schema_sent.get(schema.id)
         attach = last is None or now - last >= self._cfg.schema_every_s
         cfg = self._cfg
         batch = Batch(
-            job=cfg.job, rank=cfg.rank, world=cfg.world, schema_id=schema.id, seq=self._seq,
-            incarnation=self._inc, dropped=self._counters.steps_dropped, steps=tuple(steps),
-            times=tuple(times), values=values, schema=schema if attach else None,
-            shards=cfg.shards, census=census)
+            job=cfg.job,
+            rank=cfg.rank,
+            world=cfg.world,
+            schema_id=schema.id,
+            seq=self._seq,
+            incarnation=self._inc,
+            dropped=self._counters.steps_dropped,
+            steps=tuple(steps),
+            times=tuple(times),
+            values=values,
+            schema=schema if attach else None,
+            shards=cfg.shards,
+            census=census,
+        )
         if not self._send(encode_batch(batch)):
             return False
         self._seq += 1
@@ -412,9 +456,15 @@ class Shipper:
             values = item.tensor_values.cpu().tolist()
             fields.update(zip(item.tensor_names, values, strict=True))
         cfg = self._cfg
-        event = Event(job=cfg.job, rank=cfg.rank, incarnation=self._inc, time=item.time,
-                      kind=item.kind, step=item.step,
-                      fields={k: _json_number(v) for k, v in fields.items()})
+        event = Event(
+            job=cfg.job,
+            rank=cfg.rank,
+            incarnation=self._inc,
+            time=item.time,
+            kind=item.kind,
+            step=item.step,
+            fields={k: _json_number(v) for k, v in fields.items()},
+        )
         if self._send(encode_event(event)):
             self._counters.events_sent += 1
         else:
@@ -423,10 +473,16 @@ class Shipper:
 
     def _heartbeat(self) -> bool:
         cfg = self._cfg
-        hb = Heartbeat(job=cfg.job, rank=cfg.rank, world=cfg.world, incarnation=self._inc,
-                       time=time.time(), step=self._last_step(),
-                       dropped=self._counters.steps_dropped,
-                       started=self._started() if self._started is not None else None)
+        hb = Heartbeat(
+            job=cfg.job,
+            rank=cfg.rank,
+            world=cfg.world,
+            incarnation=self._inc,
+            time=time.time(),
+            step=self._last_step(),
+            dropped=self._counters.steps_dropped,
+            started=self._started() if self._started is not None else None,
+        )
         if self._send(encode_heartbeat(hb)):
             self._counters.heartbeats_sent += 1
             return True
@@ -456,10 +512,14 @@ def _refusal_reason(event: Mapping[str, Any]) -> str:
     if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
         return "this agent's CurveZMQ key is not in the collector's allow-list"
     if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return ("one side uses CurveZMQ and the other does not: set or unset "
-                "GRADWATCH_CURVE_SERVER_KEY(_FILE) and GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE")
-    return (f"handshake error {event['value']:#x}: check GRADWATCH_CURVE_SERVER_KEY(_FILE) "
-            "against the collector's public key")
+        return (
+            "one side uses CurveZMQ and the other does not: set or unset "
+            "GRADWATCH_CURVE_SERVER_KEY(_FILE) and GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE"
+        )
+    return (
+        f"handshake error {event['value']:#x}: check GRADWATCH_CURVE_SERVER_KEY(_FILE) "
+        "against the collector's public key"
+    )
 
 
 def _json_number(value: Any) -> Any:
@@ -469,4 +529,3 @@ def _json_number(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # 'nan', 'inf', '-inf'
     return value
-

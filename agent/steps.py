@@ -61,12 +61,16 @@ def check_watch_args(model: Any, optimizer: Any, **named: Any) -> None:
     surfaces as an internal ``AttributeError`` from deep inside the agent.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"watch(model=...): model must be a torch.nn.Module (the model being "
-                        f"trained), not {_kind(model)}")
+        raise TypeError(
+            f"watch(model=...): model must be a torch.nn.Module (the model being "
+            f"trained), not {_kind(model)}"
+        )
     if optimizer is not None and not isinstance(getattr(optimizer, "param_groups", None), list):
-        raise TypeError(f"watch(optimizer=...): optimizer must be a torch.optim.Optimizer (or "
-                        f"None for a loop that updates the parameters by hand), not "
-                        f"{_kind(optimizer)}")
+        raise TypeError(
+            f"watch(optimizer=...): optimizer must be a torch.optim.Optimizer (or "
+            f"None for a loop that updates the parameters by hand), not "
+            f"{_kind(optimizer)}"
+        )
     for name, value in named.items():
         types, what, nullable = _EXPECTED[name]
         if value is None and nullable:
@@ -75,10 +79,12 @@ def check_watch_args(model: Any, optimizer: Any, **named: Any) -> None:
             ok = False
         else:
             ok = isinstance(value, types) or (
-                float in types and isinstance(value, numbers.Real) and not isinstance(value, bool))
+                float in types and isinstance(value, numbers.Real) and not isinstance(value, bool)
+            )
         if not ok:
-            raise TypeError(f"watch({name}={_short(value)}): {name} must be {what}, "
-                            f"not {_kind(value)}")
+            raise TypeError(
+                f"watch({name}={_short(value)}): {name} must be {what}, not {_kind(value)}"
+            )
     start = named.get("start_step")
     if start is not None and start < 0:
         raise ValueError(f"watch(start_step={start}): start_step must be >= 0")

@@ -22,7 +22,8 @@ parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
   is cut into at most ``MAX_PHASES`` ranges of about equal size (cutting
   through tensors); while a sample waits, one range is read per step, in
   rotation, and a sample ships once a full rotation was read since its step;
-  the per-layer norm is the root of the summed squared partial norms. The norms of a large model therefore mix the weights of up
+  the per-layer norm is the root of the summed squared partial norms. The
+  norms of a large model therefore mix the weights of up
   to ``MAX_PHASES`` consecutive steps: off by at most what those updates
   moved them (an update ratio of ~1e-3 per step), while no step pays more
   than ``1/MAX_PHASES`` of a full read. A model under ``MIN_PHASE_ELEMENTS``
@@ -47,11 +48,12 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gradwatch.agent.gradients import GradReader, _is_dtensor
+from gradwatch.agent.gradients import GradReader, local
 from gradwatch.agent.layout import MISSING_I32, fill_missing
 
 # Elements sampled per parameter for its update ratio (see the module docstring):
@@ -76,15 +78,21 @@ class Round:
     time: float
     columns: tuple[str, ...]
     parts: list[torch.Tensor]
-    left: int                          # phases still to read before its norms are complete
+    left: int  # phases still to read before its norms are complete
     norms: torch.Tensor | None = None  # the per-layer weight norms, once complete
 
 
 class WeightStats:
     """The sampling and phase plan of one model's trainable parameters (training thread)."""
 
-    def __init__(self, reader: GradReader, sample: int = SAMPLE, max_phases: int = MAX_PHASES,
-                 min_phase_elements: int = MIN_PHASE_ELEMENTS, seed: int = 0) -> None:
+    def __init__(
+        self,
+        reader: GradReader,
+        sample: int = SAMPLE,
+        max_phases: int = MAX_PHASES,
+        min_phase_elements: int = MIN_PHASE_ELEMENTS,
+        seed: int = 0,
+    ) -> None:
         self._reader = reader
         self._device = reader.device
         weights = self._weights()
@@ -102,9 +110,15 @@ class WeightStats:
             self._samples.append(spec if counts[-1] else None)
         self._counts = counts
         self.sample_elements = sum(counts)
-        self._unsampled = torch.tensor([i for i, (w, c) in enumerate(zip(weights, counts))
-                                        if c == 0 and w.numel()], dtype=torch.long,
-                                       device=self._device)
+        self._unsampled = torch.tensor(
+            [
+                i
+                for i, (w, c) in enumerate(zip(weights, counts, strict=True))
+                if c == 0 and w.numel()
+            ],
+            dtype=torch.long,
+            device=self._device,
+        )
         dtypes = {w.dtype for w in weights}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
@@ -153,8 +167,13 @@ class WeightStats:
             bounds.append((at, at + len(phase)))
             at += len(phase)
         self._bounds = bounds
-        self.largest_phase = max((sum((b if b is not None else weights[i].numel()) - a
-                                      for i, a, b in p) for p in self._plan), default=0)
+        self.largest_phase = max(
+            (
+                sum((b if b is not None else weights[i].numel()) - a for i, a, b in p)
+                for p in self._plan
+            ),
+            default=0,
+        )
 
     # ------------------------------------------------------------ update ratios
 
@@ -198,13 +217,13 @@ class WeightStats:
             # One strided view per parameter, made anew (the storage may have been
             # swapped) but in one call: on a cold cache each call costs microseconds.
             views = []
-            for w, spec in zip(reader.params, self._samples, strict=True):
+            for param, spec in zip(reader.params, self._samples, strict=True):
                 if spec is None:
                     continue
-                if not w.is_contiguous():
+                if not param.is_contiguous():
                     break  # channels_last and the like: the general path below
                 offset, stride, count = spec
-                views.append(w.as_strided((count,), (stride,), w.storage_offset() + offset))
+                views.append(param.as_strided((count,), (stride,), param.storage_offset() + offset))
             else:
                 if views:
                     torch.cat(views, out=into)
@@ -229,8 +248,9 @@ class WeightStats:
         """Samples are waiting for their weight norms: read a phase at each step."""
         return bool(self._waiting)
 
-    def begin(self, step: int, time: float, columns: tuple[str, ...],
-              parts: list[torch.Tensor]) -> list[Round]:
+    def begin(
+        self, step: int, time: float, columns: tuple[str, ...], parts: list[torch.Tensor]
+    ) -> list[Round]:
         """Queue a cadence step's sample and read one phase; return the samples complete now.
 
         Phases are read in rotation into one vector of slice norms that every
@@ -281,22 +301,27 @@ class WeightStats:
         params = self._reader.params
         slices = []
         for i, start, stop in self._plan[phase]:
-            w = params[i]
-            if self._reader.sharded and _is_dtensor(w):
-                w = w.to_local()
-            slices.append(w if stop is None else _flat(w)[start:stop])  # type: ignore[index]
+            w: torch.Tensor = params[i]
+            if self._reader.sharded:
+                w = local(w)
+            flat = None if stop is None else _flat(w)
+            # The plan cuts only tensors that have a flat view (_plan_phases).
+            slices.append(w if flat is None else flat[start:stop])
         a, b = self._bounds[phase]
+        norms: Sequence[torch.Tensor]
         if any(t.dtype not in _NARROW or t.device != self._device for t in slices):
             # float64, or model parallel: normed in their own precision and place,
             # then cast and moved: still no sync.
-            norms = [torch.linalg.vector_norm(t).to(self._device, torch.float32,
-                                                    non_blocking=True) for t in slices]
+            norms = [
+                torch.linalg.vector_norm(t).to(self._device, torch.float32, non_blocking=True)
+                for t in slices
+            ]
         else:
             norms = torch._foreach_norm(slices, 2, dtype=torch.float32)
         torch.stack(norms, out=self._partials[a:b])
 
     def _weights(self) -> list[torch.Tensor]:
-        return [(p.to_local() if _is_dtensor(p) else p).detach() for p in self._reader.params]
+        return [local(p).detach() for p in self._reader.params]
 
 
 def _flat(w: torch.Tensor) -> torch.Tensor | None:

@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable
 
 import torch
+from tiny_gpt import Block, TinyGPT  # benchmarks/ is on sys.path when run as a script
 from torch import nn
 
 from gradwatch.agent import activations
 from gradwatch.agent.activations import ActHooks, _measure, _measure_rows, find_targets
-from tiny_gpt import Block, TinyGPT  # benchmarks/ is on sys.path when run as a script
 
 
 class SoftmaxAttention(nn.Module):
@@ -52,8 +52,14 @@ class SoftmaxAttention(nn.Module):
         self.proj = nn.Linear(d, d)
         self.softmax = nn.Softmax(dim=-1)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor,
-                need_weights: bool = False) -> tuple[torch.Tensor, None]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor,
+        need_weights: bool = False,
+    ) -> tuple[torch.Tensor, None]:
         b, t, d = q.shape
         qkv = self.qkv(q).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         scores = qkv[0] @ qkv[1].transpose(-2, -1) / (d // self.heads) ** 0.5
@@ -92,8 +98,9 @@ def stepper(model: nn.Module, hooks: ActHooks | None) -> Callable[[], None]:
     return step
 
 
-def armed(model: nn.Module, keep: Callable[[str, bool], bool], inputs: dict[str, str] | None = None
-          ) -> ActHooks:
+def armed(
+    model: nn.Module, keep: Callable[[str, bool], bool], inputs: dict[str, str] | None = None
+) -> ActHooks:
     targets = [t for t in find_targets(model, inputs) if keep(t.kind, t.on_input)]
     assert targets, "nothing to hook"
     return ActHooks(targets, torch.device("cpu"), on_error=None)
@@ -106,12 +113,15 @@ def variants() -> dict[str, Callable[[], None]]:
     return {
         "bare": stepper(base, None),
         "gelu": stepper(hooked, armed(hooked, lambda kind, on_input: kind == "gelu")),
-        "functional": stepper(func, armed(func, lambda kind, on_input: on_input,
-                                          {"blocks.*.mlp.2": "gelu"})),
+        "functional": stepper(
+            func, armed(func, lambda kind, on_input: on_input, {"blocks.*.mlp.2": "gelu"})
+        ),
         "bare-silu": stepper(silu, None),
         "silu": stepper(silu_hooked, armed(silu_hooked, lambda kind, on_input: kind == "silu")),
         "bare-softmax": stepper(soft, None),
-        "softmax": stepper(soft_hooked, armed(soft_hooked, lambda kind, on_input: kind == "softmax")),
+        "softmax": stepper(
+            soft_hooked, armed(soft_hooked, lambda kind, on_input: kind == "softmax")
+        ),
     }
 
 
@@ -184,7 +194,9 @@ def main() -> None:
     print("armed step: paired median of step-time ratios to the bare twin (noisy); inside: time in")
     print("the statistics kernels per armed step, as a share of the twin's median step (low noise)")
     every = f"1 in {args.every}"
-    print(f"{'variant':<14}{'step ms':>10}{'armed step':>12}{'inside ms':>11}{'inside':>9}{every:>11}")
+    print(
+        f"{'variant':<14}{'step ms':>10}{'armed step':>12}{'inside ms':>11}{'inside':>9}{every:>11}"
+    )
     for name, values in times.items():
         line = f"{name:<14}{statistics.median(values) * 1e3:>10.1f}"
         twin = TWIN.get(name)
@@ -192,18 +204,29 @@ def main() -> None:
             ratio = statistics.median(a / b for a, b in zip(values, times[twin], strict=True))
             spent = statistics.median(inside[name])
             share = spent / statistics.median(times[twin]) * 100
-            line += (f"{(ratio - 1) * 100:>+11.2f}%{spent * 1e3:>11.2f}{share:>+8.2f}%"
-                     f"{share / args.every:>+10.3f}%")
+            line += (
+                f"{(ratio - 1) * 100:>+11.2f}%{spent * 1e3:>11.2f}{share:>+8.2f}%"
+                f"{share / args.every:>+10.3f}%"
+            )
         print(line)
     kernels = kernel_times(20)
-    print("one statistics call (ms, median of 20) on 8x128x1024 (relu/gelu/silu), 8x4x128x128 (softmax):")
+    print(
+        "one statistics call (ms, median of 20) on 8x128x1024 (relu/gelu/silu), "
+        "8x4x128x128 (softmax):"
+    )
     print("  " + "  ".join(f"{k} {v * 1e3:.2f}" for k, v in kernels.items()))
     # The low-noise estimate: 4 hooked tensors per armed step (one per layer), as a share
     # of the bare step; the step-time ratios above wobble by more on a busy machine.
     bare = statistics.median(times["bare"])
-    print(f"kernel estimate, 4 per armed step vs bare step {bare * 1e3:.0f} ms: " + "  ".join(
-        f"{k} {4 * v / bare * 100:+.2f}% ({4 * v / bare * 100 / args.every:+.3f}% at 1 in "
-        f"{args.every})" for k, v in kernels.items() if k != "relu"))
+    print(
+        f"kernel estimate, 4 per armed step vs bare step {bare * 1e3:.0f} ms: "
+        + "  ".join(
+            f"{k} {4 * v / bare * 100:+.2f}% ({4 * v / bare * 100 / args.every:+.3f}% at 1 in "
+            f"{args.every})"
+            for k, v in kernels.items()
+            if k != "relu"
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -52,15 +52,17 @@ from typing import Any
 
 import torch
 import zmq
+from memory_probe import cpu_allocated  # benchmarks/ is on sys.path when run as a script
+from tiny_gpt import TinyGPT
 from torch import nn
 
 import gradwatch
 from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
-from memory_probe import cpu_allocated  # benchmarks/ is on sys.path when run as a script
-from tiny_gpt import TinyGPT
 
 VARIANTS = ("baseline", "agent", "read", "naive")
+# Steps run unwatched, then watched, by the RSS probe (the transformer's are ~100x longer).
+RSS_STEPS = {"transformer": 30, "mlp": 200, "mlp6x256": 200}
 
 # Time spent inside the agent's two training-thread entry points (and in the
 # bare read), per step, measured directly. It misses indirect costs (cache
@@ -98,18 +100,27 @@ def transformer(device: str) -> Workload:
     model = TinyGPT().to(device)
     idx = torch.randint(0, 1000, (8, 129), device=device)
     return Workload(
-        "transformer", model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
+        "transformer",
+        model,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
         lambda: (idx[:, :-1], idx[:, 1:]),
-        lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)))
+        lambda out, y: nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)),
+    )
 
 
 def mlp(device: str) -> Workload:
     # 256-512-512-10: 399k parameters in 6 tensors.
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10)).to(device)
+    model = nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    ).to(device)
     x, y = torch.randn(64, 256, device=device), torch.randint(0, 10, (64,), device=device)
-    return Workload("mlp", model, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
-                    lambda: (x, y), nn.functional.cross_entropy)
+    return Workload(
+        "mlp",
+        model,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+        lambda: (x, y),
+        nn.functional.cross_entropy,
+    )
 
 
 def mlp6x256(device: str) -> Workload:
@@ -119,8 +130,13 @@ def mlp6x256(device: str) -> Workload:
         layers += [nn.Linear(256, 256)] + ([nn.ReLU()] if i < 5 else [])
     model = nn.Sequential(*layers).to(device)
     x, y = torch.randn(64, 256, device=device), torch.randint(0, 256, (64,), device=device)
-    return Workload("mlp6x256", model, lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
-                    lambda: (x, y), nn.functional.cross_entropy)
+    return Workload(
+        "mlp6x256",
+        model,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+        lambda: (x, y),
+        nn.functional.cross_entropy,
+    )
 
 
 WORKLOADS = {"transformer": transformer, "mlp": mlp, "mlp6x256": mlp6x256}
@@ -152,13 +168,17 @@ class Receiver:
         self.ctx.term()
 
 
-def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], None]
-              ) -> tuple[Callable[[], str], Callable[[], None]]:
+def make_step(
+    work: Workload, variant: str, endpoint: str, sync: Callable[[], None]
+) -> tuple[Callable[[], str], Callable[[], None]]:
     model = copy.deepcopy(work.model)
     opt = work.make_opt(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    mon = gradwatch.watch(model, opt, job=f"bench-{work.name}", endpoint=endpoint) \
-        if variant == "agent" else None
+    mon = (
+        gradwatch.watch(model, opt, job=f"bench-{work.name}", endpoint=endpoint)
+        if variant == "agent"
+        else None
+    )
     sink: list[float] = []
     row = torch.empty(len(params), dtype=torch.float32, device=params[0].device)
 
@@ -181,8 +201,7 @@ def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], No
         if mon is not None:
             mon.log(loss=loss)
             flushed = not mon._buffer._steps  # a flush hands the open segment over
-            kind = "cadence" if cadence else "flush" if flushed else \
-                "slice" if slicing else "plain"
+            kind = "cadence" if cadence else "flush" if flushed else "slice" if slicing else "plain"
         elif variant == "naive":
             sink[:] = [p.grad.norm().item() for p in params]
             sink.append(loss.item())
@@ -193,8 +212,9 @@ def make_step(work: Workload, variant: str, endpoint: str, sync: Callable[[], No
     return step, (mon.close if mon is not None else lambda: None)
 
 
-def measure(work: Workload, steps: int, warmup: int, chunk: int, endpoint: str,
-            sync: Callable[[], None]) -> dict[str, Any]:
+def measure(
+    work: Workload, steps: int, warmup: int, chunk: int, endpoint: str, sync: Callable[[], None]
+) -> dict[str, Any]:
     runners = {v: make_step(work, v, endpoint, sync) for v in VARIANTS}
     for step, _ in runners.values():
         for _ in range(warmup):
@@ -244,8 +264,7 @@ def extra_memory(work: Workload, endpoint: str, steps: int = 24) -> tuple[int, i
     the step allocates is the agent's (its pre-hook and log())."""
     model = copy.deepcopy(work.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    mon, _, kept = cpu_allocated(
-        lambda: gradwatch.watch(model, opt, job="mem", endpoint=endpoint))
+    mon, _, kept = cpu_allocated(lambda: gradwatch.watch(model, opt, job="mem", endpoint=endpoint))
     peak = 0
     for _ in range(steps):
         x, y = work.batch()
@@ -270,7 +289,7 @@ def _rss_kib() -> tuple[int, int]:
     return int(fields.get("VmRSS", 0)), int(fields.get("VmHWM", 0))
 
 
-def rss_probe(name: str, steps: int = 200) -> dict[str, int]:
+def rss_probe(name: str, steps: int) -> dict[str, int]:
     """In a fresh process: RSS after ``steps`` unwatched steps, then after ``watch()`` and
     ``steps`` watched ones (the dense early cadence included), shipping to a receiver.
 
@@ -298,21 +317,26 @@ def rss_probe(name: str, steps: int = 200) -> dict[str, int]:
     try:
         run(None)
         before, before_peak = _rss_kib()
-        mon = gradwatch.watch(work.model, opt, job="rss",
-                              endpoint=f"tcp://127.0.0.1:{receiver.port}")
+        mon = gradwatch.watch(
+            work.model, opt, job="rss", endpoint=f"tcp://127.0.0.1:{receiver.port}"
+        )
         run(mon)
         after, after_peak = _rss_kib()
         mon.close()
     finally:
         receiver.close()
-    return {"before": before, "after": after, "before_peak": before_peak,
-            "after_peak": after_peak}
+    return {"before": before, "after": after, "before_peak": before_peak, "after_peak": after_peak}
 
 
 def measure_rss(name: str) -> dict[str, int] | None:
     """Run :func:`rss_probe` in a child process (a fresh heap); None if it failed."""
-    done = subprocess.run([sys.executable, __file__, "--rss-probe", name], capture_output=True,
-                          text=True, timeout=300, check=False)
+    done = subprocess.run(
+        [sys.executable, __file__, "--rss-probe", name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     if done.returncode:
         print(f"  (RSS probe failed: {done.stderr.strip().splitlines()[-1:]})")
         return None
@@ -324,55 +348,77 @@ def _q(ts: list[float], q: int) -> float:
     return statistics.quantiles(ts, n=100, method="inclusive")[q - 1]
 
 
-def report(name: str, result: dict[str, Any], memory: tuple[int, int, int] | None,
-           n_params: int, rss: dict[str, int] | None = None) -> None:
+def report(
+    name: str,
+    result: dict[str, Any],
+    memory: tuple[int, int, int] | None,
+    n_params: int,
+    rss: dict[str, int] | None = None,
+) -> None:
     times, inside = result["times"], result["inside"]
     base = times["baseline"]
     b50, b99, bmean = statistics.median(base), _q(base, 99), statistics.mean(base)
     print(f"\n{name}: {len(base)} steps per variant, {n_params:,} parameters")
-    print(f"  {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
-          f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}")
+    print(
+        f"  {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
+        f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}"
+    )
     for variant, ts in times.items():
         p50, p99, mean = statistics.median(ts), _q(ts, 99), statistics.mean(ts)
-        print(f"  {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
-              f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f} {(p99 / b99 - 1) * 100:>+7.2f}"
-              f" {(mean / bmean - 1) * 100:>+7.2f}")
+        print(
+            f"  {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
+            f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f} {(p99 / b99 - 1) * 100:>+7.2f}"
+            f" {(mean / bmean - 1) * 100:>+7.2f}"
+        )
     agent, read = inside["agent"], inside["read"]
     a50, a99, amean = statistics.median(agent), _q(agent, 99), statistics.mean(agent)
     r50, rmean = statistics.median(read), statistics.mean(read)
-    print(f"  inside the agent (pre-hook + log), per step: p50 {a50 * 1e6:.0f} us, "
-          f"p99 {a99 * 1e6:.0f} us, max {max(agent) * 1e6:.0f} us, mean {amean * 1e6:.0f} us"
-          f" = {a50 / b50 * 100:.2f}% / {a99 / b50 * 100:.2f}% / {amean / b50 * 100:.2f}% of "
-          "the baseline p50 step")
-    print(f"  one fused gradient read (_foreach_norm + stack), same run: p50 "
-          f"{r50 * 1e6:.0f} us, p99 {_q(read, 99) * 1e6:.0f} us, max {max(read) * 1e6:.0f} us,"
-          f" mean {rmean * 1e6:.0f} us; agent / read: p50 {a50 / r50:.2f}x, p99 "
-          f"{a99 / _q(read, 99):.2f}x, mean {amean / rmean:.2f}x")
+    print(
+        f"  inside the agent (pre-hook + log), per step: p50 {a50 * 1e6:.0f} us, "
+        f"p99 {a99 * 1e6:.0f} us, max {max(agent) * 1e6:.0f} us, mean {amean * 1e6:.0f} us"
+        f" = {a50 / b50 * 100:.2f}% / {a99 / b50 * 100:.2f}% / {amean / b50 * 100:.2f}% of "
+        "the baseline p50 step"
+    )
+    print(
+        f"  one fused gradient read (_foreach_norm + stack), same run: p50 "
+        f"{r50 * 1e6:.0f} us, p99 {_q(read, 99) * 1e6:.0f} us, max {max(read) * 1e6:.0f} us,"
+        f" mean {rmean * 1e6:.0f} us; agent / read: p50 {a50 / r50:.2f}x, p99 "
+        f"{a99 / _q(read, 99):.2f}x, mean {amean / rmean:.2f}x"
+    )
     acpu, rcpu = inside["agent_cpu"], inside["read_cpu"]
     c50, c99, cmean = statistics.median(acpu), _q(acpu, 99), statistics.mean(acpu)
     r50, r99, rmean = statistics.median(rcpu), _q(rcpu, 99), statistics.mean(rcpu)
     base_cpu = b50 if not result.get("base_cpu") else result["base_cpu"]
-    print(f"  thread CPU time (time.thread_time), agent: p50 {c50 * 1e6:.0f} us, p99 "
-          f"{c99 * 1e6:.0f} us, max {max(acpu) * 1e6:.0f} us, mean {cmean * 1e6:.0f} us; read: "
-          f"p50 {r50 * 1e6:.0f} us, p99 {r99 * 1e6:.0f} us, max {max(rcpu) * 1e6:.0f} us, mean "
-          f"{rmean * 1e6:.0f} us; agent / read: p50 {c50 / r50:.2f}x, p99 {c99 / r99:.2f}x, "
-          f"mean {cmean / rmean:.2f}x; agent - read = {(c50 - r50) / base_cpu * 100:.2f}% / "
-          f"{(cmean - rmean) / base_cpu * 100:.2f}% (p50 / mean) of the baseline step")
+    print(
+        f"  thread CPU time (time.thread_time), agent: p50 {c50 * 1e6:.0f} us, p99 "
+        f"{c99 * 1e6:.0f} us, max {max(acpu) * 1e6:.0f} us, mean {cmean * 1e6:.0f} us; read: "
+        f"p50 {r50 * 1e6:.0f} us, p99 {r99 * 1e6:.0f} us, max {max(rcpu) * 1e6:.0f} us, mean "
+        f"{rmean * 1e6:.0f} us; agent / read: p50 {c50 / r50:.2f}x, p99 {c99 / r99:.2f}x, "
+        f"mean {cmean / rmean:.2f}x; agent - read = {(c50 - r50) / base_cpu * 100:.2f}% / "
+        f"{(cmean - rmean) / base_cpu * 100:.2f}% (p50 / mean) of the baseline step"
+    )
     kinds = result.get("kinds", {})
     if kinds:
-        parts = [f"{kind} {len(ts)}x p50 {statistics.median(ts) * 1e6:.0f} us"
-                 for kind, ts in sorted(kinds.items(), key=lambda kv: -len(kv[1]))]
+        parts = [
+            f"{kind} {len(ts)}x p50 {statistics.median(ts) * 1e6:.0f} us"
+            for kind, ts in sorted(kinds.items(), key=lambda kv: -len(kv[1]))
+        ]
         print("  agent CPU time by kind of step: " + ", ".join(parts))
     if rss is not None:
-        print(f"  process RSS (fresh process, 200 steps each): {rss['before'] / 1024:.1f} MiB "
-              f"unwatched -> {rss['after'] / 1024:.1f} MiB watched (+{rss['after'] - rss['before']}"
-              f" KiB); peak {rss['before_peak'] / 1024:.1f} -> {rss['after_peak'] / 1024:.1f} MiB "
-              f"(+{rss['after_peak'] - rss['before_peak']} KiB)")
+        print(
+            f"  process RSS (fresh process, {RSS_STEPS[name]} steps each): "
+            f"{rss['before'] / 1024:.1f} MiB "
+            f"unwatched -> {rss['after'] / 1024:.1f} MiB watched (+{rss['after'] - rss['before']}"
+            f" KiB); peak {rss['before_peak'] / 1024:.1f} -> {rss['after_peak'] / 1024:.1f} MiB "
+            f"(+{rss['after_peak'] - rss['before_peak']} KiB)"
+        )
     if memory is not None:
         kept, peak, budget = memory
-        print(f"  extra memory: {kept / 1024:.0f} KiB kept by watch() + {peak / 1024:.1f} KiB "
-              f"peak in its calls over 24 early steps = {(kept + peak) / (4 * n_params) * 100:.2f}%"
-              f" of the fp32 parameters; budget {budget / 1024:.0f} KiB")
+        print(
+            f"  extra memory: {kept / 1024:.0f} KiB kept by watch() + {peak / 1024:.1f} KiB "
+            f"peak in its calls over 24 early steps = {(kept + peak) / (4 * n_params) * 100:.2f}%"
+            f" of the fp32 parameters; budget {budget / 1024:.0f} KiB"
+        )
 
 
 def main() -> None:
@@ -385,7 +431,7 @@ def main() -> None:
     ap.add_argument("--rss-probe", choices=tuple(WORKLOADS), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_probe:
-        print(json.dumps(rss_probe(args.rss_probe)))
+        print(json.dumps(rss_probe(args.rss_probe, RSS_STEPS[args.rss_probe])))
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -393,8 +439,11 @@ def main() -> None:
     endpoint = f"tcp://127.0.0.1:{receiver.port}"
     print(f"torch {torch.__version__}, {args.threads} thread(s), CPU; agent ships to {endpoint}")
     mlp_steps = 300 if args.quick else args.mlp_steps
-    plan = [("transformer", 30 if args.quick else args.transformer_steps, 3 if args.quick else 10,
-             5), ("mlp", mlp_steps, 50, 50), ("mlp6x256", mlp_steps, 50, 50)]
+    plan = [
+        ("transformer", 30 if args.quick else args.transformer_steps, 3 if args.quick else 10, 5),
+        ("mlp", mlp_steps, 50, 50),
+        ("mlp6x256", mlp_steps, 50, 50),
+    ]
     try:
         for name, steps, warmup, chunk in plan:
             if args.only and name != args.only:

@@ -54,13 +54,13 @@ from typing import Any
 
 import torch
 import zmq
+from memory_probe import cpu_allocated, cuda_peak  # benchmarks/ is on sys.path
+from tiny_gpt import TinyGPT
 from torch import nn
 
 import gradwatch
 from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
-from memory_probe import cpu_allocated, cuda_peak  # benchmarks/ is on sys.path
-from tiny_gpt import TinyGPT
 
 VARIANTS = ("baseline", "agent", "read", "naive")
 
@@ -82,21 +82,33 @@ def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]).float(), y.reshape(-1))
 
 
-def gpt(device: str, name: str, d: int, heads: int, layers: int, seq: int, batch: int
-        ) -> Workload:
+def gpt(device: str, name: str, d: int, heads: int, layers: int, seq: int, batch: int) -> Workload:
     model = TinyGPT(1000, d, heads, layers, seq).to(device)
     idx = torch.randint(0, 1000, (batch, seq + 1), device=device)
-    return Workload(name, model, lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
-                    idx[:, :-1], idx[:, 1:], _lm_loss)
+    return Workload(
+        name,
+        model,
+        lambda m: torch.optim.AdamW(m.parameters(), lr=3e-4),
+        idx[:, :-1],
+        idx[:, 1:],
+        _lm_loss,
+    )
 
 
 def mlp(device: str) -> Workload:
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 10)).to(device)
+    model = nn.Sequential(
+        nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+    ).to(device)
     x = torch.randn(64, 256, device=device)
     y = torch.randint(0, 10, (64,), device=device)
-    return Workload("mlp", model, lambda m: torch.optim.SGD(m.parameters(), lr=0.01), x, y,
-                    lambda out, t: nn.functional.cross_entropy(out.float(), t))
+    return Workload(
+        "mlp",
+        model,
+        lambda m: torch.optim.SGD(m.parameters(), lr=0.01),
+        x,
+        y,
+        lambda out, t: nn.functional.cross_entropy(out.float(), t),
+    )
 
 
 def workloads(device: str, quick: bool) -> list[Workload]:
@@ -131,8 +143,15 @@ def _error_mode_inside(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # Installed before any Monitor exists, so the registered pre-hook is wrapped too.
-for _name in ("_any_pre_hook", "_pre_hook", "log", "log_eval", "checkpoint_saved",
-              "data_changed", "close"):
+for _name in (
+    "_any_pre_hook",
+    "_pre_hook",
+    "log",
+    "log_eval",
+    "checkpoint_saved",
+    "data_changed",
+    "close",
+):
     if hasattr(Monitor, _name):  # _any_pre_hook: the process-wide optimizer hook
         setattr(Monitor, _name, _error_mode_inside(getattr(Monitor, _name)))
 
@@ -143,8 +162,7 @@ for _name in ("_any_pre_hook", "_pre_hook", "log", "log_eval", "checkpoint_saved
 class Runner:
     """One model copy, one variant, one precision; ``step()`` runs a training step."""
 
-    def __init__(self, work: Workload, variant: str, amp: bool, endpoint: str,
-                 device: str) -> None:
+    def __init__(self, work: Workload, variant: str, amp: bool, endpoint: str, device: str) -> None:
         self.model = copy.deepcopy(work.model)
         self.opt = work.make_opt(self.model)
         self.work, self.variant, self.amp, self.device = work, variant, amp, device
@@ -152,8 +170,9 @@ class Runner:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.mon = None
         if variant == "agent":
-            self.mon = gradwatch.watch(self.model, self.opt, job=f"sync-{work.name}",
-                                       endpoint=endpoint, scaler=self.scaler)
+            self.mon = gradwatch.watch(
+                self.model, self.opt, job=f"sync-{work.name}", endpoint=endpoint, scaler=self.scaler
+            )
         self.sink: list[float] = []
         self.row = torch.empty(len(self.params), dtype=torch.float32, device=device)
         self.count = 0
@@ -174,8 +193,7 @@ class Runner:
         else:
             loss.backward()
             if self.variant == "read":  # the limit: one fused read of the gradients
-                norms = torch._foreach_norm([p.grad for p in self.params], 2,
-                                            dtype=torch.float32)
+                norms = torch._foreach_norm([p.grad for p in self.params], 2, dtype=torch.float32)
                 torch.stack(norms, out=self.row)
             self.opt.step()
         if self.mon is not None:
@@ -245,11 +263,12 @@ def sync_check(work: Workload, amp: bool, endpoint: str, device: str, steps: int
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("default")
     stats = runner.mon.stats
-    ok = (error is None and pinned and stats.disabled is None
-          and stats.steps_logged == steps + 20)
-    print(f"  {'PASS' if ok else 'FAIL'}  {label:<22} error mode on: {scope}; "
-          f"{stats.steps_logged} steps logged, {stats.steps_sent} sent, "
-          f"{stats.steps_dropped} dropped")
+    ok = error is None and pinned and stats.disabled is None and stats.steps_logged == steps + 20
+    print(
+        f"  {'PASS' if ok else 'FAIL'}  {label:<22} error mode on: {scope}; "
+        f"{stats.steps_logged} steps logged, {stats.steps_sent} sent, "
+        f"{stats.steps_dropped} dropped"
+    )
     if error is not None:
         print(f"        raised: {error}")
     if not pinned:
@@ -282,13 +301,17 @@ def overhead(work: Workload, amp: bool, endpoint: str, device: str, steps: int) 
     base = times["baseline"]
     b50, b99, bmean = statistics.median(base), _p99(base), statistics.mean(base)
     print(f"\n  {work.name} {'amp-fp16' if amp else 'fp32'}: {steps} steps per variant")
-    print(f"    {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
-          f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}")
+    print(
+        f"    {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
+        f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}"
+    )
     for variant, ts in times.items():
         p50, p99, mean = statistics.median(ts), _p99(ts), statistics.mean(ts)
-        print(f"    {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
-              f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f}"
-              f" {(p99 / b99 - 1) * 100:>+7.2f} {(mean / bmean - 1) * 100:>+7.2f}")
+        print(
+            f"    {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
+            f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f}"
+            f" {(p99 / b99 - 1) * 100:>+7.2f} {(mean / bmean - 1) * 100:>+7.2f}"
+        )
 
 
 def _p99(ts: list[float]) -> float:
@@ -302,6 +325,7 @@ def memory(work: Workload, endpoint: str, device: str, steps: int = 40) -> None:
     """The agent's peak extra memory over its first ``steps`` steps, beside its budget."""
     peaks = {}
     for variant in ("baseline", "agent"):
+
         def run(variant: str = variant) -> Runner:
             runner = Runner(work, variant, False, endpoint, device)
             for _ in range(steps):
@@ -320,9 +344,11 @@ def memory(work: Workload, endpoint: str, device: str, steps: int = 40) -> None:
     n_params = sum(p.numel() for p in work.model.parameters())
     extra = peaks["agent"] - peaks["baseline"]
     how = "max_memory_allocated" if device == "cuda" else "CPU tensors (profiler)"
-    print(f"  {work.name:<12} {n_params:>12,} params: agent peak {peaks['agent'] / 2**20:9.1f} "
-          f"MiB, baseline {peaks['baseline'] / 2**20:9.1f} MiB, extra "
-          f"{extra / 2**20:7.2f} MiB ({how}); budget {budget.total / 2**20:.2f} MiB")
+    print(
+        f"  {work.name:<12} {n_params:>12,} params: agent peak {peaks['agent'] / 2**20:9.1f} "
+        f"MiB, baseline {peaks['baseline'] / 2**20:9.1f} MiB, extra "
+        f"{extra / 2**20:7.2f} MiB ({how}); budget {budget.total / 2**20:.2f} MiB"
+    )
 
 
 # ---------------------------------------------------------------- main
@@ -337,8 +363,11 @@ def drain(stop: threading.Event, sock: zmq.Socket) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description="gradwatch agent: CUDA sync check and overhead")
     ap.add_argument("--quick", action="store_true", help="fewer steps, small workloads only")
-    ap.add_argument("--allow-cpu", action="store_true",
-                    help="run on CPU without the sync check (to test this script)")
+    ap.add_argument(
+        "--allow-cpu",
+        action="store_true",
+        help="run on CPU without the sync check (to test this script)",
+    )
     ap.add_argument("--steps", type=int, default=None, help="timed steps per variant")
     args = ap.parse_args()
     if torch.cuda.is_available():

@@ -90,11 +90,18 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab: int, block: int, layers: int, heads: int, d: int, init_scale: float) -> None:
+    def __init__(
+        self, vocab: int, block: int, layers: int, heads: int, d: int, init_scale: float
+    ) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(block, d),
-            h=nn.ModuleList(Block(d, heads) for _ in range(layers)), ln_f=LayerNorm(d)))
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, d),
+                "wpe": nn.Embedding(block, d),
+                "h": nn.ModuleList(Block(d, heads) for _ in range(layers)),
+                "ln_f": LayerNorm(d),
+            }
+        )
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # nanoGPT's weight tying
         std = 0.02 * init_scale
@@ -135,14 +142,18 @@ def roles(model: nn.Module) -> list[str]:
     return out
 
 
-def lr_at(it: int, base: float, warmup: int = 100, decay: int = 2000, floor_ratio: float = 0.1) -> float:
+def lr_at(
+    it: int, base: float, warmup: int = 100, decay: int = 2000, floor_ratio: float = 0.1
+) -> float:
     """nanoGPT's schedule: linear warm-up, cosine decay to a tenth, then flat."""
     if it < warmup:
         return base * (it + 1) / (warmup + 1)
     if it > decay:
         return base * floor_ratio
     ratio = (it - warmup) / (decay - warmup)
-    return base * floor_ratio + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (base - base * floor_ratio)
+    return base * floor_ratio + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (
+        base - base * floor_ratio
+    )
 
 
 def main() -> None:
@@ -165,10 +176,15 @@ def main() -> None:
     decay = [p for p in params.values() if p.dim() >= 2]
     no_decay = [p for p in params.values() if p.dim() < 2]
     base_lr = 1e-3 * args.lr_mult
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=base_lr, betas=(0.9, 0.99))
-    rec: dict[str, list] = {k: [] for k in ("loss", "grad_norm", "lr", "norms", "stats_step",
-                                             "weight_norms", "update_ratios")}
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=base_lr,
+        betas=(0.9, 0.99),
+    )
+    rec: dict[str, list] = {
+        k: []
+        for k in ("loss", "grad_norm", "lr", "norms", "stats_step", "weight_norms", "update_ratios")
+    }
     started = time.perf_counter()
     for it in range(args.iters):
         lr = lr_at(it, base_lr)
@@ -177,8 +193,8 @@ def main() -> None:
         losses = []
         for _ in range(accum):
             ix = torch.randint(len(data) - block - 1, (batch,))
-            x = torch.stack([data[i:i + block] for i in ix])
-            y = torch.stack([data[i + 1:i + 1 + block] for i in ix])
+            x = torch.stack([data[i : i + block] for i in ix])
+            y = torch.stack([data[i + 1 : i + 1 + block] for i in ix])
             loss = model(x, y) / accum
             loss.backward()
             losses.append(float(loss.detach()) * accum)
@@ -194,22 +210,37 @@ def main() -> None:
         rec["norms"].append(norms)
         if stats:
             w = np.array([float(p.detach().norm()) for p in params.values()])
-            dw = np.array([float((p.detach() - b).norm()) for p, b in zip(params.values(), before, strict=True)])
+            dw = np.array(
+                [
+                    float((p.detach() - b).norm())
+                    for p, b in zip(params.values(), before, strict=True)
+                ]
+            )
             rec["stats_step"].append(it + 1)
             rec["weight_norms"].append(w)
             rec["update_ratios"].append(dw / np.maximum(w, 1e-30))
         if (it + 1) % 250 == 0:
-            print(f"iter {it + 1}: loss {rec['loss'][-1]:.3f} grad norm {total:.3g} "
-                  f"({time.perf_counter() - started:.0f}s)", flush=True)
+            print(
+                f"iter {it + 1}: loss {rec['loss'][-1]:.3f} grad norm {total:.3g} "
+                f"({time.perf_counter() - started:.0f}s)",
+                flush=True,
+            )
     np.savez_compressed(
-        args.out, layers=np.array(list(params)), roles=np.array(roles(model)),
-        loss=np.array(rec["loss"], np.float32), grad_norm=np.array(rec["grad_norm"], np.float32),
-        lr=np.array(rec["lr"], np.float32), norms=np.array(rec["norms"], np.float32),
+        args.out,
+        layers=np.array(list(params)),
+        roles=np.array(roles(model)),
+        loss=np.array(rec["loss"], np.float32),
+        grad_norm=np.array(rec["grad_norm"], np.float32),
+        lr=np.array(rec["lr"], np.float32),
+        norms=np.array(rec["norms"], np.float32),
         stats_step=np.array(rec["stats_step"], np.int32),
         weight_norms=np.array(rec["weight_norms"], np.float32),
-        update_ratios=np.array(rec["update_ratios"], np.float32))
-    print(f"wrote {args.out}: {args.iters} steps, {len(params)} parameters, "
-          f"{time.perf_counter() - started:.0f}s")
+        update_ratios=np.array(rec["update_ratios"], np.float32),
+    )
+    print(
+        f"wrote {args.out}: {args.iters} steps, {len(params)} parameters, "
+        f"{time.perf_counter() - started:.0f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab: int = 1000, d: int = 256, heads: int = 4, layers: int = 4,
-                 seq: int = 128) -> None:
+    def __init__(
+        self, vocab: int = 1000, d: int = 256, heads: int = 4, layers: int = 4, seq: int = 128
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, d)
         self.pos = nn.Embedding(seq, d)

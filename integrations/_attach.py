@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -76,8 +76,13 @@ class StepProbe(torch.optim.Optimizer):
         # reads this step's rates from the probe in its pre-hook.
         self.register_step_pre_hook(lambda probe, args, kwargs: self.refresh())
 
-    def step(self, closure: Any = None) -> None:
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Nothing to update: stepping exists to run the pre-hooks (see the class docstring)."""
+        return None
 
     def refresh(self) -> None:
         """Copy the real optimizer's groups (and so the rates it will step with) now."""
@@ -105,8 +110,15 @@ class Attachment:
         # optimizer's step must not read them again (post-clip).
         self.gradients_read = False
 
-    def attach(self, model: torch.nn.Module, optimizer: Any, job: str, scaler: Any = None,
-               follow_real_steps: bool = True, start_step: int = 1) -> None:
+    def attach(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        job: str,
+        scaler: Any = None,
+        follow_real_steps: bool = True,
+        start_step: int = 1,
+    ) -> None:
         """Close any earlier monitor and watch ``model`` through a probe of ``optimizer``.
 
         ``follow_real_steps``: step the probe from the real (unwrapped)
@@ -129,8 +141,11 @@ class Attachment:
                 # Detached: the optimizer still pickles and deep-copies (agent/hooks.py).
                 self._hook = probe.real.register_step_pre_hook(Detached(self._on_real_step))
         except Exception as exc:
-            self._switch_off(f"attaching gradwatch.watch to the {self.framework} model and "
-                             "optimizer (check the callback's keyword arguments)", exc)
+            self._switch_off(
+                f"attaching gradwatch.watch to the {self.framework} model and "
+                "optimizer (check the callback's keyword arguments)",
+                exc,
+            )
 
     def _on_real_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self.gradients_read:
@@ -176,8 +191,9 @@ class Attachment:
         self.close()
         if self.disabled is None:
             self.disabled = reason
-            logger.warning("gradwatch: the %s callback is off for this run: %s", self.framework,
-                           reason)
+            logger.warning(
+                "gradwatch: the %s callback is off for this run: %s", self.framework, reason
+            )
 
     def close(self) -> None:
         """Close the monitor (flushing what it holds) and unhook; never raises."""
@@ -202,5 +218,10 @@ class Attachment:
                 "gradwatch: the %s callback failed while %s (%s: %s). Monitoring is switched "
                 "off for this run; training continues. Please report this with the traceback "
                 "below; remove the callback to silence gradwatch.",
-                self.framework, what, type(exc).__name__, exc, exc_info=exc)
+                self.framework,
+                what,
+                type(exc).__name__,
+                exc,
+                exc_info=exc,
+            )
         self.close()

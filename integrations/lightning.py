@@ -56,7 +56,7 @@ it never raises into the Trainer.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -65,11 +65,18 @@ try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # only the standalone package is installed
     try:
-        from pytorch_lightning import Callback, LightningModule, Trainer
+        # The standalone package's classes, the same API under another module name:
+        # the names are typed by the first import (mypy cannot unify the two).
+        from pytorch_lightning import (  # type: ignore[assignment]
+            Callback,
+            LightningModule,
+            Trainer,
+        )
     except ImportError as exc:
         raise ImportError(
             "gradwatch.integrations.lightning needs Lightning; install it with "
-            "pip install 'gradwatch[integrations]' (or pip install lightning)") from exc
+            "pip install 'gradwatch[lightning]' (or pip install lightning)"
+        ) from exc
 
 from gradwatch.agent import Monitor
 from gradwatch.integrations._attach import Attachment, unwrap_optimizer
@@ -87,8 +94,9 @@ class GradwatchCallback(Callback):
     :func:`gradwatch.watch` as they are (``endpoint``, ``flush_every``, ...).
     """
 
-    def __init__(self, job: str | None = None, val_loss_key: str = "val_loss",
-                 **watch_kwargs: Any) -> None:
+    def __init__(
+        self, job: str | None = None, val_loss_key: str = "val_loss", **watch_kwargs: Any
+    ) -> None:
         self._attachment = Attachment(job, watch_kwargs, "Lightning")
         self._val_loss_key = val_loss_key
         self._logged_step = 0  # trainer.global_step when the last step was recorded
@@ -109,22 +117,30 @@ class GradwatchCallback(Callback):
         self._loss = self._grad_norm = self._checkpoint_step = None
         optimizers = trainer.optimizers
         if not optimizers:
-            self._attachment.refuse("the Trainer has no optimizer at on_fit_start, so there is "
-                                    "nothing to watch (configure_optimizers returned none)")
+            self._attachment.refuse(
+                "the Trainer has no optimizer at on_fit_start, so there is "
+                "nothing to watch (configure_optimizers returned none)"
+            )
             return
         job = self._attachment.job or type(pl_module).__name__
         scaler = trainer.scaler
         self._amp = scaler is not None
-        self._attachment.attach(pl_module, optimizers[0], job, scaler=scaler,
-                                follow_real_steps=self._amp,
-                                start_step=trainer.global_step + 1)
+        self._attachment.attach(
+            pl_module,
+            optimizers[0],
+            job,
+            scaler=scaler,
+            follow_real_steps=self._amp,
+            start_step=trainer.global_step + 1,
+        )
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # A resume (fit(ckpt_path=...)) restores global_step after on_fit_start.
         self._logged_step = trainer.global_step
 
-    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule,
-                                 optimizer: Any) -> None:
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: Any
+    ) -> None:
         probe = self._attachment.probe
         if probe is None or unwrap_optimizer(optimizer) is not probe.real:
             return  # not watching, or another optimizer's step (manual optimization)
@@ -132,14 +148,19 @@ class GradwatchCallback(Callback):
             self._attachment.read_gradients()
         elif trainer.gradient_clip_val:
             # The scaler path reads post-clip norms; keep the pre-clip total.
-            self._attachment.run("measuring the pre-clip gradient norm",
-                                 lambda mon: self._measure_grad_norm(optimizer))
+            self._attachment.run(
+                "measuring the pre-clip gradient norm",
+                lambda mon: self._measure_grad_norm(optimizer),
+            )
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any,
-                           batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._report_checkpoint(trainer)
-        self._attachment.run("recording a step at on_train_batch_end",
-                             lambda mon: self._record(mon, trainer, pl_module, outputs))
+        self._attachment.run(
+            "recording a step at on_train_batch_end",
+            lambda mon: self._record(mon, trainer, pl_module, outputs),
+        )
 
     def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._report_checkpoint(trainer)
@@ -155,12 +176,16 @@ class GradwatchCallback(Callback):
                 logger.warning(
                     "gradwatch: no %r in trainer.callback_metrics at the end of validation, so no "
                     "eval is sent; log it with self.log(%r, loss) in validation_step, or pass "
-                    "val_loss_key= to GradwatchCallback", self._val_loss_key, self._val_loss_key)
+                    "val_loss_key= to GradwatchCallback",
+                    self._val_loss_key,
+                    self._val_loss_key,
+                )
             return
         self._attachment.run("sending an eval", lambda mon: mon.log_eval(loss=value))
 
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
+    def on_save_checkpoint(
+        self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
         self._checkpoint_step = trainer.global_step
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -169,27 +194,33 @@ class GradwatchCallback(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._finish(trainer)
 
-    def on_exception(self, trainer: Trainer, pl_module: LightningModule,
-                     exception: BaseException) -> None:
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
         self._finish(trainer)
 
     # ------------------------------------------------------------ internals
 
     def _measure_grad_norm(self, optimizer: Any) -> None:
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
-                 if p.grad is not None]
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
         if grads:
             # On the device, like Lightning's own clipping; read by the agent's shipper.
             self._grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
 
-    def _record(self, mon: Monitor, trainer: Trainer, pl_module: LightningModule,
-                outputs: Any) -> None:
+    def _record(
+        self, mon: Monitor, trainer: Trainer, pl_module: LightningModule, outputs: Any
+    ) -> None:
         loss = _loss_of(outputs)
         if loss is not None:
             # Automatic optimization divided each micro-batch loss by
             # accumulate_grad_batches: their sum is the step's mean loss.
-            summed = pl_module.automatic_optimization and self._loss is not None
-            self._loss = self._loss + loss if summed else loss
+            summed = self._loss if pl_module.automatic_optimization else None
+            self._loss = loss if summed is None else summed + loss
         if trainer.global_step == self._logged_step:
             return  # accumulating: no optimizer step yet
         self._logged_step = trainer.global_step
@@ -213,11 +244,13 @@ class GradwatchCallback(Callback):
             # they may go. A save at another step was not this callback's.
             path = getattr(callback, "_last_checkpoint_saved", "") or ""
             saved = (step, path)
-            if path and getattr(callback, "_last_global_step_saved", None) == step \
-                    and saved not in self._reported:
+            if (
+                path
+                and getattr(callback, "_last_global_step_saved", None) == step
+                and saved not in self._reported
+            ):
                 self._reported.add(saved)
-                self._attachment.run("reporting a checkpoint",
-                                     lambda mon, s=step, p=path: mon.checkpoint_saved(s, p))
+                self._attachment.run("reporting a checkpoint", _saved_reporter(step, path))
 
     def _finish(self, trainer: Trainer) -> None:
         self._report_checkpoint(trainer)
@@ -230,3 +263,12 @@ def _loss_of(outputs: Any) -> torch.Tensor | None:
     if isinstance(loss, torch.Tensor) and loss.numel() == 1:
         return loss.detach()
     return None
+
+
+def _saved_reporter(step: int, path: str) -> Callable[[Monitor], None]:
+    """What reports one saved checkpoint to a monitor (bound now: the loop moves on)."""
+
+    def report(mon: Monitor) -> None:
+        mon.checkpoint_saved(step, path)
+
+    return report

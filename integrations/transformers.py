@@ -99,78 +99,112 @@ class GradwatchCallback(TrainerCallback):
         """The live monitor, or ``None`` before training, after it, or once switched off."""
         return self._attachment.monitor
 
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState,
-                       control: TrainerControl, model: torch.nn.Module | None = None,
-                       optimizer: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self._open = self._await_log = self._every_step = self._warned = False
         self._loss_sum, self._micro = None, 0
         if model is None or optimizer is None:
             missing = "model" if model is None else "optimizer"
             self._attachment.refuse(
                 f"the Trainer passed no {missing} to on_train_begin, so there is nothing to "
-                "watch; use the transformers version gradwatch[integrations] names")
+                "watch; use the transformers version gradwatch[integrations] names"
+            )
             return
         job = self._attachment.job or args.run_name or Path(args.output_dir or ".").resolve().name
         self._optimizer = optimizer
         self._scaler = getattr(optimizer, "scaler", None)
-        self._attachment.attach(model, optimizer, job, scaler=self._scaler,
-                                start_step=state.global_step + 1)
+        self._attachment.attach(
+            model, optimizer, job, scaler=self._scaler, start_step=state.global_step + 1
+        )
         if self.monitor is not None:
             self._remove_forward_hook()
             self._forward_hook = model.register_forward_hook(
-                Detached(self._on_forward, compile_safe=True), with_kwargs=True)
+                Detached(self._on_forward, compile_safe=True), with_kwargs=True
+            )
 
-    def on_step_begin(self, args: TrainingArguments, state: TrainerState,
-                      control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         # The last step waited for an on_log that never came: record it without a loss.
         self._record("recording a step at on_step_begin", {}, state.global_step)
         self._loss_sum, self._micro = None, 0
 
-    def on_optimizer_step(self, args: TrainingArguments, state: TrainerState,
-                          control: TrainerControl, optimizer: Any = None, **kwargs: Any) -> None:
+    def on_optimizer_step(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self._open = True
         # Accelerate knows this from a Python flag the GradScaler step set: no sync.
         if getattr(optimizer, "step_was_skipped", False) is True:
             self._attachment.run("marking a skipped step", lambda mon: mon.mark_skipped())
-            self._record("recording a step the GradScaler skipped", self._step_loss(),
-                         state.global_step + 1)
+            self._record(
+                "recording a step the GradScaler skipped", self._step_loss(), state.global_step + 1
+            )
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState,
-                    control: TrainerControl, **kwargs: Any) -> None:
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         if self._open and not self._every_step and not self._warned:
             self._warned = True
             logger.warning(
                 "gradwatch: the model's training outputs carry no 'loss' gradwatch can read "
                 "(a custom compute_loss, label smoothing, or a compiled model), so the loss "
                 "reaches it only every logging_steps=%s steps; return the loss from the "
-                "model's forward to get it on every step", args.logging_steps)
+                "model's forward to get it on every step",
+                args.logging_steps,
+            )
         # DefaultFlowCallback runs first and has set should_log for this step.
         if self._open and not self._every_step and control.should_log:
             self._await_log = True
         else:
             self._record("recording a step at on_step_end", self._step_loss(), state.global_step)
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         if not (self._await_log and logs and "loss" in logs):
             return  # eval or end-of-training logs, or a step already recorded
         scalars = {"loss": logs["loss"]} if _is_number(logs.get("loss")) else {}
         self._record("recording a logged step at on_log", scalars, state.global_step)
 
-    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                    metrics: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def on_evaluate(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        metrics: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
         values = _eval_values(metrics or {})
         if values:
             self._attachment.run("sending an eval", lambda mon: mon.log_eval(**values))
 
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-                **kwargs: Any) -> None:
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         step = state.global_step
         path = os.path.join(args.output_dir or ".", f"{PREFIX_CHECKPOINT_DIR}-{step}")
         self._attachment.run("reporting a checkpoint", lambda mon: mon.checkpoint_saved(step, path))
 
-    def on_train_end(self, args: TrainingArguments, state: TrainerState,
-                     control: TrainerControl, **kwargs: Any) -> None:
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
         self._record("recording the last step", {}, state.global_step)
         self._remove_forward_hook()
         self._attachment.close()
@@ -193,12 +227,14 @@ class GradwatchCallback(TrainerCallback):
         # A device tensor: the shipper reads it later, the Trainer never waits.
         return {"loss": total if self._loss_scaled else total / n}
 
-    def _on_forward(self, module: torch.nn.Module, args: Any, kwargs: Mapping[str, Any],
-                    output: Any) -> None:
+    def _on_forward(
+        self, module: torch.nn.Module, args: Any, kwargs: Mapping[str, Any], output: Any
+    ) -> None:
         # Inside the Trainer's forward: never raise (Attachment.run logs and switches off).
         if module.training and torch.is_grad_enabled() and self.monitor is not None:
-            self._attachment.run("reading the loss in a forward hook",
-                                 lambda mon: self._take(kwargs, output))
+            self._attachment.run(
+                "reading the loss in a forward hook", lambda mon: self._take(kwargs, output)
+            )
 
     def _take(self, kwargs: Mapping[str, Any], output: Any) -> None:
         loss = _loss_of(output)
@@ -217,7 +253,7 @@ class GradwatchCallback(TrainerCallback):
     def _backward_began(self, grad: torch.Tensor) -> None:
         # Queued twice: the second runs after the callbacks DDP/FSDP queue during
         # this backward (their gradient reductions), still before the Trainer clips.
-        engine = torch.autograd.Variable._execution_engine  # type: ignore[attr-defined]
+        engine = torch.autograd.Variable._execution_engine
         engine.queue_callback(lambda: engine.queue_callback(self._backward_ended))
 
     def _backward_ended(self) -> None:
@@ -240,8 +276,11 @@ def _loss_of(output: Any) -> torch.Tensor | None:
 
 def _grad_tensor(output: Any) -> torch.Tensor | None:
     """A tensor of the output that backward will pass through (the logits), if any."""
-    values = output.values() if isinstance(output, Mapping) else (
-        output if isinstance(output, (tuple, list)) else (output,))
+    values = (
+        output.values()
+        if isinstance(output, Mapping)
+        else (output if isinstance(output, (tuple, list)) else (output,))
+    )
     for value in values:
         if isinstance(value, torch.Tensor) and value.requires_grad:
             return value

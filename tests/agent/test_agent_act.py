@@ -1,4 +1,5 @@
-"""Activation statistics: forward hooks armed for cadence steps only, shipped with the weight norms."""
+"""Activation statistics: forward hooks armed for cadence steps only, shipped with the
+weight norms."""
 
 from __future__ import annotations
 
@@ -27,11 +28,27 @@ def connected(sock: zmq.Socket) -> None:
             return
 
 
-def run(model: nn.Module, sock: zmq.Socket, endpoint: str, steps: int, stats_every: int,
-        n_in: int = 8, **kw) -> gradwatch.Monitor:
+def run(
+    model: nn.Module,
+    sock: zmq.Socket,
+    endpoint: str,
+    steps: int,
+    stats_every: int,
+    n_in: int = 8,
+    **kw,
+) -> gradwatch.Monitor:
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # keep the init as it is
-    mon = gradwatch.watch(model, opt, job="act", endpoint=endpoint, flush_every=2,
-                          stats_every=stats_every, heartbeat_every=0.05, early_stats=False, **kw)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="act",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=stats_every,
+        heartbeat_every=0.05,
+        early_stats=False,
+        **kw,
+    )
     connected(sock)
     for _ in range(steps):
         model(torch.randn(64, n_in)).pow(2).mean().backward()
@@ -55,8 +72,9 @@ def received_stats(sock: zmq.Socket, n: int) -> list[Stats]:
 def test_tanh_net_with_10x_init_reports_high_saturation(pull) -> None:
     sock, endpoint = pull
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Sigmoid(),
-                          nn.Linear(64, 1))
+    model = nn.Sequential(
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Sigmoid(), nn.Linear(64, 1)
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(10.0)
@@ -117,8 +135,9 @@ def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
     step_now = [0]
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh())
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(model, opt, job="act", endpoint=endpoint, stats_every=5,
-                          early_stats=False)
+    mon = gradwatch.watch(
+        model, opt, job="act", endpoint=endpoint, stats_every=5, early_stats=False
+    )
     for i in range(1, 13):
         step_now[0] = i
         model(torch.randn(4, 8)).sum().backward()
@@ -139,8 +158,9 @@ def test_module_cap_and_opt_out(pull) -> None:
     _, endpoint = pull
     lin = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    mon = gradwatch.watch(lin, opt, job="act", endpoint=endpoint, stats_every=1,
-                          activation_stats=False)
+    mon = gradwatch.watch(
+        lin, opt, job="act", endpoint=endpoint, stats_every=1, activation_stats=False
+    )
     assert not lin[1]._forward_hooks
     mon.close()
 
@@ -163,16 +183,26 @@ def test_update_ratios_ship_on_cadence_steps_and_are_opt_out(pull) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 4), nn.Tanh(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = gradwatch.watch(model, opt, job="act", endpoint=endpoint, flush_every=2,
-                          stats_every=2, heartbeat_every=0.05, early_stats=False)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="act",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=2,
+        heartbeat_every=0.05,
+        early_stats=False,
+    )
     connected(sock)
     expected = {}
     for step in range(1, 5):
         model(torch.randn(16, 8)).pow(2).mean().backward()
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
-        expected[step] = [((p.detach() - b).norm() / p.detach().norm()).item()
-                          for p, b in zip(model.parameters(), before, strict=True)]
+        expected[step] = [
+            ((p.detach() - b).norm() / p.detach().norm()).item()
+            for p, b in zip(model.parameters(), before, strict=True)
+        ]
         mon.log(loss=1.0)
         opt.zero_grad()
     mon.close()
@@ -183,8 +213,15 @@ def test_update_ratios_ship_on_cadence_steps_and_are_opt_out(pull) -> None:
 
     lin = nn.Linear(2, 2)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    mon = gradwatch.watch(lin, opt, job="act", endpoint=endpoint, stats_every=1,
-                          update_ratios=False, heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        lin,
+        opt,
+        job="act",
+        endpoint=endpoint,
+        stats_every=1,
+        update_ratios=False,
+        heartbeat_every=0.05,
+    )
     lin(torch.randn(2, 2)).sum().backward()
     opt.step()
     mon.log(loss=1.0)

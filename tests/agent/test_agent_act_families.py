@@ -37,7 +37,7 @@ def measured(model: nn.Module, x: torch.Tensor, **kw) -> dict[str, tuple[float, 
     hooks.disarm()
     out: dict[str, list[float]] = {}
     for column, value in zip(hooks.columns, values, strict=True):
-        module, kind, _ = column[len(wc.ACT_PREFIX):].rsplit("/", 2)
+        module, kind, _ = column[len(wc.ACT_PREFIX) :].rsplit("/", 2)
         out.setdefault(f"{module}/{kind}", []).append(value)
     return {k: tuple(v) for k, v in out.items()}
 
@@ -149,13 +149,27 @@ def connected(sock: zmq.Socket) -> None:
 def test_new_families_reach_the_collector_as_act_stats(pull, caplog) -> None:
     sock, endpoint = pull
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), SwiGLU(32, 64), nn.Linear(32, 8),
-                          FunctionalMLP("gelu"), nn.Linear(8, 4), nn.Softmax(dim=-1))
+    model = nn.Sequential(
+        nn.Linear(8, 32),
+        nn.GELU(),
+        SwiGLU(32, 64),
+        nn.Linear(32, 8),
+        FunctionalMLP("gelu"),
+        nn.Linear(8, 4),
+        nn.Softmax(dim=-1),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
-        mon = gradwatch.watch(model, opt, job="act", endpoint=endpoint, flush_every=2,
-                              stats_every=2, heartbeat_every=0.05,
-                              activation_modules={"4.fc2": "gelu", "no.such.*": "silu"})
+        mon = gradwatch.watch(
+            model,
+            opt,
+            job="act",
+            endpoint=endpoint,
+            flush_every=2,
+            stats_every=2,
+            heartbeat_every=0.05,
+            activation_modules={"4.fc2": "gelu", "no.such.*": "silu"},
+        )
     assert "'no.such.*' matches no module" in caplog.text
     connected(sock)
     for _ in range(4):
@@ -180,8 +194,13 @@ def test_new_families_reach_the_collector_as_act_stats(pull, caplog) -> None:
 def test_a_bad_activation_kind_is_refused_at_watch() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(ValueError, match="activation_modules"):
-        gradwatch.watch(model, torch.optim.SGD(model.parameters(), lr=0.1), job="x",
-                        endpoint="tcp://127.0.0.1:1", activation_modules={"*": "swish"})
+        gradwatch.watch(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            job="x",
+            endpoint="tcp://127.0.0.1:1",
+            activation_modules={"*": "swish"},
+        )
 
 
 def test_the_new_families_make_no_syncing_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -190,8 +209,15 @@ def test_the_new_families_make_no_syncing_call(monkeypatch: pytest.MonkeyPatch) 
     found = SyncDetector(threading.get_ident())
     for name in SYNCING:
         monkeypatch.setattr(torch.Tensor, name, found.wrap(name, getattr(torch.Tensor, name)))
-    model = nn.Sequential(nn.Linear(8, 32), nn.GELU(), SwiGLU(32, 64), nn.Linear(32, 8),
-                          FunctionalMLP("silu"), nn.Linear(8, 4), nn.Softmax(dim=0))
+    model = nn.Sequential(
+        nn.Linear(8, 32),
+        nn.GELU(),
+        SwiGLU(32, 64),
+        nn.Linear(32, 8),
+        FunctionalMLP("silu"),
+        nn.Linear(8, 4),
+        nn.Softmax(dim=0),
+    )
     hooks = ActHooks.attach(model, torch.device("cpu"), on_error=None, inputs={"*.fc2": "silu"})
     assert hooks is not None
     hooks.arm()

@@ -27,8 +27,11 @@ def receive_rows(sock: zmq.Socket, n_steps: int) -> dict[int, tuple[dict[str, fl
         schema = schemas[msg.schema_id]
         values = struct.unpack(f"<{len(msg.values) // 4}f", msg.values)
         for r, step in enumerate(msg.steps):
-            row = values[r * schema.width:(r + 1) * schema.width]
-            out[step] = (dict(zip(schema.columns, row)), list(row[len(schema.columns):]))
+            row = values[r * schema.width : (r + 1) * schema.width]
+            out[step] = (
+                dict(zip(schema.columns, row, strict=False)),
+                list(row[len(schema.columns) :]),
+            )
     return out
 
 
@@ -38,8 +41,9 @@ def test_skipped_step_is_reported_with_non_finite_norms(pull):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    mon = gradwatch.watch(model, opt, job="amp", endpoint=endpoint, flush_every=2,
-                          scaler=scaler, heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model, opt, job="amp", endpoint=endpoint, flush_every=2, scaler=scaler, heartbeat_every=0.05
+    )
     assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), Heartbeat)
     overflow_at = 3  # the third step (steps count from 1)
     for i in range(4):
@@ -71,8 +75,15 @@ def test_scaler_before_first_scale_has_no_loss_scale_yet(pull):
     model = nn.Linear(3, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
-    mon = gradwatch.watch(model, opt, job="amp0", endpoint=endpoint, flush_every=1,
-                          scaler=scaler, heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="amp0",
+        endpoint=endpoint,
+        flush_every=1,
+        scaler=scaler,
+        heartbeat_every=0.05,
+    )
     assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), Heartbeat)
     model(torch.ones(1, 3)).sum().backward()
     opt.step()  # the scaler was never used: its _scale is still None

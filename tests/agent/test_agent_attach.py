@@ -25,8 +25,13 @@ def mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Dropout(0.1), nn.Linear(16, 1))
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, mon: gradwatch.Monitor, steps: int,
-          dtype: torch.dtype = torch.float32) -> None:
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    mon: gradwatch.Monitor,
+    steps: int,
+    dtype: torch.dtype = torch.float32,
+) -> None:
     for _ in range(steps):
         loss = model(torch.randn(8, 6, dtype=dtype)).pow(2).mean()
         loss.backward()
@@ -38,12 +43,18 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, mon: gradwatch.Monitor, 
 class Watched:
     """A monitor on a real PULL socket, connected before the loop starts."""
 
-    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer | None, pull,
-                 **kwargs) -> None:
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer | None, pull, **kwargs) -> None:
         self.sock, endpoint = pull
         kwargs.setdefault("stats_every", 2)  # activation hooks are armed every other step
-        self.mon = gradwatch.watch(model, opt, job="attach", endpoint=endpoint, flush_every=4,
-                                   heartbeat_every=0.05, **kwargs)
+        self.mon = gradwatch.watch(
+            model,
+            opt,
+            job="attach",
+            endpoint=endpoint,
+            flush_every=4,
+            heartbeat_every=0.05,
+            **kwargs,
+        )
         self._seen = wait_connected(self.sock)
 
     def received(self) -> Received:
@@ -107,8 +118,9 @@ def test_compile_before_and_after_watch(pull) -> None:
     # Activation statistics are off for a compiled model: the collector is told (info),
     # at the first step once connected (the notice at attach had no peer yet).
     notices = got.kinds("degraded")
-    assert notices and all(n.fields["off"] == "activation statistics" and n.fields["optional"]
-                           for n in notices)
+    assert notices and all(
+        n.fields["off"] == "activation statistics" and n.fields["optional"] for n in notices
+    )
 
 
 def test_dtype_changes_after_watch_keep_every_signal(pull, caplog) -> None:
@@ -159,12 +171,14 @@ def test_sparse_gradients_switch_off_only_their_layers_and_the_collector_hears(p
     assert weight is not None and weight > 0 and bias is not None and bias > 0
     notices = got.kinds("degraded")  # once (twice if it raced the first heartbeat)
     assert 1 <= len(notices) <= 2
-    assert all(n.fields["optional"] is False and "emb.weight" in n.fields["reason"]
-               for n in notices)
+    assert all(
+        n.fields["optional"] is False and "emb.weight" in n.fields["reason"] for n in notices
+    )
 
 
-def test_an_internal_failure_tells_the_collector_and_closes_the_rank(pull, monkeypatch,
-                                                                    caplog) -> None:
+def test_an_internal_failure_tells_the_collector_and_closes_the_rank(
+    pull, monkeypatch, caplog
+) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = watched(model, opt, pull)
@@ -187,18 +201,21 @@ def test_an_internal_failure_tells_the_collector_and_closes_the_rank(pull, monke
     assert events[-1].fields["note"] == "closed"
 
 
-@pytest.mark.parametrize(("kwargs", "error", "named"), [
-    ({"model": None}, TypeError, "model"),
-    ({"job": 42}, TypeError, "job"),
-    ({"endpoint": 5555}, TypeError, "endpoint"),
-    ({"flush_every": "10"}, TypeError, "flush_every"),
-    ({"stats_every": 2.5}, TypeError, "stats_every"),
-    ({"enabled": "yes"}, TypeError, "enabled"),
-    ({"optimizer": "sgd"}, TypeError, "optimizer"),
-    ({"start_step": -1}, ValueError, "start_step"),
-    ({"flush_every": 0}, ValueError, "flush_every"),
-    ({"job": None}, TypeError, "job"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "error", "named"),
+    [
+        ({"model": None}, TypeError, "model"),
+        ({"job": 42}, TypeError, "job"),
+        ({"endpoint": 5555}, TypeError, "endpoint"),
+        ({"flush_every": "10"}, TypeError, "flush_every"),
+        ({"stats_every": 2.5}, TypeError, "stats_every"),
+        ({"enabled": "yes"}, TypeError, "enabled"),
+        ({"optimizer": "sgd"}, TypeError, "optimizer"),
+        ({"start_step": -1}, ValueError, "start_step"),
+        ({"flush_every": 0}, ValueError, "flush_every"),
+        ({"job": None}, TypeError, "job"),
+    ],
+)
 def test_watch_argument_errors_name_the_argument(kwargs, error, named) -> None:
     args = {"model": nn.Linear(2, 1), "job": "j", "endpoint": "tcp://127.0.0.1:1"}
     args.update(kwargs)

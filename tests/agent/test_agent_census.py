@@ -1,4 +1,5 @@
-"""Layer roles (contract C1) and the model census (contract C2), from the agent to the rules' records."""
+"""Layer roles (contract C1) and the model census (contract C2), from the agent to the
+rules' records."""
 
 from __future__ import annotations
 
@@ -31,12 +32,25 @@ class MiniGPT(nn.Module):
 
     def __init__(self, vocab: int = 16, d: int = 8) -> None:
         super().__init__()
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(vocab, d), wpe=nn.Embedding(4, d), drop=nn.Dropout(0.0),
-            h=nn.ModuleList(nn.ModuleDict(dict(ln_1=nn.LayerNorm(d), c_fc=nn.Linear(d, 4 * d),
-                                               c_proj=nn.Linear(4 * d, d), drop=nn.Dropout(0.0)))
-                            for _ in range(2)),
-            ln_f=RMSNorm(d)))
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, d),
+                "wpe": nn.Embedding(4, d),
+                "drop": nn.Dropout(0.0),
+                "h": nn.ModuleList(
+                    nn.ModuleDict(
+                        {
+                            "ln_1": nn.LayerNorm(d),
+                            "c_fc": nn.Linear(d, 4 * d),
+                            "c_proj": nn.Linear(4 * d, d),
+                            "drop": nn.Dropout(0.0),
+                        }
+                    )
+                    for _ in range(2)
+                ),
+                "ln_f": RMSNorm(d),
+            }
+        )
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT does
 
@@ -62,8 +76,12 @@ def test_roles_of_a_gpt_with_tied_embeddings() -> None:
     c = census.take()
     assert c.tied == (("transformer.wte.weight", "lm_head.weight"),)
     total = sum(p.numel() for p in model.parameters())  # tied tensor once
-    assert (c.params_total, c.params_trainable, c.params_frozen, c.params_not_in_optimizer) == \
-        (total, total, 0, 0)
+    assert (c.params_total, c.params_trainable, c.params_frozen, c.params_not_in_optimizer) == (
+        total,
+        total,
+        0,
+        0,
+    )
     model.eval()  # only Dropout(p=0.0): nothing whose mode changes the output
     c = census.take()
     assert c.eval_modules == () and c.model_training is False
@@ -165,16 +183,25 @@ def test_roles_and_census_reach_the_collector_and_eval_mode_is_noticed_at_once(p
     model = MiniGPT()
     model.transformer.h[0].drop.p = 0.1  # one dropout whose mode matters
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, flush_every=2,
-                          stats_every=50, heartbeat_every=0.05, early_stats=False)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="census",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=50,
+        heartbeat_every=0.05,
+        early_stats=False,
+    )
     connected(sock, mon)
     train(model, mon, opt, 3)
     model.eval()  # left on by mistake: training continues in eval mode
     train(model, mon, opt, 3)
     mon.close()
     steps, stats = collect(sock, mon)
-    assert steps and all(s.layer_roles[s.layers.index("transformer.wte.weight")] == "tied"
-                         for s in steps)
+    assert steps and all(
+        s.layer_roles[s.layers.index("transformer.wte.weight")] == "tied" for s in steps
+    )
     assert all(len(s.layer_roles) == len(s.layers) for s in steps)
     forced = [s for s in stats if s.census is not None and not s.census.model_training]
     assert [s.step for s in forced] == [4]  # the first step trained in eval mode
@@ -187,8 +214,16 @@ def test_a_model_in_eval_mode_from_the_start_is_sampled_at_step_1(pull) -> None:
     sock, endpoint = pull
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(model, opt, job="census", endpoint=endpoint, flush_every=2,
-                          stats_every=50, heartbeat_every=0.05, early_stats=False)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="census",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=50,
+        heartbeat_every=0.05,
+        early_stats=False,
+    )
     connected(sock, mon)
     for _ in range(3):
         model(torch.randn(8, 4)).pow(2).mean().backward()
@@ -201,7 +236,8 @@ def test_a_model_in_eval_mode_from_the_start_is_sampled_at_step_1(pull) -> None:
     census = stats[0].census
     assert census is not None and census.model_training is False
     assert census.eval_modules == ("1",) and stats[0].layers == tuple(
-        name for name, _ in model.named_parameters())
+        name for name, _ in model.named_parameters()
+    )
 
 
 def test_log_eval_does_not_name_dropout_that_cannot_change_the_output(pull) -> None:

@@ -24,7 +24,7 @@ def due_steps(cadence: Cadence, last: int) -> list[int]:
 def test_early_cadence_is_dense_at_the_start_then_backs_off_to_stats_every() -> None:
     steps = due_steps(Cadence(50), 1000)
     assert steps[:8] == list(range(1, 9))
-    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
     assert gaps == sorted(gaps) and max(gaps) == 50  # geometric back-off, capped
     # A fault starting at any step t is sampled within max(1, t // 4) steps, so
     # within 20 steps of onset early on, and within stats_every later.
@@ -74,18 +74,31 @@ def test_watch_ships_dense_early_statistics_and_again_after_data_changed() -> No
 
 
 def _exact_ratios(before: list[torch.Tensor], model: nn.Module) -> list[float]:
-    return [((p.detach() - b).norm() / p.detach().norm()).item()
-            for p, b in zip(model.parameters(), before, strict=True)]
+    return [
+        ((p.detach() - b).norm() / p.detach().norm()).item()
+        for p, b in zip(model.parameters(), before, strict=True)
+    ]
 
 
-@pytest.mark.parametrize("make_opt", [
-    lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-    lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-], ids=["adamw", "sgd-momentum"])
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    ],
+    ids=["adamw", "sgd-momentum"],
+)
 def test_sampled_update_ratio_is_close_to_the_exact_one_holding_a_small_share(make_opt) -> None:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Embedding(512, 256), nn.Flatten(), nn.Linear(256 * 4, 1024),
-                          nn.GELU(), nn.Linear(1024, 512), nn.GELU(), nn.Linear(512, 10))
+    model = nn.Sequential(
+        nn.Embedding(512, 256),
+        nn.Flatten(),
+        nn.Linear(256 * 4, 1024),
+        nn.GELU(),
+        nn.Linear(1024, 512),
+        nn.GELU(),
+        nn.Linear(512, 10),
+    )
     opt = make_opt(model.parameters())
     ws = WeightStats(GradReader.attach(model, opt))
     total = sum(p.numel() for p in model.parameters())
@@ -141,8 +154,9 @@ def test_weight_norms_read_over_several_phases_equal_the_exact_norms() -> None:
 def test_close_finishes_an_open_round_so_the_last_sample_is_not_lost() -> None:
     model = nn.Sequential(nn.Linear(400, 400), nn.Linear(400, 400))  # over 1 phase
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    mon = gradwatch.watch(model, opt, job="cost", endpoint="tcp://127.0.0.1:1", stats_every=5,
-                          early_stats=False)
+    mon = gradwatch.watch(
+        model, opt, job="cost", endpoint="tcp://127.0.0.1:1", stats_every=5, early_stats=False
+    )
     assert mon._wstats is not None and mon._wstats.phases > 1
     for _ in range(5):
         model(torch.randn(2, 400)).sum().backward()

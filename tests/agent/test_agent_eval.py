@@ -1,7 +1,7 @@
-"""``log_eval`` names the BatchNorm/Dropout modules left in training mode, as the collector reads them."""
+"""``log_eval`` names the BatchNorm/Dropout modules left in training mode, as the
+collector reads them."""
 
 from __future__ import annotations
-
 
 import torch
 import zmq
@@ -75,7 +75,9 @@ def test_the_names_are_capped_and_a_model_without_such_modules_sends_none(pull) 
     mon.log_eval(loss=1.0)
     mon.close()
     (event,) = events(sock, 1)
-    assert event.fields["train_mode_modules"] == [str(i) for i in range(1, MAX_TRAIN_MODE_NAMES + 1)]
+    assert event.fields["train_mode_modules"] == [
+        str(i) for i in range(1, MAX_TRAIN_MODE_NAMES + 1)
+    ]
 
     plain = nn.Linear(2, 1)
     mon = watched(plain, endpoint, sock)

@@ -32,8 +32,9 @@ from tests.agent.receiver import Received, receive, wait_connected
 def monitor(pull: Any, model: nn.Module, opt: Any, **kwargs: Any) -> tuple[Any, list[Any]]:
     sock, endpoint = pull
     # Few batches: a starved shipper (busy machine) must not run out of host buffers.
-    mon = gradwatch.watch(model, opt, job="example", endpoint=endpoint, flush_every=16,
-                          heartbeat_every=0.05, **kwargs)
+    mon = gradwatch.watch(
+        model, opt, job="example", endpoint=endpoint, flush_every=16, heartbeat_every=0.05, **kwargs
+    )
     return mon, wait_connected(sock)
 
 
@@ -45,6 +46,7 @@ def finish(pull: Any, mon: Any, seen: list[Any]) -> Received:
 
 
 # ------------------------------------------------------------ word_language_model
+
 
 class RNNModel(nn.Module):
     """word_language_model's model, small: encoder, LSTM, decoder, dropout."""
@@ -72,11 +74,11 @@ def word_language_model(tmp: Path, pull: Any | None) -> tuple[list[float], Recei
     mon, seen = monitor(pull, model, None, stats_every=4) if pull else (None, [])
     lr, bptt, clip, losses = 5.0, 10, 0.25, []
     best_val = None
-    for epoch in range(1, 3):
+    for _epoch in range(1, 3):
         model.train()
         hidden = model.init_hidden(4)
         for i in range(0, data.size(0) - 1 - bptt, bptt):
-            x, y = data[i:i + bptt], data[i + 1:i + 1 + bptt]
+            x, y = data[i : i + bptt], data[i + 1 : i + 1 + bptt]
             model.zero_grad()
             hidden = tuple(h.detach() for h in hidden)
             output, hidden = model(x, hidden)
@@ -116,8 +118,15 @@ def test_word_language_model_manual_sgd_and_torch_save(tmp_path: Path, pull) -> 
     assert got is not None
     steps = sorted(got.steps)
     assert steps == list(range(1, len(steps) + 1)) and len(steps) == 2 * 19
-    assert got.layers == ("encoder.weight", "rnn.weight_ih_l0", "rnn.weight_hh_l0",
-                          "rnn.bias_ih_l0", "rnn.bias_hh_l0", "decoder.weight", "decoder.bias")
+    assert got.layers == (
+        "encoder.weight",
+        "rnn.weight_ih_l0",
+        "rnn.weight_hh_l0",
+        "rnn.bias_ih_l0",
+        "rnn.bias_hh_l0",
+        "decoder.weight",
+        "decoder.bias",
+    )
     for step in steps:
         row = got.steps[step]
         assert row.columns["lr/0"] == 5.0 and row.columns["skipped"] == 0.0
@@ -154,6 +163,7 @@ def test_manual_update_ratio_is_the_hand_written_update(pull) -> None:
 
 # ------------------------------------------------------------ mnist
 
+
 class Net(nn.Module):
     """pytorch/examples mnist's network, for 1x12x12 inputs."""
 
@@ -185,7 +195,7 @@ def mnist(pull: Any | None) -> tuple[list[float], Received | None]:
         model.train()
         for i in range(0, 96, 16):
             optimizer.zero_grad()
-            loss = F.nll_loss(model(images[i:i + 16]), labels[i:i + 16])
+            loss = F.nll_loss(model(images[i : i + 16]), labels[i : i + 16])
             loss.backward()
             optimizer.step()
             if mon is not None:
@@ -207,7 +217,8 @@ def test_mnist_adadelta_steplr_dropout(pull) -> None:
     assert watched == bare
     assert got is not None and sorted(got.steps) == list(range(1, 13))
     assert [got.steps[s].columns["lr/0"] for s in (1, 6, 7, 12)] == pytest.approx(
-        [1.0, 1.0, 0.7, 0.7])
+        [1.0, 1.0, 0.7, 0.7]
+    )
     assert all(math.isfinite(v) and v > 0 for v in got.steps[12].layers)
     evals = got.kinds("eval")
     assert len(evals) == 2 and all(e.fields["train_mode_modules"] == [] for e in evals)
@@ -215,8 +226,15 @@ def test_mnist_adadelta_steplr_dropout(pull) -> None:
 
 # ------------------------------------------------------------ nanoGPT step numbers
 
-def nanogpt_iterations(pull: Any, model: nn.Module, opt: Any, start: int, stop: int,
-                       checkpoints: dict[int, dict[str, Any]]) -> Received:
+
+def nanogpt_iterations(
+    pull: Any,
+    model: nn.Module,
+    opt: Any,
+    start: int,
+    stop: int,
+    checkpoints: dict[int, dict[str, Any]],
+) -> Received:
     """nanoGPT's loop shape: iter_num from ``start``, a checkpoint every 3 iterations."""
     mon, seen = monitor(pull, model, opt)
     for iter_num in range(start, stop):
@@ -237,17 +255,18 @@ def test_nanogpt_iterations_are_gradwatch_steps_across_a_resume(pull) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     checkpoints: dict[int, dict[str, Any]] = {}
     first = nanogpt_iterations(pull, model, opt, 0, 7, checkpoints)
-    assert sorted(first.steps) == list(range(0, 7))
+    assert sorted(first.steps) == list(range(7))
     assert [(e.step, e.fields["path"]) for e in first.kinds("checkpoint")] == [
-        (3, "out/ckpt-3.pt"), (6, "out/ckpt-6.pt")]
+        (3, "out/ckpt-3.pt"),
+        (6, "out/ckpt-6.pt"),
+    ]
     # init_from='resume': the script continues at the checkpoint's iter_num.
     model.load_state_dict(checkpoints[3]["model"])
     resumed = nanogpt_iterations(pull, model, opt, checkpoints[3]["iter_num"], 7, {})
     assert sorted(resumed.steps) == [3, 4, 5, 6]
 
 
-def test_log_step_rewind_starts_a_new_incarnation_and_bad_steps_are_ignored(pull,
-                                                                            caplog) -> None:
+def test_log_step_rewind_starts_a_new_incarnation_and_bad_steps_are_ignored(pull, caplog) -> None:
     torch.manual_seed(0)
     model = nn.Linear(8, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

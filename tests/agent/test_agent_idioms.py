@@ -63,8 +63,16 @@ class Run:
         if self.pull is None:
             return Bare()
         sock, endpoint = self.pull
-        mon = gradwatch.watch(model, opt, job="idiom", endpoint=endpoint, flush_every=4,
-                              heartbeat_every=0.05, stats_every=3, **kwargs)
+        mon = gradwatch.watch(
+            model,
+            opt,
+            job="idiom",
+            endpoint=endpoint,
+            flush_every=4,
+            heartbeat_every=0.05,
+            stats_every=3,
+            **kwargs,
+        )
         self.monitors.append((mon, wait_connected(sock)))
         return mon
 
@@ -85,6 +93,7 @@ def step_loss(model: nn.Module, step: int, micro: int = 0) -> torch.Tensor:
 
 
 # ------------------------------------------------------------ idioms
+
 
 def plain(run: Run) -> nn.Module:
     model = net()
@@ -326,8 +335,8 @@ def test_idiom_runs_unchanged_and_keeps_reporting(name: str, pull) -> None:
     if name.startswith("scheduler stepped per batch"):
         lrs = [got.steps[s].columns["lr/0"] for s in range(1, STEPS + 1)]
         sched = torch.optim.lr_scheduler.OneCycleLR(
-            torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01), max_lr=0.1,
-            total_steps=STEPS)
+            torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.01), max_lr=0.1, total_steps=STEPS
+        )
         expected = []
         for _ in range(STEPS):
             expected.append(sched.get_last_lr()[0])
@@ -355,8 +364,15 @@ def test_resume_from_a_checkpoint_continues_the_step_numbers(pull) -> None:
         opt.zero_grad()
         first.losses.append(loss.item())
         if step == 3:
-            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 3,
-                        "rng": torch.get_rng_state()}, saved)  # Dropout's, as resumes do
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "opt": opt.state_dict(),
+                    "step": 3,
+                    "rng": torch.get_rng_state(),
+                },
+                saved,
+            )  # Dropout's, as resumes do
             mon.checkpoint_saved(3, "ckpt/3.pt")
     [before] = first.received()
     saved.seek(0)
@@ -380,7 +396,8 @@ def test_resume_from_a_checkpoint_continues_the_step_numbers(pull) -> None:
     assert_reports(before, list(range(1, STEPS + 1)))
     assert_reports(after, [4, 5, 6])
     assert [after.steps[s].columns["loss"] for s in (4, 5, 6)] == pytest.approx(
-        [before.steps[s].columns["loss"] for s in (4, 5, 6)], rel=1e-6)
+        [before.steps[s].columns["loss"] for s in (4, 5, 6)], rel=1e-6
+    )
 
 
 def free_port() -> int:
@@ -391,8 +408,9 @@ def free_port() -> int:
 
 @pytest.mark.parametrize("pass_wrapper", [False, True], ids=["ddp.module", "ddp"])
 def test_ddp_world_1_on_gloo(pull, pass_wrapper: bool) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         runs = []
         for watched in (False, True):

@@ -26,9 +26,18 @@ def run(pull, rank: int, poison_at: int | None = None, steps: int = 6) -> Receiv
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(model, opt, job="layout", endpoint=endpoint, rank=rank, world=2,
-                          layout={"dp": 2}, flush_every=2, stats_every=2,
-                          heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="layout",
+        endpoint=endpoint,
+        rank=rank,
+        world=2,
+        layout={"dp": 2},
+        flush_every=2,
+        stats_every=2,
+        heartbeat_every=0.05,
+    )
     seen = wait_connected(sock)
     assert mon.config.shards == 1
     for step in range(1, steps + 1):

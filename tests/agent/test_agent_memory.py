@@ -36,8 +36,9 @@ def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps() -> N
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # 8.4M parameters
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    mon, _, persistent = allocated(lambda: gradwatch.watch(
-        model, opt, job="mem", endpoint="tcp://127.0.0.1:1", stats_every=2))
+    mon, _, persistent = allocated(
+        lambda: gradwatch.watch(model, opt, job="mem", endpoint="tcp://127.0.0.1:1", stats_every=2)
+    )
     budget = memory_budget(len(list(model.parameters())), mon.config)
     assert budget.total < 0.05 * 4 * n_params  # the budget itself is a small share
     peak = 0

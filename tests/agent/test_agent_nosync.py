@@ -59,8 +59,11 @@ def detector(monkeypatch: pytest.MonkeyPatch) -> SyncDetector:
     found = SyncDetector(threading.get_ident())
     for name in SYNCING:
         monkeypatch.setattr(torch.Tensor, name, found.wrap(name, getattr(torch.Tensor, name)))
-    monkeypatch.setattr(torch.amp.GradScaler, "get_scale",
-                        found.wrap("GradScaler.get_scale", torch.amp.GradScaler.get_scale))
+    monkeypatch.setattr(
+        torch.amp.GradScaler,
+        "get_scale",
+        found.wrap("GradScaler.get_scale", torch.amp.GradScaler.get_scale),
+    )
     return found
 
 
@@ -82,12 +85,26 @@ def cadence_steps(stats_every: int, steps: int) -> int:
 
 def run_loop(endpoint: str, steps: int = 40, stats_every: int = 10) -> gradwatch.Monitor:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
-                          nn.Dropout(0.0), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.Tanh(),
+        nn.Dropout(0.0),
+        nn.Linear(32, 4),
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=5)
-    mon = gradwatch.watch(model, opt, job="nosync", endpoint=endpoint, flush_every=4,
-                          scaler=scaler, heartbeat_every=0.05, stats_every=stats_every)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="nosync",
+        endpoint=endpoint,
+        flush_every=4,
+        scaler=scaler,
+        heartbeat_every=0.05,
+        stats_every=stats_every,
+    )
     for i in range(steps):
         loss = model(torch.randn(8, 16)).pow(2).mean()
         scaler.scale(loss).backward()
@@ -145,5 +162,5 @@ def test_detector_catches_a_deliberate_item(detector, endpoint, monkeypatch):
 
     monkeypatch.setattr(monitor_module.Monitor, "_commit", leaky_commit)
     run_loop(endpoint, steps=3)
-    assert ("item", ) == detector.calls[0][:1]
+    assert ("item",) == detector.calls[0][:1]
     assert "gradwatch.agent.monitor" in detector.calls[0][1]

@@ -32,8 +32,7 @@ def tiny() -> tuple[nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def train(model: nn.Module, opt: torch.optim.Optimizer, mon: gradwatch.Monitor,
-          steps: int) -> None:
+def train(model: nn.Module, opt: torch.optim.Optimizer, mon: gradwatch.Monitor, steps: int) -> None:
     x = torch.randn(4, 4)
     for _ in range(steps):
         loss = model(x).pow(2).mean()
@@ -44,8 +43,9 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, mon: gradwatch.Monitor,
 
 
 def errors(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records
-            if r.name.startswith("gradwatch") and r.levelno >= logging.ERROR]
+    return [
+        r for r in caplog.records if r.name.startswith("gradwatch") and r.levelno >= logging.ERROR
+    ]
 
 
 def test_absent_collector_never_blocks_and_memory_stays_bounded():
@@ -173,13 +173,16 @@ def test_bad_scalars_warn_once_and_keep_monitoring(caplog):
     assert mon.stats.disabled is None and mon.stats.steps_logged == 3
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"job": ""}, "job must be"),
-    ({"job": "j", "endpoint": "localhost:5555"}, "endpoint must be"),
-    ({"job": "j", "endpoint": "tcp://no host:x"}, "cannot connect"),
-    ({"job": "j", "rank": 3, "world": 2}, "rank 3 / world 2"),
-    ({"job": "j", "flush_every": 0}, "flush_every"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"job": ""}, "job must be"),
+        ({"job": "j", "endpoint": "localhost:5555"}, "endpoint must be"),
+        ({"job": "j", "endpoint": "tcp://no host:x"}, "cannot connect"),
+        ({"job": "j", "rank": 3, "world": 2}, "rank 3 / world 2"),
+        ({"job": "j", "flush_every": 0}, "flush_every"),
+    ],
+)
 def test_bad_arguments_fail_at_watch_with_a_clear_message(kwargs, message):
     model, opt = tiny()
     with pytest.raises(ValueError, match=message):

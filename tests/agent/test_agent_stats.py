@@ -3,7 +3,6 @@ the early, dense one is in test_agent_cost.py)."""
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch
@@ -34,8 +33,16 @@ def test_weight_norms_ship_every_stats_every_steps_and_decode_to_stats(pull) -> 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = gradwatch.watch(model, opt, job="st", endpoint=endpoint, flush_every=2,
-                          stats_every=3, heartbeat_every=0.05, early_stats=False)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="st",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=3,
+        heartbeat_every=0.05,
+        early_stats=False,
+    )
     assert sock.poll(WAIT_MS) and isinstance(decode(sock.recv_multipart()), Heartbeat)
     expected = {}
     for step in range(1, 7):
@@ -73,8 +80,9 @@ def test_stats_every_zero_sends_none_and_negative_is_refused(pull) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="stats_every"):
         gradwatch.watch(model, opt, job="st", endpoint=endpoint, stats_every=-1)
-    mon = gradwatch.watch(model, opt, job="st", endpoint=endpoint, flush_every=1,
-                          stats_every=0, heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model, opt, job="st", endpoint=endpoint, flush_every=1, stats_every=0, heartbeat_every=0.05
+    )
     for _ in range(3):
         model(torch.randn(2, 2)).sum().backward()
         opt.step()

@@ -40,8 +40,10 @@ def test_reader_norms_all_dtypes_in_fp32_and_zero_for_absent_grads():
     reader = GradReader.attach(model, opt)
     row = torch.full((len(params) + 2,), -1.0)
     reader.read_into(row[: len(params)])
-    expected = [0.0 if p.grad is None else torch.linalg.vector_norm(p.grad.double()).item()
-                for p in model.parameters()]
+    expected = [
+        0.0 if p.grad is None else torch.linalg.vector_norm(p.grad.double()).item()
+        for p in model.parameters()
+    ]
     assert row[: len(params)].tolist() == pytest.approx(expected, rel=1e-3)
     assert row[-2:].tolist() == [-1.0, -1.0]  # nothing written past the layers
     assert row.dtype == torch.float32
@@ -104,8 +106,15 @@ def test_device_row_growth_keeps_the_open_row():
     try:
         model = nn.Linear(3, 1)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        config = AgentConfig(job="grow", rank=0, world=1, endpoint=f"tcp://127.0.0.1:{port}",
-                             flush_every=4, heartbeat_every=0.05, device_columns=1)
+        config = AgentConfig(
+            job="grow",
+            rank=0,
+            world=1,
+            endpoint=f"tcp://127.0.0.1:{port}",
+            flush_every=4,
+            heartbeat_every=0.05,
+            device_columns=1,
+        )
         mon = Monitor(model, opt, config)
         assert sock.poll(5000) and isinstance(decode(sock.recv_multipart()), Heartbeat)
         for i in range(6):
@@ -127,10 +136,11 @@ def test_device_row_growth_keeps_the_open_row():
             schema = schemas[msg.schema_id]
             vals = struct.unpack(f"<{len(msg.values) // 4}f", msg.values)
             for r, step in enumerate(msg.steps):
-                seen[step] = dict(zip(schema.columns, vals[r * schema.width:]))
+                seen[step] = dict(zip(schema.columns, vals[r * schema.width :], strict=False))
                 layer = vals[r * schema.width + len(schema.columns)]
                 assert layer == pytest.approx(
-                    torch.linalg.vector_norm(torch.full((3,), 2.0)).item())
+                    torch.linalg.vector_norm(torch.full((3,), 2.0)).item()
+                )
         for i in range(6):
             assert seen[i + 1]["loss"] == float(i)
             for k in range(min(i + 1, 4)):
@@ -168,13 +178,13 @@ def test_sharded_params_report_the_local_shard_norm():
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     try:
         mesh = init_device_mesh("cpu", (1,))
-        sharded = nn.Parameter(tensor_api.distribute_tensor(torch.randn(4, 3), mesh,
-                                                            [tensor_api.Shard(0)]))
+        sharded = nn.Parameter(
+            tensor_api.distribute_tensor(torch.randn(4, 3), mesh, [tensor_api.Shard(0)])
+        )
         plain = nn.Parameter(torch.randn(5))
         model = nn.ParameterDict({"sharded": sharded, "plain": plain})
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        sharded.grad = tensor_api.distribute_tensor(torch.randn(4, 3), mesh,
-                                                    [tensor_api.Shard(0)])
+        sharded.grad = tensor_api.distribute_tensor(torch.randn(4, 3), mesh, [tensor_api.Shard(0)])
         plain.grad = torch.randn(5)
         reader = GradReader.attach(model, opt)
         assert reader.sharded

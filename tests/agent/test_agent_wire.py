@@ -7,7 +7,6 @@ import time
 
 import pytest
 import torch
-
 import zmq
 from torch import nn
 
@@ -45,8 +44,7 @@ def wait_connected(sock: zmq.Socket) -> None:
     assert isinstance(recv(sock), Heartbeat)
 
 
-def collect(sock: zmq.Socket, n_steps: int, n_events: int = 0
-            ) -> tuple[list[Batch], list[Event]]:
+def collect(sock: zmq.Socket, n_steps: int, n_events: int = 0) -> tuple[list[Batch], list[Event]]:
     batches: list[Batch] = []
     events: list[Event] = []
     while sum(len(b.steps) for b in batches) < n_steps or len(events) < n_events:
@@ -80,7 +78,7 @@ def rows(batches: list[Batch]) -> dict[int, tuple[dict[str, tuple[float, int]], 
         for r, step in enumerate(batch.steps):
             base = r * schema.width
             cols = {c: (floats[base + i], bits[base + i]) for i, c in enumerate(schema.columns)}
-            layers = list(floats[base + len(schema.columns): base + schema.width])
+            layers = list(floats[base + len(schema.columns) : base + schema.width])
             out[step] = (cols, layers)
     return out
 
@@ -93,8 +91,16 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     # Enough host buffers for every batch of the run: the agent drops rather
     # than wait when the shipper thread is starved (a busy CI machine), and
     # this test is about values, not about that policy.
-    config = AgentConfig(job="wire", rank=0, world=1, endpoint=endpoint, flush_every=4,
-                         heartbeat_every=0.05, pool_size=16, early_stats=False)
+    config = AgentConfig(
+        job="wire",
+        rank=0,
+        world=1,
+        endpoint=endpoint,
+        flush_every=4,
+        heartbeat_every=0.05,
+        pool_size=16,
+        early_stats=False,
+    )
     mon = Monitor(model, opt, config)
     wait_connected(sock)
     trainable = [p for n, p in model.named_parameters() if p.requires_grad]
@@ -104,8 +110,9 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
         loss = model(torch.randn(5, 6)).pow(2).mean() * 10
         loss.backward()
         pre_clip = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        norms = [0.0 if p.grad is None else torch.linalg.vector_norm(p.grad).item()
-                 for p in trainable]
+        norms = [
+            0.0 if p.grad is None else torch.linalg.vector_norm(p.grad).item() for p in trainable
+        ]
         expected[mon.step + 1] = (norms, loss.item(), pre_clip.item())
         opt.step()
         step = i + 1  # what the agent numbers this step
@@ -121,8 +128,14 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     assert sorted(table) == list(range(1, n_steps + 1))
     first = batches[0].schema
     assert first is not None
-    assert first.layers == ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
-                            "unused.weight", "unused.bias")
+    assert first.layers == (
+        "fc1.weight",
+        "fc1.bias",
+        "fc2.weight",
+        "fc2.bias",
+        "unused.weight",
+        "unused.bias",
+    )
     assert {"loss", "lr/0", "skipped", "s/grad_norm"} <= set(first.columns)
     for step, (cols, layers) in table.items():
         norms, loss, pre_clip = expected[step]
@@ -144,7 +157,7 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     # The schema travels when it is new, not with every batch.
     ids = [b.schema_id for b in batches]
     carried = [b.schema is not None for b in batches]
-    changed = [True] + [a != b for a, b in zip(ids, ids[1:])]
+    changed = [True] + [a != b for a, b in zip(ids, ids[1:], strict=False)]
     assert carried == changed
     assert len(set(ids)) == 2 and ids[-1] > ids[0]
     assert all(b.dropped == 0 for b in batches)
@@ -162,8 +175,9 @@ def test_unmeasured_cells_are_missing_not_zero(pull):
     sock, endpoint = pull
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = gradwatch.watch(model, opt, job="missing", endpoint=endpoint, flush_every=3,
-                          heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model, opt, job="missing", endpoint=endpoint, flush_every=3, heartbeat_every=0.05
+    )
     wait_connected(sock)
     for i in range(3):
         model(torch.randn(2, 6)).sum().backward()
@@ -184,8 +198,9 @@ def test_two_optimizer_steps_without_log_still_make_two_rows(pull):
     sock, endpoint = pull
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = gradwatch.watch(model, opt, job="twice", endpoint=endpoint, flush_every=8,
-                          heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model, opt, job="twice", endpoint=endpoint, flush_every=8, heartbeat_every=0.05
+    )
     wait_connected(sock)
     model(torch.randn(2, 6)).sum().backward()
     opt.step()
@@ -222,8 +237,9 @@ def test_lr_tensor_and_cpu_tensor_scalars_are_recorded(pull):
     sock, endpoint = pull
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=torch.tensor(0.05))
-    mon = gradwatch.watch(model, opt, job="lr", endpoint=endpoint, flush_every=2,
-                          heartbeat_every=0.05)
+    mon = gradwatch.watch(
+        model, opt, job="lr", endpoint=endpoint, flush_every=2, heartbeat_every=0.05
+    )
     wait_connected(sock)
     for _ in range(2):
         model(torch.randn(2, 6)).sum().backward()
@@ -242,9 +258,10 @@ def test_lr_is_the_one_the_step_used_even_if_the_scheduler_steps_before_log(pull
     sock, endpoint = pull
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
-    mon = gradwatch.watch(model, opt, job="lr", endpoint=endpoint, flush_every=3,
-                          heartbeat_every=0.05)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s)
+    mon = gradwatch.watch(
+        model, opt, job="lr", endpoint=endpoint, flush_every=3, heartbeat_every=0.05
+    )
     wait_connected(sock)
     for _ in range(3):
         model(torch.randn(2, 6)).sum().backward()
@@ -291,8 +308,14 @@ def test_schema_is_resent_after_the_collector_restarts():
     port = first.bind_to_random_port("tcp://127.0.0.1")
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    mon = gradwatch.watch(model, opt, job="restart", endpoint=f"tcp://127.0.0.1:{port}",
-                          flush_every=2, heartbeat_every=0.02)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="restart",
+        endpoint=f"tcp://127.0.0.1:{port}",
+        flush_every=2,
+        heartbeat_every=0.02,
+    )
 
     def steps(n: int) -> None:
         for _ in range(n):
@@ -327,8 +350,9 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
     sock, endpoint = pull
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradwatch.watch(model, opt, job="phases", endpoint=endpoint, flush_every=3,
-                         heartbeat_every=0.02) as mon:
+    with gradwatch.watch(
+        model, opt, job="phases", endpoint=endpoint, flush_every=3, heartbeat_every=0.02
+    ) as mon:
         for _ in range(3):
             time.sleep(0.05)  # the data loader: the host waits before the forward
             model(torch.randn(2, 6)).sum().backward()
@@ -348,8 +372,13 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
             pytest.fail("no heartbeat said step 4 had started")
         opt.step()
         mon.log(loss=1.0)
-    got = rows([b for b in seen + _drain(sock)
-                if isinstance(b, Batch) and b.schema_id != wc.STATS_SCHEMA_ID])
+    got = rows(
+        [
+            b
+            for b in seen + _drain(sock)
+            if isinstance(b, Batch) and b.schema_id != wc.STATS_SCHEMA_ID
+        ]
+    )
     for step in (1, 2, 3):
         cols, _ = got[step]
         assert cols["s/data_seconds"][0] >= 0.045  # the 50 ms wait, measured on the host
@@ -369,4 +398,7 @@ def test_close_says_so_after_the_last_batch(pull):
     mon.close()
     sent = [m for m in _drain(sock) if not isinstance(m, Heartbeat)]
     assert isinstance(sent[0], Batch) and sent[0].steps == (1,)
-    assert isinstance(sent[-1], Event) and (sent[-1].kind, sent[-1].fields) == ("note", {"note": "closed"})
+    assert isinstance(sent[-1], Event) and (sent[-1].kind, sent[-1].fields) == (
+        "note",
+        {"note": "closed"},
+    )

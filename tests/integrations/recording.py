@@ -31,9 +31,12 @@ class RecordingCollector:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        self.server = Server(CollectorConfig(listen="tcp://127.0.0.1:*",
-                                             metrics_addr="127.0.0.1:0", record_dir=directory),
-                             registry=CollectorRegistry())
+        self.server = Server(
+            CollectorConfig(
+                listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", record_dir=directory
+            ),
+            registry=CollectorRegistry(),
+        )
         self.server.start()
         self.endpoint = self.server.bound_endpoint
 
@@ -53,4 +56,5 @@ class RecordingCollector:
             layers=reader.header.layers,
             steps=[r for r in records if isinstance(r, TraceStep)],
             evals=[r for r in records if isinstance(r, TraceEval)],
-            events=[r for r in records if isinstance(r, TraceEvent)])
+            events=[r for r in records if isinstance(r, TraceEvent)],
+        )

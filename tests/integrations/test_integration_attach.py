@@ -13,7 +13,8 @@ from tests.integrations.recording import RecordingCollector
 
 
 def test_read_now_divides_still_scaled_gradients_by_the_scale_and_marks_skips(
-        collector: RecordingCollector) -> None:
+    collector: RecordingCollector,
+) -> None:
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -43,5 +44,6 @@ def test_read_now_divides_still_scaled_gradients_by_the_scale_and_marks_skips(
     assert [s.step for s in got.steps] == [1, 2, 3]
     assert [s.skipped for s in got.steps] == [False, True, False]
     for s, norms in zip(got.steps, expected, strict=True):
-        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(s.layer_grad_norms, norms,
-                                                                     strict=True))
+        assert all(
+            math.isclose(a, b, rel_tol=1e-5) for a, b in zip(s.layer_grad_norms, norms, strict=True)
+        )

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 torch = pytest.importorskip("torch")
-pl = pytest.importorskip("lightning.pytorch",
-                         reason="lightning is not installed: pip install 'gradwatch[lightning]'")
+pl = pytest.importorskip(
+    "lightning.pytorch", reason="lightning is not installed: pip install 'gradwatch[lightning]'"
+)
 
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
@@ -79,16 +80,26 @@ def _loader(n: int, seed: int) -> DataLoader:
 def test_lightning_fit_reaches_the_collector(collector: RecordingCollector, tmp_path: Path) -> None:
     torch.manual_seed(0)
     module = TinyModule()
-    callback = GradwatchCallback(job="pl-tiny", endpoint=collector.endpoint, flush_every=5,
-                                 stats_every=0)
-    checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_top_k=-1,
-                                               every_n_epochs=1)
+    callback = GradwatchCallback(
+        job="pl-tiny", endpoint=collector.endpoint, flush_every=5, stats_every=0
+    )
+    checkpoints = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1
+    )
     monitors: list[Any] = []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=EPOCHS, accumulate_grad_batches=ACCUMULATE,
-        gradient_clip_val=CLIP, callbacks=[callback, checkpoints, _Spy(callback, monitors)],
-        enable_progress_bar=False, enable_model_summary=False, logger=False,
-        default_root_dir=tmp_path, num_sanity_val_steps=1)
+        accelerator="cpu",
+        devices=1,
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=ACCUMULATE,
+        gradient_clip_val=CLIP,
+        callbacks=[callback, checkpoints, _Spy(callback, monitors)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        default_root_dir=tmp_path,
+        num_sanity_val_steps=1,
+    )
     trainer.fit(module, _loader(BATCHES * BATCH, seed=1), _loader(32, seed=2))
     assert trainer.global_step == STEPS
     assert callback.monitor is None  # closed at on_fit_end
@@ -96,8 +107,10 @@ def test_lightning_fit_reaches_the_collector(collector: RecordingCollector, tmp_
     got = collector.received("pl-tiny", monitors[0])
     assert [s.step for s in got.steps] == list(range(1, STEPS + 1))
     assert got.layers == ("net.0.weight", "net.0.bias", "net.2.weight", "net.2.bias")
-    step_losses = [(a + b) / 2 for a, b in zip(module.micro_losses[::2], module.micro_losses[1::2],
-                                                strict=True)]
+    step_losses = [
+        (a + b) / 2
+        for a, b in zip(module.micro_losses[::2], module.micro_losses[1::2], strict=True)
+    ]
     assert [s.loss for s in got.steps] == pytest.approx(step_losses, rel=1e-5)
     # Read after backward and before clipping: this step's full gradients, not the
     # previous step's (what a step pre-hook sees inside Lightning's closure) nor clipped ones.
@@ -107,12 +120,14 @@ def test_lightning_fit_reaches_the_collector(collector: RecordingCollector, tmp_
         assert len(s.layer_grad_norms) == 4
         assert all(v is not None and math.isfinite(v) and v > 0 for v in s.layer_grad_norms)
     assert [math.hypot(*s.layer_grad_norms) for s in got.steps] == pytest.approx(
-        module.pre_clip_norms, rel=1e-5)
+        module.pre_clip_norms, rel=1e-5
+    )
     # The rate each step used: StepLR halves it after every 4 steps, stepping after each.
     # The rate each step used (StepLR halves it every 4 steps), though Lightning steps
     # the scheduler before on_train_batch_end, where the step is recorded.
-    assert [s.lr for s in got.steps] == [(pytest.approx(0.1 * 0.5 ** ((step - 1) // 4)),)
-                                         for step in range(1, STEPS + 1)]
+    assert [s.lr for s in got.steps] == [
+        (pytest.approx(0.1 * 0.5 ** ((step - 1) // 4)),) for step in range(1, STEPS + 1)
+    ]
 
     assert [e.step for e in got.evals] == [STEPS // EPOCHS, STEPS]
     assert [e.loss for e in got.evals] == pytest.approx(module.val_losses, rel=1e-5)
@@ -147,8 +162,7 @@ class AmpModule(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         opt = torch.optim.SGD(self.parameters(), lr=0.05)
-        opt.register_step_post_hook(
-            lambda *_: self.stepped.append(self.trainer.global_step + 1))
+        opt.register_step_post_hook(lambda *_: self.stepped.append(self.trainer.global_step + 1))
         return opt
 
 
@@ -160,10 +174,16 @@ def test_lightning_amp_reports_the_steps_the_scaler_skipped(collector: Recording
     callback = GradwatchCallback(job="pl-amp", endpoint=collector.endpoint, stats_every=0)
     monitors: list[Any] = []
     trainer = pl.Trainer(
-        accelerator="cpu", max_steps=8, plugins=[MixedPrecision("16-mixed", "cpu")],
-        gradient_clip_val=CLIP, callbacks=[callback, _Spy(callback, monitors)],
-        enable_progress_bar=False, enable_model_summary=False, logger=False,
-        enable_checkpointing=False)
+        accelerator="cpu",
+        max_steps=8,
+        plugins=[MixedPrecision("16-mixed", "cpu")],
+        gradient_clip_val=CLIP,
+        callbacks=[callback, _Spy(callback, monitors)],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        enable_checkpointing=False,
+    )
     trainer.fit(module, _loader(64, seed=3))
     assert trainer.global_step == 8
 
@@ -189,20 +209,29 @@ def test_lightning_resume_from_ckpt_path_continues_the_trainer_steps(tmp_path: P
         collector = RecordingCollector(tmp_path / f"trace-{run}")
         try:
             torch.manual_seed(0)
-            callback = GradwatchCallback(job="pl-resume", endpoint=collector.endpoint,
-                                         flush_every=5, stats_every=0)
-            checkpoints = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt",
-                                                       save_top_k=-1, every_n_epochs=1)
+            callback = GradwatchCallback(
+                job="pl-resume", endpoint=collector.endpoint, flush_every=5, stats_every=0
+            )
+            checkpoints = pl.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", save_top_k=-1, every_n_epochs=1
+            )
             monitors: list[Any] = []
             trainer = pl.Trainer(
-                accelerator="cpu", devices=1, max_epochs=epochs,
+                accelerator="cpu",
+                devices=1,
+                max_epochs=epochs,
                 accumulate_grad_batches=ACCUMULATE,
                 callbacks=[callback, checkpoints, _Spy(callback, monitors)],
-                enable_progress_bar=False, enable_model_summary=False, logger=False,
-                default_root_dir=tmp_path, num_sanity_val_steps=0)
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                logger=False,
+                default_root_dir=tmp_path,
+                num_sanity_val_steps=0,
+            )
             ckpt = str(next((tmp_path / "ckpt").glob("*.ckpt"))) if run else None
-            trainer.fit(TinyModule(), _loader(BATCHES * BATCH, seed=1), _loader(32, seed=2),
-                        ckpt_path=ckpt)
+            trainer.fit(
+                TinyModule(), _loader(BATCHES * BATCH, seed=1), _loader(32, seed=2), ckpt_path=ckpt
+            )
             received.append(collector.received("pl-resume", monitors[0]))
         finally:
             collector.server.stop(timeout=5.0)

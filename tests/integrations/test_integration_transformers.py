@@ -21,9 +21,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed: pip install 'gradwatch[hf]'")
-pytest.importorskip("accelerate", reason="the transformers Trainer needs accelerate: "
-                    "pip install 'gradwatch[hf]'")
+    "transformers", reason="transformers is not installed: pip install 'gradwatch[hf]'"
+)
+pytest.importorskip(
+    "accelerate", reason="the transformers Trainer needs accelerate: pip install 'gradwatch[hf]'"
+)
 
 from torch import nn  # noqa: E402
 from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
@@ -38,8 +40,9 @@ N_IN, N_CLASSES, BATCH = 8, 3, 4
 class TinyConfig(PretrainedConfig):
     model_type = "gradwatch-tiny"
 
-    def __init__(self, n_in: int = N_IN, hidden: int = 16, n_classes: int = N_CLASSES,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, n_in: int = N_IN, hidden: int = 16, n_classes: int = N_CLASSES, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.n_in, self.hidden, self.n_classes = n_in, hidden, n_classes
 
@@ -49,8 +52,12 @@ class TinyClassifier(PreTrainedModel):
 
     def __init__(self, config: TinyConfig) -> None:
         super().__init__(config)
-        self.body = nn.Sequential(nn.Linear(config.n_in, config.hidden), nn.ReLU(),
-                                  nn.Dropout(0.1), nn.Linear(config.hidden, config.n_classes))
+        self.body = nn.Sequential(
+            nn.Linear(config.n_in, config.hidden),
+            nn.ReLU(),
+            nn.Dropout(0.1),
+            nn.Linear(config.hidden, config.n_classes),
+        )
         self.post_init()
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
@@ -74,20 +81,43 @@ class RandomSet(torch.utils.data.Dataset):
         return {"x": self.x[i], "labels": self.y[i]}
 
 
-def _trainer(output_dir: Path, callback: GradwatchCallback, max_steps: int = STEPS,
-             save_only_model: bool = True, trainer_class: type[Trainer] = Trainer) -> Trainer:
+def _trainer(
+    output_dir: Path,
+    callback: GradwatchCallback,
+    max_steps: int = STEPS,
+    save_only_model: bool = True,
+    trainer_class: type[Trainer] = Trainer,
+) -> Trainer:
     torch.manual_seed(0)
     args = TrainingArguments(
-        output_dir=str(output_dir), run_name="hf-tiny", max_steps=max_steps,
-        per_device_train_batch_size=BATCH, gradient_accumulation_steps=ACCUMULATE,
-        per_device_eval_batch_size=16, learning_rate=0.05, max_grad_norm=0.5,
-        logging_steps=LOG_EVERY, logging_nan_inf_filter=False,
-        eval_strategy="steps", eval_steps=EVAL_EVERY,
-        save_strategy="steps", save_steps=EVAL_EVERY, save_only_model=save_only_model,
-        report_to="none", use_cpu=True, disable_tqdm=True, dataloader_num_workers=0, seed=0)
-    return trainer_class(model=TinyClassifier(TinyConfig()), args=args,
-                   train_dataset=RandomSet(STEPS * ACCUMULATE * BATCH, seed=1),
-                   eval_dataset=RandomSet(32, seed=2), callbacks=[callback])
+        output_dir=str(output_dir),
+        run_name="hf-tiny",
+        max_steps=max_steps,
+        per_device_train_batch_size=BATCH,
+        gradient_accumulation_steps=ACCUMULATE,
+        per_device_eval_batch_size=16,
+        learning_rate=0.05,
+        max_grad_norm=0.5,
+        logging_steps=LOG_EVERY,
+        logging_nan_inf_filter=False,
+        eval_strategy="steps",
+        eval_steps=EVAL_EVERY,
+        save_strategy="steps",
+        save_steps=EVAL_EVERY,
+        save_only_model=save_only_model,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+    )
+    return trainer_class(
+        model=TinyClassifier(TinyConfig()),
+        args=args,
+        train_dataset=RandomSet(STEPS * ACCUMULATE * BATCH, seed=1),
+        eval_dataset=RandomSet(32, seed=2),
+        callbacks=[callback],
+    )
 
 
 def test_trainer_run_reaches_the_collector(collector: RecordingCollector, tmp_path: Path) -> None:
@@ -131,18 +161,21 @@ def test_trainer_run_reaches_the_collector(collector: RecordingCollector, tmp_pa
     evals = {h["step"]: h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h}
     assert sorted(evals) == [EVAL_EVERY, STEPS]
     assert [(e.step, e.loss) for e in got.evals] == [
-        (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(evals.items())]
+        (step, pytest.approx(loss, rel=1e-6)) for step, loss in sorted(evals.items())
+    ]
     assert all(e.train_mode_modules == () for e in got.evals)  # Dropout was in eval mode
 
     checkpoints = [(e.step, e.fields["path"]) for e in got.events if e.kind == "checkpoint"]
-    expected = [(step, str(tmp_path / "out" / f"checkpoint-{step}"))
-                for step in (EVAL_EVERY, STEPS)]
+    expected = [
+        (step, str(tmp_path / "out" / f"checkpoint-{step}")) for step in (EVAL_EVERY, STEPS)
+    ]
     assert checkpoints == expected
     assert all(Path(path).is_dir() for _, path in checkpoints)
 
 
 def test_a_failing_monitor_never_stops_the_trainer(
-        collector: RecordingCollector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    collector: RecordingCollector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     callback = GradwatchCallback(job="hf-broken", endpoint=collector.endpoint)
 
     def explode(**scalars: Any) -> None:
@@ -187,13 +220,16 @@ def test_resume_from_checkpoint_continues_the_trainer_steps(tmp_path: Path) -> N
     for run, max_steps in enumerate((6, STEPS)):
         collector = RecordingCollector(tmp_path / f"trace-{run}")
         try:
-            callback = GradwatchCallback(job="hf-resume", endpoint=collector.endpoint,
-                                         flush_every=5, stats_every=0)
-            trainer = _trainer(tmp_path / "out", callback, max_steps=max_steps,
-                               save_only_model=False)
+            callback = GradwatchCallback(
+                job="hf-resume", endpoint=collector.endpoint, flush_every=5, stats_every=0
+            )
+            trainer = _trainer(
+                tmp_path / "out", callback, max_steps=max_steps, save_only_model=False
+            )
             trainer.add_callback(_Spy(callback, monitors))
-            trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-6")
-                          if run else None)
+            trainer.train(
+                resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-6") if run else None
+            )
             received.append(collector.received("hf-resume", monitors[-1]))
         finally:
             collector.server.stop(timeout=5.0)
@@ -205,12 +241,18 @@ def test_resume_from_checkpoint_continues_the_trainer_steps(tmp_path: Path) -> N
 
 
 def test_a_model_without_a_loss_output_falls_back_to_logged_losses_and_says_so(
-        collector: RecordingCollector, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    collector: RecordingCollector, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     callback = GradwatchCallback(endpoint=collector.endpoint, flush_every=5, stats_every=0)
 
     class OwnLoss(Trainer):  # a custom compute_loss: the model's output has no loss
-        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
-                         num_items_in_batch: Any = None) -> Any:
+        def compute_loss(
+            self,
+            model: Any,
+            inputs: Any,
+            return_outputs: bool = False,
+            num_items_in_batch: Any = None,
+        ) -> Any:
             labels = inputs.pop("labels")
             outputs = model(**inputs)
             loss = nn.functional.cross_entropy(outputs["logits"], labels)
@@ -234,8 +276,9 @@ def test_a_model_without_a_loss_output_falls_back_to_logged_losses_and_says_so(
             assert total == pytest.approx(logged[s.step], rel=1e-5)
 
 
-def test_the_every_step_path_makes_no_syncing_call(collector: RecordingCollector, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_every_step_path_makes_no_syncing_call(
+    collector: RecordingCollector, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The forward hook, the end-of-backward read and the per-step log never read a device
     value on the training thread (tests/agent/test_agent_nosync.py's structural check)."""
     import threading
