@@ -8,15 +8,18 @@ Run once per rank by :mod:`tests.distributed.harness` (``--mode pp`` or
   micro-batch per step: stage 0 sends its activation to the stage-1 rank of its
   replica, which sends the activation's gradient back.
 * ``tp``: layout ``dp=2,tp=2`` on a DeviceMesh ``("dp", "tp")``: ``fc1`` column-
-  and ``fc2`` row-parallel DTensors (``fc2`` without a bias, so every parameter
-  is a shard; replicated ones are scaled by the agent, agent/topology.share_scales).
+  and ``fc2`` row-parallel DTensors (``fc2`` without a bias), after a plain
+  ``norm`` (LayerNorm) that every TP rank holds whole: its norm goes out as
+  norm/sqrt(2) from each (agent/topology.share_scales).
+
+With ``--declare`` the agent is told the layout (``watch(layout=...)``), so only
+replica 0 of each model shard sends per-layer norms; without it every rank sends.
 
 Gradients are averaged across the replicas with an explicit all-reduce (what
 DDP does). Before every ``optimizer.step()`` each rank computes the global norm
 of the layers it holds, as the job sees them (``full_tensor()`` for DTensors),
 and writes ``OUT/direct{rank}.json`` (``{step: {layer: norm}}``) at the end,
-then ``OUT/rank{rank}.done``; ``OUT/scales{rank}.json`` holds what
-``share_scales`` says for the model plus a replicated LayerNorm (tp mode).
+then ``OUT/rank{rank}.done``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradwatch
-from gradwatch.agent.topology import parse_layout, share_scales
+from gradwatch.agent.topology import parse_layout
 from tests.distributed.worker import BATCH, IN_FEATURES, PG_TIMEOUT, WIDTH, Net, rendezvous
 
 LAYOUTS = {"pp": "pp=2,dp=2", "tp": "dp=2,tp=2"}
@@ -62,11 +65,12 @@ class Stage1(Part):
 class TPNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.norm = nn.LayerNorm(IN_FEATURES)  # left whole on every TP rank: a copy
         self.fc1 = nn.Linear(IN_FEATURES, WIDTH)
         self.fc2 = nn.Linear(WIDTH, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
+        return self.fc2(torch.relu(self.fc1(self.norm(x))))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -76,6 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--endpoint", required=True)
     p.add_argument("--job", required=True)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--declare", type=int, default=0, help="1: watch(layout=...)")
     return p.parse_args(argv)
 
 
@@ -131,10 +136,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             TPNet(), mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
         )
         dp_group = mesh["dp"].get_group()
-        probe = nn.Sequential(
-            parallelize_module(TPNet(), mesh["tp"], {"fc1": ColwiseParallel()}), nn.LayerNorm(4)
-        )
-        (args.out / f"scales{rank}.json").write_text(json.dumps(share_scales(probe, layout)))
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.05)
     mon = gradwatch.watch(
@@ -147,6 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         flush_every=2,
         heartbeat_every=0.2,
         stats_every=0,
+        layout=LAYOUTS[args.mode] if args.declare else None,
     )
     data = torch.Generator().manual_seed(1000 + coords.get("dp", 0))  # one batch per replica
     direct: dict[int, dict[str, float]] = {}
