@@ -4,7 +4,9 @@ Precedence, lowest first: built-in defaults < YAML config file < ``GRADWATCH_*``
 environment variables < command-line flags. Building a ``CollectorConfig`` reads
 the environment and nothing else; ``load_config`` is the one place that opens a
 file, and every problem it finds comes back as one ``ConfigError`` that names the
-key and says what to do.
+key and says what to do. Single values (lists from the environment, ``HOST:PORT``,
+URLs) are read by ``settings_common``, as for the restart hook; ``split_host_port``
+is still importable from here.
 
 Example::
 
@@ -17,18 +19,17 @@ Example::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from gradwatch.collector.config_file import describe_errors, read_config_file
 from gradwatch.collector.routing import RoutePolicy
+from gradwatch.collector.settings_common import is_http_url, split_host_port, split_list
 
 MiB = 1024 * 1024
 # Upper bound of durations: larger ones overflow thread and socket waits (OverflowError).
@@ -396,37 +397,22 @@ class CollectorConfig(BaseSettings):
     @field_validator("webhooks", "alertmanager_urls", mode="before")
     @classmethod
     def _split_webhooks(cls, value: Any) -> Any:
-        # The environment carries one string: accept a JSON list or commas.
-        if isinstance(value, str):
-            text = value.strip()
-            if text.startswith("["):
-                try:
-                    return json.loads(text)
-                except RecursionError:  # pydantic reports ValueError, not this
-                    raise ValueError(
-                        "a JSON list nested too deeply; give a flat list of URLs"
-                    ) from None
-            return [part.strip() for part in text.split(",") if part.strip()]
-        return value
+        return split_list(value)  # the environment carries one string: JSON list or commas
 
     @field_validator("webhooks", "alertmanager_urls")
     @classmethod
     def _check_webhooks(cls, value: list[str]) -> list[str]:
-        for url in value:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError("each webhook must be an http:// or https:// URL with a host")
+        if not all(is_http_url(url) for url in value):
+            raise ValueError("each webhook must be an http:// or https:// URL with a host")
         return value
 
     @field_validator("grafana_url")
     @classmethod
     def _check_grafana_url(cls, value: str | None) -> str | None:
-        if value is not None:
-            parts = urlsplit(value)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(
-                    "must be an http:// or https:// URL with a host, e.g. http://grafana:3000"
-                )
+        if value is not None and not is_http_url(value):
+            raise ValueError(
+                "must be an http:// or https:// URL with a host, e.g. http://grafana:3000"
+            )
         return value
 
     @field_validator("listen", "command_listen")
@@ -477,15 +463,6 @@ class CollectorConfig(BaseSettings):
     def metrics_host_port(self) -> tuple[str, int]:
         """``metrics_addr`` split into a host and an int port."""
         return split_host_port(self.metrics_addr)
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """``"127.0.0.1:9400"`` -> ``("127.0.0.1", 9400)``; ``"[::1]:0"`` and ``":9400"`` too."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
-        raise ValueError("must be HOST:PORT with a port from 0 to 65535, e.g. 127.0.0.1:9400")
-    host = host.strip("[]") or "0.0.0.0"
-    return host, int(port)
 
 
 def load_config(

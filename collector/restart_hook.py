@@ -43,15 +43,21 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import Field, SecretStr, ValidationError, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from gradwatch.collector.actions import Budget
 from gradwatch.collector.checkpoints import connect
-from gradwatch.collector.config import ConfigError, split_host_port
+from gradwatch.collector.config import ConfigError
+from gradwatch.collector.settings_common import (
+    env_prefix,
+    settings_help,
+    split_host_port,
+    split_list,
+)
 from gradwatch.collector.signing import SignatureError, decode_secret, verify
 
 log = logging.getLogger(__name__)
@@ -75,19 +81,31 @@ class HookConfig(BaseSettings):
     command: list[str] = Field(
         default_factory=list, description="argv of the one command to run (no shell)."
     )
-    allow_rules: list[str] = Field(default_factory=list, description="Rules that may run it.")
-    allow_categories: list[str] = Field(
-        default_factory=list, description="Alert categories that may run it."
+    # NoDecode: the environment's one string is split by _split_lists (JSON list or commas).
+    allow_rules: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Rules that may run it (e.g. NonFiniteGradients)."
+    )
+    allow_categories: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="Alert categories that may run it (e.g. numerical)."
     )
     timeout_s: float = Field(default=600.0, gt=0, description="Kill the command after this.")
     tolerance_s: float = Field(default=300.0, gt=0, description="Signature timestamp tolerance.")
     budget: int = Field(default=3, ge=0, description="Runs per job per budget_window_s.")
-    budget_window_s: float = Field(default=6 * 3600.0, gt=0)
+    budget_window_s: float = Field(
+        default=6 * 3600.0, gt=0, description="Window of the budget, in seconds."
+    )
     cooldown_s: float = Field(default=600.0, ge=0, description="Least time between two runs.")
     data_dir: Path | None = Field(
         default=None, description="Keep the budget in <dir>/restart_hook.sqlite3 (else memory)."
     )
-    max_body_bytes: int = Field(default=1024 * 1024, ge=1024)
+    max_body_bytes: int = Field(
+        default=1024 * 1024, ge=1024, description="Larger requests are refused with 413."
+    )
+
+    @field_validator("allow_rules", "allow_categories", mode="before")
+    @classmethod
+    def _split_lists(cls, value: Any) -> Any:
+        return split_list(value, "names")
 
     @model_validator(mode="after")
     def _check(self) -> HookConfig:
@@ -353,12 +371,22 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("restart hook: " + format, *args)
 
 
+SETTINGS_INTRO = (
+    f"settings: each is a key of the --config YAML file and a {env_prefix(HookConfig)}<KEY>",
+    "environment variable (allow_rules, allow_categories: a JSON list or comma-separated;",
+    "command: a JSON list, or the ARGV after `--`). Flags beat the environment, which",
+    "beats the file.",
+)
+
+
 def hook_parser(prog: str = "gradwatch restart-hook") -> argparse.ArgumentParser:
+    """The command line; its ``--help`` lists every ``HookConfig`` setting."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Run one allow-listed command when a signed gradwatch alert "
-        "arrives (Standard Webhooks). The secret comes from GRADWATCH_HOOK_SECRET or "
-        "--secret-file; the command follows `--` and never runs through a shell.",
+        description="Run one allow-listed command when a signed gradwatch alert arrives "
+        "(Standard\nWebhooks). The secret comes from GRADWATCH_HOOK_SECRET or --secret-file; "
+        "the\ncommand follows `--` and never runs through a shell.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", type=Path, metavar="FILE", help="YAML config file")
     parser.add_argument("--listen", metavar="HOST:PORT", help="default 127.0.0.1:9402")
@@ -370,6 +398,7 @@ def hook_parser(prog: str = "gradwatch restart-hook") -> argparse.ArgumentParser
     parser.add_argument("--timeout", dest="timeout_s", type=float, metavar="SECONDS")
     parser.add_argument("--data-dir", type=Path, metavar="DIR", help="persist the budget here")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- ARGV...")
+    parser.epilog = settings_help(HookConfig, parser, SETTINGS_INTRO)
     return parser
 
 
@@ -401,6 +430,12 @@ def load_hook_config(path: Path | None, flags: Mapping[str, Any]) -> HookConfig:
             for e in exc.errors()
         )
         raise ConfigError(f"invalid restart hook configuration:\n{problems}") from exc
+    except SettingsError as exc:  # a GRADWATCH_HOOK_* list that is not JSON
+        raise ConfigError(
+            f"invalid restart hook configuration: {exc}: {exc.__cause__ or 'bad value'}; set "
+            "that GRADWATCH_HOOK_<KEY> environment variable to a JSON list, e.g. "
+            '\'["scontrol", "requeue", "1234"]\', or unset it'
+        ) from exc
 
 
 def hook_main(argv: Sequence[str] | None = None) -> int:
