@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-import textwrap
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pydantic.fields import FieldInfo
-from pydantic_core import PydanticUndefined
-
 from gradwatch.collector.config import CollectorConfig, CollectorError, ConfigError, load_config
+from gradwatch.collector.settings_common import settings_help
 from gradwatch.logs import LOG_FORMATS, configure_logging
 from gradwatch.rules import RuleFileError, load_rules
 
-ENV_PREFIX = str(CollectorConfig.model_config.get("env_prefix", "")).upper()
+SETTINGS_INTRO = (
+    "settings: each is a key of the --config YAML file and a GRADWATCH_<KEY> environment",
+    "variable (lists: JSON or comma-separated; routes: JSON). Flags beat the environment,",
+    "which beats the file.",
+)
 
 
 def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentParser:
@@ -96,55 +97,9 @@ def collector_parser(prog: str = "gradwatch collector") -> argparse.ArgumentPars
         choices=LOG_FORMATS,
         help="text (default) or json: one JSON object per line for cluster log collectors",
     )
-    parser.epilog = settings_help(parser)
+    parser.epilog = settings_help(CollectorConfig, parser, SETTINGS_INTRO)
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     return parser
-
-
-def settings_help(parser: argparse.ArgumentParser) -> str:
-    """Every setting: config-file key, environment variable, flag, default, description."""
-    flags = {
-        action.dest: action.option_strings[0] for action in parser._actions if action.option_strings
-    }
-    lines = [
-        "settings: each is a key of the --config YAML file and a GRADWATCH_<KEY> environment",
-        "variable (lists: JSON or comma-separated; routes: JSON). Flags beat the environment,",
-        "which beats the file.",
-        "",
-    ]
-    for name, field in CollectorConfig.model_fields.items():
-        lines += _setting_lines(name, field, flags.get(name))
-    return "\n".join(lines)
-
-
-def _setting_lines(name: str, field: FieldInfo, flag: str | None) -> list[str]:
-    default = field.get_default(call_default_factory=True)
-    shown = (
-        "none"
-        if default is None or default is PydanticUndefined
-        else str(default).lower()
-        if isinstance(default, bool)
-        else str(default)
-    )
-    if isinstance(default, (list, dict)) and not default:
-        shown = "empty"
-    head = (
-        f"  {name}  {ENV_PREFIX}{name.upper()}"
-        + (f"  {flag}" if flag else "")
-        + f"  (default: {shown})"
-    )
-    about = field.description or _choices(field) or ""
-    body = textwrap.wrap(about, width=88, initial_indent="      ", subsequent_indent="      ")
-    return [head, *body]
-
-
-def _choices(field: FieldInfo) -> str:
-    args = getattr(field.annotation, "__args__", ())
-    return (
-        "one of " + ", ".join(str(a) for a in args)
-        if args and all(isinstance(a, str) for a in args)
-        else ""
-    )
 
 
 def collector_main(argv: Sequence[str] | None = None) -> int:

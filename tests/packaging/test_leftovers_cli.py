@@ -23,13 +23,6 @@ from tests.packaging.venvs import ROOT, Venv, distributions_of
 
 COLLECTOR_HINT = install_hint(COMMAND_EXTRAS["collector"])
 
-# python -m gradwatch.collector on a base install needs collector/__init__.py to import its
-# names lazily and an import-linter exception for __main__ (REQUESTS.md, H8 to the lead).
-NEEDS_LAZY_PACKAGE = pytest.mark.xfail(
-    strict=True,
-    reason="collector/__init__.py imports pydantic before __main__ runs (H8 request pending)",
-)
-
 # Runs `python -m gradwatch.collector ARGS` with the [collector] extra's modules absent, as on
 # `pip install gradwatch`: importing one fails and importlib.util.find_spec finds none.
 WITHOUT_EXTRA = f"""
@@ -63,7 +56,6 @@ def test_python_m_collector_is_the_collector_command(tmp_path: Path) -> None:
     assert "Traceback" not in bad.stderr
 
 
-@NEEDS_LAZY_PACKAGE
 @pytest.mark.parametrize("args", [["--help"], ["--listen", "tcp://127.0.0.1:*"]])
 def test_python_m_collector_without_the_extra_names_it(tmp_path: Path, args: list[str]) -> None:
     result = _python("-c", WITHOUT_EXTRA, *args, cwd=tmp_path)
@@ -75,7 +67,6 @@ def test_python_m_collector_without_the_extra_names_it(tmp_path: Path, args: lis
 
 
 @pytest.mark.slow
-@NEEDS_LAZY_PACKAGE
 def test_python_m_collector_from_a_base_install_of_the_wheel(wheel: Path, tmp_path: Path) -> None:
     venv = Venv.create(tmp_path / "venv", wheel)
     venv.link(distributions_of([]))
