@@ -166,7 +166,7 @@ class TimedReceiver(WebhookReceiver):
 
 
 def start_collector(
-    tmp: Path, webhook_url: str
+    tmp: Path, webhook_url: str, deadline: float = ASSEMBLY_DEADLINE_S
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
     ready = tmp / "ready.json"
     log = tmp / "collector.log"
@@ -187,7 +187,8 @@ def start_collector(
         "warning",
     ]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        env = {**os.environ, "GRADWATCH_ASSEMBLY_DEADLINE_SECONDS": str(deadline)}
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + READY_TIMEOUT_S
     while not ready.exists():
         if proc.poll() is not None:
@@ -393,7 +394,7 @@ def run_config(
     results = ctx.Queue()
     monitor: Monitor | None = None
     try:
-        proc, info, _ = start_collector(tmp, receiver.url)
+        proc, info, _ = start_collector(tmp, receiver.url, args.assembly_deadline)
         pid, url = proc.pid, info["metrics_url"]
         n_senders = max(1, min(args.senders, ranks))
         shares = [list(range(ranks))[i::n_senders] for i in range(n_senders)]
@@ -488,7 +489,7 @@ def run_config(
         res.last_step = max(d["last_step"] for d in done.values())
 
         # Probe alerts (and their resolves), and the last assembled steps, still on their way.
-        wait_until = time.time() + ASSEMBLY_DEADLINE_S + 5
+        wait_until = time.time() + args.assembly_deadline + 5
         while time.time() < wait_until:
             _, samples = scrape(url)
             if of_job(samples, "gradwatch_assembly_steps_total", job) >= res.last_step + 1 and all(
@@ -614,6 +615,12 @@ def main(argv: list[str] | None = None) -> int:
         "--layout",
         help="one 3D config, e.g. pp=4,dp=512,tp=8 (outermost "
         "first; --layers per stage; ranks and shards follow from it)",
+    )
+    parser.add_argument(
+        "--assembly-deadline",
+        type=float,
+        default=ASSEMBLY_DEADLINE_S,
+        help="the collector's assembly_deadline_seconds (default 5)",
     )
     parser.add_argument(
         "--heartbeat-every",
