@@ -29,6 +29,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from prometheus_client import CollectorRegistry
@@ -40,6 +41,7 @@ from gradwatch.agent.topology import parse_layout, reports_layers
 from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.server import Server
 from gradwatch.rules import Engine, load_default_rules
+from gradwatch.rules.step import Step
 from gradwatch.wire import Batch, Heartbeat, Schema, encode
 
 
@@ -58,9 +60,9 @@ class Recorder(Engine):
 
     def __init__(self) -> None:
         super().__init__(load_default_rules())
-        self.transitions: list[object] = []
+        self.transitions: list[Any] = []
 
-    def observe(self, step):  # type: ignore[no-untyped-def]  # a benchmark's spy
+    def observe(self, step: Step) -> list[Any]:
         out = super().observe(step)
         self.transitions += out
         return out
@@ -177,13 +179,13 @@ def main(argv: list[str] | None = None) -> int:
         t
         for t in engine.transitions
         if getattr(t, "current", "") == "firing" and t.alert.category == "numerical"
-    ]  # type: ignore[attr-defined]
+    ]
     resolved = [
         t
         for t in engine.transitions
         if getattr(t, "current", "") == "resolved" and t.alert.category == "numerical"
-    ]  # type: ignore[attr-defined]
-    rank = fired[0].alert.rank if fired else None  # type: ignore[attr-defined]
+    ]
+    rank = fired[0].alert.rank if fired else None
     counts = server.assembler.counts().get("j16k")
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
