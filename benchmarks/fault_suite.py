@@ -35,8 +35,10 @@ def table(results: list[Result]) -> str:
     for r in results:
         if r.scenario.category is not None:
             by_cat[r.scenario.category].append(r)
-    lines = [f"{'category':<22}{'recall':>8}{'paged':>7}{'median':>8}{'max':>6}{'other':>7}"
-             "  missed", "-" * 85]
+    lines = [
+        f"{'category':<22}{'recall':>8}{'paged':>7}{'median':>8}{'max':>6}{'other':>7}  missed",
+        "-" * 85,
+    ]
     tot = det = pag = oth = 0
     for cat in sorted(by_cat):
         rs = by_cat[cat]
@@ -46,17 +48,23 @@ def table(results: list[Result]) -> str:
         o = sum(len(r.other) for r in rs)
         tot, det, pag, oth = tot + len(rs), det + d, pag + p, oth + o
         missed = ",".join(r.scenario.name for r in rs if not r.detected)
-        lines.append(f"{cat:<22}{f'{d}/{len(rs)}':>8}{p:>7}"
-                     f"{(f'{statistics.median(lat):g}' if lat else '-'):>8}"
-                     f"{(str(max(lat)) if lat else '-'):>6}{o:>7}  {missed}")
+        lines.append(
+            f"{cat:<22}{f'{d}/{len(rs)}':>8}{p:>7}"
+            f"{(f'{statistics.median(lat):g}' if lat else '-'):>8}"
+            f"{(str(max(lat)) if lat else '-'):>6}{o:>7}  {missed}"
+        )
     lines.append("-" * 85)
     every = [r.latency for rs in by_cat.values() for r in rs if r.latency is not None]
-    lines.append(f"{'all faults':<22}{f'{det}/{tot}':>8}{pag:>7}"
-                 f"{(f'{statistics.median(every):g}' if every else '-'):>8}"
-                 f"{(str(max(every)) if every else '-'):>6}{oth:>7}")
+    lines.append(
+        f"{'all faults':<22}{f'{det}/{tot}':>8}{pag:>7}"
+        f"{(f'{statistics.median(every):g}' if every else '-'):>8}"
+        f"{(str(max(every)) if every else '-'):>6}{oth:>7}"
+    )
     fa = [r for r in controls if r.false_alarm]
-    lines.append(f"controls: {len(fa)}/{len(controls)} with a false alarm"
-                 + "".join(f"\n  {r.scenario.name}: " + _alerts(r.other) for r in fa))
+    lines.append(
+        f"controls: {len(fa)}/{len(controls)} with a false alarm"
+        + "".join(f"\n  {r.scenario.name}: " + _alerts(r.other) for r in fa)
+    )
     others = [r for r in results if r.scenario.category and r.other]
     for r in others:
         lines.append(f"  other alerts in {r.scenario.name}: " + _alerts(r.other))
@@ -65,8 +73,9 @@ def table(results: list[Result]) -> str:
 
 def _paged(r: Result) -> bool:
     """Caught by a warning-or-higher alert of an accepted category (an info note does not page)."""
-    return any(f.category in r.scenario.accepted and f.severity in ("warning", "critical")
-               for f in r.fired)
+    return any(
+        f.category in r.scenario.accepted and f.severity in ("warning", "critical") for f in r.fired
+    )
 
 
 def _alerts(fired: list) -> str:
@@ -74,8 +83,9 @@ def _alerts(fired: list) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--json", action="store_true", help="print per-scenario results as JSON")
     p.add_argument("-k", default="", help="only scenarios whose name contains this")
     p.add_argument("-v", action="store_true", help="one line per scenario as it finishes")
@@ -87,9 +97,11 @@ def main(argv: list[str] | None = None) -> int:
             r = run_scenario(s)
             results.append(r)
             if args.v:
-                print(f"{s.name:<40} {s.category!s:<20} det={r.detected!s:<5} "
-                      f"lat={r.latency} {r.seconds:5.1f}s fired=" + _alerts(r.fired),
-                      file=sys.stderr)
+                print(
+                    f"{s.name:<40} {s.category!s:<20} det={r.detected!s:<5} "
+                    f"lat={r.latency} {r.seconds:5.1f}s fired=" + _alerts(r.fired),
+                    file=sys.stderr,
+                )
     if args.json:
         print(json.dumps([r.to_dict() for r in results], indent=1))
     else:

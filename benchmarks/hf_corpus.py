@@ -82,8 +82,9 @@ class Summary:
     unclear_alerting: int
 
 
-def evaluate(corpus: Path = CORPUS, rules: Sequence[RuleSpec] | None = None, *,
-             gaps: bool = False) -> list[RunResult]:
+def evaluate(
+    corpus: Path = CORPUS, rules: Sequence[RuleSpec] | None = None, *, gaps: bool = False
+) -> list[RunResult]:
     """Replay every log of ``corpus/runs.csv``; raises ``FileNotFoundError`` without the corpus.
 
     ``gaps``: feed the unlogged steps too, as the live callback does (slower; same alerts).
@@ -95,7 +96,9 @@ def evaluate(corpus: Path = CORPUS, rules: Sequence[RuleSpec] | None = None, *,
     for row in rows:
         run, transitions = backtest(corpus / "runs" / row["file"], rules, gaps=gaps)
         fired = tuple(t.alert for t in transitions if t.current == "firing")
-        results.append(RunResult(row["file"], row["label"], row["why"], run.steps, run.evals, fired))
+        results.append(
+            RunResult(row["file"], row["label"], row["why"], run.steps, run.evals, fired)
+        )
     return results
 
 
@@ -118,7 +121,10 @@ def summarize(results: Sequence[RunResult]) -> Summary:
 
 
 def _line(alert: Alert) -> str:
-    return f"    step {alert.step:>6}  {alert.severity:<8} {alert.rule} [{alert.category}]: {alert.summary}"
+    return (
+        f"    step {alert.step:>6}  {alert.severity:<8} {alert.rule} [{alert.category}]: "
+        f"{alert.summary}"
+    )
 
 
 def report(results: Sequence[RunResult], out: object = sys.stdout, per_run: bool = True) -> Summary:
@@ -137,9 +143,15 @@ def report(results: Sequence[RunResult], out: object = sys.stdout, per_run: bool
                 print(_line(alert), file=out)
         print(file=out)
     s = summary
-    print(f"healthy runs: {s.healthy}; false pages (warning/critical): {s.false_pages} on "
-          f"{s.false_page_runs} run(s); info alerts: {s.infos} on {s.info_runs} run(s)", file=out)
-    print(f"broken runs:  {s.broken}; detected with a fitting category: {s.detected}/{s.broken}", file=out)
+    print(
+        f"healthy runs: {s.healthy}; false pages (warning/critical): {s.false_pages} on "
+        f"{s.false_page_runs} run(s); info alerts: {s.infos} on {s.info_runs} run(s)",
+        file=out,
+    )
+    print(
+        f"broken runs:  {s.broken}; detected with a fitting category: {s.detected}/{s.broken}",
+        file=out,
+    )
     print(f"unclear runs: {s.unclear}; with any alert: {s.unclear_alerting}", file=out)
     return summary
 
@@ -149,8 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=CORPUS, help="corpus folder (with runs.csv)")
     parser.add_argument("--rules", type=Path, help="rule file (default: the packaged rule pack)")
     parser.add_argument("--summary", action="store_true", help="print the summary only")
-    parser.add_argument("--gaps", action="store_true",
-                        help="also feed the unlogged steps between logs, as the live callback sends them")
+    parser.add_argument(
+        "--gaps",
+        action="store_true",
+        help="also feed the unlogged steps between logs, as the live callback sends them",
+    )
     args = parser.parse_args(argv)
     rules = load_rules(args.rules) if args.rules else None
     report(evaluate(args.corpus, rules, gaps=args.gaps), per_run=not args.summary)

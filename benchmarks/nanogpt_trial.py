@@ -26,8 +26,8 @@ Variants: ``healthy``; ``lr_x100`` (learning_rate and min_lr x100);
 ``init_x0.01`` (every std in model.py's ``_init_weights`` and the c_proj init
 x0.01); ``no_step`` (``scaler.step(optimizer)`` never called).
 
-    OMP_NUM_THREADS=1 python benchmarks/nanogpt_trial.py /tmp/nanogpt --keep /tmp/gradwatch-trials/run1
-    python benchmarks/nanogpt_trial.py --replay-only /tmp/gradwatch-trials/run1   # current rules, old traces
+    OMP_NUM_THREADS=1 python benchmarks/nanogpt_trial.py /tmp/nanogpt --keep /tmp/trials/run1
+    python benchmarks/nanogpt_trial.py --replay-only /tmp/trials/run1   # current rules, old traces
 
 ``--replay-only DIR`` re-scores traces kept by ``--keep`` with the current rules
 (the agent's output does not change with the rules, so no retraining is needed).
@@ -58,9 +58,19 @@ import numpy as np
 
 ITERS = 1500
 # nanoGPT README's CPU line, plus the trial's gradient accumulation (issue 13).
-CPU_LINE = ["--device=cpu", "--compile=False", "--eval_iters=20", "--log_interval=1",
-            "--block_size=64", "--batch_size=12", "--n_layer=4", "--n_head=4", "--n_embd=128",
-            "--dropout=0.0", "--gradient_accumulation_steps=2"]
+CPU_LINE = [
+    "--device=cpu",
+    "--compile=False",
+    "--eval_iters=20",
+    "--log_interval=1",
+    "--block_size=64",
+    "--batch_size=12",
+    "--n_layer=4",
+    "--n_head=4",
+    "--n_embd=128",
+    "--dropout=0.0",
+    "--gradient_accumulation_steps=2",
+]
 ACCEPT: dict[str, tuple[str, ...]] = {
     "healthy": (),
     "lr_x100": ("exploding_gradients", "lr_too_high", "loss_spike", "numerical", "update_ratio"),
@@ -109,7 +119,7 @@ def prepare_char_dataset(dst: Path) -> dict[str, int]:
     itos = dict(enumerate(chars))
     n = len(data)
     train_ids = np.array([stoi[c] for c in data[: int(n * 0.9)]], dtype=np.uint16)
-    val_ids = np.array([stoi[c] for c in data[int(n * 0.9):]], dtype=np.uint16)
+    val_ids = np.array([stoi[c] for c in data[int(n * 0.9) :]], dtype=np.uint16)
     dst.mkdir(parents=True, exist_ok=True)
     train_ids.tofile(dst / "train.bin")
     val_ids.tofile(dst / "val.bin")
@@ -124,14 +134,17 @@ def prepare_char_dataset(dst: Path) -> dict[str, int]:
 def _replace_once(text: str, old: str, new: str, where: str) -> str:
     count = text.count(old)
     if count != 1:
-        raise SystemExit(f"{where}: expected the line {old!r} once, found it {count} times; "
-                         "this nanoGPT version differs from the one the trial was written for")
+        raise SystemExit(
+            f"{where}: expected the line {old!r} once, found it {count} times; "
+            "this nanoGPT version differs from the one the trial was written for"
+        )
     return text.replace(old, new)
 
 
 def agent_takes_step() -> bool:
     """Whether the agent takes the loop's own step numbers (``watch(start_step=)``, C4)."""
     import gradwatch
+
     return "start_step" in inspect.signature(gradwatch.watch).parameters
 
 
@@ -139,26 +152,45 @@ def patch_train(text: str, job: str, endpoint: str, variant: str, user_step: boo
     """train.py with the README's quickstart lines, and the variant's bug."""
     start = ", start_step=iter_num" if user_step else ""  # steps.py: nanoGPT's own numbers
     t = _replace_once(
-        text, "checkpoint = None # free up memory\n",
+        text,
+        "checkpoint = None # free up memory\n",
         "checkpoint = None # free up memory\n"
         "import gradwatch\n"
         f"mon = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r}{start})\n",
-        "train.py")
-    t = _replace_once(t, "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
-                      "        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
-                      "train.py")
-    t = _replace_once(t, "    scaler.update()\n",
-                      "    scaler.update()\n"
-                      "    mon.log(loss=loss * gradient_accumulation_steps, grad_norm=grad_norm)\n",
-                      "train.py")
-    t = _replace_once(t, "        losses = estimate_loss()\n",
-                      "        losses = estimate_loss()\n"
-                      "        mon.log_eval(loss=losses['val'])\n", "train.py")
-    t = _replace_once(t, "if ddp:\n    destroy_process_group()\n",
-                      "mon.close()\nif ddp:\n    destroy_process_group()\n", "train.py")
+        "train.py",
+    )
+    t = _replace_once(
+        t,
+        "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
+        "        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
+        "train.py",
+    )
+    t = _replace_once(
+        t,
+        "    scaler.update()\n",
+        "    scaler.update()\n"
+        "    mon.log(loss=loss * gradient_accumulation_steps, grad_norm=grad_norm)\n",
+        "train.py",
+    )
+    t = _replace_once(
+        t,
+        "        losses = estimate_loss()\n",
+        "        losses = estimate_loss()\n        mon.log_eval(loss=losses['val'])\n",
+        "train.py",
+    )
+    t = _replace_once(
+        t,
+        "if ddp:\n    destroy_process_group()\n",
+        "mon.close()\nif ddp:\n    destroy_process_group()\n",
+        "train.py",
+    )
     if variant == "no_step":
-        t = _replace_once(t, "    scaler.step(optimizer)\n",
-                          "    pass  # the bug: scaler.step(optimizer) is never called\n", "train.py")
+        t = _replace_once(
+            t,
+            "    scaler.step(optimizer)\n",
+            "    pass  # the bug: scaler.step(optimizer) is never called\n",
+            "train.py",
+        )
     return t
 
 
@@ -166,8 +198,12 @@ def patch_model(text: str, variant: str) -> str:
     if variant != "init_x0.01":
         return text
     t = text.replace("std=0.02)", "std=0.02 * 0.01)")
-    t = _replace_once(t, "std=0.02/math.sqrt(2 * config.n_layer))",
-                      "std=0.02 * 0.01/math.sqrt(2 * config.n_layer))", "model.py")
+    t = _replace_once(
+        t,
+        "std=0.02/math.sqrt(2 * config.n_layer))",
+        "std=0.02 * 0.01/math.sqrt(2 * config.n_layer))",
+        "model.py",
+    )
     if t.count("0.02 * 0.01") < 3:
         raise SystemExit("model.py: _init_weights no longer has the two std=0.02 inits")
     return t
@@ -186,10 +222,25 @@ def start_collector(work: Path, record: Path) -> tuple[subprocess.Popen[bytes], 
     ready = work / "collector-ready.json"
     ready.unlink(missing_ok=True)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradwatch", "collector", "--listen", "tcp://127.0.0.1:*",
-         "--metrics-addr", "127.0.0.1:0", "--record", str(record), "--ready-file", str(ready),
-         "--log-level", "WARNING"], stdout=open(work / "collector.log", "ab"),
-        stderr=subprocess.STDOUT)
+        [
+            sys.executable,
+            "-m",
+            "gradwatch",
+            "collector",
+            "--listen",
+            "tcp://127.0.0.1:*",
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--record",
+            str(record),
+            "--ready-file",
+            str(ready),
+            "--log-level",
+            "WARNING",
+        ],
+        stdout=open(work / "collector.log", "ab"),
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if ready.exists() and ready.stat().st_size:
@@ -200,7 +251,9 @@ def start_collector(work: Path, record: Path) -> tuple[subprocess.Popen[bytes], 
                 continue
             return proc, str(info.get("endpoint") or info.get("listen"))
         if proc.poll() is not None:
-            raise SystemExit(f"the collector exited ({proc.returncode}); see {work / 'collector.log'}")
+            raise SystemExit(
+                f"the collector exited ({proc.returncode}); see {work / 'collector.log'}"
+            )
         time.sleep(0.2)
     proc.kill()
     raise SystemExit(f"the collector was not ready within 60 s; see {work / 'collector.log'}")
@@ -215,8 +268,9 @@ def stop_collector(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def run_variant(nanogpt: Path, work: Path, traces: Path, variant: str, iters: int,
-                user_step: bool) -> Path:
+def run_variant(
+    nanogpt: Path, work: Path, traces: Path, variant: str, iters: int, user_step: bool
+) -> Path:
     """Train one variant under a fresh recording collector; return its trace."""
     vdir = work / variant
     vdir.mkdir(parents=True, exist_ok=True)
@@ -231,17 +285,29 @@ def run_variant(nanogpt: Path, work: Path, traces: Path, variant: str, iters: in
     proc, endpoint = start_collector(work, traces)
     try:
         (vdir / "train.py").write_text(
-            patch_train((nanogpt / "train.py").read_text(), job, endpoint, variant, user_step))
+            patch_train((nanogpt / "train.py").read_text(), job, endpoint, variant, user_step)
+        )
         (vdir / "model.py").write_text(patch_model((nanogpt / "model.py").read_text(), variant))
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
-        cmd = [sys.executable, "train.py", "config/train_shakespeare_char.py", *CPU_LINE,
-               f"--max_iters={iters}", f"--lr_decay_iters={iters}", *variant_args(variant)]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        cmd = [
+            sys.executable,
+            "train.py",
+            "config/train_shakespeare_char.py",
+            *CPU_LINE,
+            f"--max_iters={iters}",
+            f"--lr_decay_iters={iters}",
+            *variant_args(variant),
+        ]
         started = time.monotonic()
         with open(vdir / "train.log", "wb") as log:
-            rc = subprocess.run(cmd, cwd=vdir, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
-        print(f"[{variant}] train.py exit {rc} after {time.monotonic() - started:.0f} s "
-              f"(log {vdir / 'train.log'})", file=sys.stderr)
+            rc = subprocess.run(
+                cmd, cwd=vdir, env=env, stdout=log, stderr=subprocess.STDOUT
+            ).returncode
+        print(
+            f"[{variant}] train.py exit {rc} after {time.monotonic() - started:.0f} s "
+            f"(log {vdir / 'train.log'})",
+            file=sys.stderr,
+        )
     finally:
         stop_collector(proc)
     trace = traces / f"{job}.jsonl"
@@ -286,9 +352,16 @@ def score(variant: str, alerts: list[dict[str, Any]]) -> Scored:
         first = hits[0]
         s.verdict = f"CAUGHT by {first['rule']} [{first['category']}] at step {first['step']}"
         helpful = [a for a in hits if _helps(variant, a)]
-        s.verdict += ("; helpful advice " + ("first" if helpful[:1] == [first] else
-                      f"from {helpful[0]['rule']} at step {helpful[0]['step']}")
-                      if helpful else "; no alert's first checks would help")
+        s.verdict += (
+            "; helpful advice "
+            + (
+                "first"
+                if helpful[:1] == [first]
+                else f"from {helpful[0]['rule']} at step {helpful[0]['step']}"
+            )
+            if helpful
+            else "; no alert's first checks would help"
+        )
     else:
         s.verdict = f"MISSED: no warning-or-higher alert in {accept}"
     return s
@@ -306,32 +379,45 @@ def _first_check(a: dict[str, Any]) -> str:
 
 
 def table(results: list[Scored], max_rows: int = 12) -> str:
-    lines = [f"{'variant':<12} {'rule':<34} {'category':<20} {'severity':<9} {'step':>5}  diagnosis",
-             "-" * 118]
+    lines = [
+        f"{'variant':<12} {'rule':<34} {'category':<20} {'severity':<9} {'step':>5}  diagnosis",
+        "-" * 118,
+    ]
     for r in results:
         shown = sorted(r.alerts, key=lambda a: a["step"])
         for a in shown[:max_rows]:
-            lines.append(f"{r.variant:<12} {a['rule']:<34} {a['category']:<20} {a['severity']:<9} "
-                         f"{a['step']:>5}  {_first_check(a)[:120]}")
+            lines.append(
+                f"{r.variant:<12} {a['rule']:<34} {a['category']:<20} {a['severity']:<9} "
+                f"{a['step']:>5}  {_first_check(a)[:120]}"
+            )
         if len(shown) > max_rows:
             lines.append(f"{r.variant:<12} ... {len(shown) - max_rows} more firing(s)")
         if not shown:
             lines.append(f"{r.variant:<12} (no alert)")
-        lines.append(f"{r.variant:<12} => {r.verdict}  ({len(r.alerts)} firing(s), "
-                     f"{len(r.paging)} warning-or-higher)")
+        lines.append(
+            f"{r.variant:<12} => {r.verdict}  ({len(r.alerts)} firing(s), "
+            f"{len(r.paging)} warning-or-higher)"
+        )
         lines.append("")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("nanogpt", nargs="?", type=Path, help="a nanoGPT checkout (train.py, model.py)")
-    p.add_argument("--variants", default=",".join(ACCEPT), help="comma-separated, of " + ",".join(ACCEPT))
+    p.add_argument(
+        "--variants", default=",".join(ACCEPT), help="comma-separated, of " + ",".join(ACCEPT)
+    )
     p.add_argument("--iters", type=int, default=ITERS)
     p.add_argument("--keep", type=Path, help="keep traces and train logs in this folder")
-    p.add_argument("--replay-only", type=Path, metavar="DIR",
-                   help="skip training: replay the traces kept in DIR with the current rules")
+    p.add_argument(
+        "--replay-only",
+        type=Path,
+        metavar="DIR",
+        help="skip training: replay the traces kept in DIR with the current rules",
+    )
     p.add_argument("--rules", type=Path, help="rule file for replay (default: the packaged one)")
     p.add_argument("--json", action="store_true", help="print every firing alert as JSON too")
     args = p.parse_args(argv)
@@ -352,11 +438,21 @@ def main(argv: list[str] | None = None) -> int:
         traces.mkdir(parents=True, exist_ok=True)
         info = prepare_char_dataset(work / "dataset")
         user_step = agent_takes_step()
-        print(f"work dir {work}; dataset {info}; gradwatch step = "
-              f"{'iter_num (start_step=iter_num)' if user_step else 'iter_num + 1'}", file=sys.stderr)
-        (traces / "trial.json").write_text(json.dumps(
-            {"dataset": info, "iters": args.iters, "variants": variants,
-             "gradwatch_step": "iter_num" if user_step else "iter_num + 1"}))
+        print(
+            f"work dir {work}; dataset {info}; gradwatch step = "
+            f"{'iter_num (start_step=iter_num)' if user_step else 'iter_num + 1'}",
+            file=sys.stderr,
+        )
+        (traces / "trial.json").write_text(
+            json.dumps(
+                {
+                    "dataset": info,
+                    "iters": args.iters,
+                    "variants": variants,
+                    "gradwatch_step": "iter_num" if user_step else "iter_num + 1",
+                }
+            )
+        )
         for v in variants:
             run_variant(args.nanogpt, work, traces, v, args.iters, user_step)
     results = []

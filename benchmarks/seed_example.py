@@ -20,11 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import torch
+from scenarios.scenario_lib import BY_NAME, run_scenario
 from torch import nn
 
 from gradwatch import seed_example
 from gradwatch.seed_example import SUBSET_STEPS as SEED_STEPS
-from scenarios.scenario_lib import BY_NAME, run_scenario
 
 MARKS = (1, 20, 40, 100, 300, 301, 350, 450, 600)
 
@@ -66,26 +66,34 @@ def measure(init_scale: float) -> tuple[list[float], Probe]:
 
 def main() -> int:
     torch.set_num_threads(1)
-    for scale, scenario in ((10.0, "seed_example_xavier_x10"),
-                            (1.0, "healthy_seed_example_fixed_init")):
+    for scale, scenario in (
+        (10.0, "seed_example_xavier_x10"),
+        (1.0, "healthy_seed_example_fixed_init"),
+    ):
         losses, probe = measure(scale)
         ratio = losses[SEED_STEPS - 1] / losses[0]
-        print(f"== Xavier x{scale:g}: memorization {'PASSES' if ratio < 1e-3 else 'FAILS'} "
-              f"(loss {losses[0]:.3g} -> {losses[SEED_STEPS - 1]:.3g}, ratio {ratio:.2g}; "
-              f"seed's bar 1e-3); non-finite loss: "
-              f"{next((i + 1 for i, v in enumerate(losses) if not math.isfinite(v)), 'never')}")
+        print(
+            f"== Xavier x{scale:g}: memorization {'PASSES' if ratio < 1e-3 else 'FAILS'} "
+            f"(loss {losses[0]:.3g} -> {losses[SEED_STEPS - 1]:.3g}, ratio {ratio:.2g}; "
+            f"seed's bar 1e-3); non-finite loss: "
+            f"{next((i + 1 for i, v in enumerate(losses) if not math.isfinite(v)), 'never')}"
+        )
         print(f"{'step':>6}{'loss':>12}{'|g1|/|g6|':>12}{'tanh sat':>10}")
         for s in MARKS:
-            print(f"{s:>6}{losses[s - 1]:>12.4g}{probe.ratio.get(s, math.nan):>12.3g}"
-                  f"{probe.saturated.get(s, math.nan):>10.2f}")
+            print(
+                f"{s:>6}{losses[s - 1]:>12.4g}{probe.ratio.get(s, math.nan):>12.3g}"
+                f"{probe.saturated.get(s, math.nan):>10.2f}"
+            )
         result = run_scenario(BY_NAME[scenario])
         if not result.alerts:
             print("gradwatch: no alert")
         for alert in result.alerts:
             diagnosis = alert.diagnosis or {}
-            print(f"gradwatch: {alert.rule} [{alert.category}] from step {alert.step}: "
-                  f"{alert.summary}\n  diagnosis: {diagnosis.get('summary', '')}\n  next checks: "
-                  + "; ".join(diagnosis.get("next_checks", ())[:4]))
+            print(
+                f"gradwatch: {alert.rule} [{alert.category}] from step {alert.step}: "
+                f"{alert.summary}\n  diagnosis: {diagnosis.get('summary', '')}\n  next checks: "
+                + "; ".join(diagnosis.get("next_checks", ())[:4])
+            )
         print()
     return 0
 

@@ -31,7 +31,6 @@ from pydantic import Field
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.step import ActStats, Stats
 
-
 RELEASE = 0.9  # a reported module is released below this share of the threshold
 
 
@@ -41,8 +40,15 @@ class _ShareDetector:
     field_name = ""
     what = ""
 
-    def __init__(self, threshold: float, samples: int, kinds: tuple[str, ...], max_named: int) -> None:
-        self.threshold, self.samples, self.kinds, self.max_named = threshold, samples, tuple(kinds), max_named
+    def __init__(
+        self, threshold: float, samples: int, kinds: tuple[str, ...], max_named: int
+    ) -> None:
+        self.threshold, self.samples, self.kinds, self.max_named = (
+            threshold,
+            samples,
+            tuple(kinds),
+            max_named,
+        )
         self._held: dict[str, int] = {}
         self._since: dict[str, int] = {}
 
@@ -96,7 +102,7 @@ class _ShareDetector:
 
 
 class SaturationDetector(_ShareDetector):
-    """Active while a tanh/sigmoid module's saturated share is >= ``threshold``; see the module docstring.
+    """Active while a tanh/sigmoid module's saturated share is >= ``threshold`` (module docstring).
 
     Example::
 
@@ -119,7 +125,7 @@ class SaturationDetector(_ShareDetector):
 
 
 class DeadUnitsDetector(_ShareDetector):
-    """Active while a ReLU module's share of exact zeros is >= ``threshold``; see the module docstring.
+    """Active while a ReLU module's share of exact zeros is >= ``threshold`` (module docstring).
 
     Example::
 

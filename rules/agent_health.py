@@ -48,14 +48,21 @@ class AgentNotice:
     assembled: bool = False
 
     @classmethod
-    def of_fields(cls, job: str, rank: int, step: int,
-                  fields: dict[str, object]) -> AgentNotice | None:
+    def of_fields(
+        cls, job: str, rank: int, step: int, fields: dict[str, object]
+    ) -> AgentNotice | None:
         """The notice in an event's ``fields``, or None when they do not hold one."""
         off, reason = fields.get("off"), fields.get("reason", "")
         if not isinstance(off, str) or not off or not isinstance(reason, str):
             return None
-        return cls(job, rank, step, off[:MAX_REASON_CHARS], reason[:MAX_REASON_CHARS],
-                   fields.get("optional") is True)
+        return cls(
+            job,
+            rank,
+            step,
+            off[:MAX_REASON_CHARS],
+            reason[:MAX_REASON_CHARS],
+            fields.get("optional") is True,
+        )
 
 
 class AgentDegradedDetector:
@@ -72,10 +79,15 @@ class AgentDegradedDetector:
             return None
         if notice.off not in self._off and len(self._off) < MAX_PARTS:
             self._off[notice.off] = (notice.step, notice.reason)
-        parts = [f"{off} off since step {step} ({reason})"
-                 for off, (step, reason) in self._off.items()]
-        return Finding(True, "monitoring degraded: " + "; ".join(parts), {
-            "off": list(self._off),
-            "reasons": {off: reason for off, (_, reason) in self._off.items()},
-            "since_step": min(step for step, _ in self._off.values()),
-        })
+        parts = [
+            f"{off} off since step {step} ({reason})" for off, (step, reason) in self._off.items()
+        ]
+        return Finding(
+            True,
+            "monitoring degraded: " + "; ".join(parts),
+            {
+                "off": list(self._off),
+                "reasons": {off: reason for off, (_, reason) in self._off.items()},
+                "since_step": min(step for step, _ in self._off.values()),
+            },
+        )

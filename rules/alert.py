@@ -50,7 +50,6 @@ SEVERITIES: tuple[str, ...] = get_args(Severity)
 CATEGORIES: tuple[str, ...] = get_args(Category)
 
 
-
 def _empty() -> Mapping[str, Any]:
     return MappingProxyType({})
 
@@ -93,7 +92,9 @@ class Alert:
 
     def __post_init__(self) -> None:
         if self.category not in CATEGORIES:
-            raise ValueError(f"unknown alert category {self.category!r}; expected one of {CATEGORIES}")
+            raise ValueError(
+                f"unknown alert category {self.category!r}; expected one of {CATEGORIES}"
+            )
         if self.severity not in SEVERITIES:
             raise ValueError(f"unknown severity {self.severity!r}; expected one of {SEVERITIES}")
         if not self.id:

@@ -67,10 +67,15 @@ class LossScaleCollapseDetector:
         share = self._skipped / len(self._skips)
         if scale > self.floor and not (full and share >= self.max_skip_fraction):
             return INACTIVE
-        why = (f"loss scale {scale:g} at or below {self.floor:g}" if scale <= self.floor else
-               f"{share:.0%} of the last {self.window} steps skipped on overflow")
-        summary = (f"AMP loss-scale collapse at step {step.step}: {why} "
-                   f"({self._halvings} consecutive decreases)")
+        why = (
+            f"loss scale {scale:g} at or below {self.floor:g}"
+            if scale <= self.floor
+            else f"{share:.0%} of the last {self.window} steps skipped on overflow"
+        )
+        summary = (
+            f"AMP loss-scale collapse at step {step.step}: {why} "
+            f"({self._halvings} consecutive decreases)"
+        )
         evidence = {
             "loss_scale": scale,
             "halvings": self._halvings,

@@ -1,4 +1,4 @@
-"""Two collapses that stop learning without any statistic looking odd: the loss to 0, the lr to nothing.
+"""Two collapses that stop learning with no statistic looking odd: the loss to 0, the lr to nothing.
 
 * :class:`ZeroLossDetector` -- a supervised loss that fell to exactly 0.0
   and stays there. Cross-entropy or MSE reaches exactly zero only when every
@@ -69,10 +69,15 @@ class ZeroLossDetector:
         self._zeros += 1
         if self._signed or not self._started or self._zeros < self.consecutive:
             return INACTIVE
-        summary = (f"training loss has been exactly 0 on {self._zeros} logged losses in a row since step "
-                   f"{self._since} (before: {self._before:.4g}): it no longer carries a training signal")
-        return Finding(True, summary, {"zero_losses": self._zeros, "since_step": self._since,
-                                       "loss_before": self._before})
+        summary = (
+            f"training loss has been exactly 0 on {self._zeros} logged losses in a row since step "
+            f"{self._since} (before: {self._before:.4g}): it no longer carries a training signal"
+        )
+        return Finding(
+            True,
+            summary,
+            {"zero_losses": self._zeros, "since_step": self._since, "loss_before": self._before},
+        )
 
 
 class LrTooLowDetector:
@@ -130,19 +135,34 @@ class LrTooLowDetector:
     def _judge(self, at: int, lr: float) -> Finding:
         assert self._since is not None and self._first_step is not None
         before = self._since - self._first_step
-        if at - self._since < self.min_fraction * before or len(self._early) < self.min_losses \
-                or len(self._recent) < self.min_losses:
+        if (
+            at - self._since < self.min_fraction * before
+            or len(self._early) < self.min_losses
+            or len(self._recent) < self.min_losses
+        ):
             return INACTIVE
         early, recent = np.asarray(self._early), np.asarray(self._recent)
         start, now = float(np.median(early)), float(np.median(recent))
-        se = math.hypot(median_se(robust_sigma(early), early.size), median_se(robust_sigma(recent), recent.size))
+        se = math.hypot(
+            median_se(robust_sigma(early), early.size), median_se(robust_sigma(recent), recent.size)
+        )
         if start - now > self.tolerance * abs(start) + self.z * se:
             return INACTIVE  # still learning at this rate: not too low
-        summary = (f"learning rate {lr:.3g} is {lr / self._peak:.1e} of its peak {self._peak:.3g} "
-                   f"(step {self._peak_step}) since step {self._since}, {at - self._since} steps after "
-                   f"{before} steps of training, and the loss stalled ({start:.4g} -> {now:.4g}): "
-                   "a scheduler stepped per batch instead of per epoch?")
-        evidence = {"lr": lr, "peak_lr": self._peak, "peak_step": self._peak_step, "since_step": self._since,
-                    "steps_collapsed": at - self._since, "steps_before": before, "loss_at_collapse": start,
-                    "loss": now, "ratio": self.ratio}
+        summary = (
+            f"learning rate {lr:.3g} is {lr / self._peak:.1e} of its peak {self._peak:.3g} "
+            f"(step {self._peak_step}) since step {self._since}, {at - self._since} steps after "
+            f"{before} steps of training, and the loss stalled ({start:.4g} -> {now:.4g}): "
+            "a scheduler stepped per batch instead of per epoch?"
+        )
+        evidence = {
+            "lr": lr,
+            "peak_lr": self._peak,
+            "peak_step": self._peak_step,
+            "since_step": self._since,
+            "steps_collapsed": at - self._since,
+            "steps_before": before,
+            "loss_at_collapse": start,
+            "loss": now,
+            "ratio": self.ratio,
+        }
         return Finding(True, summary, evidence)

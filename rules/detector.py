@@ -116,8 +116,13 @@ class NoticeDetector(Protocol):
 # Any detector: one with at least one of the five inputs.
 Detector = StepDetector | StatsDetector | EvalDetector | LivenessDetector | NoticeDetector
 
-INPUTS: tuple[str, ...] = ("observe", "observe_stats", "observe_eval", "observe_liveness",
-                           "observe_notice")
+INPUTS: tuple[str, ...] = (
+    "observe",
+    "observe_stats",
+    "observe_eval",
+    "observe_liveness",
+    "observe_notice",
+)
 
 
 def inputs_of(detector: object) -> frozenset[str]:

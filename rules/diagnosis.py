@@ -53,65 +53,106 @@ from gradwatch.rules.weights import UpdateRatioDetector
 
 # A name for every alert category (the verdict of an alert is its own class) and
 # for the seed tree's "nothing found".
-VERDICTS: Mapping[str, str] = MappingProxyType({
-    "numerical": "numerical instability",
-    "exploding_gradients": "gradient explosion",
-    "vanishing_gradients": "vanishing gradients",
-    "dead_pipeline": "dead pipeline",
-    "loss_spike": "loss spike",
-    "lr_too_high": "learning rate too high",
-    "lr_too_low": "learning rate too low",
-    "generalization_gap": "generalization gap",
-    "saturation": "activation saturation",
-    "dead_units": "dead units",
-    "weight_runaway": "weight runaway",
-    "update_ratio": "update size out of band",
-    "loss_scale_collapse": "loss-scale collapse",
-    "eval_mode_wiring": "train/eval mode wiring",
-    "stalled": "stalled job",
-    "straggler": "straggler rank",
-    "agent_health": "monitoring degraded",
-    "none": "no anomaly detected in optimization signals",
-})
+VERDICTS: Mapping[str, str] = MappingProxyType(
+    {
+        "numerical": "numerical instability",
+        "exploding_gradients": "gradient explosion",
+        "vanishing_gradients": "vanishing gradients",
+        "dead_pipeline": "dead pipeline",
+        "loss_spike": "loss spike",
+        "lr_too_high": "learning rate too high",
+        "lr_too_low": "learning rate too low",
+        "generalization_gap": "generalization gap",
+        "saturation": "activation saturation",
+        "dead_units": "dead units",
+        "weight_runaway": "weight runaway",
+        "update_ratio": "update size out of band",
+        "loss_scale_collapse": "loss-scale collapse",
+        "eval_mode_wiring": "train/eval mode wiring",
+        "stalled": "stalled job",
+        "straggler": "straggler rank",
+        "agent_health": "monitoring degraded",
+        "none": "no anomaly detected in optimization signals",
+    }
+)
 
 # The seed's advice per verdict, then per precursor class.
-CHECKS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "numerical": ("log/exp and division on values that can reach 0 or overflow",
-                  "numeric precision (fp16/bf16 range) where values first went non-finite"),
-    "exploding_gradients": ("lower the learning rate", "add or tighten gradient clipping",
-                            "check initialisation scale"),
-    "vanishing_gradients": ("check activation saturation", "check depth without residual connections "
-                            "or normalisation", "check initialisation scale"),
-    "dead_pipeline": ("check data loading (do batches change?)", "check labels",
-                      "check loss wiring (is the loss connected to the parameters; does the optimizer step?)"),
-    "generalization_gap": ("revisit regularization (weight decay, dropout, augmentation, more data), "
-                           "not optimization",),
-    "saturation": ("reduce the initialisation scale (a too-large init saturates tanh/sigmoid)",
-                   "normalise inputs / add normalisation layers"),
-    "dead_units": ("lower the learning rate", "check initialisation and biases of the ReLU layers",
-                   "consider leaky ReLU/GELU"),
-    "loss_scale_collapse": ("find the op that overflows in fp16 (keep it in fp32)",),
-    "weight_runaway": ("add weight decay", "lower the learning rate"),
-    "update_ratio": ("lower the learning rate",),
-    "none": (),
-})
+CHECKS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "numerical": (
+            "log/exp and division on values that can reach 0 or overflow",
+            "numeric precision (fp16/bf16 range) where values first went non-finite",
+        ),
+        "exploding_gradients": (
+            "lower the learning rate",
+            "add or tighten gradient clipping",
+            "check initialisation scale",
+        ),
+        "vanishing_gradients": (
+            "check activation saturation",
+            "check depth without residual connections or normalisation",
+            "check initialisation scale",
+        ),
+        "dead_pipeline": (
+            "check data loading (do batches change?)",
+            "check labels",
+            "check loss wiring (is the loss connected to the parameters; does the optimizer step?)",
+        ),
+        "generalization_gap": (
+            "revisit regularization (weight decay, dropout, augmentation, more data), "
+            "not optimization",
+        ),
+        "saturation": (
+            "reduce the initialisation scale (a too-large init saturates tanh/sigmoid)",
+            "normalise inputs / add normalisation layers",
+        ),
+        "dead_units": (
+            "lower the learning rate",
+            "check initialisation and biases of the ReLU layers",
+            "consider leaky ReLU/GELU",
+        ),
+        "loss_scale_collapse": ("find the op that overflows in fp16 (keep it in fp32)",),
+        "weight_runaway": ("add weight decay", "lower the learning rate"),
+        "update_ratio": ("lower the learning rate",),
+        "none": (),
+    }
+)
 
 # Alerts about the training signals themselves: only these get an earlier cause.
-SIGNAL_CATEGORIES = frozenset({
-    "numerical", "exploding_gradients", "vanishing_gradients", "dead_pipeline", "loss_spike",
-    "lr_too_high", "lr_too_low", "saturation", "dead_units", "weight_runaway", "update_ratio",
-    "loss_scale_collapse",
-})
+SIGNAL_CATEGORIES = frozenset(
+    {
+        "numerical",
+        "exploding_gradients",
+        "vanishing_gradients",
+        "dead_pipeline",
+        "loss_spike",
+        "lr_too_high",
+        "lr_too_low",
+        "saturation",
+        "dead_units",
+        "weight_runaway",
+        "update_ratio",
+        "loss_scale_collapse",
+    }
+)
 
 NORM_FLOOR = 1e-6  # seed: all(n < 1e-6 for n in norms[-50:])
 LARGE_NORM = 1.0  # nanoGPT's grad_clip and HF Trainer's max_grad_norm default
 RATIO_LIMIT = 2.0  # seed Stage 3: two orders of magnitude between first and last layers
-SATURATED = 0.5  # share of tanh/sigmoid outputs pinned near the bounds (smdebug threshold_layer 50%)
+SATURATED = (
+    0.5  # share of tanh/sigmoid outputs pinned near the bounds (smdebug threshold_layer 50%)
+)
 DEAD = 0.9  # share of exact-zero ReLU outputs (healthy nets have ~50%)
 DEAD_TAIL = 0.5  # share of GELU/SiLU outputs in the flat negative tail (healthy ~0.1%)
 EPISODE_GAP = 200  # steps a precursor may pause before a new episode starts
-SMALL_INIT_STEPS = 20  # a first weight sample this early describes the init (WeightsStartedTooSmall)
-WAKING_UP = ("update_ratio_high", "grad_norm_growth", "weight_growth")  # a small init's consequences
+SMALL_INIT_STEPS = (
+    20  # a first weight sample this early describes the init (WeightsStartedTooSmall)
+)
+WAKING_UP = (
+    "update_ratio_high",
+    "grad_norm_growth",
+    "weight_growth",
+)  # a small init's consequences
 
 
 @dataclass(slots=True)
@@ -128,14 +169,23 @@ class Precursor:
     last_step: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"signal": self.signal, "class": self.category, "step": self.step, "value": self.value,
-                "peak": self.peak, "peak_step": self.peak_step, "summary": self.detail}
+        return {
+            "signal": self.signal,
+            "class": self.category,
+            "step": self.step,
+            "value": self.value,
+            "peak": self.peak,
+            "peak_step": self.peak_step,
+            "summary": self.detail,
+        }
 
 
 class JobHistory:
     """Bounded history of one job (its lowest-numbered reporting rank) for the diagnosis."""
 
-    def __init__(self, steps: int = 1024, evals: int = 256, stats: int = 256, head: int = 64) -> None:
+    def __init__(
+        self, steps: int = 1024, evals: int = 256, stats: int = 256, head: int = 64
+    ) -> None:
         self.losses: deque[tuple[int, float]] = deque(maxlen=steps)
         self.norms: deque[tuple[int, float]] = deque(maxlen=steps)
         self.head: list[float] = []
@@ -166,8 +216,14 @@ class JobHistory:
         if is_amp_skip(step):
             return  # overflow by design, recovered by the scaler
         if step.loss_scale is not None and step.loss_scale <= 1.0:
-            self._mark("loss_scale_floor", "loss_scale_collapse", step.step, step.loss_scale,
-                       f"AMP loss scale down to {step.loss_scale:g}", high=False)
+            self._mark(
+                "loss_scale_floor",
+                "loss_scale_collapse",
+                step.step,
+                step.loss_scale,
+                f"AMP loss scale down to {step.loss_scale:g}",
+                high=False,
+            )
         loss = step.loss
         if loss is not None:
             if math.isfinite(loss):
@@ -188,18 +244,42 @@ class JobHistory:
     def observe_stats(self, stats: Stats) -> None:
         """Take one cadence sample into account: activations, weight norms, update ratios."""
         for act in stats.act:
-            if act.sat_frac is not None and act.kind in ("tanh", "sigmoid") and act.sat_frac >= SATURATED:
-                self._mark("activation_saturation", "saturation", stats.step, act.sat_frac,
-                           f"{act.kind} outputs of {act.module!r} {act.sat_frac:.0%} saturated")
-            dead = DEAD if act.kind in ("relu", "relu6") else DEAD_TAIL if act.kind in ("gelu", "silu") else None
+            if (
+                act.sat_frac is not None
+                and act.kind in ("tanh", "sigmoid")
+                and act.sat_frac >= SATURATED
+            ):
+                self._mark(
+                    "activation_saturation",
+                    "saturation",
+                    stats.step,
+                    act.sat_frac,
+                    f"{act.kind} outputs of {act.module!r} {act.sat_frac:.0%} saturated",
+                )
+            dead = (
+                DEAD
+                if act.kind in ("relu", "relu6")
+                else DEAD_TAIL
+                if act.kind in ("gelu", "silu")
+                else None
+            )
             if act.zero_frac is not None and dead is not None and act.zero_frac >= dead:
-                what = "exactly zero" if act.kind in ("relu", "relu6") else "in the flat negative tail"
-                self._mark("dead_units", "dead_units", stats.step, act.zero_frac,
-                           f"{act.kind} outputs of {act.module!r} {act.zero_frac:.0%} {what}")
+                what = (
+                    "exactly zero" if act.kind in ("relu", "relu6") else "in the flat negative tail"
+                )
+                self._mark(
+                    "dead_units",
+                    "dead_units",
+                    stats.step,
+                    act.zero_frac,
+                    f"{act.kind} outputs of {act.module!r} {act.zero_frac:.0%} {what}",
+                )
         if stats.weight_norms is not None:
             w = np.asarray(stats.weight_norms, dtype=np.float64)
             if w.size and np.isfinite(w).all():
-                w = w[self._matrices(stats.layers, w.size)]  # LayerNorm gains start at 1 whatever the init
+                w = w[
+                    self._matrices(stats.layers, w.size)
+                ]  # LayerNorm gains start at 1 whatever the init
                 total = math.sqrt(float(np.dot(w, w)))
                 self.weight_norms.append((stats.step, total))
                 if self._first_weight is None:
@@ -208,21 +288,41 @@ class JobHistory:
                     grown = total / self._first_weight
                     if self._first_weight_step <= SMALL_INIT_STEPS:
                         # Grown 10x from the init itself: weights waking up from a too-small init.
-                        self._mark("small_init", "vanishing_gradients", stats.step, grown,
-                                   f"total weight norm ×{grown:.0f} its value at step {self._first_weight_step}"
-                                   " (initialisation too small)")
+                        self._mark(
+                            "small_init",
+                            "vanishing_gradients",
+                            stats.step,
+                            grown,
+                            f"total weight norm ×{grown:.0f} its value at step "
+                            f"{self._first_weight_step}"
+                            " (initialisation too small)",
+                        )
                     else:
-                        self._mark("weight_growth", "weight_runaway", stats.step, grown,
-                                   f"total weight norm ×{grown:.0f} its first value")
+                        self._mark(
+                            "weight_growth",
+                            "weight_runaway",
+                            stats.step,
+                            grown,
+                            f"total weight norm ×{grown:.0f} its first value",
+                        )
         if stats.update_ratios is not None:
             r = np.asarray(stats.update_ratios, dtype=np.float64)
             finite = np.isfinite(r)
             # As UpdateRatioTooLarge measures it (weighted by weight norm): a median over layers
             # reads a tiny-init model's small layers as "updates too large".
-            value = UpdateRatioDetector.global_ratio(r, finite, stats.weight_norms) if finite.any() else 0.0
+            value = (
+                UpdateRatioDetector.global_ratio(r, finite, stats.weight_norms)
+                if finite.any()
+                else 0.0
+            )
             if value > 0.1:
-                self._mark("update_ratio_high", "update_ratio", stats.step, value,
-                           f"‖Δw‖/‖w‖ {value:.3g} over the model (healthy ~1e-3)")
+                self._mark(
+                    "update_ratio_high",
+                    "update_ratio",
+                    stats.step,
+                    value,
+                    f"‖Δw‖/‖w‖ {value:.3g} over the model (healthy ~1e-3)",
+                )
 
     def _matrices(self, layers: tuple[str, ...], size: int) -> np.ndarray:
         """Mask of the weight matrices among ``layers`` (every layer when none is known as one)."""
@@ -237,7 +337,9 @@ class JobHistory:
         if ev.loss is None or not math.isfinite(ev.loss):
             return
         recent = [v for _, v in list(self.losses)[-50:]]
-        self.evals.append((ev.step, ev.loss, statistics.median(recent) if len(recent) >= 5 else None))
+        self.evals.append(
+            (ev.step, ev.loss, statistics.median(recent) if len(recent) >= 5 else None)
+        )
 
     # ------------------------------------------------------------ precursors
 
@@ -250,8 +352,13 @@ class JobHistory:
         # Growth from a tiny start towards a normal level (weights waking up) is no explosion:
         # the norm must also be large (the growth rule's min_norm, where clipping starts).
         if base > 0 and norm >= 100 * base and norm >= LARGE_NORM:
-            self._mark("grad_norm_growth", "exploding_gradients", step, norm / base,
-                       f"total grad norm ×{norm / base:.0f} its early level")
+            self._mark(
+                "grad_norm_growth",
+                "exploding_gradients",
+                step,
+                norm / base,
+                f"total grad norm ×{norm / base:.0f} its early level",
+            )
 
     def _observe_layers(self, step: Step) -> None:
         # The same ends as the ratio rule: weight matrices, not norm gains or tied embeddings.
@@ -265,17 +372,30 @@ class JobHistory:
                 vanishing = log_ratio < 0
                 ratio = 10.0**log_ratio
                 how = f"1:{1 / ratio:.0f}" if vanishing else f"{ratio:.0f}:1"
-                self._mark("layer_ratio", "vanishing_gradients" if vanishing else "exploding_gradients",
-                           step.step, ratio, f"first/last layer grad-norm ratio {how} "
-                           f"({end.first!r} vs {end.last!r})", high=not vanishing)
+                self._mark(
+                    "layer_ratio",
+                    "vanishing_gradients" if vanishing else "exploding_gradients",
+                    step.step,
+                    ratio,
+                    f"first/last layer grad-norm ratio {how} ({end.first!r} vs {end.last!r})",
+                    high=not vanishing,
+                )
         if len(self._early_first) < 10:
             self._early_first.append(end.first_norm)
-        elif end.first_norm < 1e-2 * statistics.median(self._early_first) and not self._converging():
+        elif (
+            end.first_norm < 1e-2 * statistics.median(self._early_first) and not self._converging()
+        ):
             # A loss that fell 10x shrinks every gradient with it (a memorized batch does):
             # that is convergence, not the first layer's gradient vanishing.
             drop = end.first_norm / statistics.median(self._early_first)
-            self._mark("first_layer_collapse", "vanishing_gradients", step.step, drop,
-                       f"first layer's grad norm fell to {drop:.2g}× its early level", high=False)
+            self._mark(
+                "first_layer_collapse",
+                "vanishing_gradients",
+                step.step,
+                drop,
+                f"first layer's grad norm fell to {drop:.2g}× its early level",
+                high=False,
+            )
 
     def _converging(self) -> bool:
         if len(self.head) < 10 or len(self.losses) < 3:
@@ -284,11 +404,14 @@ class JobHistory:
         level = statistics.median(v for _, v in list(self.losses)[-3:])  # the gradients' loss now
         return level <= 0.1 * abs(start)
 
-    def _mark(self, signal: str, category: str, step: int, value: float, detail: str,
-              high: bool = True) -> None:
+    def _mark(
+        self, signal: str, category: str, step: int, value: float, detail: str, high: bool = True
+    ) -> None:
         mark = self.precursors.get(signal)
         if mark is None or step - mark.last_step > EPISODE_GAP or step < mark.step:
-            self.precursors[signal] = Precursor(signal, category, step, value, detail, value, step, step)
+            self.precursors[signal] = Precursor(
+                signal, category, step, value, detail, value, step, step
+            )
             return
         mark.last_step = step
         if (value > mark.peak) if high else (value < mark.peak):
@@ -299,8 +422,10 @@ class JobHistory:
 # ---------------------------------------------------------------- the tree
 
 
-def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ()) -> Mapping[str, Any]:
-    """The diagnosis of ``alert`` from ``history``: verdict, summary, evidence, checks, earlier cause.
+def diagnose(
+    history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ()
+) -> Mapping[str, Any]:
+    """The diagnosis of ``alert`` from ``history``: verdict, summary, evidence, checks, cause.
 
     The verdict is the alert's own class, stated with the alert's own evidence
     (its summary): a diagnosis never contradicts the alert it explains. The
@@ -313,9 +438,15 @@ def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ())
     verdict = alert.category if alert.category in VERDICTS else tree
     cause = _earlier_cause(history, alert)
     own = alert.summary.rstrip(".")
-    # A summary that already opens with the class ("vanishing gradients: ...") is not prefixed twice.
-    summary = own if own.lower().startswith(VERDICTS[verdict]) else f"{VERDICTS[verdict]}: {own}" if own \
+    # A summary that already opens with the class ("vanishing gradients: ...") is not
+    # prefixed twice.
+    summary = (
+        own
+        if own.lower().startswith(VERDICTS[verdict])
+        else f"{VERDICTS[verdict]}: {own}"
+        if own
         else VERDICTS[verdict]
+    )
     if tree == verdict and reason:
         summary += f"; the seed's tree agrees ({reason})"
     elif tree != "none":
@@ -323,22 +454,28 @@ def diagnose(history: JobHistory, alert: Alert, rule_checks: Sequence[str] = ())
     checks: list[str] = list(rule_checks)
     if cause is not None:
         first = cause["chain"][0]
-        summary += (f". Likely earlier cause, {cause['steps_before']} step(s) before this alert: "
-                    f"{first['summary']} (began at step {first['step']})")
-        summary += "".join(f"; then {c['summary']} (began at step {c['step']})" for c in cause["chain"][1:3])
+        summary += (
+            f". Likely earlier cause, {cause['steps_before']} step(s) before this alert: "
+            f"{first['summary']} (began at step {first['step']})"
+        )
+        summary += "".join(
+            f"; then {c['summary']} (began at step {c['step']})" for c in cause["chain"][1:3]
+        )
         for link in cause["chain"]:
             checks += CHECKS.get(link["class"], ())
     summary += ". This narrows the search; it is not a certain cause."
     if not rule_checks:
         checks += CHECKS.get(verdict, ())  # the rule's own checks are the specific form of these
-    return MappingProxyType({
-        "verdict": verdict,
-        "tree": tree,
-        "summary": summary,
-        "evidence": tuple(evidence),
-        "next_checks": tuple(dict.fromkeys(checks))[:10],
-        "earlier_cause": cause,
-    })
+    return MappingProxyType(
+        {
+            "verdict": verdict,
+            "tree": tree,
+            "summary": summary,
+            "evidence": tuple(evidence),
+            "next_checks": tuple(dict.fromkeys(checks))[:10],
+            "earlier_cause": cause,
+        }
+    )
 
 
 def _verdict(h: JobHistory) -> tuple[str, str, list[dict[str, Any]]]:
@@ -363,7 +500,11 @@ def _verdict(h: JobHistory) -> tuple[str, str, list[dict[str, Any]]]:
         return "dead_pipeline", "every gradient of the last 50 steps is exactly zero", evidence
     if len(tail) == 50 and max(tail) < NORM_FLOOR and not _converged(h):
         evidence.append(_ev("max_grad_norm_last_50", max(tail), h.norms[-1][0]))
-        return "vanishing_gradients", f"every grad norm of the last 50 steps < {NORM_FLOOR:g}", evidence
+        return (
+            "vanishing_gradients",
+            f"every grad norm of the last 50 steps < {NORM_FLOOR:g}",
+            evidence,
+        )
     flat = _flat(h)
     if flat is not None:
         evidence.append(_ev("loss_change_since_start", flat, h.losses[-1][0]))
@@ -388,7 +529,12 @@ def _converged(h: JobHistory) -> bool:
 
 
 def _flat(h: JobHistory) -> float | None:
-    if h.first_step is None or h.first_step > 10 or len(h.head) < h.head_size or len(h.losses) < 2 * h.head_size:
+    if (
+        h.first_step is None
+        or h.first_step > 10
+        or len(h.head) < h.head_size
+        or len(h.losses) < 2 * h.head_size
+    ):
         return None
     tail = [v for _, v in list(h.losses)[-200:]]
     verdict = flat_since_start(h.head[:5], h.head, tail, tolerance=0.02, z=3.0)
@@ -400,9 +546,11 @@ def _gap(h: JobHistory) -> list[dict[str, Any]] | None:
     if found is None:
         return None
     step = h.evals[-1][0]
-    return [_ev("val_loss_level", found["val_level"], step),
-            _ev("best_val_loss", found["best_val_loss"], int(found["best_step"])),
-            _ev("train_loss", found["train_loss"], step)]
+    return [
+        _ev("val_loss_level", found["val_level"], step),
+        _ev("best_val_loss", found["best_val_loss"], int(found["best_step"])),
+        _ev("train_loss", found["train_loss"], step),
+    ]
 
 
 def _earlier_cause(h: JobHistory, alert: Alert) -> dict[str, Any] | None:
@@ -412,13 +560,21 @@ def _earlier_cause(h: JobHistory, alert: Alert) -> dict[str, Any] | None:
     # their gradients up with them: those signs are its consequences, not a high lr.
     explained = WAKING_UP if "small_init" in h.precursors else ()
     chain = sorted(
-        (p for p in h.precursors.values()
-         if p.step < alert.step and p.category != alert.category and p.signal not in explained
-         and p.last_step >= alert.step - 2 * EPISODE_GAP),
-        key=lambda p: (p.step, p.signal))
+        (
+            p
+            for p in h.precursors.values()
+            if p.step < alert.step
+            and p.category != alert.category
+            and p.signal not in explained
+            and p.last_step >= alert.step - 2 * EPISODE_GAP
+        ),
+        key=lambda p: (p.step, p.signal),
+    )
     if not chain:
         return None
     first = chain[0]
-    return {**first.to_dict(), "steps_before": alert.step - first.step,
-            "chain": [p.to_dict() for p in chain]}
-
+    return {
+        **first.to_dict(),
+        "steps_before": alert.step - first.step,
+        "chain": [p.to_dict() for p in chain],
+    }

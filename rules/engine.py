@@ -94,7 +94,7 @@ class _Slot:
 
 @dataclass(slots=True)
 class _RankState:
-    """Slots of one (job, rank), split by the input each detector takes (a slot may be in several)."""
+    """Slots of one (job, rank), split by the input each detector takes (a slot may be in many)."""
 
     all: list[_Slot]
     steps: list[_Slot]
@@ -127,11 +127,17 @@ class Engine:
         self._inputs = tuple(inputs_of(r.make_detector()) for r in self.rules)
         for spec, inputs in zip(self.rules, self._inputs, strict=True):
             if not inputs:
-                raise ValueError(f"rule {spec.name!r}: detector {spec.detector!r} implements no input "
-                                 "(observe, observe_stats, observe_eval, observe_liveness or "
-                                 "observe_notice)")
-        self._rank_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" not in inputs]
-        self._job_rules = [i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs]
+                raise ValueError(
+                    f"rule {spec.name!r}: detector {spec.detector!r} implements no input "
+                    "(observe, observe_stats, observe_eval, observe_liveness or "
+                    "observe_notice)"
+                )
+        self._rank_rules = [
+            i for i, inputs in enumerate(self._inputs) if "observe_liveness" not in inputs
+        ]
+        self._job_rules = [
+            i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs
+        ]
         self._clock = clock
         self._ranks: dict[tuple[str, int | None], _RankState] = {}  # None: assembled records
         self._jobs: dict[str, _JobState] = {}
@@ -200,7 +206,9 @@ class Engine:
                 finding = slot.detector.observe_liveness(lives)
                 if finding is not None:
                     # The step the finding is about: a stall names the step stuck in progress.
-                    about = finding.evidence.get("stuck_step", finding.evidence.get("last_step", latest))
+                    about = finding.evidence.get(
+                        "stuck_step", finding.evidence.get("last_step", latest)
+                    )
                     step = about if finding.active else latest
                     transitions += self._update(slot, int(step), finding)
         return transitions
@@ -221,8 +229,11 @@ class Engine:
 
     def firing(self) -> list[Alert]:
         """Alerts firing now, across jobs and ranks."""
-        return [slot.lifecycle.alert for slot in self._slots()
-                if slot.lifecycle.state == "firing" and slot.lifecycle.alert is not None]
+        return [
+            slot.lifecycle.alert
+            for slot in self._slots()
+            if slot.lifecycle.state == "firing" and slot.lifecycle.alert is not None
+        ]
 
     def forget(self, job: str) -> list[Transition]:
         """Drop a finished job's state; its still-firing alerts come back resolved.
@@ -230,7 +241,11 @@ class Engine:
         Resolving them here means no receiver is left holding an alert that
         will never be resolved, as Prometheus does when a series disappears.
         """
-        slots = [slot for key in [k for k in self._ranks if k[0] == job] for slot in self._ranks.pop(key).all]
+        slots = [
+            slot
+            for key in [k for k in self._ranks if k[0] == job]
+            for slot in self._ranks.pop(key).all
+        ]
         state = self._jobs.pop(job, None)
         if state is not None and state.liveness:
             slots += state.liveness
@@ -302,6 +317,7 @@ class Engine:
         # rank None: a job-wide slot (liveness rules, and rules over assembled records).
         spec, rule = self.rules[index], self._alert_rules[index]
         checks = tuple(rule.diagnosis["next_checks"]) if rule.diagnosis is not None else ()
+
         def explain(alert: Alert) -> Mapping[str, Any]:
             return diagnose(owner.history, alert, checks)  # read late: a data change renews it
 

@@ -29,7 +29,7 @@ from gradwatch.rules.step import Eval, Step
 
 
 class GeneralizationGapDetector:
-    """Active from the ``patience``-th eval in a row well above the best eval while train fell, until
+    """Active from the ``patience``-th eval in a row well above the best while train fell, until
     an eval comes back half-way to the best (hysteresis: one overfitting episode is one incident).
 
     "Well above" is ``rise`` (relative) over the lowest eval so far plus ``z``
@@ -69,7 +69,12 @@ class GeneralizationGapDetector:
         train_window: Annotated[int, Field(ge=1)] = 50,
         z: Annotated[float, Field(ge=0.0)] = 5.0,
     ) -> None:
-        self.min_evals, self.rise, self.patience, self.train_window = min_evals, rise, patience, train_window
+        self.min_evals, self.rise, self.patience, self.train_window = (
+            min_evals,
+            rise,
+            patience,
+            train_window,
+        )
         self.few_rise, self.noise_evals, self.z = few_rise, noise_evals, z
         self.few_train_drop = few_train_drop
         self._train: deque[float] = deque(maxlen=train_window)
@@ -94,7 +99,7 @@ class GeneralizationGapDetector:
             return None  # an eval without a usable loss says nothing about the gap
         # The training level now: the losses since the previous eval (at least 5), so a log
         # that holds a loss every 100 steps and an eval per epoch is not judged on old losses.
-        recent = list(self._train)[-max(self._since_eval, 5):]
+        recent = list(self._train)[-max(self._since_eval, 5) :]
         self._since_eval = 0
         train = statistics.median(recent) if len(recent) >= min(5, self.train_window) else None
         return self._take(ev.loss, ev.step, train)
@@ -121,10 +126,15 @@ class GeneralizationGapDetector:
             return INACTIVE
         # Few evals, no noise estimate: a noisy small validation set can bounce 25%; what
         # overfitting adds is the training loss falling far (to half its level at the best).
-        if len(self._vals) <= self.noise_evals and train is not None and best[2] is not None \
-                and train > self.few_train_drop * best[2]:
+        if (
+            len(self._vals) <= self.noise_evals
+            and train is not None
+            and best[2] is not None
+            and train > self.few_train_drop * best[2]
+        ):
             return INACTIVE
-        # Hysteresis: the episode lasts until an eval comes back half-way from the limit to the best.
+        # Hysteresis: the episode lasts until an eval comes back half-way from the limit to
+        # the best.
         self._open, self._close_above = True, best[0] + 0.5 * (limit - best[0])
         return self._finding(loss, step, train, limit)
 
@@ -138,8 +148,11 @@ class GeneralizationGapDetector:
         assert best is not None
         rise = loss / best[0] - 1 if best[0] else math.inf
         train_best = best[2]
-        trend = f" while training loss fell {train_best:.4g} -> {train:.4g}" \
-            if train is not None and train_best is not None else ""
+        trend = (
+            f" while training loss fell {train_best:.4g} -> {train:.4g}"
+            if train is not None and train_best is not None
+            else ""
+        )
         summary = (
             f"validation loss {loss:.4g} at step {step} is {rise:+.0%} over its best "
             f"{best[0]:.4g} (step {best[1]}){trend}: generalization gap"
@@ -192,7 +205,11 @@ class ValTrainGapDetector:
 
     def observe_eval(self, ev: Eval) -> Finding | None:
         """Judge one evaluation; see the class docstring."""
-        if ev.loss is None or not math.isfinite(ev.loss) or len(self._train) < min(5, self.train_window):
+        if (
+            ev.loss is None
+            or not math.isfinite(ev.loss)
+            or len(self._train) < min(5, self.train_window)
+        ):
             return None
         train = statistics.median(self._train)
         if self._verdict is not None:
@@ -208,13 +225,23 @@ class ValTrainGapDetector:
             return INACTIVE
         first = self._ratios[0]
         summary = (
-            f"validation loss has been {min(gaps):.0f}x or more the training loss since the first eval "
-            f"(step {first[0]}: {first[1]:.4g} vs {first[2]:.4g}; {len(gaps)} evals): the two do not "
+            f"validation loss has been {min(gaps):.0f}x or more the training loss since the first "
+            "eval "
+            f"(step {first[0]}: {first[1]:.4g} vs {first[2]:.4g}; {len(gaps)} evals): the two do "
+            "not "
             "measure the same data or the same loss"
         )
-        self._verdict = Finding(True, summary, {"ratios": gaps, "val_losses": [v for _, v, _ in self._ratios],
-                                                "train_levels": [t for _, _, t in self._ratios],
-                                                "first_eval_step": first[0], "factor": self.factor})
+        self._verdict = Finding(
+            True,
+            summary,
+            {
+                "ratios": gaps,
+                "val_losses": [v for _, v, _ in self._ratios],
+                "train_levels": [t for _, _, t in self._ratios],
+                "first_eval_step": first[0],
+                "factor": self.factor,
+            },
+        )
         return self._verdict
 
 
@@ -269,4 +296,6 @@ class EvalModeWiringDetector:
             f"evaluation at step {ev.step} ran with {len(modules)} module(s) in training mode: "
             f"{', '.join(named)}{more}; call model.eval() before evaluating"
         )
-        return Finding(True, summary, {"modules": named, "count": len(modules), "eval_step": ev.step})
+        return Finding(
+            True, summary, {"modules": named, "count": len(modules), "eval_step": ev.step}
+        )

@@ -1,4 +1,4 @@
-"""One-step extreme events: a single batch whose loss or gradient norm is far outside the run's own range.
+"""One-step extreme events: one batch whose loss or gradient norm is far outside the run's range.
 
 PaLM (Chowdhery et al. 2022, section 5.1) and OLMo handle loss spikes by
 restarting from a checkpoint before the spike and *skipping the batches*
@@ -33,7 +33,6 @@ Example::
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from typing import Annotated, Any, Literal
 
@@ -55,13 +54,22 @@ class _Signal:
         self.name = name
         self.window = SortedWindow(size)
 
-    def judge(self, value: float, min_history: int, factor: float, over_max: float) -> dict[str, Any] | None:
+    def judge(
+        self, value: float, min_history: int, factor: float, over_max: float
+    ) -> dict[str, Any] | None:
         """Evidence when ``value`` is extreme; otherwise remember it and return None."""
         if len(self.window) >= min_history and value > 0.0:
             median, peak = self.window.median(), self.window.values()[-1]
             if median > 0.0 and value >= factor * median and value >= over_max * peak:
-                return {"signal": self.name, "value": value, "median": median, "window_max": peak,
-                        "times_median": value / median, "times_max": value / peak, "window": len(self.window)}
+                return {
+                    "signal": self.name,
+                    "value": value,
+                    "median": median,
+                    "window_max": peak,
+                    "times_median": value / median,
+                    "times_max": value / peak,
+                    "window": len(self.window),
+                }
         if value >= 0.0:
             self.window.add(value)
         return None
@@ -90,7 +98,12 @@ class ExtremeStepDetector:
     ) -> None:
         if min_history > window:
             raise ValueError(f"min_history ({min_history}) must not exceed window ({window})")
-        self.report, self.min_history, self.factor, self.over_max = report, min_history, factor, over_max
+        self.report, self.min_history, self.factor, self.over_max = (
+            report,
+            min_history,
+            factor,
+            over_max,
+        )
         self.repeats, self.within = repeats, within
         self._loss = _Signal("loss", window)
         # A logged total (pre-clip, e.g. the HF Trainer's at logging steps) and the one the
@@ -108,8 +121,12 @@ class ExtremeStepDetector:
         if loss is None and norm is None:
             return None
         norms = self._norm if step.grad_norm_logged else self._seen_norm
-        found = [e for signal, value in ((self._loss, loss), (norms, norm)) if value is not None
-                 and (e := signal.judge(value, self.min_history, self.factor, self.over_max)) is not None]
+        found = [
+            e
+            for signal, value in ((self._loss, loss), (norms, norm))
+            if value is not None
+            and (e := signal.judge(value, self.min_history, self.factor, self.over_max)) is not None
+        ]
         if found:
             self._events.append(step.step)
         if self.report == "event":
@@ -117,13 +134,20 @@ class ExtremeStepDetector:
         return self._repeated(step.step)
 
     def _event(self, at: int, found: list[dict[str, Any]]) -> Finding:
-        what = "; ".join(f"{e['signal']} {e['value']:.4g} is {e['times_median']:.0f}x its running median "
-                         f"{e['median']:.4g} and {e['times_max']:.1f}x the largest of its last {e['window']}"
-                         for e in found)
-        summary = (f"one-step extreme at step {at}: {what}; a corrupt or extreme batch? "
-                   f"skip the batch of step {at} if you resume from a checkpoint")
-        evidence = {"event_step": at, "signals": [e["signal"] for e in found],
-                    **{f"{e['signal']}_{k}": v for e in found for k, v in e.items() if k != "signal"}}
+        what = "; ".join(
+            f"{e['signal']} {e['value']:.4g} is {e['times_median']:.0f}x its running median "
+            f"{e['median']:.4g} and {e['times_max']:.1f}x the largest of its last {e['window']}"
+            for e in found
+        )
+        summary = (
+            f"one-step extreme at step {at}: {what}; a corrupt or extreme batch? "
+            f"skip the batch of step {at} if you resume from a checkpoint"
+        )
+        evidence = {
+            "event_step": at,
+            "signals": [e["signal"] for e in found],
+            **{f"{e['signal']}_{k}": v for e in found for k, v in e.items() if k != "signal"},
+        }
         return Finding(True, summary, evidence)
 
     def _repeated(self, at: int) -> Finding:
@@ -131,6 +155,8 @@ class ExtremeStepDetector:
         if len(recent) < self.repeats:
             return INACTIVE
         steps = ", ".join(str(s) for s in recent)
-        summary = (f"{len(recent)} one-step extremes within {self.within} steps (steps {steps}): "
-                   "the data or the optimizer state keeps producing extreme steps")
+        summary = (
+            f"{len(recent)} one-step extremes within {self.within} steps (steps {steps}): "
+            "the data or the optimizer state keeps producing extreme steps"
+        )
         return Finding(True, summary, {"event_steps": recent, "within": self.within})

@@ -133,7 +133,12 @@ class GeometricGrowthDetector:
         recent_slope, _ = fit_line(x[-half:], y[-half:])
         min_slope = math.log(self.min_factor)
         total = math.exp(min(slope * (x[-1] - x[0]), 700.0))
-        if slope < min_slope or recent_slope < min_slope or r2 < self.min_r2 or total < self.min_total_growth:
+        if (
+            slope < min_slope
+            or recent_slope < min_slope
+            or r2 < self.min_r2
+            or total < self.min_total_growth
+        ):
             return INACTIVE
         typical = self.typical_level()
         if norm < self.min_norm or (typical is not None and norm < self.min_rise * typical):
@@ -144,10 +149,15 @@ class GeometricGrowthDetector:
         headroom = math.log(step.dtype_max) - math.log(norm)
         to_overflow = max(0, math.ceil(headroom / recent_slope))
         dtype = dtype_name(step.dtype_max)
-        earlier = "" if typical is None else f", ×{norm / typical:.3g} the run's earlier typical {typical:.3g}"
+        earlier = (
+            ""
+            if typical is None
+            else f", ×{norm / typical:.3g} the run's earlier typical {typical:.3g}"
+        )
         summary = (
             f"total grad norm growing ×{factor:.2f} per step (fit over {self.window} steps, "
-            f"R² {r2:.2f}, now {norm:.3g}{earlier}); at this rate {dtype} overflows in ~{to_overflow} steps"
+            f"R² {r2:.2f}, now {norm:.3g}{earlier}); at this rate {dtype} overflows in "
+            f"~{to_overflow} steps"
         )
         evidence = {
             "factor_per_step": factor,

@@ -51,7 +51,14 @@ Record = Step | Eval
 
 # Lightning names the per-step value of `self.log(name, on_step=True, on_epoch=True)` name_step.
 LOSS_COLUMNS = ("train_loss_step", "train_loss", "train/loss", "loss_step", "loss", "training_loss")
-VAL_COLUMNS = ("val_loss", "val/loss", "valid_loss", "validation_loss", "val_loss_epoch", "eval_loss")
+VAL_COLUMNS = (
+    "val_loss",
+    "val/loss",
+    "valid_loss",
+    "validation_loss",
+    "val_loss_epoch",
+    "eval_loss",
+)
 LR_COLUMNS = ("learning_rate", "lr")
 GRAD_NORM_COLUMNS = ("grad_2.0_norm_total", "grad_norm", "train/grad_norm")
 _LR_MONITOR = re.compile(r"^lr-")
@@ -101,14 +108,15 @@ def history_format(path: str | PathLike[str]) -> Format | None:
 
 
 def read_history(path: str | PathLike[str], job: str | None = None) -> ImportedRun:
-    """Import the log at ``path`` by its name (see :func:`history_format`); raises ``HistoryError``."""
+    """Import the log at ``path`` by its name (:func:`history_format`); raises ``HistoryError``."""
     fmt = history_format(path)
     if fmt == "lightning_csv":
         return read_lightning_csv(path, job)
     if fmt == "trainer_state":
         return read_trainer_state(path, job)
-    raise HistoryError(f"{path}: not a trainer_state.json(.gz) or a metrics.csv(.gz); "
-                       "name the file by its format")
+    raise HistoryError(
+        f"{path}: not a trainer_state.json(.gz) or a metrics.csv(.gz); name the file by its format"
+    )
 
 
 def _open_text(path: Path) -> str:
@@ -118,7 +126,9 @@ def _open_text(path: Path) -> str:
                 return f.read()
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError, EOFError, gzip.BadGzipFile) as exc:
-        raise HistoryError(f"cannot read {path}: {exc}; check the path (a .gz name must hold gzip)") from exc
+        raise HistoryError(
+            f"cannot read {path}: {exc}; check the path (a .gz name must hold gzip)"
+        ) from exc
 
 
 def _job_name(path: Path, job: str | None) -> str:
@@ -141,15 +151,23 @@ def read_trainer_state(path: str | PathLike[str], job: str | None = None) -> Imp
     try:
         state = json.loads(text)
     except ValueError as exc:
-        raise HistoryError(f"{file}: not valid JSON ({exc}); pass the Trainer's trainer_state.json") from exc
+        raise HistoryError(
+            f"{file}: not valid JSON ({exc}); pass the Trainer's trainer_state.json"
+        ) from exc
     history = state.get("log_history") if isinstance(state, dict) else None
     if not isinstance(history, list):
-        raise HistoryError(f"{file}: no 'log_history' list; is this a Trainer's trainer_state.json?")
+        raise HistoryError(
+            f"{file}: no 'log_history' list; is this a Trainer's trainer_state.json?"
+        )
     rows = [row for row in history if isinstance(row, dict)]
     max_steps = state.get("max_steps")
     name = _job_name(file, job)
-    return ImportedRun(name, "trainer_state", tuple(trainer_records(rows, name)),
-                       max_steps if isinstance(max_steps, int) and max_steps > 0 else None)
+    return ImportedRun(
+        name,
+        "trainer_state",
+        tuple(trainer_records(rows, name)),
+        max_steps if isinstance(max_steps, int) and max_steps > 0 else None,
+    )
 
 
 def trainer_records(rows: Sequence[Mapping[str, Any]], job: str) -> list[Record]:
@@ -165,15 +183,33 @@ def trainer_records(rows: Sequence[Mapping[str, Any]], job: str) -> list[Record]
         if step is None:
             continue
         if "loss" in row:
-            records.append(Step(job=job, step=step, time=float(step), loss=_number(row.get("loss")),
-                                grad_norm=_number(row.get("grad_norm")), lr=_lrs(row.get("learning_rate")),
-                                grad_norm_logged="grad_norm" in row))
+            records.append(
+                Step(
+                    job=job,
+                    step=step,
+                    time=float(step),
+                    loss=_number(row.get("loss")),
+                    grad_norm=_number(row.get("grad_norm")),
+                    lr=_lrs(row.get("learning_rate")),
+                    grad_norm_logged="grad_norm" in row,
+                )
+            )
         if "eval_loss" in row:
             loss = _number(row.get("eval_loss"))
-            metrics = {k.removeprefix("eval_"): v for k, v in row.items()
-                       if k.startswith("eval_") and k != "eval_loss" and _number(v) is not None}
-            records.append(Eval(job=job, step=step, time=float(step), loss=loss,
-                                metrics={k: float(v) for k, v in metrics.items()}))
+            metrics = {
+                k.removeprefix("eval_"): v
+                for k, v in row.items()
+                if k.startswith("eval_") and k != "eval_loss" and _number(v) is not None
+            }
+            records.append(
+                Eval(
+                    job=job,
+                    step=step,
+                    time=float(step),
+                    loss=loss,
+                    metrics={k: float(v) for k, v in metrics.items()},
+                )
+            )
     return mark_overflow_skips(records)
 
 
@@ -187,17 +223,28 @@ def read_lightning_csv(path: str | PathLike[str], job: str | None = None) -> Imp
     loss_col = next((c for c in LOSS_COLUMNS if c in columns), None)
     val_col = next((c for c in VAL_COLUMNS if c in columns), None)
     if loss_col is None and val_col is None:
-        raise HistoryError(f"{file}: no training loss column (one of {', '.join(LOSS_COLUMNS)}) "
-                           f"and no validation loss column (one of {', '.join(VAL_COLUMNS)})")
+        raise HistoryError(
+            f"{file}: no training loss column (one of {', '.join(LOSS_COLUMNS)}) "
+            f"and no validation loss column (one of {', '.join(VAL_COLUMNS)})"
+        )
     lr_cols = [c for c in columns if c in LR_COLUMNS or _LR_MONITOR.match(c)]
     norm_col = next((c for c in GRAD_NORM_COLUMNS if c in columns), None)
     name = _job_name(file, job)
-    return ImportedRun(name, "lightning_csv",
-                       tuple(lightning_records(reader, name, loss_col, val_col, lr_cols, norm_col)))
+    return ImportedRun(
+        name,
+        "lightning_csv",
+        tuple(lightning_records(reader, name, loss_col, val_col, lr_cols, norm_col)),
+    )
 
 
-def lightning_records(rows: Iterable[Mapping[str, str]], job: str, loss_col: str | None,
-                      val_col: str | None, lr_cols: Sequence[str], norm_col: str | None) -> list[Record]:
+def lightning_records(
+    rows: Iterable[Mapping[str, str]],
+    job: str,
+    loss_col: str | None,
+    val_col: str | None,
+    lr_cols: Sequence[str],
+    norm_col: str | None,
+) -> list[Record]:
     """Records from CSVLogger rows. Lightning may flush a step's values over several rows
     (the learning-rate monitor's, the module's); rows of one step merge into one record."""
     steps: dict[int, dict[str, Any]] = {}
@@ -216,9 +263,17 @@ def lightning_records(rows: Iterable[Mapping[str, str]], job: str, loss_col: str
         if lrs:
             found["lr"] = lrs
     records: list[Record] = [
-        Step(job=job, step=s, time=float(s), loss=v.get("loss"), grad_norm=v.get("grad_norm"),
-             lr=v.get("lr", ()), grad_norm_logged="grad_norm" in v)
-        for s, v in steps.items() if "loss" in v or "grad_norm" in v
+        Step(
+            job=job,
+            step=s,
+            time=float(s),
+            loss=v.get("loss"),
+            grad_norm=v.get("grad_norm"),
+            lr=v.get("lr", ()),
+            grad_norm_logged="grad_norm" in v,
+        )
+        for s, v in steps.items()
+        if "loss" in v or "grad_norm" in v
     ]
     records += evals
     # Evals after the training step they follow, as the live path sends them.
@@ -227,7 +282,7 @@ def lightning_records(rows: Iterable[Mapping[str, str]], job: str, loss_col: str
 
 
 def mark_overflow_skips(records: list[Record]) -> list[Record]:
-    """Mark non-finite grad norms that the run carried on past as GradScaler skips (module docstring).
+    """Mark non-finite grad norms the run carried on past as GradScaler skips (module docstring).
 
     A start-up search skips several steps in a row, so a stretch of non-finite
     norms counts when every loss in it is finite and a finite norm follows.
@@ -244,8 +299,10 @@ def mark_overflow_skips(records: list[Record]) -> list[Record]:
         else:
             skips.update(stretch)
             stretch = []
-    return [replace(r, skipped=True, loss_scale=math.nan) if i in skips and isinstance(r, Step) else r
-            for i, r in enumerate(records)]
+    return [
+        replace(r, skipped=True, loss_scale=math.nan) if i in skips and isinstance(r, Step) else r
+        for i, r in enumerate(records)
+    ]
 
 
 def with_gaps(records: Sequence[Record]) -> list[Record]:
@@ -261,7 +318,10 @@ def with_gaps(records: Sequence[Record]) -> list[Record]:
     for record in records:
         if isinstance(record, Step):
             if last is not None and record.step - last <= MAX_GAP:
-                out += [Step(job=record.job, step=s, time=float(s)) for s in range(last + 1, record.step)]
+                out += [
+                    Step(job=record.job, step=s, time=float(s))
+                    for s in range(last + 1, record.step)
+                ]
             last = record.step if last is None else max(last, record.step)
         out.append(record)
     return out

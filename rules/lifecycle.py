@@ -78,8 +78,15 @@ class AlertRule:
 class AlertLifecycle:
     """State of one rule for one (job, rank); see the module docstring."""
 
-    def __init__(self, rule: AlertRule, *, job: str, rank: int | None, clock: Callable[[], float],
-                 diagnose: Callable[[Alert], Mapping[str, Any] | None] | None = None) -> None:
+    def __init__(
+        self,
+        rule: AlertRule,
+        *,
+        job: str,
+        rank: int | None,
+        clock: Callable[[], float],
+        diagnose: Callable[[Alert], Mapping[str, Any] | None] | None = None,
+    ) -> None:
         self.rule = rule
         self.job = job
         self.rank = rank
@@ -104,7 +111,7 @@ class AlertLifecycle:
         return self._alert
 
     def update(self, step: int, finding: Finding) -> Transition | None:
-        """Advance on one observation of the rule's signal; return the transition to announce, if any."""
+        """Advance on one observation of the rule's signal; return the transition to announce."""
         now = self._clock()
         if finding.active:
             return self._on_active(step, finding, now)

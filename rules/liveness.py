@@ -68,7 +68,8 @@ class StalledDetector:
     def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding:
         """Judge every rank of one job at once; see the class docstring."""
         stalled = [
-            live for live in liveness
+            live
+            for live in liveness
             if live.now - live.last_heartbeat_time <= self.heartbeat_timeout
             and live.now - live.last_step_time > self.limit(live)
         ]
@@ -77,14 +78,23 @@ class StalledDetector:
         # The rank behind the others is the one they wait for: the lowest step, and
         # among equals one that has not begun the next step while others have
         # (they sit in its gradient all-reduce).
-        culprit = min(stalled, key=lambda live: (live.last_step, _began_next(live),
-                                                 live.last_step_time, live.rank))
+        culprit = min(
+            stalled,
+            key=lambda live: (live.last_step, _began_next(live), live.last_step_time, live.rank),
+        )
         since = culprit.now - culprit.last_step_time
         ranks = sorted(live.rank for live in stalled)
-        waiting = [live.rank for live in stalled
-                   if live.last_step == culprit.last_step and _began_next(live)]
-        behind = (f"; it has not started step {culprit.last_step + 1} while {len(waiting)} "
-                  "rank(s) already wait in it" if waiting and not _began_next(culprit) else "")
+        waiting = [
+            live.rank
+            for live in stalled
+            if live.last_step == culprit.last_step and _began_next(live)
+        ]
+        behind = (
+            f"; it has not started step {culprit.last_step + 1} while {len(waiting)} "
+            "rank(s) already wait in it"
+            if waiting and not _began_next(culprit)
+            else ""
+        )
         # The step in progress is the stuck one; last_step is the last that completed.
         stuck = culprit.last_step + 1
         summary = (
@@ -127,13 +137,16 @@ class SilentRankDetector:
 
     def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding:
         """Judge every rank of one job at once; see the class docstring."""
-        silent = [live for live in liveness if live.now - live.last_heartbeat_time > self.silent_seconds]
+        silent = [
+            live for live in liveness if live.now - live.last_heartbeat_time > self.silent_seconds
+        ]
         if not silent or len(silent) == len(liveness):
             return INACTIVE
         culprit = max(silent, key=lambda live: (live.now - live.last_heartbeat_time, -live.rank))
         quiet = culprit.now - culprit.last_heartbeat_time
         summary = (
-            f"rank {culprit.rank} has been silent for {quiet:.0f}s (last at step {culprit.last_step}) "
+            f"rank {culprit.rank} has been silent for {quiet:.0f}s (last at step "
+            f"{culprit.last_step}) "
             f"while {len(liveness) - len(silent)} other rank(s) still report; crashed or cut off?"
         )
         evidence = {
@@ -188,8 +201,11 @@ class StragglerDetector:
         """Judge every rank of one job at once; see the class docstring."""
         measured = False
         for measure in ("data_seconds", "busy_seconds"):
-            values = {live.rank: getattr(live, measure) for live in liveness
-                      if getattr(live, measure) is not None}
+            values = {
+                live.rank: getattr(live, measure)
+                for live in liveness
+                if getattr(live, measure) is not None
+            }
             if len(values) * 2 < len(liveness) or len(values) < self.min_ranks:
                 continue
             measured = True
@@ -216,12 +232,15 @@ class StragglerDetector:
                 slow[rank] = (seconds, other)
         return slow
 
-    def _finding(self, measure: str, values: dict[int, float],
-                 slow: dict[int, tuple[float, float]]) -> Finding:
+    def _finding(
+        self, measure: str, values: dict[int, float], slow: dict[int, tuple[float, float]]
+    ) -> Finding:
         culprit = max(slow, key=lambda rank: (slow[rank][0], -rank))
         seconds, other = slow[culprit]
-        what = {"data_seconds": "waiting for data before its forward",
-                "busy_seconds": "before the gradient sync (data + forward)"}.get(measure, "per step")
+        what = {
+            "data_seconds": "waiting for data before its forward",
+            "busy_seconds": "before the gradient sync (data + forward)",
+        }.get(measure, "per step")
         summary = (
             f"rank {culprit} is a straggler: {seconds:.3f}s per step {what} against a typical "
             f"{other:.3f}s across {len(values)} ranks; {len(slow)} rank(s) slow -- the others "
@@ -329,10 +348,17 @@ class LivenessTracker:
     def snapshot(self, now: float) -> list[Liveness]:
         """Every known rank's progress at ``now``."""
         return [
-            Liveness(job=self.job, rank=rank, now=now, last_step=s.last_step,
-                     last_step_time=s.last_step_time, last_heartbeat_time=s.last_heartbeat_time,
-                     step_seconds=statistics.median(s.intervals) if s.intervals else None,
-                     started=s.started, data_seconds=s.phases.data_seconds,
-                     busy_seconds=s.phases.busy_seconds)
+            Liveness(
+                job=self.job,
+                rank=rank,
+                now=now,
+                last_step=s.last_step,
+                last_step_time=s.last_step_time,
+                last_heartbeat_time=s.last_heartbeat_time,
+                step_seconds=statistics.median(s.intervals) if s.intervals else None,
+                started=s.started,
+                data_seconds=s.phases.data_seconds,
+                busy_seconds=s.phases.busy_seconds,
+            )
             for rank, s in sorted(self._ranks.items())
         ]

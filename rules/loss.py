@@ -29,7 +29,10 @@ from gradwatch.rules.step import Step
 
 
 def total_grad_norm(step: Step) -> float | None:
-    """The step's total gradient norm: the logged one, else the layers' combined; None if unmeasured or not finite."""
+    """The step's total gradient norm: the logged one, else the layers' combined.
+
+    None when unmeasured or not finite.
+    """
     norm = step.grad_norm
     if norm is None and step.layer_norms.size:
         norm = float(np.sqrt(np.sum(np.square(step.layer_norms))))
@@ -123,10 +126,14 @@ class FlatFromStartDetector:
         # tolerance is a rising loss, and a level that fell on the way made progress.
         verdict = flat_since_start(self._head[:5], self._head, self._tail, self.tolerance, self.z)
         noise = verdict.bound - abs(verdict.change)  # z standard errors, relative to the start
-        wandered = verdict.change + noise <= self.tolerance and -verdict.change <= 2.0 * self.tolerance
+        wandered = (
+            verdict.change + noise <= self.tolerance and -verdict.change <= 2.0 * self.tolerance
+        )
         floor = abs(verdict.head) * (1.0 - self.tolerance - noise)
-        progressed = verdict.first > verdict.head * (1.0 + self.tolerance) + noise * abs(verdict.head) \
+        progressed = (
+            verdict.first > verdict.head * (1.0 + self.tolerance) + noise * abs(verdict.head)
             or min(self._low, verdict.tail) < floor
+        )
         # Hysteresis: once flagged, the incident lasts until the loss has clearly moved on
         # (2x the tolerance below its start), so a run hovering at the bound is one incident.
         holding = self._last.active and verdict.change <= 2.0 * self.tolerance
@@ -155,7 +162,7 @@ class FlatFromStartDetector:
 
 
 class SortedWindow:
-    """The last ``size`` values, kept sorted too: the median is a lookup, an update O(size) memmove."""
+    """The last ``size`` values, kept sorted too: the median is a lookup, an update a memmove."""
 
     __slots__ = ("_order", "_sorted")
 

@@ -37,7 +37,7 @@ from gradwatch.rules.step import Census, Stats
 
 
 class FrozenMidRunDetector:
-    """Active while the frozen share is ``min_share`` above the run's first census; see the module."""
+    """Active while the frozen share is ``min_share`` above the run's first census (module doc)."""
 
     @validated_params
     def __init__(
@@ -63,7 +63,10 @@ class FrozenMidRunDetector:
             return INACTIVE  # no new freeze, or nothing trains at all (WeightsFrozen's case)
         before = {name for name, _ in self._base.frozen_modules}
         newly = [(name, n) for name, n in census.frozen_modules if name not in before]
-        shown = ", ".join(f"{name!r} ({n:,})" for name, n in newly[: self.max_named]) or "unnamed parameters"
+        shown = (
+            ", ".join(f"{name!r} ({n:,})" for name, n in newly[: self.max_named])
+            or "unnamed parameters"
+        )
         summary = (
             f"{rise:.0%} of the model's parameters became frozen after step {self._base_step} "
             f"({self._base.frozen_share:.0%} -> {census.frozen_share:.0%} frozen) while "
@@ -98,14 +101,20 @@ class TrainingInEvalModeDetector:
             # Even with the root in eval mode: no module whose mode changes the output (a
             # Linear+ReLU model), so training is exactly what train mode would do.
             return INACTIVE
-        shown = ", ".join(repr(m) for m in modules[: self.max_named]) + (" …" if len(modules) > self.max_named else "")
+        shown = ", ".join(repr(m) for m in modules[: self.max_named]) + (
+            " …" if len(modules) > self.max_named else ""
+        )
         if not census.model_training:
-            summary = (f"training step {stats.step} ran with the model in eval mode (model.training is "
-                       f"False), so these modules behave as in evaluation: {shown}; model.eval() for "
-                       "validation not undone by model.train()?")
+            summary = (
+                f"training step {stats.step} ran with the model in eval mode (model.training is "
+                f"False), so these modules behave as in evaluation: {shown}; model.eval() for "
+                "validation not undone by model.train()?"
+            )
         else:
-            summary = (f"training step {stats.step} ran with {len(modules)} module(s) in eval mode whose "
-                       f"mode changes the output: {shown}; a .eval() call on part of the model left on?")
+            summary = (
+                f"training step {stats.step} ran with {len(modules)} module(s) in eval mode whose "
+                f"mode changes the output: {shown}; a .eval() call on part of the model left on?"
+            )
         evidence = {
             "model_training": census.model_training,
             "eval_modules": modules[: self.max_named],
@@ -146,10 +155,14 @@ class NotInOptimizerDetector:
         names = list(census.not_in_optimizer[: self.max_named])
         share = census.params_not_in_optimizer / census.params_total if census.params_total else 0.0
         summary = (
-            f"{census.params_not_in_optimizer:,} parameter elements ({share:.1%} of the model) require "
+            f"{census.params_not_in_optimizer:,} parameter elements ({share:.1%} of the model) "
+            "require "
             f"gradients but are in no optimizer param group, so they never change"
             + (f": {', '.join(repr(n) for n in names)}" if names else "")
             + "; built after the optimizer?"
         )
-        return Finding(True, summary, {"not_in_optimizer": names, "elements": census.params_not_in_optimizer,
-                                       "share": share})
+        return Finding(
+            True,
+            summary,
+            {"not_in_optimizer": names, "elements": census.params_not_in_optimizer, "share": share},
+        )

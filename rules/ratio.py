@@ -49,8 +49,9 @@ def module_of(layer: str) -> str:
     return layer.rpartition(".")[0]
 
 
-def group_layers(layers: tuple[str, ...], ignore: tuple[str, ...] = (),
-                 key: Callable[[str], str] = module_of) -> tuple[np.ndarray, list[str], np.ndarray]:
+def group_layers(
+    layers: tuple[str, ...], ignore: tuple[str, ...] = (), key: Callable[[str], str] = module_of
+) -> tuple[np.ndarray, list[str], np.ndarray]:
     """Map each layer to a group index in model order (groups: modules, or ``key``'s).
 
     Returns the per-layer group index, the group names, and a per-group mask
@@ -72,8 +73,9 @@ def group_norms(inverse: np.ndarray, norms: np.ndarray, groups: int) -> np.ndarr
     float64 is reported as +Inf, which it nearly is.
     """
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.sqrt(np.bincount(inverse, weights=np.asarray(norms, np.float64) ** 2,
-                                   minlength=groups))
+        return np.sqrt(
+            np.bincount(inverse, weights=np.asarray(norms, np.float64) ** 2, minlength=groups)
+        )
 
 
 # Roles that may be a ratio's ends: weight matrices, whose gradients scale with
@@ -118,15 +120,22 @@ class LayerEnds:
         self._plan(step.layers, step.layer_roles, norms.size)
         groups = len(self._names)
         with np.errstate(over="ignore", invalid="ignore"):
-            modules = np.sqrt(np.bincount(self._inverse, weights=norms * norms, minlength=groups + 1))[:groups]
+            modules = np.sqrt(
+                np.bincount(self._inverse, weights=norms * norms, minlength=groups + 1)
+            )[:groups]
         usable = np.flatnonzero(np.isfinite(modules) & (modules > 0.0) & self._use)
         if usable.size < 2:
             return None
         first, last = int(usable[0]), int(usable[-1])
         # A difference of logs: the quotient of two extreme norms could overflow.
         log_ratio = math.log10(modules[first]) - math.log10(modules[last])
-        return EndRatio(self._names[first], self._names[last], float(modules[first]),
-                        float(modules[last]), log_ratio)
+        return EndRatio(
+            self._names[first],
+            self._names[last],
+            float(modules[first]),
+            float(modules[last]),
+            log_ratio,
+        )
 
     def _plan(self, layers: tuple[str, ...], sent: tuple[str, ...], size: int) -> None:
         key = (layers, sent, size)
@@ -144,9 +153,16 @@ class LayerEnds:
                 index.setdefault(module_of(name), len(index))
         self._names = list(index)
         # Parameters that are no end fall into one extra group, dropped after the sum.
-        self._inverse = np.array([index.get(module_of(n), len(index)) if r in allowed else len(index)
-                                  for n, r in zip(named, roles, strict=True)], dtype=np.int64)
-        self._use = np.array([not any(fnmatchcase(n, p) for p in self.ignore) for n in self._names], dtype=bool)
+        self._inverse = np.array(
+            [
+                index.get(module_of(n), len(index)) if r in allowed else len(index)
+                for n, r in zip(named, roles, strict=True)
+            ],
+            dtype=np.int64,
+        )
+        self._use = np.array(
+            [not any(fnmatchcase(n, p) for p in self.ignore) for n in self._names], dtype=bool
+        )
 
 
 class LayerRatioDetector:
@@ -225,15 +241,25 @@ class LayerRatioDetector:
         if size >= scale * math.log10(self.extreme):
             return direction
         ref = self.reference_log_ratio()
-        moved = 0.0 if ref is None else abs(log_ratio - ref) * (1.0 if (log_ratio - ref) * log_ratio > 0 else -1.0)
+        moved = (
+            0.0
+            if ref is None
+            else abs(log_ratio - ref) * (1.0 if (log_ratio - ref) * log_ratio > 0 else -1.0)
+        )
         return direction if moved >= scale * math.log10(self.drift) else None
 
     def _finding(self, log_ratio: float, end: EndRatio) -> Finding:
         ratio = 10.0**log_ratio
         ref = self.reference_log_ratio()
         direction = self._holding
-        how = f"{1.0 / ratio:.3g}× smaller than" if direction == "vanishing" else f"{ratio:.3g}× larger than"
-        start = "" if ref is None else f"; {_times(ref)} over the run's first {self.reference} steps"
+        how = (
+            f"{1.0 / ratio:.3g}× smaller than"
+            if direction == "vanishing"
+            else f"{ratio:.3g}× larger than"
+        )
+        start = (
+            "" if ref is None else f"; {_times(ref)} over the run's first {self.reference} steps"
+        )
         summary = (
             f"{direction} gradients: first weight module {end.first!r} grad norm {how} last "
             f"{end.last!r} (median over {self.window} steps{start}; bounds {self.threshold:g}× and "
@@ -256,4 +282,4 @@ class LayerRatioDetector:
 
 def _times(log_ratio: float) -> str:
     """A first/last ratio as people read it: "1:800" or "17:1"."""
-    return f"1:{10.0 ** -log_ratio:.3g}" if log_ratio < 0 else f"{10.0 ** log_ratio:.3g}:1"
+    return f"1:{10.0**-log_ratio:.3g}" if log_ratio < 0 else f"{10.0**log_ratio:.3g}:1"

@@ -24,12 +24,20 @@ from gradwatch.rules.agent_health import AgentDegradedDetector
 from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.collapse import LrTooLowDetector, ZeroLossDetector
 from gradwatch.rules.detector import Detector
-from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector, ValTrainGapDetector
+from gradwatch.rules.evals import (
+    EvalModeWiringDetector,
+    GeneralizationGapDetector,
+    ValTrainGapDetector,
+)
 from gradwatch.rules.events import ExtremeStepDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
 from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
-from gradwatch.rules.modelstate import FrozenMidRunDetector, NotInOptimizerDetector, TrainingInEvalModeDetector
+from gradwatch.rules.modelstate import (
+    FrozenMidRunDetector,
+    NotInOptimizerDetector,
+    TrainingInEvalModeDetector,
+)
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.spike import LossSpikeDetector
@@ -89,8 +97,13 @@ def _params_model(name: str, factory: DetectorFactory) -> type[BaseModel]:
     hints = typing.get_type_hints(target, include_extras=True)
     fields: dict[str, Any] = {}
     for param in inspect.signature(factory).parameters.values():
-        if param.kind is not inspect.Parameter.KEYWORD_ONLY or param.default is inspect.Parameter.empty:
-            raise TypeError(f"detector {name!r}: parameter {param.name!r} must be keyword-only with a default")
+        if (
+            param.kind is not inspect.Parameter.KEYWORD_ONLY
+            or param.default is inspect.Parameter.empty
+        ):
+            raise TypeError(
+                f"detector {name!r}: parameter {param.name!r} must be keyword-only with a default"
+            )
         if param.name not in hints:
             raise TypeError(f"detector {name!r}: parameter {param.name!r} needs a type annotation")
         fields[param.name] = (_strict_scalars(hints[param.name]), param.default)

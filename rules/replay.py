@@ -4,7 +4,8 @@
 (:mod:`gradwatch.wire.trace`), rebuilds ``Step``/``Stats``/``Eval`` records,
 and feeds them in file order to an :class:`Engine` whose clock is the trace's
 ``time`` fields (never moving backwards), so ``for: 30s`` rules and alert
-timestamps come out as they did live. Liveness is rebuilt from the records (every step and heartbeat line
+timestamps come out as they did live. Liveness is rebuilt from the records (every step and
+heartbeat line
 counts as a sign of life) and ticked at most once per trace second. A record
 without ``time`` keeps the clock where it was.
 
@@ -63,9 +64,10 @@ TICK_SECONDS = 1.0
 # ---------------------------------------------------------------- records -> trace
 
 
-def _aligned(layers: tuple[str, ...], values: np.ndarray,
-             header: tuple[str, ...]) -> tuple[tuple[str, ...] | None, tuple[float | None, ...]]:
-    """Per-layer ``values`` as a header-aligned list (None where not measured), or with own names."""
+def _aligned(
+    layers: tuple[str, ...], values: np.ndarray, header: tuple[str, ...]
+) -> tuple[tuple[str, ...] | None, tuple[float | None, ...]]:
+    """Per-layer ``values`` as a header-aligned list (None where not measured), or own names."""
     floats = values.astype(np.float64).tolist()
     if layers == header:
         return None, tuple(floats)
@@ -81,9 +83,19 @@ def _aligned(layers: tuple[str, ...], values: np.ndarray,
 def trace_step(step: Step, header: tuple[str, ...]) -> TraceStep:
     """The trace line of ``step``; per-layer norms aligned with ``header`` layers where possible."""
     layers, norms = _aligned(step.layers, np.asarray(step.layer_norms), header)
-    return TraceStep(step=step.step, rank=step.rank, time=step.time, loss=step.loss, lr=tuple(step.lr),
-                     grad_norm=step.grad_norm, layer_grad_norms=norms, layers=layers,
-                     loss_scale=step.loss_scale, skipped=step.skipped, scalars=dict(step.scalars))
+    return TraceStep(
+        step=step.step,
+        rank=step.rank,
+        time=step.time,
+        loss=step.loss,
+        lr=tuple(step.lr),
+        grad_norm=step.grad_norm,
+        layer_grad_norms=norms,
+        layers=layers,
+        loss_scale=step.loss_scale,
+        skipped=step.skipped,
+        scalars=dict(step.scalars),
+    )
 
 
 def trace_stats(stats: Stats, header: tuple[str, ...]) -> TraceStats:
@@ -94,22 +106,39 @@ def trace_stats(stats: Stats, header: tuple[str, ...]) -> TraceStats:
         layers, weights = _aligned(stats.layers, np.asarray(stats.weight_norms), header)
     if stats.update_ratios is not None:
         layers, ratios = _aligned(stats.layers, np.asarray(stats.update_ratios), header)
-    acts = tuple(TraceAct(a.module, a.kind, a.mean, a.std, a.zero_frac, a.sat_frac) for a in stats.act)
-    return TraceStats(step=stats.step, rank=stats.rank, time=stats.time, layers=layers,
-                      layer_weight_norms=weights, update_ratios=ratios, act=acts,
-                      census=stats.census)
+    acts = tuple(
+        TraceAct(a.module, a.kind, a.mean, a.std, a.zero_frac, a.sat_frac) for a in stats.act
+    )
+    return TraceStats(
+        step=stats.step,
+        rank=stats.rank,
+        time=stats.time,
+        layers=layers,
+        layer_weight_norms=weights,
+        update_ratios=ratios,
+        act=acts,
+        census=stats.census,
+    )
 
 
 def trace_eval(ev: Eval) -> TraceEval:
     """The trace line of an evaluation."""
-    return TraceEval(step=ev.step, rank=ev.rank, time=ev.time, loss=ev.loss, metrics=dict(ev.metrics),
-                     train_mode_modules=tuple(ev.train_mode_modules))
+    return TraceEval(
+        step=ev.step,
+        rank=ev.rank,
+        time=ev.time,
+        loss=ev.loss,
+        metrics=dict(ev.metrics),
+        train_mode_modules=tuple(ev.train_mode_modules),
+    )
 
 
 # ---------------------------------------------------------------- trace -> records
 
 
-def _measured(names: tuple[str, ...], values: Sequence[float | None]) -> tuple[tuple[str, ...], np.ndarray]:
+def _measured(
+    names: tuple[str, ...], values: Sequence[float | None]
+) -> tuple[tuple[str, ...], np.ndarray]:
     """Drop not-measured (None) entries with their names, as the collector's ingest does."""
     if all(v is not None for v in values):
         return names, np.asarray(values, dtype=np.float64)
@@ -120,12 +149,25 @@ def _measured(names: tuple[str, ...], values: Sequence[float | None]) -> tuple[t
 def step_of(rec: TraceStep, header: TraceHeader, time: float) -> Step:
     """The ``Step`` a trace step line describes (``time`` when the line has none)."""
     names = rec.layers if rec.layers is not None else header.layers
-    layers, norms = _measured(names, rec.layer_grad_norms) if rec.layer_grad_norms else ((), np.zeros(0))
-    return Step(job=header.job, step=rec.step, time=time, rank=rec.rank, loss=rec.loss,
-                grad_norm=rec.grad_norm, layers=layers, layer_norms=norms, lr=rec.lr,
-                loss_scale=rec.loss_scale, skipped=rec.skipped, scalars=dict(rec.scalars),
-                dtype_max=header.dtype_max if header.dtype_max is not None else FLOAT32_MAX,
-                layer_roles=roles_for(layers, header.layers, header.layer_roles))
+    layers, norms = (
+        _measured(names, rec.layer_grad_norms) if rec.layer_grad_norms else ((), np.zeros(0))
+    )
+    return Step(
+        job=header.job,
+        step=rec.step,
+        time=time,
+        rank=rec.rank,
+        loss=rec.loss,
+        grad_norm=rec.grad_norm,
+        layers=layers,
+        layer_norms=norms,
+        lr=rec.lr,
+        loss_scale=rec.loss_scale,
+        skipped=rec.skipped,
+        scalars=dict(rec.scalars),
+        dtype_max=header.dtype_max if header.dtype_max is not None else FLOAT32_MAX,
+        layer_roles=roles_for(layers, header.layers, header.layer_roles),
+    )
 
 
 def stats_of(rec: TraceStats, header: TraceHeader, time: float) -> Stats:
@@ -137,16 +179,33 @@ def stats_of(rec: TraceStats, header: TraceHeader, time: float) -> Stats:
             return None
         return np.asarray([math.nan if v is None else v for v in values], dtype=np.float64)
 
-    acts = tuple(ActStats(a.module, a.kind, a.mean, a.std, a.zero_frac, a.sat_frac) for a in rec.act)
-    return Stats(job=header.job, step=rec.step, time=time, rank=rec.rank, layers=names,
-                 weight_norms=array(rec.layer_weight_norms), update_ratios=array(rec.update_ratios), act=acts,
-                 census=rec.census)
+    acts = tuple(
+        ActStats(a.module, a.kind, a.mean, a.std, a.zero_frac, a.sat_frac) for a in rec.act
+    )
+    return Stats(
+        job=header.job,
+        step=rec.step,
+        time=time,
+        rank=rec.rank,
+        layers=names,
+        weight_norms=array(rec.layer_weight_norms),
+        update_ratios=array(rec.update_ratios),
+        act=acts,
+        census=rec.census,
+    )
 
 
 def eval_of(rec: TraceEval, header: TraceHeader, time: float) -> Eval:
     """The ``Eval`` a trace eval line describes."""
-    return Eval(job=header.job, step=rec.step, time=time, rank=rec.rank, loss=rec.loss,
-                metrics=dict(rec.metrics), train_mode_modules=rec.train_mode_modules)
+    return Eval(
+        job=header.job,
+        step=rec.step,
+        time=time,
+        rank=rec.rank,
+        loss=rec.loss,
+        metrics=dict(rec.metrics),
+        train_mode_modules=rec.train_mode_modules,
+    )
 
 
 # ---------------------------------------------------------------- replay
@@ -183,9 +242,10 @@ class Replay:
     _assembler: Assembler | None = None
     _eval_rank: int | None = None
 
-    def run(self, source: Source,
-            on_record: Callable[[TraceRecord], None] | None = None) -> list[Transition]:
-        """Replay ``source`` (a path, or an iterable of lines); raises ``TraceError`` on a bad trace.
+    def run(
+        self, source: Source, on_record: Callable[[TraceRecord], None] | None = None
+    ) -> list[Transition]:
+        """Replay ``source`` (a path, or lines); raises ``TraceError`` on a bad trace.
 
         ``on_record`` sees every record the trace yields, in file order, before it is
         fed to the rules: a caller that also wants the curves (``gradwatch report``)
@@ -202,16 +262,20 @@ class Replay:
         before = [c for c in self.checkpoints if c.step < step]
         return max(before, key=lambda c: c.step).path if before else None
 
-    def _run(self, lines: Iterable[str], source: str,
-             on_record: Callable[[TraceRecord], None] | None) -> list[Transition]:
+    def _run(
+        self, lines: Iterable[str], source: str, on_record: Callable[[TraceRecord], None] | None
+    ) -> list[Transition]:
         reader = TraceReader(lines, strict=self.strict, source=source)
         header = self.header = reader.header
         now = 0.0
         engine = Engine(self.rules, clock=lambda: now)
         tracker = LivenessTracker(header.job)
         # A multi-rank trace is judged as the collector judged it: assembled steps.
-        self._assembler = Assembler(self.deadline_seconds, clock=lambda: now) \
-            if header.world is not None and header.world > 1 else None
+        self._assembler = (
+            Assembler(self.deadline_seconds, clock=lambda: now)
+            if header.world is not None and header.world > 1
+            else None
+        )
         self._eval_rank = None
         last_tick: float | None = None
         out: list[Transition] = []
@@ -235,8 +299,14 @@ class Replay:
         self.skipped, self.problems = reader.skipped, list(reader.problems)
         return out
 
-    def _feed(self, engine: Engine, tracker: LivenessTracker, header: TraceHeader,
-              rec: TraceRecord, now: float) -> list[Transition]:
+    def _feed(
+        self,
+        engine: Engine,
+        tracker: LivenessTracker,
+        header: TraceHeader,
+        rec: TraceRecord,
+        now: float,
+    ) -> list[Transition]:
         asm = self._assembler
         if isinstance(rec, TraceStep):
             time = now if rec.time is None else rec.time
@@ -269,8 +339,7 @@ class Replay:
         elif isinstance(rec, TraceEvent) and rec.kind == DATA_CHANGE:
             engine.data_changed(header.job, rec.step)
         elif isinstance(rec, TraceEvent) and rec.kind == DEGRADED:  # as the collector does
-            notice = AgentNotice.of_fields(header.job, rec.rank, max(rec.step, 0),
-                                           dict(rec.fields))
+            notice = AgentNotice.of_fields(header.job, rec.rank, max(rec.step, 0), dict(rec.fields))
             if notice is not None:
                 return engine.observe_notice(notice)
         return []
@@ -288,8 +357,11 @@ def _declared(record: Step | Stats, header: TraceHeader) -> Step | Stats:
     return replace(record, world=header.world or 1, shards=header.shards or 0)
 
 
-def replay_records(records: Iterable[Step | Stats | Eval], rules: Sequence[RuleSpec] | None = None,
-                   job: str | None = None) -> list[Transition]:
+def replay_records(
+    records: Iterable[Step | Stats | Eval],
+    rules: Sequence[RuleSpec] | None = None,
+    job: str | None = None,
+) -> list[Transition]:
     """Every transition the rules would have produced over ``records``, fed in order.
 
     The engine's clock is the records' ``time`` (never moving backwards), as in
@@ -304,9 +376,10 @@ def replay_records(records: Iterable[Step | Stats | Eval], rules: Sequence[RuleS
     return out
 
 
-def backtest(path: str | PathLike[str], rules: Sequence[RuleSpec] | None = None, *,
-             gaps: bool = False) -> tuple[ImportedRun, list[Transition]]:
-    """Import the training log at ``path`` (:func:`gradwatch.rules.imports.read_history`) and replay it.
+def backtest(
+    path: str | PathLike[str], rules: Sequence[RuleSpec] | None = None, *, gaps: bool = False
+) -> tuple[ImportedRun, list[Transition]]:
+    """Import the training log at ``path`` (:func:`~gradwatch.rules.imports.read_history`); replay.
 
     ``gaps``: also feed the unlogged steps between logged ones, as the live
     callback sends them (:func:`gradwatch.rules.imports.with_gaps`); the
@@ -317,7 +390,9 @@ def backtest(path: str | PathLike[str], rules: Sequence[RuleSpec] | None = None,
     return run, replay_records(with_gaps(run.records) if gaps else run.records, rules)
 
 
-def replay(source: Source, rules: Sequence[RuleSpec] | None = None, *, strict: bool = True) -> list[Transition]:
+def replay(
+    source: Source, rules: Sequence[RuleSpec] | None = None, *, strict: bool = True
+) -> list[Transition]:
     """Every transition the rules would have produced over the trace ``source``.
 
     ``rules`` defaults to the packaged rule pack. ``strict=True`` raises

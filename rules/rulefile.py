@@ -38,7 +38,15 @@ from types import MappingProxyType
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, Strict, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
 from gradwatch.rules import registry
 from gradwatch.rules.alert import Category, Severity
@@ -50,7 +58,9 @@ from gradwatch.rules.lifecycle import parse_duration
 Action = Literal["notify", "rollback", "stop"]
 Loc = tuple[str | int, ...]
 _Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]
-_FOR_HELP = "for must be a whole number of observations (e.g. 5) or a duration such as '30s', '5m', '1h30m'"
+_FOR_HELP = (
+    "for must be a whole number of observations (e.g. 5) or a duration such as '30s', '5m', '1h30m'"
+)
 
 
 class RuleFileError(ValueError):
@@ -61,7 +71,9 @@ class RuleFileError(ValueError):
         self.problems = tuple(sorted(problems))
         lines = [f"{source}:{line}: {message}" for line, message in self.problems]
         count = len(lines)
-        super().__init__(f"{count} problem{'s' * (count != 1)} in rule file {source}:\n" + "\n".join(lines))
+        super().__init__(
+            f"{count} problem{'s' * (count != 1)} in rule file {source}:\n" + "\n".join(lines)
+        )
 
 
 class _Model(BaseModel):
@@ -85,7 +97,12 @@ class RuleModel(_Model):
     @field_validator("for_", mode="before")
     @classmethod
     def _check_for(cls, value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, str)) or isinstance(value, int) and value < 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, str))
+            or isinstance(value, int)
+            and value < 0
+        ):
             raise ValueError(f"{_FOR_HELP}; got {reprlib.repr(value)}")
         if isinstance(value, str):
             try:
@@ -165,7 +182,11 @@ def load_rules_text(text: str, source: str = "<string>") -> list[RuleSpec]:
     problems += _check_rules(data, lines)
     if problems or model is None:
         raise RuleFileError(source, sorted(set(problems)))
-    return [_spec(g, r, source, lines, (gi, ri)) for gi, g in enumerate(model.groups) for ri, r in enumerate(g.rules)]
+    return [
+        _spec(g, r, source, lines, (gi, ri))
+        for gi, g in enumerate(model.groups)
+        for ri, r in enumerate(g.rules)
+    ]
 
 
 def default_rules_path() -> Path:
@@ -208,7 +229,12 @@ def _line_map(root: yaml.Node) -> tuple[dict[Loc, int], list[tuple[int, str]]]:
                 key = str(key_node.value)
                 line = key_node.start_mark.line + 1
                 if key in seen:
-                    problems.append((line, f"{_path(loc + (key,))}: duplicate key (YAML keeps only the last one)"))
+                    problems.append(
+                        (
+                            line,
+                            f"{_path(loc + (key,))}: duplicate key (YAML keeps only the last one)",
+                        )
+                    )
                 seen.add(key)
                 lines[loc + (key,)] = line
                 stack.append((value_node, loc + (key,)))
@@ -234,7 +260,13 @@ def _check_rules(data: Any, lines: dict[Loc, int]) -> list[tuple[int, str]]:
             if isinstance(name, str):
                 if name in first_seen:
                     where = lines.get(first_seen[name] + ("alert",), 0)
-                    problems.append(_problem(lines, loc + ("alert",), f"duplicate rule name {name!r} (first at line {where})"))
+                    problems.append(
+                        _problem(
+                            lines,
+                            loc + ("alert",),
+                            f"duplicate rule name {name!r} (first at line {where})",
+                        )
+                    )
                 else:
                     first_seen[name] = loc
             problems += _check_detector(rule, loc, lines)
@@ -247,19 +279,27 @@ def _check_detector(rule: Any, loc: Loc, lines: dict[Loc, int]) -> list[tuple[in
         return []  # pydantic reports a missing or mistyped detector
     if name not in registry.detector_names():
         known = ", ".join(registry.detector_names())
-        return [_problem(lines, loc + ("detector",), f"unknown detector {name!r}; known detectors: {known}")]
+        return [
+            _problem(
+                lines, loc + ("detector",), f"unknown detector {name!r}; known detectors: {known}"
+            )
+        ]
     if params is not None and not isinstance(params, dict):
         return []  # pydantic reports params that are not a mapping
     try:
         registry.make_detector(name, params)
     except ValidationError as exc:
-        return [_problem(lines, loc + ("params",) + tuple(e["loc"]), _message(e)) for e in exc.errors()]
+        return [
+            _problem(lines, loc + ("params",) + tuple(e["loc"]), _message(e)) for e in exc.errors()
+        ]
     except ValueError as exc:
         return [_problem(lines, loc + ("params",), str(exc))]
     return []
 
 
-def _spec(group: GroupModel, rule: RuleModel, source: str, lines: dict[Loc, int], at: tuple[int, int]) -> RuleSpec:
+def _spec(
+    group: GroupModel, rule: RuleModel, source: str, lines: dict[Loc, int], at: tuple[int, int]
+) -> RuleSpec:
     duration = rule.for_ if isinstance(rule.for_, str) else None
     return RuleSpec(
         name=rule.alert,

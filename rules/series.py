@@ -48,8 +48,9 @@ class Flatness:
     bound: float  # largest relative change the noise cannot rule out
 
 
-def flat_since_start(first: Sequence[float], head: Sequence[float], tail: Sequence[float],
-                     tolerance: float, z: float) -> Flatness:
+def flat_since_start(
+    first: Sequence[float], head: Sequence[float], tail: Sequence[float], tolerance: float, z: float
+) -> Flatness:
     """Has the loss stayed within ``tolerance`` (relative) of where it started?
 
     Flat only when the evidence *resolves* it: the change between the first
@@ -66,9 +67,13 @@ def flat_since_start(first: Sequence[float], head: Sequence[float], tail: Sequen
     se = MEDIAN_SE * sigma * math.sqrt(1.0 / h.size + 1.0 / t.size)
     bound = (abs(level_head - level_tail) + z * se) / scale
     se_first = MEDIAN_SE * sigma * math.sqrt(1.0 / f.size + 1.0 / t.size)
-    dropped_early = (level_first - level_tail) > tolerance * max(abs(level_first), 1e-12) + z * se_first
+    dropped_early = (level_first - level_tail) > tolerance * max(
+        abs(level_first), 1e-12
+    ) + z * se_first
     flat = bound <= tolerance and not dropped_early
-    return Flatness(flat, level_first, level_head, level_tail, (level_head - level_tail) / scale, bound)
+    return Flatness(
+        flat, level_first, level_head, level_tail, (level_head - level_tail) / scale, bound
+    )
 
 
 def slope_t(values: Sequence[float]) -> float:

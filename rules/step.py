@@ -13,7 +13,17 @@ import numpy as np
 
 from gradwatch.wire.census import ROLES, Census
 
-__all__ = ["FLOAT32_MAX", "ROLES", "ActStats", "Census", "Eval", "Liveness", "Stats", "Step", "nonfinite_layers"]
+__all__ = [
+    "FLOAT32_MAX",
+    "ROLES",
+    "ActStats",
+    "Census",
+    "Eval",
+    "Liveness",
+    "Stats",
+    "Step",
+    "nonfinite_layers",
+]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 

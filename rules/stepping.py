@@ -48,8 +48,11 @@ class OptimizerIdleDetector:
         self._why = why
         if self._run < self.steps:
             return INACTIVE
-        return Finding(True, f"{self._why} on {self._run} consecutive steps since step {self._since}",
-                       {"idle_steps": self._run, "since_step": self._since})
+        return Finding(
+            True,
+            f"{self._why} on {self._run} consecutive steps since step {self._since}",
+            {"idle_steps": self._run, "since_step": self._since},
+        )
 
     @staticmethod
     def _idle(step: Step) -> str | None:

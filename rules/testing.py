@@ -31,9 +31,24 @@ from gradwatch.rules.step import ActStats, Eval, Stats, Step
 DEPTH = 6
 LAYERS = tuple(f"layers.{i}.{kind}" for i in range(DEPTH) for kind in ("weight", "bias"))
 ACT_MODULES = tuple(f"act.{i}" for i in range(DEPTH - 1))
-FAULTS = ("nan", "spike", "divergence", "rising", "flat", "vanishing", "overfit", "saturation",
-          "dead_relu", "weight_runaway", "update_high", "frozen", "loss_scale", "eval_mode",
-          "idle", "partial_frozen")
+FAULTS = (
+    "nan",
+    "spike",
+    "divergence",
+    "rising",
+    "flat",
+    "vanishing",
+    "overfit",
+    "saturation",
+    "dead_relu",
+    "weight_runaway",
+    "update_high",
+    "frozen",
+    "loss_scale",
+    "eval_mode",
+    "idle",
+    "partial_frozen",
+)
 
 Record = Step | Stats | Eval
 
@@ -134,8 +149,12 @@ class _Run:
     def norms(self, i: int, t: int) -> np.ndarray:
         s, rng = self.s, self.rng
         ramp = 0.2 + 0.8 * min(1.0, (i + 1) / max(1, s.warmup))
-        norms: np.ndarray = self.scale * ramp * float(rng.lognormal(0.0, s.norm_noise)) * rng.lognormal(
-            0.0, s.norm_noise / 2, self.scale.size)
+        norms: np.ndarray = (
+            self.scale
+            * ramp
+            * float(rng.lognormal(0.0, s.norm_noise))
+            * rng.lognormal(0.0, s.norm_noise / 2, self.scale.size)
+        )
         if self.faulty(t):
             k = t - s.fault_at
             if s.fault == "spike" and k < 40:
@@ -155,7 +174,9 @@ class _Run:
         skipped = False
         scale: float | None = None
         if s.amp:
-            skipped = i < 3 or (i > 0 and i % 1499 == 0) or (s.fault == "loss_scale" and self.faulty(t))
+            skipped = (
+                i < 3 or (i > 0 and i % 1499 == 0) or (s.fault == "loss_scale" and self.faulty(t))
+            )
             if skipped:
                 self.loss_scale /= 2.0
                 self.clean = 0
@@ -168,12 +189,27 @@ class _Run:
         if s.fault == "idle" and self.faulty(t):
             skipped = True  # the loop stopped calling optimizer.step()
         grad_norm = float(np.sqrt(np.sum(norms**2)))
-        return Step(job=s.job, step=t, time=t * s.step_seconds, rank=s.rank, loss=loss, grad_norm=grad_norm,
-                    layers=LAYERS, layer_norms=norms, lr=(self.lr(i),), loss_scale=scale, skipped=skipped)
+        return Step(
+            job=s.job,
+            step=t,
+            time=t * s.step_seconds,
+            rank=s.rank,
+            loss=loss,
+            grad_norm=grad_norm,
+            layers=LAYERS,
+            layer_norms=norms,
+            lr=(self.lr(i),),
+            loss_scale=scale,
+            skipped=skipped,
+        )
 
     def stats(self, i: int, t: int) -> Stats:
         s, rng = self.s, self.rng
-        weights = self.w0 * (1.0 + 0.3 * (1.0 - math.exp(-i / 1000.0))) * rng.lognormal(0.0, 0.01, self.w0.size)
+        weights = (
+            self.w0
+            * (1.0 + 0.3 * (1.0 - math.exp(-i / 1000.0)))
+            * rng.lognormal(0.0, 0.01, self.w0.size)
+        )
         ratios = 1e-3 * (self.lr(i) / s.lr) * rng.lognormal(0.0, 0.3, self.w0.size)
         if self.faulty(t):
             k = (t - s.fault_at) // max(1, s.stats_every)
@@ -185,8 +221,16 @@ class _Run:
                 ratios = np.zeros_like(ratios)
             elif s.fault == "partial_frozen":
                 ratios[: ratios.size // 2] = 0.0  # the first blocks never move
-        return Stats(job=s.job, step=t, time=t * s.step_seconds, rank=s.rank, layers=LAYERS,
-                     weight_norms=weights, update_ratios=ratios, act=self.acts(t))
+        return Stats(
+            job=s.job,
+            step=t,
+            time=t * s.step_seconds,
+            rank=s.rank,
+            layers=LAYERS,
+            weight_norms=weights,
+            update_ratios=ratios,
+            act=self.acts(t),
+        )
 
     def acts(self, t: int) -> tuple[ActStats, ...]:
         s, rng = self.s, self.rng
@@ -210,10 +254,20 @@ class _Run:
         val = self.level * 1.08 * float(rng.lognormal(0.0, 0.01))
         if s.fault == "overfit" and self.faulty(t):
             self.eval_at_fault = self.eval_at_fault or val
-            val = self.eval_at_fault * (1.0 + (t - s.fault_at) / 1500.0) * float(rng.lognormal(0.0, 0.01))
+            val = (
+                self.eval_at_fault
+                * (1.0 + (t - s.fault_at) / 1500.0)
+                * float(rng.lognormal(0.0, 0.01))
+            )
         modules = ("bn1", "dropout") if s.fault == "eval_mode" and self.faulty(t) else ()
-        return Eval(job=s.job, step=t, time=t * s.step_seconds, rank=s.rank, loss=val,
-                    train_mode_modules=modules)
+        return Eval(
+            job=s.job,
+            step=t,
+            time=t * s.step_seconds,
+            rank=s.rank,
+            loss=val,
+            train_mode_modules=modules,
+        )
 
 
 # ---------------------------------------------------------------- catalogues
@@ -257,16 +311,33 @@ def worked_example(seed: int = 0, job: str = "seed-example") -> Iterator[Record]
     for t in range(1, 41):
         log_ratio = -(1.0 + 1.9 * min(t, 20) / 20.0)  # 1:10 at the start, ~1:800 by step 20
         module = 10.0 ** (log_ratio * (1.0 - np.arange(DEPTH) / (DEPTH - 1)))
-        norms = np.repeat(module, 2) * np.tile([1.0, 0.1], DEPTH) * rng.lognormal(0.0, 0.05, 2 * DEPTH)
+        norms = (
+            np.repeat(module, 2) * np.tile([1.0, 0.1], DEPTH) * rng.lognormal(0.0, 0.05, 2 * DEPTH)
+        )
         loss = 2.3 * (1.0 - 0.002 * t) * float(rng.lognormal(0.0, 0.02))
         if t == 40:
             loss, norms = math.nan, np.full(2 * DEPTH, math.nan)
-        yield Step(job=job, step=t, time=float(t), loss=loss, layers=LAYERS, layer_norms=norms,
-                   lr=(0.1,), grad_norm=float(np.sqrt(np.sum(norms**2))))
+        yield Step(
+            job=job,
+            step=t,
+            time=float(t),
+            loss=loss,
+            layers=LAYERS,
+            layer_norms=norms,
+            lr=(0.1,),
+            grad_norm=float(np.sqrt(np.sum(norms**2))),
+        )
         if t % 5 == 0 and t < 40:
-            acts = tuple(ActStats(f"layers.{j}", "tanh", mean=0.0, std=0.97,
-                                  sat_frac=float(min(1.0, 0.9 + rng.normal(0.0, 0.02))))
-                         for j in range(DEPTH - 1))
+            acts = tuple(
+                ActStats(
+                    f"layers.{j}",
+                    "tanh",
+                    mean=0.0,
+                    std=0.97,
+                    sat_frac=float(min(1.0, 0.9 + rng.normal(0.0, 0.02))),
+                )
+                for j in range(DEPTH - 1)
+            )
             yield Stats(job=job, step=t, time=float(t), layers=LAYERS, act=acts)
 
 

@@ -36,7 +36,8 @@ from gradwatch.rules.step import Step
 
 
 class VanishingGradientDetector:
-    """Active while the total grad norm stayed below ``threshold`` for ``window`` steps, loss unconverged.
+    """Active while the total grad norm stayed below ``threshold`` for ``window`` steps, the loss
+    not converged.
 
     Example::
 
@@ -55,7 +56,11 @@ class VanishingGradientDetector:
         head: Annotated[int, Field(ge=1)] = 10,
     ) -> None:
         self.window, self.threshold = window, threshold
-        self.converged_fraction, self.converged_loss, self.head = converged_fraction, converged_loss, head
+        self.converged_fraction, self.converged_loss, self.head = (
+            converged_fraction,
+            converged_loss,
+            head,
+        )
         self._norms: deque[float] = deque(maxlen=window)
         self._losses: deque[float] = deque(maxlen=window)
         self._head: list[float] = []
@@ -74,7 +79,11 @@ class VanishingGradientDetector:
         return self._judge(step)
 
     def _judge(self, step: Step) -> Finding:
-        if len(self._norms) < self.window or not self._head or len(self._losses) < min(self.window, 5):
+        if (
+            len(self._norms) < self.window
+            or not self._head
+            or len(self._losses) < min(self.window, 5)
+        ):
             return INACTIVE
         largest = max(self._norms)
         if largest >= self.threshold:
@@ -120,7 +129,7 @@ class ZeroGradientsDetector:
         self._since: int | None = None
 
     def observe(self, step: Step) -> Finding | None:
-        """Judge one step; None without per-layer gradient norms or when the optimizer skipped it."""
+        """Judge one step; None without per-layer gradient norms or on an optimizer skip."""
         norms = step.layer_norms
         if step.skipped or norms.size == 0 or not np.isfinite(norms).all():
             return None
@@ -129,7 +138,11 @@ class ZeroGradientsDetector:
             return INACTIVE
         if self._since is None:
             self._since = step.step
-        summary = (f"every gradient is exactly zero since step {self._since}: nothing reaches the "
-                   "parameters (a detached graph, zero_grad() between backward() and step(), or a "
-                   "loss built from constants?)")
-        return Finding(True, summary, {"since_step": self._since, "layers": int(step.layer_norms.size)})
+        summary = (
+            f"every gradient is exactly zero since step {self._since}: nothing reaches the "
+            "parameters (a detached graph, zero_grad() between backward() and step(), or a "
+            "loss built from constants?)"
+        )
+        return Finding(
+            True, summary, {"since_step": self._since, "layers": int(step.layer_norms.size)}
+        )

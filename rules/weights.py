@@ -35,7 +35,6 @@ from gradwatch.rules.growth import fit_line, total_grad_norm
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
 
-
 # The most cadence samples a weight-runaway window may hold: min_span steps at the
 # agent's densest steady cadence (every step) would need more, but the early dense
 # phase lasts ~20 samples (agent/cadence.py) and later ones are stats_every apart.
@@ -72,7 +71,12 @@ class WeightRunawayDetector:
         min_recent: Annotated[float, Field(ge=0.0)] = 0.8,
         min_span: Annotated[int, Field(ge=0)] = 0,
     ) -> None:
-        self.window, self.min_growth, self.min_r2, self.min_recent = window, min_growth, min_r2, min_recent
+        self.window, self.min_growth, self.min_r2, self.min_recent = (
+            window,
+            min_growth,
+            min_r2,
+            min_recent,
+        )
         self.min_span = min_span
         # Enough samples to span min_span steps at a dense cadence, still bounded.
         keep = max(window, _MAX_SPAN_SAMPLES)
@@ -124,11 +128,17 @@ class WeightRunawayDetector:
         half = n // 2
         recent, _ = fit_line(x[-half:], y[-half:])
         growth = math.exp(min(y[-1] - y[0], 700.0))
-        if growth < self.min_growth or r2 < self.min_r2 or slope <= 0 or recent < self.min_recent * slope:
+        if (
+            growth < self.min_growth
+            or r2 < self.min_r2
+            or slope <= 0
+            or recent < self.min_recent * slope
+        ):
             return INACTIVE
         per_sample = math.exp(min(slope * (steps[-1] - steps[0]) / (n - 1), 700.0))
         first, last = self._layers[-n], self._layers[-1]
-        # Layers with a non-trivial share of the weights: a zero-initialised bias "grows" infinitely.
+        # Layers with a non-trivial share of the weights: a zero-initialised bias "grows"
+        # infinitely.
         big = first >= 0.01 * float(first.max())
         ratios = np.where(big, last / np.where(first > 0, first, 1.0), 0.0)
         top = int(np.argmax(ratios))
@@ -187,11 +197,12 @@ class UpdateRatioDetector:
         self._lr_peak = 0.0
         self._held = 0
         self._since: int | None = None
-        self._start: list[float] = []  # the run's first 10 losses: "small" judges progress from them
+        # The run's first 10 losses: "small" judges progress from them.
+        self._start: list[float] = []
         self._start_step: int | None = None
 
     def observe(self, step: Step) -> None:
-        """Track the learning rate (and the loss, for ``min_progress``); judged on cadence samples."""
+        """Track the lr (and the loss, for ``min_progress``); judged on cadence samples."""
         if self.min_progress and step.loss is not None and math.isfinite(step.loss):
             self._losses.append((step.step, step.loss))
             if len(self._start) < 10:
@@ -241,7 +252,9 @@ class UpdateRatioDetector:
         if self._since is None:
             self._since = stats.step
         if self._held < self.samples or stats.step - self._since < self.span:
-            return INACTIVE  # a span: Adam's first steps and a waking init move weights fast, briefly
+            return (
+                INACTIVE  # a span: Adam's first steps and a waking init move weights fast, briefly
+            )
         if self.direction == "high" and self._progressing(self._since, stats.step):
             return INACTIVE  # large updates that keep lowering the loss: a fast, healthy run
         if self.direction == "small" and self._learned():
@@ -249,7 +262,7 @@ class UpdateRatioDetector:
         return self._finding(value, stats, frozen)
 
     def _progressing(self, start: int, end: int) -> bool:
-        """True when the loss fell ``min_progress`` from the start to the end of ``[start, end]``."""
+        """True when the loss fell ``min_progress`` from the start to the end of [start, end]."""
         if not self.min_progress:
             return False
         inside = [(s, v) for s, v in self._losses if start <= s <= end]
@@ -266,7 +279,7 @@ class UpdateRatioDetector:
             return True  # too few losses to say it did not learn
         if self._start_step is None or self._start_step > _FIRST_STEP_MAX:
             return True  # first seen mid-way (a resume, a restarted collector): not its start
-        recent = [v for _, v in list(self._losses)[-max(3, len(self._losses) // 5):]]
+        recent = [v for _, v in list(self._losses)[-max(3, len(self._losses) // 5) :]]
         return float(np.median(recent)) <= (1.0 - self.min_progress) * float(np.median(self._start))
 
     def _judged(self) -> bool:
@@ -276,13 +289,15 @@ class UpdateRatioDetector:
 
     @staticmethod
     def global_ratio(ratios: np.ndarray, finite: np.ndarray, weights: np.ndarray | None) -> float:
-        """‖Δw‖/‖w‖ over the whole model (the layers ``finite`` selects) weighted by their weight norm."""
+        """‖Δw‖/‖w‖ over the model (the layers ``finite`` selects) weighted by their weight norm."""
         if weights is not None and np.asarray(weights).shape == ratios.shape:
             w = np.asarray(weights, dtype=np.float64)
             ok = finite & np.isfinite(w)
             denominator = float(np.dot(w[ok], w[ok]))
             if denominator > 0.0:
-                return math.sqrt(float(np.dot(ratios[ok] * w[ok], ratios[ok] * w[ok])) / denominator)
+                return math.sqrt(
+                    float(np.dot(ratios[ok] * w[ok], ratios[ok] * w[ok])) / denominator
+                )
         return float(np.median(ratios[finite]))
 
     def _finding(self, value: float, stats: Stats, frozen: list[str]) -> Finding:
@@ -295,13 +310,16 @@ class UpdateRatioDetector:
             )
         elif self.direction == "high":
             summary = (
-                f"updates too large: ‖Δw‖/‖w‖ = {value:.3g} > {self.high:g} for {self._held} samples "
+                f"updates too large: ‖Δw‖/‖w‖ = {value:.3g} > {self.high:g} for {self._held} "
+                "samples "
                 f"since step {self._since} (healthy is ~1e-3); learning rate too high?"
             )
         elif self.direction == "small":
             summary = (
-                f"updates too small: ‖Δw‖/‖w‖ = {value:.3g} < {self.low:g} for {self._held} samples "
-                f"since step {self._since} (healthy is ~1e-3) with lr {self._lr:.3g}, and the loss has "
+                f"updates too small: ‖Δw‖/‖w‖ = {value:.3g} < {self.low:g} for {self._held} "
+                "samples "
+                f"since step {self._since} (healthy is ~1e-3) with lr {self._lr:.3g}, and the loss "
+                "has "
                 "not fallen since the start; learning rate too low, or an optimizer setting that "
                 "shrinks every step (Adam's eps, a tiny lr multiplier)?"
             )
@@ -371,7 +389,9 @@ class LaggingLayersDetector:
             return None
         ratios = np.asarray(stats.update_ratios, dtype=np.float64)
         roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
-        weight = np.array([r == "weight" for r in roles]) & np.isfinite(ratios) & (ratios >= self.low)
+        weight = (
+            np.array([r == "weight" for r in roles]) & np.isfinite(ratios) & (ratios >= self.low)
+        )
         if int(weight.sum()) < self.min_layers:
             return None
         logs = np.log10(ratios[weight])
@@ -388,11 +408,15 @@ class LaggingLayersDetector:
             return INACTIVE
         names = [stats.layers[i] for i in lagging]
         slowest = float(ratios[lagging].min())
-        shown = ", ".join(repr(n) for n in names[: self.max_named]) + (" …" if len(names) > self.max_named else "")
+        shown = ", ".join(repr(n) for n in names[: self.max_named]) + (
+            " …" if len(names) > self.max_named else ""
+        )
         summary = (
-            f"{len(names)} weight layer(s) update over {self.factor:g}× slower than the model's fastest "
-            f"(‖Δw‖/‖w‖ down to {slowest:.3g} against {10.0 ** upper:.3g} in the upper decile, median "
-            f"{10.0 ** median:.3g}) for {self._held} samples since step {self._since}: {shown}"
+            f"{len(names)} weight layer(s) update over {self.factor:g}× slower than the model's "
+            "fastest "
+            f"(‖Δw‖/‖w‖ down to {slowest:.3g} against {10.0**upper:.3g} in the upper decile, "
+            "median "
+            f"{10.0**median:.3g}) for {self._held} samples since step {self._since}: {shown}"
         )
         evidence = {
             "lagging_layers": names[: self.max_named],
@@ -407,7 +431,7 @@ class LaggingLayersDetector:
 
 
 class SmallInitDetector:
-    """Active once the weight matrices' total norm has grown ``growth`` times over the run's first sample.
+    """Active once the weight matrices' total norm grew ``growth`` times over the first sample.
 
     Weights initialised far too small (nanoGPT with its init scaled by 0.01)
     "wake up": their norm, and the gradients' with it, grows by orders of
@@ -494,19 +518,28 @@ class SmallInitDetector:
         judged = layer_growth[weight & (norms0 > 0)]
         # The whole model, not one fresh layer: a new classifier head trained alone (or a
         # zero-initialised one) can grow 10x from a small default init on its own.
-        if grown < self.growth or judged.size < self.min_layers or float(np.median(judged)) < self.growth:
+        if (
+            grown < self.growth
+            or judged.size < self.min_layers
+            or float(np.median(judged)) < self.growth
+        ):
             return INACTIVE
         if not self._latched and not (self._settling(step0, stats.step, total) and self._woke()):
-            return INACTIVE  # still growing fast: exploding weights (lr too high) look the same so far
+            return (
+                INACTIVE  # still growing fast: exploding weights (lr too high) look the same so far
+            )
         self._latched = True  # once seen settling, a later growth spurt does not end the incident
         top = np.argsort(-layer_growth)[: self.max_named]
         names = [stats.layers[i] for i in top if layer_growth[i] >= self.growth]
         summary = (
-            f"weights started far too small: the weight matrices' total norm grew ×{grown:.3g} from "
-            f"{total0:.3g} at step {step0} to {total:.3g} at step {stats.step} (a standard init changes "
+            f"weights started far too small: the weight matrices' total norm grew ×{grown:.3g} "
+            "from "
+            f"{total0:.3g} at step {step0} to {total:.3g} at step {stats.step} (a standard init "
+            "changes "
             f"it by ~2×); initialisation scale too small"
             + (f" (fastest: {', '.join(repr(n) for n in names)})" if names else "")
-            + "? Growth of the gradient norm from tiny values here is the weights waking up, not an explosion."
+            + "? Growth of the gradient norm from tiny values here is the weights waking up, not "
+            "an explosion."
         )
         evidence = {
             "growth": grown,

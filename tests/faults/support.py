@@ -9,7 +9,7 @@ Example::
 
     port = free_port()
     with CollectorProcess(tmp_path, "a", port, ["--data-dir", str(tmp_path / "d")]) as c:
-        value(scrape(c.metrics_url), "gradwatch_job_step", job="run")
+        value(scrape(c.metrics_url), "gradwatch_job_step", training_job="run")
 """
 
 from __future__ import annotations
@@ -46,22 +46,37 @@ def free_port() -> int:
 class CollectorProcess:
     """``gradwatch collector`` as a child process; a context manager that always kills it."""
 
-    def __init__(self, tmp_path: Path, name: str, port: int, args: list[str],
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        tmp_path: Path,
+        name: str,
+        port: int,
+        args: list[str],
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.ready_file = tmp_path / f"{name}.ready.json"
         self.ready_file.unlink(missing_ok=True)
         self.endpoint = f"tcp://127.0.0.1:{port}"
-        self._argv = [sys.executable, "-m", "gradwatch", "collector", "--listen", self.endpoint,
-                      "--metrics-addr", "127.0.0.1:0", "--ready-file", str(self.ready_file),
-                      *args]
+        self._argv = [
+            sys.executable,
+            "-m",
+            "gradwatch",
+            "collector",
+            "--listen",
+            self.endpoint,
+            "--metrics-addr",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(self.ready_file),
+            *args,
+        ]
         self._env = {**os.environ, "GRADWATCH_WEBHOOK_SECRET": SECRET, **(env or {})}
         self.proc: subprocess.Popen[str] | None = None
         self.stderr = ""
         self.ready: dict[str, Any] = {}
 
     def __enter__(self) -> Self:
-        self.proc = subprocess.Popen(self._argv, stderr=subprocess.PIPE, text=True,
-                                     env=self._env)
+        self.proc = subprocess.Popen(self._argv, stderr=subprocess.PIPE, text=True, env=self._env)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not self.ready_file.exists():
             if self.proc.poll() is not None:
@@ -71,8 +86,12 @@ class CollectorProcess:
         self.ready = json.loads(self.ready_file.read_text())
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.finish()
 
     @property
@@ -109,8 +128,11 @@ def scrape(url: str) -> Samples:
     """Every sample on ``url`` (a ``/metrics`` page) keyed by name and labels."""
     with urllib.request.urlopen(url, timeout=10) as resp:
         text = resp.read().decode("utf-8")
-    return {(s.name, frozenset(s.labels.items())): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def value(samples: Samples, name: str, **labels: str) -> float | None:

@@ -28,8 +28,8 @@ from tests.faults.support import (
 )
 
 JOB = "restart"
-FLUSH = 2          # steps per batch: small, so a few seconds of training make many batches
-SEND_HWM = 16      # the agent's default: batches ZeroMQ may hold for a peer
+FLUSH = 2  # steps per batch: small, so a few seconds of training make many batches
+SEND_HWM = 16  # the agent's default: batches ZeroMQ may hold for a peer
 
 
 def recorded_steps(trace_dir: Path) -> list[int]:
@@ -43,24 +43,32 @@ def recorded_steps(trace_dir: Path) -> list[int]:
 
 
 def job_step(url: str) -> float:
-    return value(scrape(url), "gradwatch_job_step", job=JOB) or 0.0
+    return value(scrape(url), "gradwatch_job_step", training_job=JOB) or 0.0
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL is POSIX")
 def test_collector_killed_mid_run_then_restarted_loses_only_what_it_could_not_hold(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     port = free_port()
     data_dir = tmp_path / "state"
     trace_a, trace_b = tmp_path / "trace-a", tmp_path / "trace-b"
     with WebhookReceiver() as receiver:
         receiver.fail_with(503)
-        first = CollectorProcess(tmp_path, "first", port, [
-            "--webhook", receiver.url, "--data-dir", str(data_dir), "--record", str(trace_a)])
-        second = CollectorProcess(tmp_path, "second", port, [
-            "--webhook", receiver.url, "--data-dir", str(data_dir), "--record", str(trace_b)])
+        first = CollectorProcess(
+            tmp_path,
+            "first",
+            port,
+            ["--webhook", receiver.url, "--data-dir", str(data_dir), "--record", str(trace_a)],
+        )
+        second = CollectorProcess(
+            tmp_path,
+            "second",
+            port,
+            ["--webhook", receiver.url, "--data-dir", str(data_dir), "--record", str(trace_b)],
+        )
         with first:
-            loop = Loop(JOB, first.endpoint, flush_every=FLUSH, heartbeat_every=0.2,
-                        stats_every=0)
+            loop = Loop(JOB, first.endpoint, flush_every=FLUSH, heartbeat_every=0.2, stats_every=0)
             try:
                 loop.run_until(lambda: job_step(first.metrics_url) >= 10)
                 loop.step(nan_loss=True)
@@ -82,13 +90,20 @@ def test_collector_killed_mid_run_then_restarted_loses_only_what_it_could_not_ho
                     pending = receiver.wait_for(lambda got: len(got) >= 1, timeout=30)[0]
                     loop.step(nan_loss=True)
                     nan_after = loop.mon.step
-                    loop.run_until(lambda: any(
-                        b["step"] == nan_after and b["state"] == "firing"
-                        for b in receiver.bodies))
+                    loop.run_until(
+                        lambda: any(
+                            b["step"] == nan_after and b["state"] == "firing"
+                            for b in receiver.bodies
+                        )
+                    )
                     loop.mon.close()
                     stats = loop.mon.stats
-                    wait_metric(second.metrics_url, "gradwatch_job_step",
-                                lambda v: v == loop.mon.step, job=JOB)
+                    wait_metric(
+                        second.metrics_url,
+                        "gradwatch_job_step",
+                        lambda v: v == loop.mon.step,
+                        training_job=JOB,
+                    )
                     samples = scrape(second.metrics_url)
                     assert second.terminate() == 0, second.stderr
             finally:
@@ -118,8 +133,11 @@ def test_collector_killed_mid_run_then_restarted_loses_only_what_it_could_not_ho
     lost_in_flight = stats.steps_sent - len(got_a) - len(got_b)
     assert 0 <= lost_in_flight <= SEND_HWM * FLUSH
     # The restarted collector knows what the agent could not ship, and lost no batch.
-    assert value(samples, "gradwatch_agent_dropped_steps_total", job=JOB) == stats.steps_dropped
-    assert value(samples, "gradwatch_ingest_lost_batches_total", job=JOB) in (None, 0.0)
+    assert (
+        value(samples, "gradwatch_agent_dropped_steps_total", training_job=JOB)
+        == stats.steps_dropped
+    )
+    assert value(samples, "gradwatch_ingest_lost_batches_total", training_job=JOB) in (None, 0.0)
     # The schema was resent: the restarted collector decoded steps (got_b) from the start.
     # At most one batch may race ahead of the handshake event the agent watches (a
     # microseconds-wide window in agent/shipper.py, reported separately).

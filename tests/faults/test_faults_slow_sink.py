@@ -29,9 +29,9 @@ from gradwatch.wire import Batch, Schema, encode
 
 INCIDENTS = 10
 MAX_PENDING = 3
-HEALTHY = 300          # ordinary step messages sent while the sink hangs
+HEALTHY = 300  # ordinary step messages sent while the sink hangs
 SINK_TIMEOUT_S = 30.0  # the collector waits this long for the hanging receiver
-HANG_LIMIT_S = 30.0    # the receiver never holds a request longer (bounded teardown)
+HANG_LIMIT_S = 30.0  # the receiver never holds a request longer (bounded teardown)
 
 
 class HangingReceiver:
@@ -63,15 +63,17 @@ class HangingReceiver:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self._thread.start()
         self.url = f"http://127.0.0.1:{self._server.server_port}/hook"
 
     def wait_arrived(self, count: int, timeout: float) -> None:
         with self._cond:
-            assert self._cond.wait_for(lambda: self.arrived >= count, timeout), \
+            assert self._cond.wait_for(lambda: self.arrived >= count, timeout), (
                 f"{self.arrived} of {count} requests arrived"
+            )
 
     def release(self) -> None:
         self._released.set()
@@ -87,15 +89,33 @@ def batch(job: str, nan: bool, first_step: int = 1) -> list[bytes]:
     loss = 10.0 / first_step  # a loss that keeps falling: a healthy run, no rule fires
     last = float("nan") if nan else 1.0
     rows = np.array([[loss, 0.1, 1.0], [loss, 0.1, last]], "<f4").tobytes()
-    return encode(Batch(job, 0, 1, 1, first_step, "inc-a", 0, (first_step, first_step + 1),
-                        (1.0, 2.0), rows, Schema(1, ("loss", "lr/0"), ("fc.weight",))))
+    return encode(
+        Batch(
+            job,
+            0,
+            1,
+            1,
+            first_step,
+            "inc-a",
+            0,
+            (first_step, first_step + 1),
+            (1.0, 2.0),
+            rows,
+            Schema(1, ("loss", "lr/0"), ("fc.weight",)),
+        )
+    )
 
 
 @contextmanager
 def collector(url: str) -> Iterator[tuple[Server, zmq.Socket[Any]]]:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0",
-                             webhooks=[url], outbox_max_pending=MAX_PENDING,
-                             webhook_timeout=SINK_TIMEOUT_S, shutdown_timeout=5.0)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*",
+        metrics_addr="127.0.0.1:0",
+        webhooks=[url],
+        outbox_max_pending=MAX_PENDING,
+        webhook_timeout=SINK_TIMEOUT_S,
+        shutdown_timeout=5.0,
+    )
     server = Server(config, registry=CollectorRegistry())
     server.start()
     ctx: zmq.Context[Any] = zmq.Context()

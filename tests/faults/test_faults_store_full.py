@@ -61,11 +61,17 @@ def full_disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FullDi
     root.mkdir()
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root; the rlimit-fsize case covers this fault")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)],
-                             capture_output=True, text=True, check=False)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(root)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"mount is not permitted here ({mounted.stderr.strip()}); "
-                    "the rlimit-fsize case covers this fault")
+        pytest.skip(
+            f"mount is not permitted here ({mounted.stderr.strip()}); "
+            "the rlimit-fsize case covers this fault"
+        )
     try:
         yield root, lambda pid: fill(root / "filler"), request.param
     finally:
@@ -83,16 +89,23 @@ def fill(path: Path) -> None:
 
 
 def step_reached(url: str, step: int) -> bool:
-    return (value(scrape(url), "gradwatch_job_step", job=JOB) or 0) >= step
+    return (value(scrape(url), "gradwatch_job_step", training_job=JOB) or 0) >= step
 
 
 def test_a_full_disk_mid_run_is_logged_once_counted_and_alerting_goes_on(
-        tmp_path: Path, full_disk: FullDisk) -> None:
+    tmp_path: Path, full_disk: FullDisk
+) -> None:
     disk, make_full, how = full_disk
     data_dir, trace_dir = disk / "state", disk / "traces"
-    with WebhookReceiver() as receiver, CollectorProcess(tmp_path, "full", free_port(), [
-            "--webhook", receiver.url, "--data-dir", str(data_dir),
-            "--record", str(trace_dir)]) as collector:
+    with (
+        WebhookReceiver() as receiver,
+        CollectorProcess(
+            tmp_path,
+            "full",
+            free_port(),
+            ["--webhook", receiver.url, "--data-dir", str(data_dir), "--record", str(trace_dir)],
+        ) as collector,
+    ):
         loop = Loop(JOB, collector.endpoint, flush_every=5, stats_every=0)
         try:
             loop.run_until(lambda: step_reached(collector.metrics_url, 3))
@@ -105,12 +118,18 @@ def test_a_full_disk_mid_run_is_logged_once_counted_and_alerting_goes_on(
             loop.step(nan_loss=True)
             nan_step = loop.mon.step
             # Alerting goes on: the alert leaves through the outbox, now in memory.
-            loop.run_until(lambda: any(b["step"] == nan_step and b["state"] == "firing"
-                                       for b in receiver.bodies))
+            loop.run_until(
+                lambda: any(
+                    b["step"] == nan_step and b["state"] == "firing" for b in receiver.bodies
+                )
+            )
             # More of the same failures are counted, not logged again.
             loop.mon.checkpoint_saved(loop.mon.step, "ckpt/full-2.pt")
-            loop.run_until(lambda: any(b["step"] == nan_step and b["state"] == "resolved"
-                                       for b in receiver.bodies))
+            loop.run_until(
+                lambda: any(
+                    b["step"] == nan_step and b["state"] == "resolved" for b in receiver.bodies
+                )
+            )
             # Ingest goes on: steps still reach /metrics.
             last = loop.mon.step
             loop.run_until(lambda: step_reached(collector.metrics_url, last))
@@ -125,7 +144,7 @@ def test_a_full_disk_mid_run_is_logged_once_counted_and_alerting_goes_on(
         return value(samples, "gradwatch_store_errors_total", store=store)
 
     assert errors("outbox") == 1  # the first failed write moved the outbox to memory
-    assert errors("trace") == 1   # recording switched itself off
+    assert errors("trace") == 1  # recording switched itself off
     assert errors("actions") == 2  # each checkpoint it could not store
     assert value(samples, "gradwatch_ingest_rejected_total", reason="internal") == 0
     # The trace keeps whole lines only: a full tmpfs still takes what fits its last page,
@@ -135,8 +154,11 @@ def test_a_full_disk_mid_run_is_logged_once_counted_and_alerting_goes_on(
     if how == "rlimit-fsize":
         assert len(trace) == recorded  # not one byte more
     log = collector.stderr
-    for line in ("cannot write the alert outbox", "trace recording switched off",
-                 "in the actions store"):
+    for line in (
+        "cannot write the alert outbox",
+        "trace recording switched off",
+        "in the actions store",
+    ):
         assert log.count(line) == 1, f"{line!r} logged {log.count(line)} times:\n{log}"
     assert "restart the collector" in log
     assert "Traceback" not in log

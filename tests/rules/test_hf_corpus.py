@@ -21,8 +21,10 @@ CORPUS = ROOT.parent / "shared" / "data" / "hf-trainer-logs"
 
 _MISSING = f"the HF log corpus is not at {CORPUS} (shared/ beside the clone)"
 # Locally a clone without shared/ beside it skips; CI always has it and must not skip.
-pytestmark = pytest.mark.skipif(not (CORPUS / "runs.csv").exists()
-                                and os.environ.get("CI", "").lower() != "true", reason=_MISSING)
+pytestmark = pytest.mark.skipif(
+    not (CORPUS / "runs.csv").exists() and os.environ.get("CI", "").lower() != "true",
+    reason=_MISSING,
+)
 
 
 def _benchmark() -> ModuleType:
@@ -50,14 +52,22 @@ def test_the_corpus_is_the_one_the_readme_describes(results: list) -> None:  # t
 
 
 def test_no_false_page_on_a_healthy_run(results: list) -> None:  # type: ignore[type-arg]
-    pages = [(r.file, a.rule, a.step, a.summary) for r in results if r.label == "healthy" for a in r.pages]
+    pages = [
+        (r.file, a.rule, a.step, a.summary)
+        for r in results
+        if r.label == "healthy"
+        for a in r.pages
+    ]
     assert pages == []
 
 
 def test_broken_runs_get_a_fitting_alert(bench: ModuleType, results: list) -> None:  # type: ignore[type-arg]
     summary = bench.summarize(results)
-    missed = [(r.file, r.why, [(a.rule, a.category) for a in r.alerts])
-              for r in results if r.label == "broken" and not r.fitting]
+    missed = [
+        (r.file, r.why, [(a.rule, a.category) for a in r.alerts])
+        for r in results
+        if r.label == "broken" and not r.fitting
+    ]
     assert summary.detected >= 5, missed
 
 

@@ -17,7 +17,10 @@ def test_each_scope_fires_once_and_names_every_part_that_is_off() -> None:
     engine = Engine(load_default_rules())
     [core] = engine.observe_notice(notice(5, "gradient norms of sparse layers"))
     assert (core.alert.rule, core.alert.severity, core.current) == (
-        "AgentDegraded", "warning", "firing")
+        "AgentDegraded",
+        "warning",
+        "firing",
+    )
     assert core.alert.category == "agent_health" and core.alert.step == 5
     [info] = engine.observe_notice(notice(6, "activation statistics", optional=True))
     assert (info.alert.rule, info.alert.severity) == ("AgentStatisticOff", "info")

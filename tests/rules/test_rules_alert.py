@@ -14,8 +14,17 @@ from gradwatch.rules.alert import alert_id
 
 
 def make(**kw: object) -> Alert:
-    fields = dict(rule="R", category="numerical", severity="critical", job="run-42", state="firing",
-                  step=41, summary="loss is nan", started_at=1.0, rank=0)
+    fields: dict[str, object] = {
+        "rule": "R",
+        "category": "numerical",
+        "severity": "critical",
+        "job": "run-42",
+        "state": "firing",
+        "step": 41,
+        "summary": "loss is nan",
+        "started_at": 1.0,
+        "rank": 0,
+    }
     fields.update(kw)
     return Alert(**fields)  # type: ignore[arg-type]
 
@@ -37,18 +46,39 @@ def test_id_is_stable_per_incident_and_differs_between_incidents() -> None:
 
 def test_to_dict_is_strict_json_with_non_finite_floats_as_strings() -> None:
     alert = make(
-        evidence={"loss": math.nan, "norm": np.float32(np.inf), "low": -math.inf,
-                  "layers": ("a", "b"), "arr": np.array([1.0, np.nan]), "n": np.int64(3)},
+        evidence={
+            "loss": math.nan,
+            "norm": np.float32(np.inf),
+            "low": -math.inf,
+            "layers": ("a", "b"),
+            "arr": np.array([1.0, np.nan]),
+            "n": np.int64(3),
+        },
         diagnosis={"verdict": "numerical", "next_checks": ("a", "b")},
     )
     out = json.loads(json.dumps(alert.to_dict(), allow_nan=False))
-    assert out["evidence"] == {"loss": "nan", "norm": "inf", "low": "-inf", "layers": ["a", "b"],
-                               "arr": [1.0, "nan"], "n": 3}
+    assert out["evidence"] == {
+        "loss": "nan",
+        "norm": "inf",
+        "low": "-inf",
+        "layers": ["a", "b"],
+        "arr": [1.0, "nan"],
+        "n": 3,
+    }
     assert out["diagnosis"] == {"verdict": "numerical", "next_checks": ["a", "b"]}
     assert out["state"] == "firing" and out["step"] == 41 and out["rank"] == 0
     assert out["id"] == alert.id and out["resolved_at"] is None
-    assert set(out) >= {"rule", "category", "severity", "job", "summary", "last_good_checkpoint",
-                        "labels", "annotations", "started_at"}
+    assert set(out) >= {
+        "rule",
+        "category",
+        "severity",
+        "job",
+        "summary",
+        "last_good_checkpoint",
+        "labels",
+        "annotations",
+        "started_at",
+    }
 
 
 def test_unknown_category_or_severity_is_refused() -> None:

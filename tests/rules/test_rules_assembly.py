@@ -23,12 +23,31 @@ class FakeClock:
         return self.now
 
 
-def report(step: int, rank: int, norms: tuple[float, ...], *, world: int, shards: int,
-           loss: float = 1.0, time: float | None = None, layers: tuple[str, ...] = LAYERS) -> Step:
+def report(
+    step: int,
+    rank: int,
+    norms: tuple[float, ...],
+    *,
+    world: int,
+    shards: int,
+    loss: float = 1.0,
+    time: float | None = None,
+    layers: tuple[str, ...] = LAYERS,
+) -> Step:
     values = np.array(norms, np.float64)
-    return Step(job="j", step=step, time=float(step) if time is None else time, rank=rank,
-                loss=loss, grad_norm=float(np.sqrt(np.square(values).sum())), layers=layers,
-                layer_norms=values, lr=(0.1,), world=world, shards=shards)
+    return Step(
+        job="j",
+        step=step,
+        time=float(step) if time is None else time,
+        rank=rank,
+        loss=loss,
+        grad_norm=float(np.sqrt(np.square(values).sum())),
+        layers=layers,
+        layer_norms=values,
+        lr=(0.1,),
+        world=world,
+        shards=shards,
+    )
 
 
 def test_only_declared_multi_rank_jobs_are_assembled() -> None:
@@ -134,8 +153,16 @@ def test_blame_names_the_rank_that_went_nonfinite_first_through_the_incident() -
     def step(n: int, per_rank: dict[int, tuple[float, ...]], times: dict[int, float]) -> Step:
         out: list[Step] = []
         for r in (0, 1, 2, 3):
-            out += asm.add(report(n, r, per_rank.get(r, (1.0, 1.0, 1.0)), world=4, shards=4,
-                                  time=times.get(r, float(n))))
+            out += asm.add(
+                report(
+                    n,
+                    r,
+                    per_rank.get(r, (1.0, 1.0, 1.0)),
+                    world=4,
+                    shards=4,
+                    time=times.get(r, float(n)),
+                )
+            )
         (whole,) = out
         return whole
 
@@ -144,7 +171,7 @@ def test_blame_names_the_rank_that_went_nonfinite_first_through_the_incident() -
     whole = step(2, {0: (1.0, nan, 1.0), 2: (1.0, nan, 1.0)}, {0: 2.5, 2: 2.1})
     assert whole.blame == {"b": 2}
     # Step 3: everything is NaN now; "b" keeps its first culprit, "a" gets its own.
-    whole = step(3, {r: (nan, nan, nan) for r in range(4)}, {1: 2.9})
+    whole = step(3, dict.fromkeys(range(4), (nan, nan, nan)), {1: 2.9})
     assert whole.blame == {"a": 1, "b": 2, "c": 1}
     assert step(4, {}, {}).blame == {}  # a clean step ends the incident
     whole = step(5, {3: (1.0, nan, 1.0)}, {})
@@ -172,8 +199,12 @@ def test_hybrid_sharding_adds_one_replica_per_shard() -> None:
     asm = Assembler(clock=FakeClock())
     out: list[Step] = []
     # world 4 = 2 replicas x 2 shards: ranks 0 and 2 hold shard 0, ranks 1 and 3 shard 1.
-    for r, norms in [(0, (3.0, 0.0, 1.0)), (1, (4.0, 2.0, 1.0)), (2, (3.0, 0.0, 1.0)),
-                     (3, (4.0, 2.0, 1.0))]:
+    for r, norms in [
+        (0, (3.0, 0.0, 1.0)),
+        (1, (4.0, 2.0, 1.0)),
+        (2, (3.0, 0.0, 1.0)),
+        (3, (4.0, 2.0, 1.0)),
+    ]:
         out += asm.add(report(1, r, norms, world=4, shards=2))
     (whole,) = out
     np.testing.assert_allclose(whole.layer_norms, [5.0, 2.0, math.sqrt(2)])
@@ -210,8 +241,19 @@ def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
     ratio = np.array([[0.1, 0.2], [0.2, 0.2]])
     out = []
     for r in (0, 1):
-        out += asm.add(Stats(job="j", step=50, time=1.0, rank=r, layers=("a", "b"),
-                             weight_norms=w[r], update_ratios=ratio[r], world=2, shards=2))
+        out += asm.add(
+            Stats(
+                job="j",
+                step=50,
+                time=1.0,
+                rank=r,
+                layers=("a", "b"),
+                weight_norms=w[r],
+                update_ratios=ratio[r],
+                world=2,
+                shards=2,
+            )
+        )
     (whole,) = out
     np.testing.assert_allclose(whole.weight_norms, [5.0, math.sqrt(2)])
     dw = np.sqrt(((ratio * w) ** 2).sum(axis=0))
@@ -288,8 +330,11 @@ def test_a_huge_claimed_world_is_waited_for_once_then_judged_on_the_ranks_that_r
     asm.add(report(1, 0, (1, 1, 1), world=world, shards=world))
     clock.now += 1.0
     assert [w.step for w in asm.expire()] == [1]  # the first step waited its deadline once
-    out = [w for n in range(2, 202) for w in asm.add(report(n, 0, (1, 1, 1), world=world,
-                                                              shards=world))]
+    out = [
+        w
+        for n in range(2, 202)
+        for w in asm.add(report(n, 0, (1, 1, 1), world=world, shards=world))
+    ]
     # Each at once: nothing waits for a million ranks that never spoke (_complete
     # looks at the ranks heard from and the absent ones, never at range(world)).
     assert [w.step for w in out] == list(range(2, 202))

@@ -17,8 +17,16 @@ KEYS = {"verdict", "tree", "summary", "evidence", "next_checks", "earlier_cause"
 
 
 def alert(category: str = "numerical", step: int = 40) -> Alert:
-    return Alert(rule="R", category=category, severity="warning", job="j", state="firing",  # type: ignore[arg-type]
-                 step=step, summary="", started_at=0.0)
+    return Alert(
+        rule="R",
+        category=category,
+        severity="warning",
+        job="j",
+        state="firing",  # type: ignore[arg-type]
+        step=step,
+        summary="",
+        started_at=0.0,
+    )
 
 
 def test_worked_example_names_the_earlier_cause_of_the_nan() -> None:
@@ -59,23 +67,29 @@ def test_the_ratio_alert_blames_saturation_not_itself() -> None:
     assert cause["signal"] == "activation_saturation" and cause["step"] < ratio.step
 
 
-@pytest.mark.parametrize(("fault", "rule", "tree"), [
-    ("divergence", "LossDiverging", "exploding_gradients"),
-    ("vanishing", "GradientsVanished", "vanishing_gradients"),
-    ("flat", "LossFlatFromStart", "dead_pipeline"),
-    ("overfit", "GeneralizationGap", "generalization_gap"),
-    ("eval_mode", "EvalInTrainingMode", "none"),
-    ("idle", "OptimizerIdle", "none"),
-])
-def test_the_verdict_is_the_alerts_own_class_and_the_tree_adds_its_own(fault: str, rule: str, tree: str) -> None:
+@pytest.mark.parametrize(
+    ("fault", "rule", "tree"),
+    [
+        ("divergence", "LossDiverging", "exploding_gradients"),
+        ("vanishing", "GradientsVanished", "vanishing_gradients"),
+        ("flat", "LossFlatFromStart", "dead_pipeline"),
+        ("overfit", "GeneralizationGap", "generalization_gap"),
+        ("eval_mode", "EvalInTrainingMode", "none"),
+        ("idle", "OptimizerIdle", "none"),
+    ],
+)
+def test_the_verdict_is_the_alerts_own_class_and_the_tree_adds_its_own(
+    fault: str, rule: str, tree: str
+) -> None:
     # Issue 13: "verdict: none -- no anomaly detected" on an OptimizerIdle alert contradicts it.
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), fault_run(fault).records())
     fired = next(t.alert for t in transitions if t.alert.rule == rule)
     d = fired.diagnosis
     assert d is not None and d["verdict"] == fired.category and d["tree"] == tree
     own = fired.summary.rstrip(".")
-    assert d["summary"].startswith(own if own.startswith(VERDICTS[fired.category])
-                                   else f"{VERDICTS[fired.category]}: {own}")
+    assert d["summary"].startswith(
+        own if own.startswith(VERDICTS[fired.category]) else f"{VERDICTS[fired.category]}: {own}"
+    )
     assert VERDICTS["none"] not in d["summary"]
     if tree not in ("none", fired.category):
         assert f"the seed's tree also reads {VERDICTS[tree]}" in d["summary"]
@@ -86,6 +100,7 @@ def test_the_verdict_is_the_alerts_own_class_and_the_tree_adds_its_own(fault: st
 
 def test_every_category_has_a_verdict_name() -> None:
     from gradwatch.rules.alert import CATEGORIES
+
     assert set(CATEGORIES) <= set(VERDICTS)
 
 
@@ -103,8 +118,11 @@ def test_an_old_precursor_that_ended_long_ago_is_not_the_cause() -> None:
     for t in range(1, 2000):
         sat = 0.9 if t < 100 else 0.02
         if t % 10 == 0:
-            history.observe_stats(Stats(job="j", step=t, time=0.0,
-                                        act=(ActStats("a", "tanh", 0.0, 1.0, sat_frac=sat),)))
+            history.observe_stats(
+                Stats(
+                    job="j", step=t, time=0.0, act=(ActStats("a", "tanh", 0.0, 1.0, sat_frac=sat),)
+                )
+            )
         history.observe_step(Step(job="j", step=t, time=0.0, loss=1.0))
     assert "activation_saturation" in history.precursors
     assert diagnose(history, alert(step=1999))["earlier_cause"] is None

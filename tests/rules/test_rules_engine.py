@@ -33,20 +33,36 @@ class FakeClock:
         return self.now
 
 
-def healthy_run(seed: int, steps: int = 5000, sigma: float = 0.4, job: str = "run") -> Iterator[Step]:
+def healthy_run(
+    seed: int, steps: int = 5000, sigma: float = 0.4, job: str = "run"
+) -> Iterator[Step]:
     """Warm-up ramp, then a slowly decaying noisy plateau; AMP overflow skips now and then."""
     rng = np.random.default_rng(seed)
-    scale = np.repeat(np.geomspace(0.3, 3.0, DEPTH), 2) * np.tile([1.0, 0.05], DEPTH)  # biases are tiny
+    scale = np.repeat(np.geomspace(0.3, 3.0, DEPTH), 2) * np.tile(
+        [1.0, 0.05], DEPTH
+    )  # biases are tiny
     warmup = int(rng.integers(50, 500))
     for t in range(1, steps + 1):
         level = (0.05 + 0.95 * min(1.0, t / warmup)) / (1.0 + t / 2000.0)
-        norms = scale * level * rng.lognormal(0.0, sigma) * rng.lognormal(0.0, sigma / 2, scale.size)
+        norms = (
+            scale * level * rng.lognormal(0.0, sigma) * rng.lognormal(0.0, sigma / 2, scale.size)
+        )
         loss = 2.5 / (1.0 + t / 500.0) * float(rng.lognormal(0.0, 0.1))
         skipped = t < 5 or t % 1999 == 0  # GradScaler finding its scale, then rare overflows
         if skipped:
             norms = np.full(scale.size, np.inf)
-        yield Step(job=job, step=t, time=float(t), loss=loss, layers=LAYERS, layer_norms=norms,
-                   grad_norm=float(np.sqrt(np.sum(norms**2))), lr=(3e-4,), skipped=skipped, loss_scale=65536.0)
+        yield Step(
+            job=job,
+            step=t,
+            time=float(t),
+            loss=loss,
+            layers=LAYERS,
+            layer_norms=norms,
+            grad_norm=float(np.sqrt(np.sum(norms**2))),
+            lr=(3e-4,),
+            skipped=skipped,
+            loss_scale=65536.0,
+        )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -68,8 +84,15 @@ def test_nan_fires_once_then_resolves_with_the_same_id_and_json_ready_alert() ->
         if step.step in (200, 201, 202):
             norms = step.layer_norms.copy()
             norms[2 if step.step == 200 else slice(None)] = math.nan
-            step = Step(job=step.job, step=step.step, time=step.time, loss=math.nan, layers=LAYERS,
-                        layer_norms=norms, grad_norm=math.nan)
+            step = Step(
+                job=step.job,
+                step=step.step,
+                time=step.time,
+                loss=math.nan,
+                layers=LAYERS,
+                layer_norms=norms,
+                grad_norm=math.nan,
+            )
         clock.now = float(step.step)
         events += engine.observe(step)
     assert [(e.alert.rule, e.current, e.alert.step) for e in events] == [
@@ -94,7 +117,9 @@ def test_divergence_alerts_growth_and_firing_lists_it() -> None:
     fired_at = None
     for t in range(1, 120):
         norms = np.ones(len(LAYERS)) * 1.5 ** max(0, t - 60)
-        transitions = engine.observe(Step(job="j", step=t, time=float(t), loss=1.0, layers=LAYERS, layer_norms=norms))
+        transitions = engine.observe(
+            Step(job="j", step=t, time=float(t), loss=1.0, layers=LAYERS, layer_norms=norms)
+        )
         if transitions and fired_at is None:
             fired_at = t
             assert [tr.alert.rule for tr in transitions] == ["GradientNormGrowingGeometrically"]
@@ -108,7 +133,9 @@ def test_vanishing_ratio_routes_to_its_category() -> None:
     norms = np.repeat(np.geomspace(1e-4, 1.0, DEPTH), 2)
     events = []
     for t in range(1, 30):
-        events += engine.observe(Step(job="j", step=t, time=float(t), layers=LAYERS, layer_norms=norms))
+        events += engine.observe(
+            Step(job="j", step=t, time=float(t), layers=LAYERS, layer_norms=norms)
+        )
     assert [(e.alert.rule, e.alert.category, e.alert.severity) for e in events] == [
         ("LayerGradNormRatioVanishing", "vanishing_gradients", "warning")
     ]

@@ -48,8 +48,12 @@ class Nothing:
 class PerJob:
     def observe_liveness(self, liveness: Sequence[Liveness]) -> Finding:
         worst = max(liveness, key=lambda live: live.now - live.last_step_time)
-        return Finding(worst.now - worst.last_step_time > 10, "slow", {"last_step": worst.last_step},
-                       rank=worst.rank)
+        return Finding(
+            worst.now - worst.last_step_time > 10,
+            "slow",
+            {"last_step": worst.last_step},
+            rank=worst.rank,
+        )
 
 
 register_detector("test_stats_only", StatsOnly)
@@ -71,8 +75,10 @@ def test_inputs_of_and_the_detector_union() -> None:
 
 
 def test_routing_by_input_and_none_means_no_verdict() -> None:
-    engine = Engine([spec("S", "test_stats_only"), spec("M", "test_mixed", "generalization_gap")],
-                    clock=lambda: 0.0)
+    engine = Engine(
+        [spec("S", "test_stats_only"), spec("M", "test_mixed", "generalization_gap")],
+        clock=lambda: 0.0,
+    )
     assert engine.observe(Step(job="j", step=1, time=0.0, loss=1.0)) == []
     assert engine.observe_stats(Stats(job="j", step=1, time=0.0)) == []  # None: lifecycle untouched
     assert engine.observe_stats(Stats(job="j", step=2, time=0.0, weight_norms=None)) == []
@@ -85,10 +91,21 @@ def test_routing_by_input_and_none_means_no_verdict() -> None:
 def test_liveness_detectors_are_per_job_and_alerts_take_the_named_rank() -> None:
     engine = Engine([spec("L", "test_per_job", "stalled")], clock=lambda: 5.0)
     assert engine.observe(Step(job="j", step=1, time=0.0)) == []  # no step input: nothing to do
-    lives = [Liveness(job="j", rank=r, now=100.0, last_step=50 - r, last_step_time=100.0 - 20 * r,
-                      last_heartbeat_time=100.0) for r in range(3)]
+    lives = [
+        Liveness(
+            job="j",
+            rank=r,
+            now=100.0,
+            last_step=50 - r,
+            last_step_time=100.0 - 20 * r,
+            last_heartbeat_time=100.0,
+        )
+        for r in range(3)
+    ]
     events = engine.tick(lives)
-    assert [(e.alert.rule, e.alert.rank, e.alert.step, e.alert.started_at) for e in events] == [("L", 2, 48, 5.0)]
+    assert [(e.alert.rule, e.alert.rank, e.alert.step, e.alert.started_at) for e in events] == [
+        ("L", 2, 48, 5.0)
+    ]
     assert engine.tick(lives) == []  # deduplicated
 
 
@@ -107,9 +124,13 @@ def test_long_runs_keep_every_state_bounded() -> None:
     feed_all(engine, Synth(steps=4000, amp=True, stats_every=10, eval_every=20).records())
     history = engine.history("run")
     assert history is not None
-    assert len(history.losses) == history.losses.maxlen and len(history.norms) == history.norms.maxlen
+    assert (
+        len(history.losses) == history.losses.maxlen and len(history.norms) == history.norms.maxlen
+    )
     assert len(history.head) == history.head_size and len(history.evals) == 200
-    assert len(history.weight_norms) == history.weight_norms.maxlen and len(history.precursors) <= 10
+    assert (
+        len(history.weight_norms) == history.weight_norms.maxlen and len(history.precursors) <= 10
+    )
     for slot in engine._ranks[("run", 0)].all:
         det = slot.detector
         for name in ("_tail", "_window", "_norms", "_losses", "_skips", "_logs", "_vals", "_train"):

@@ -5,7 +5,11 @@ from __future__ import annotations
 import numpy as np
 
 from gradwatch.rules import Step
-from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector, ValTrainGapDetector
+from gradwatch.rules.evals import (
+    EvalModeWiringDetector,
+    GeneralizationGapDetector,
+    ValTrainGapDetector,
+)
 from gradwatch.rules.step import Eval
 
 
@@ -28,7 +32,9 @@ def evaluate(det: GeneralizationGapDetector, points: list[tuple[float, float]]) 
 def test_val_rising_while_train_falls_fires_after_patience() -> None:
     det = GeneralizationGapDetector()
     rng = np.random.default_rng(0)
-    vals = [2.0 - 0.05 * k for k in range(20)] + [1.05 + 0.03 * k for k in range(1, 20)]  # turns at eval 20
+    vals = [2.0 - 0.05 * k for k in range(20)] + [
+        1.05 + 0.03 * k for k in range(1, 20)
+    ]  # turns at eval 20
     points = [(2.0 - 0.05 * k, v * float(rng.lognormal(0.0, 0.01))) for k, v in enumerate(vals)]
     found = evaluate(det, points)
     first = found.index(True)
@@ -37,7 +43,9 @@ def test_val_rising_while_train_falls_fires_after_patience() -> None:
 
 def test_val_rising_with_train_rising_is_not_a_gap() -> None:
     det = GeneralizationGapDetector()
-    points = [(2.0 - 0.05 * k, 2.1 - 0.05 * k) for k in range(20)] + [(1.0 + 0.1 * k, 1.1 + 0.1 * k) for k in range(20)]
+    points = [(2.0 - 0.05 * k, 2.1 - 0.05 * k) for k in range(20)] + [
+        (1.0 + 0.1 * k, 1.1 + 0.1 * k) for k in range(20)
+    ]
     assert not any(evaluate(det, points))
 
 
@@ -59,8 +67,14 @@ def test_evals_without_loss_or_train_context_say_nothing() -> None:
 def test_eval_mode_wiring_names_the_modules() -> None:
     det = EvalModeWiringDetector(max_named=2)
     assert not det.observe_eval(Eval(job="j", step=1, time=0.0, loss=1.0)).active
-    found = det.observe_eval(Eval(job="j", step=2, time=0.0, train_mode_modules=("bn1", "bn2", "drop")))
-    assert found.active and found.evidence["modules"] == ["bn1", "bn2"] and found.evidence["count"] == 3
+    found = det.observe_eval(
+        Eval(job="j", step=2, time=0.0, train_mode_modules=("bn1", "bn2", "drop"))
+    )
+    assert (
+        found.active
+        and found.evidence["modules"] == ["bn1", "bn2"]
+        and found.evidence["count"] == 3
+    )
     assert "1 more" in found.summary and "model.eval()" in found.summary
 
 
@@ -82,8 +96,13 @@ def test_overfitting_with_one_eval_per_epoch_is_caught() -> None:
 
 def test_few_evals_with_one_bump_are_not_overfitting() -> None:
     det = GeneralizationGapDetector()
-    points = list(zip([0.2, 0.17, 0.13, 0.12, 0.11, 0.10, 0.1], [0.30, 0.25, 0.24, 0.26, 0.23, 0.22, 0.22],
-                      strict=True))
+    points = list(
+        zip(
+            [0.2, 0.17, 0.13, 0.12, 0.11, 0.10, 0.1],
+            [0.30, 0.25, 0.24, 0.26, 0.23, 0.22, 0.22],
+            strict=True,
+        )
+    )
     assert not any(evaluate(det, points))
 
 

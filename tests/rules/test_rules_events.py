@@ -1,4 +1,4 @@
-"""One-step extreme events: a corrupt batch is named at its step; heavy tails and AMP skips are not events."""
+"""One-step extreme events: a corrupt batch is named at its step; heavy tails, AMP skips are not."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ RULES = load_default_rules()
 
 
 def run_steps(n: int = 600, seed: int = 0, corrupt: tuple[int, ...] = ()) -> list[Step]:
-    """A healthy run (loss 2.3 -> ~0.5, heavy-tailed batches), with corrupt batches at ``corrupt``."""
+    """A healthy run (loss 2.3 -> ~0.5, heavy-tailed batches), corrupt batches at ``corrupt``."""
     rng = np.random.default_rng(seed)
     out = []
     for t in range(1, n + 1):
@@ -32,12 +32,18 @@ def test_a_corrupt_batch_is_a_loss_spike_warning_that_names_its_step() -> None:
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), run_steps(corrupt=(400,)))
     fired = [t.alert for t in transitions if t.current == "firing"]
     assert [(a.rule, a.category, a.severity, a.step) for a in fired] == [
-        ("LossExtremeStep", "loss_spike", "warning", 400)]
+        ("LossExtremeStep", "loss_spike", "warning", 400)
+    ]
     assert "skip the batch of step 400" in fired[0].summary
-    assert fired[0].evidence["signals"] == ["loss", "grad_norm"] and fired[0].evidence["loss_times_median"] > 100
+    assert (
+        fired[0].evidence["signals"] == ["loss", "grad_norm"]
+        and fired[0].evidence["loss_times_median"] > 100
+    )
     # One event, one incident: it resolves at the next step.
-    assert [(t.alert.rule, t.current) for t in transitions] == [("LossExtremeStep", "firing"),
-                                                                ("LossExtremeStep", "resolved")]
+    assert [(t.alert.rule, t.current) for t in transitions] == [
+        ("LossExtremeStep", "firing"),
+        ("LossExtremeStep", "resolved"),
+    ]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -48,9 +54,15 @@ def test_a_healthy_heavy_tailed_run_has_no_events(seed: int) -> None:
 
 def test_repeated_events_escalate_to_critical() -> None:
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), run_steps(corrupt=(300, 350, 420)))
-    fired = [(t.alert.rule, t.alert.severity, t.alert.step) for t in transitions if t.current == "firing"]
-    assert fired == [("LossExtremeStep", "warning", 300), ("LossExtremeStep", "warning", 350),
-                     ("LossExtremeStep", "warning", 420), ("LossExtremeStepsRepeated", "critical", 420)]
+    fired = [
+        (t.alert.rule, t.alert.severity, t.alert.step) for t in transitions if t.current == "firing"
+    ]
+    assert fired == [
+        ("LossExtremeStep", "warning", 300),
+        ("LossExtremeStep", "warning", 350),
+        ("LossExtremeStep", "warning", 420),
+        ("LossExtremeStepsRepeated", "critical", 420),
+    ]
 
 
 def test_one_signal_alone_is_enough_and_amp_skips_are_not_events() -> None:
@@ -60,17 +72,28 @@ def test_one_signal_alone_is_enough_and_amp_skips_are_not_events() -> None:
         det.observe(s)
     found = det.observe(Step(job="j", step=101, time=0.0, grad_norm=1e4))
     assert found is not None and found.active and found.evidence["signals"] == ["grad_norm"]
-    skipped = Step(job="j", step=102, time=0.0, loss=1e6, grad_norm=float("inf"), skipped=True, loss_scale=2.0**15)
+    skipped = Step(
+        job="j",
+        step=102,
+        time=0.0,
+        loss=1e6,
+        grad_norm=float("inf"),
+        skipped=True,
+        loss_scale=2.0**15,
+    )
     assert det.observe(skipped) is None
     assert det.observe(Step(job="j", step=103, time=0.0)) is None  # neither signal: no verdict
 
 
 def test_the_window_is_the_runs_own() -> None:
-    # A loss that lives at 1e-4 with 10x noise swings: 100x its median and 10x its max is still the bar.
+    # A loss that lives at 1e-4 with 10x noise swings: 100x its median and 10x its max is still
+    # the bar.
     det = ExtremeStepDetector(min_history=20)
     rng = np.random.default_rng(3)
     for t in range(1, 200):
-        found = det.observe(Step(job="j", step=t, time=0.0, loss=1e-4 * float(rng.lognormal(0.0, 0.8))))
+        found = det.observe(
+            Step(job="j", step=t, time=0.0, loss=1e-4 * float(rng.lognormal(0.0, 0.8)))
+        )
         assert found is not None and not found.active
     with pytest.raises(ValueError, match="min_history"):
         ExtremeStepDetector(window=16, min_history=20)
@@ -83,6 +106,12 @@ def test_logged_pre_clip_norms_and_clipped_norms_are_separate_signals() -> None:
     rng = np.random.default_rng(0)
     for t in range(1, 400):
         logged = t % 50 == 0  # logging_steps 50: the first logged norm meets 49 clipped ones
-        norm = 50.0 * float(rng.lognormal(0.0, 0.3)) if logged else min(1.0, 0.5 * float(rng.lognormal(0.0, 0.3)))
-        found = det.observe(Step(job="j", step=t, time=0.0, grad_norm=norm, grad_norm_logged=logged))
+        norm = (
+            50.0 * float(rng.lognormal(0.0, 0.3))
+            if logged
+            else min(1.0, 0.5 * float(rng.lognormal(0.0, 0.3)))
+        )
+        found = det.observe(
+            Step(job="j", step=t, time=0.0, grad_norm=norm, grad_norm_logged=logged)
+        )
         assert found is not None and not found.active, t

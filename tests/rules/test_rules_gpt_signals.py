@@ -1,4 +1,4 @@
-"""A real GPT's gradient signals through the default rules (benchmarks/gpt_signals.py recorded them).
+"""A real GPT's gradient signals through the default rules (benchmarks/gpt_signals.py recorded).
 
 The healthy run is nanoGPT's architecture and recipe (tied embeddings, LayerNorm
 gains, AdamW, clip 1.0, accumulation 2; 1,500 iterations). Issue 13 found the
@@ -31,23 +31,41 @@ def records(path: Path, roles: bool = True) -> Iterator[Record]:
     sent = tuple(str(x) for x in d["roles"]) if roles else ()
     stats_at = {int(s): i for i, s in enumerate(d["stats_step"])}
     for t in range(1, len(d["loss"]) + 1):
-        yield Step(job="gpt", step=t, time=float(t), loss=float(d["loss"][t - 1]),
-                   grad_norm=float(d["grad_norm"][t - 1]), grad_norm_logged=True, layers=layers,
-                   layer_norms=d["norms"][t - 1].astype(np.float64), lr=(float(d["lr"][t - 1]),) * 2,
-                   layer_roles=sent)
+        yield Step(
+            job="gpt",
+            step=t,
+            time=float(t),
+            loss=float(d["loss"][t - 1]),
+            grad_norm=float(d["grad_norm"][t - 1]),
+            grad_norm_logged=True,
+            layers=layers,
+            layer_norms=d["norms"][t - 1].astype(np.float64),
+            lr=(float(d["lr"][t - 1]),) * 2,
+            layer_roles=sent,
+        )
         i = stats_at.get(t)
         if i is not None:
-            yield Stats(job="gpt", step=t, time=float(t), layers=layers,
-                        weight_norms=d["weight_norms"][i].astype(np.float64),
-                        update_ratios=d["update_ratios"][i].astype(np.float64))
+            yield Stats(
+                job="gpt",
+                step=t,
+                time=float(t),
+                layers=layers,
+                weight_norms=d["weight_norms"][i].astype(np.float64),
+                update_ratios=d["update_ratios"][i].astype(np.float64),
+            )
 
 
 @pytest.mark.parametrize("roles", [True, False], ids=["roles", "names-only"])
 def test_healthy_gpt_raises_nothing_from_the_signal_rules(roles: bool) -> None:
     groups = {r.name: r.group for r in RULES}
-    transitions = feed_all(Engine(RULES, clock=lambda: 0.0), records(DATA / "gpt-healthy.npz", roles))
-    fired = [(t.alert.rule, t.alert.step, t.alert.summary) for t in transitions
-             if t.current == "firing" and groups[t.alert.rule] in MINE]
+    transitions = feed_all(
+        Engine(RULES, clock=lambda: 0.0), records(DATA / "gpt-healthy.npz", roles)
+    )
+    fired = [
+        (t.alert.rule, t.alert.step, t.alert.summary)
+        for t in transitions
+        if t.current == "firing" and groups[t.alert.rule] in MINE
+    ]
     assert fired == []
 
 
@@ -70,8 +88,12 @@ def test_init_x0_01_is_a_small_init_not_an_explosion() -> None:
     # the explanation: the weights grew 10x from their init (info: a waking init may cost nothing).
     ratio = fired["LayerGradNormRatioVanishing"]
     assert ratio.severity == "warning" and ratio.step <= 50
-    assert ratio.diagnosis is not None and ratio.diagnosis["next_checks"][0].startswith("initialisation scale")
+    assert ratio.diagnosis is not None and ratio.diagnosis["next_checks"][0].startswith(
+        "initialisation scale"
+    )
     small = fired["WeightsStartedTooSmall"]
     assert (small.category, small.severity) == ("vanishing_gradients", "info") and small.step <= 50
-    assert small.diagnosis is not None and "initialisation scale" in small.diagnosis["next_checks"][0]
+    assert (
+        small.diagnosis is not None and "initialisation scale" in small.diagnosis["next_checks"][0]
+    )
     assert not any("lower the learning rate" == c for c in small.diagnosis["next_checks"])

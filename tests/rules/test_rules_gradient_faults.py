@@ -17,11 +17,22 @@ TOTAL = 1_000_000
 ONSET = 600
 
 
-def census(frozen: int = 0, *, training: bool = True, eval_modules: tuple[str, ...] = (),
-           frozen_modules: tuple[tuple[str, int], ...] = ()) -> Census:
-    return Census(params_total=TOTAL, params_trainable=TOTAL - frozen, params_frozen=frozen,
-                  params_not_in_optimizer=0, frozen_modules=frozen_modules, eval_modules=eval_modules,
-                  model_training=training)
+def census(
+    frozen: int = 0,
+    *,
+    training: bool = True,
+    eval_modules: tuple[str, ...] = (),
+    frozen_modules: tuple[tuple[str, int], ...] = (),
+) -> Census:
+    return Census(
+        params_total=TOTAL,
+        params_trainable=TOTAL - frozen,
+        params_frozen=frozen,
+        params_not_in_optimizer=0,
+        frozen_modules=frozen_modules,
+        eval_modules=eval_modules,
+        model_training=training,
+    )
 
 
 def with_census(records: Iterator[Record], at: Callable[[int], Census]) -> Iterator[Record]:
@@ -31,8 +42,11 @@ def with_census(records: Iterator[Record], at: Callable[[int], Census]) -> Itera
 
 def alerts(records: Iterator[Record]) -> list[tuple[str, str, str, int]]:
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), records)
-    return [(t.alert.rule, t.alert.category, t.alert.severity, t.alert.step)
-            for t in transitions if t.current == "firing"]
+    return [
+        (t.alert.rule, t.alert.category, t.alert.severity, t.alert.step)
+        for t in transitions
+        if t.current == "firing"
+    ]
 
 
 def run(**kw: object) -> Iterator[Record]:
@@ -47,6 +61,7 @@ def test_all_zero_gradients_are_a_dead_pipeline_not_vanishing(seed: int) -> None
             if isinstance(r, Step) and r.step >= ONSET:
                 r = replace(r, layer_norms=np.zeros_like(r.layer_norms), grad_norm=0.0)
             yield r
+
     fired = alerts(zeroed(Synth(seed=seed, steps=1200).records()))
     assert ("GradientsAllZero", "dead_pipeline", "warning", ONSET) in fired, fired
     assert not any(rule == "GradientsVanished" for rule, *_ in fired)
@@ -55,8 +70,12 @@ def test_all_zero_gradients_are_a_dead_pipeline_not_vanishing(seed: int) -> None
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_backbone_frozen_mid_run_warns_within_20_steps(seed: int) -> None:
     backbone = (("backbone", 800_000),)
-    fired = alerts(with_census(run(seed=seed), lambda t: census(800_000, frozen_modules=backbone)
-                               if t >= ONSET else census()))
+    fired = alerts(
+        with_census(
+            run(seed=seed),
+            lambda t: census(800_000, frozen_modules=backbone) if t >= ONSET else census(),
+        )
+    )
     (hit,) = [a for a in fired if a[0] == "LayersFrozenMidRun"]
     assert hit[1:3] == ("update_ratio", "warning") and ONSET <= hit[3] <= ONSET + 20
 
@@ -69,16 +88,21 @@ def test_a_head_only_fine_tune_frozen_from_attach_raises_nothing_above_info(seed
     assert [a for a in fired if a[2] != "info"] == []
 
 
-@pytest.mark.parametrize(("state", "named"), [
-    (census(training=False, eval_modules=("bn1", "drop")), "bn1"),
-    (census(eval_modules=("encoder.dropout", "encoder.bn")), "encoder.bn"),
-])
+@pytest.mark.parametrize(
+    ("state", "named"),
+    [
+        (census(training=False, eval_modules=("bn1", "drop")), "bn1"),
+        (census(eval_modules=("encoder.dropout", "encoder.bn")), "encoder.bn"),
+    ],
+)
 def test_training_in_eval_mode_warns_within_20_steps(state: Census, named: str | None) -> None:
     fired = alerts(with_census(run(), lambda t: state if t >= ONSET else census()))
     (hit,) = [a for a in fired if a[0] == "TrainingInEvalMode"]
     assert hit[1:3] == ("eval_mode_wiring", "warning") and ONSET <= hit[3] <= ONSET + 20
-    transitions = feed_all(Engine(RULES, clock=lambda: 0.0),
-                           with_census(run(), lambda t: state if t >= ONSET else census()))
+    transitions = feed_all(
+        Engine(RULES, clock=lambda: 0.0),
+        with_census(run(), lambda t: state if t >= ONSET else census()),
+    )
     alert = next(t.alert for t in transitions if t.alert.rule == "TrainingInEvalMode")
     assert named in alert.summary
     assert alert.diagnosis is not None and alert.diagnosis["verdict"] == "eval_mode_wiring"
@@ -87,6 +111,7 @@ def test_training_in_eval_mode_warns_within_20_steps(state: Census, named: str |
 def test_census_free_streams_give_no_verdict() -> None:
     # Older agents and imported logs send no census: the census rules stay silent, not inactive.
     from gradwatch.rules.modelstate import FrozenMidRunDetector, TrainingInEvalModeDetector
+
     bare = Stats(job="j", step=5, time=0.0)
     assert FrozenMidRunDetector().observe_stats(bare) is None
     assert TrainingInEvalModeDetector().observe_stats(bare) is None
@@ -95,11 +120,22 @@ def test_census_free_streams_give_no_verdict() -> None:
 def test_the_tree_calls_exact_zeros_a_dead_pipeline() -> None:
     from gradwatch.rules import Alert
     from gradwatch.rules.diagnosis import JobHistory, diagnose
+
     history = JobHistory()
     for t in range(1, 80):
-        history.observe_step(Step(job="j", step=t, time=0.0, loss=2.0, grad_norm=0.0 if t > 20 else 1.0))
-    alert = Alert(rule="GradientsAllZero", category="dead_pipeline", severity="warning", job="j",
-                  state="firing", step=21, summary="every gradient is exactly zero", started_at=0.0)
+        history.observe_step(
+            Step(job="j", step=t, time=0.0, loss=2.0, grad_norm=0.0 if t > 20 else 1.0)
+        )
+    alert = Alert(
+        rule="GradientsAllZero",
+        category="dead_pipeline",
+        severity="warning",
+        job="j",
+        state="firing",
+        step=21,
+        summary="every gradient is exactly zero",
+        started_at=0.0,
+    )
     d = diagnose(history, alert)
     assert (d["verdict"], d["tree"]) == ("dead_pipeline", "dead_pipeline")
     assert "exactly zero" in d["summary"] and "vanishing" not in d["summary"]
@@ -114,15 +150,24 @@ def test_eval_mode_that_changes_nothing_is_not_flagged() -> None:
 def test_a_logged_total_of_zero_is_not_evidence_of_zero_gradients() -> None:
     # Real HF logs under DeepSpeed log grad_norm 0.0 on half the logs of a healthy run.
     from gradwatch.rules.vanishing import ZeroGradientsDetector
+
     det = ZeroGradientsDetector()
-    assert det.observe(Step(job="j", step=1, time=0.0, loss=1.0, grad_norm=0.0, grad_norm_logged=True)) is None
+    assert (
+        det.observe(Step(job="j", step=1, time=0.0, loss=1.0, grad_norm=0.0, grad_norm_logged=True))
+        is None
+    )
     zero = Step(job="j", step=2, time=0.0, layers=("a.weight",), layer_norms=np.zeros(1))
     assert det.observe(zero).active  # type: ignore[union-attr]
     assert det.observe(replace(zero, step=3, skipped=True)) is None
 
 
 def test_parameters_outside_the_optimizer_are_named_as_info() -> None:
-    outside = Census(params_total=TOTAL, params_trainable=TOTAL - 4096, params_frozen=0,
-                     params_not_in_optimizer=4096, not_in_optimizer=("head.weight",))
+    outside = Census(
+        params_total=TOTAL,
+        params_trainable=TOTAL - 4096,
+        params_frozen=0,
+        params_not_in_optimizer=4096,
+        not_in_optimizer=("head.weight",),
+    )
     fired = alerts(with_census(run(), lambda t: outside if t >= ONSET else census()))
     assert [a[:3] for a in fired] == [("ParametersNotInOptimizer", "update_ratio", "info")]

@@ -17,7 +17,9 @@ def norm_step(t: int, norm: float, **kw: object) -> Step:
     return Step(job="j", step=t, time=float(t), grad_norm=norm, **kw)
 
 
-def first_active(det: GeometricGrowthDetector, norms: list[float], start: int = 1, **kw: object) -> tuple[int, dict]:
+def first_active(
+    det: GeometricGrowthDetector, norms: list[float], start: int = 1, **kw: object
+) -> tuple[int, dict]:
     for i, value in enumerate(norms):
         found = det.observe(norm_step(start + i, value, **kw))
         if found.active:
@@ -29,12 +31,16 @@ def first_active(det: GeometricGrowthDetector, norms: list[float], start: int = 
 def test_x1_5_per_step_from_a_noisy_plateau_is_caught_within_20_steps(seed: int) -> None:
     rng = np.random.default_rng(seed)
     onset = 300
-    norms = [1.5 ** max(0, t - onset) * float(rng.lognormal(0.0, 0.2)) for t in range(1, onset + 60)]
+    norms = [
+        1.5 ** max(0, t - onset) * float(rng.lognormal(0.0, 0.2)) for t in range(1, onset + 60)
+    ]
     det = GeometricGrowthDetector()
     fired, evidence = first_active(det, norms)
     assert onset < fired <= onset + 20
     assert evidence["factor_per_step"] == pytest.approx(1.5, rel=0.1)
-    expected = (math.log(np.finfo(np.float32).max) - math.log(evidence["grad_norm"])) / math.log(1.5)
+    expected = (math.log(np.finfo(np.float32).max) - math.log(evidence["grad_norm"])) / math.log(
+        1.5
+    )
     assert evidence["steps_to_overflow"] == pytest.approx(expected, rel=0.15)
     assert evidence["r2"] >= 0.9
     assert evidence["window"] == 16
@@ -79,7 +85,9 @@ def test_layer_norms_are_used_when_the_total_is_not_reported() -> None:
 def test_decelerating_or_slow_rises_do_not_fire(shape) -> None:
     det = GeometricGrowthDetector()
     rng = np.random.default_rng(0)
-    fired, _ = first_active(det, [shape(t) * float(rng.lognormal(0.0, 0.05)) for t in range(1, 1000)])
+    fired, _ = first_active(
+        det, [shape(t) * float(rng.lognormal(0.0, 0.05)) for t in range(1, 1000)]
+    )
     assert fired == -1
 
 
@@ -103,12 +111,19 @@ def test_growth_from_a_tiny_norm_towards_normal_is_not_an_explosion(seed: int) -
     # The same climb in a run whose norm was once larger: back to its usual level, not above it.
     rng = np.random.default_rng(seed)
     dip = [2.0] * 200 + [min(2.0, 0.01 * 1.2**t) for t in range(200)]
-    assert first_active(GeometricGrowthDetector(), [n * float(rng.lognormal(0.0, 0.05)) for n in dip])[0] == -1
+    assert (
+        first_active(GeometricGrowthDetector(), [n * float(rng.lognormal(0.0, 0.05)) for n in dip])[
+            0
+        ]
+        == -1
+    )
 
 
 def test_an_explosion_above_the_runs_typical_level_names_it() -> None:
     rng = np.random.default_rng(0)
-    norms = [0.5 * float(rng.lognormal(0.0, 0.1)) for _ in range(300)] + [0.5 * 1.4**k for k in range(1, 40)]
+    norms = [0.5 * float(rng.lognormal(0.0, 0.1)) for _ in range(300)] + [
+        0.5 * 1.4**k for k in range(1, 40)
+    ]
     fired, evidence = first_active(GeometricGrowthDetector(), norms)
     assert 300 < fired <= 320
     assert evidence["typical_grad_norm"] == pytest.approx(0.5, rel=0.1)
@@ -119,7 +134,9 @@ def test_amp_skips_are_ignored() -> None:
     det = GeometricGrowthDetector()
     for t in range(1, 200):
         skipped = t % 5 == 0
-        found = det.observe(norm_step(t, 1e30 if skipped else 1.0, skipped=skipped, loss_scale=1024.0))
+        found = det.observe(
+            norm_step(t, 1e30 if skipped else 1.0, skipped=skipped, loss_scale=1024.0)
+        )
         assert found is None if skipped else not found.active
     assert set(det._logs) == {0.0}  # only the unskipped norms of 1.0 entered the fit
 
@@ -130,8 +147,18 @@ def test_fit_line() -> None:
     assert fit_line(x, np.ones(10)) == (0.0, 0.0)
 
 
-@pytest.mark.parametrize("bad", [{"window": 3}, {"min_factor": 1.0}, {"min_r2": 1.5}, {"min_total_growth": 0.5},
-                                 {"min_norm": -1.0}, {"min_rise": 0.5}, {"history": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"window": 3},
+        {"min_factor": 1.0},
+        {"min_r2": 1.5},
+        {"min_total_growth": 0.5},
+        {"min_norm": -1.0},
+        {"min_rise": 0.5},
+        {"history": 0},
+    ],
+)
 def test_invalid_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         GeometricGrowthDetector(**bad)

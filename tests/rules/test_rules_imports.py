@@ -1,4 +1,4 @@
-"""Training logs users already have (HF trainer_state.json, Lightning metrics.csv), replayed as live."""
+"""Training logs users already have (HF trainer_state.json, Lightning metrics.csv), as if live."""
 
 from __future__ import annotations
 
@@ -26,10 +26,25 @@ def overfitting_rows() -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for k in range(1, 51):
         step = 10 * k
-        rows.append({"epoch": step / 100, "grad_norm": 1.0, "learning_rate": 1e-4, "loss": 1.0 / k, "step": step})
+        rows.append(
+            {
+                "epoch": step / 100,
+                "grad_norm": 1.0,
+                "learning_rate": 1e-4,
+                "loss": 1.0 / k,
+                "step": step,
+            }
+        )
         if step % 100 == 0:
-            rows.append({"epoch": step / 100, "eval_loss": 0.3 * (1 + 0.15 * (step // 100)), "eval_runtime": 1.0,
-                         "eval_accuracy": 0.9, "step": step})
+            rows.append(
+                {
+                    "epoch": step / 100,
+                    "eval_loss": 0.3 * (1 + 0.15 * (step // 100)),
+                    "eval_runtime": 1.0,
+                    "eval_accuracy": 0.9,
+                    "step": step,
+                }
+            )
     rows.append({"epoch": 5.0, "step": 500, "train_loss": 0.2, "train_runtime": 10.0})
     return rows
 
@@ -42,10 +57,19 @@ def test_trainer_state_rows_become_what_the_callback_sends(tmp_path: Path) -> No
     assert run.job == "out" and run.format == "trainer_state" and run.max_steps == 100
     assert (run.steps, run.evals) == (50, 5)  # the train_loss summary row is not a step
     first = run.records[0]
-    assert isinstance(first, Step) and first.step == 10 and first.loss == 1.0 and first.grad_norm == 1.0
+    assert (
+        isinstance(first, Step)
+        and first.step == 10
+        and first.loss == 1.0
+        and first.grad_norm == 1.0
+    )
     assert first.lr == (1e-4,) and first.grad_norm_logged
     ev = next(r for r in run.records if isinstance(r, Eval))
-    assert ev.step == 100 and ev.loss == pytest.approx(0.345) and ev.metrics == {"runtime": 1.0, "accuracy": 0.9}
+    assert (
+        ev.step == 100
+        and ev.loss == pytest.approx(0.345)
+        and ev.metrics == {"runtime": 1.0, "accuracy": 0.9}
+    )
 
 
 def test_a_gzipped_log_replays_to_the_overfitting_alert(tmp_path: Path) -> None:
@@ -60,16 +84,20 @@ def test_a_gzipped_log_replays_to_the_overfitting_alert(tmp_path: Path) -> None:
 
 
 def test_overflow_skips_are_designed_behaviour_and_a_real_nan_is_not(tmp_path: Path) -> None:
-    rows = [{"step": s, "loss": 2.0 - 0.01 * s, "grad_norm": g, "learning_rate": 1e-4}
-            for s, g in [(1, math.nan), (2, math.inf), (3, 1.5), (4, 1.4)]]
+    rows = [
+        {"step": s, "loss": 2.0 - 0.01 * s, "grad_norm": g, "learning_rate": 1e-4}
+        for s, g in [(1, math.nan), (2, math.inf), (3, 1.5), (4, 1.4)]
+    ]
     path = tmp_path / "trainer_state.json"
     path.write_text(json.dumps(trainer_state(rows)))  # json writes NaN/Infinity as the Trainer does
     steps = [r for r in read_history(path).records if isinstance(r, Step)]
     assert [s.skipped for s in steps] == [True, True, False, False]
     assert all(s.loss_scale is not None and math.isnan(s.loss_scale) for s in steps[:2])
     # Non-finite and the run did not carry on: kept as it is, for the non-finite rule.
-    rows += [{"step": 5, "loss": 1.9, "grad_norm": math.nan, "learning_rate": 1e-4},
-             {"step": 6, "loss": math.nan, "grad_norm": math.nan, "learning_rate": 1e-4}]
+    rows += [
+        {"step": 5, "loss": 1.9, "grad_norm": math.nan, "learning_rate": 1e-4},
+        {"step": 6, "loss": math.nan, "grad_norm": math.nan, "learning_rate": 1e-4},
+    ]
     path.write_text(json.dumps(trainer_state(rows)))
     _, transitions = backtest(path)
     fired = [t.alert for t in transitions if t.current == "firing"]
@@ -80,7 +108,7 @@ def test_lightning_csv_merges_rows_of_one_step(tmp_path: Path) -> None:
     path = tmp_path / "lightning_logs" / "version_0" / "metrics.csv"
     path.parent.mkdir(parents=True)
     lines = ["epoch,lr-AdamW,step,train_loss_step,train_loss_epoch,val_loss,grad_2.0_norm_total"]
-    for s in range(0, 40):
+    for s in range(40):
         lines.append(f",0.001,{s},,,,")  # LearningRateMonitor row
         lines.append(f"0,,{s},{2.0 - 0.01 * s},,,{1.0 + 0.01 * s}")
     lines.append("0,,39,,1.9,1.8,")  # end of epoch: the epoch mean and the validation loss
@@ -90,7 +118,11 @@ def test_lightning_csv_merges_rows_of_one_step(tmp_path: Path) -> None:
     steps = [r for r in run.records if isinstance(r, Step)]
     assert len(steps) == 40 and steps[5].lr == (0.001,) and steps[5].loss == pytest.approx(1.95)
     assert steps[5].grad_norm == pytest.approx(1.05) and steps[5].grad_norm_logged
-    assert isinstance(run.records[-1], Eval) and run.records[-1].loss == 1.8 and run.records[-1].step == 39
+    assert (
+        isinstance(run.records[-1], Eval)
+        and run.records[-1].loss == 1.8
+        and run.records[-1].step == 39
+    )
 
 
 def test_with_gaps_adds_the_unlogged_steps_empty() -> None:
@@ -100,14 +132,17 @@ def test_with_gaps_adds_the_unlogged_steps_empty() -> None:
     assert all(r.loss is None and r.grad_norm is None and r.lr == () for r in filled[1:-1])
 
 
-@pytest.mark.parametrize(("name", "text", "message"), [
-    ("trainer_state.json", "{", "not valid JSON"),
-    ("trainer_state.json", "{}", "no 'log_history'"),
-    ("metrics.csv", "epoch,loss\n1,2\n", "no 'step' column"),
-    ("metrics.csv", "step,acc\n1,2\n", "no training loss column"),
-    ("trainer_state.json.gz", "not gzip", "cannot read"),
-    ("run.txt", "", "not a trainer_state"),
-])
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("trainer_state.json", "{", "not valid JSON"),
+        ("trainer_state.json", "{}", "no 'log_history'"),
+        ("metrics.csv", "epoch,loss\n1,2\n", "no 'step' column"),
+        ("metrics.csv", "step,acc\n1,2\n", "no training loss column"),
+        ("trainer_state.json.gz", "not gzip", "cannot read"),
+        ("run.txt", "", "not a trainer_state"),
+    ],
+)
 def test_bad_logs_say_what_is_wrong(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
     path.write_text(text)
@@ -115,12 +150,17 @@ def test_bad_logs_say_what_is_wrong(tmp_path: Path, name: str, text: str, messag
         read_history(path)
 
 
-def test_the_replay_cli_reads_training_logs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_replay_cli_reads_training_logs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "trainer_state.json"
     path.write_text(json.dumps(trainer_state(overfitting_rows())))
     assert replay_main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "(trainer_state): 50 logged steps, 5 evals, 1 alert(s) fired" in out and "GeneralizationGap" in out
+    assert (
+        "(trainer_state): 50 logged steps, 5 evals, 1 alert(s) fired" in out
+        and "GeneralizationGap" in out
+    )
     assert replay_main([str(path), "--json"]) == 0
     line = json.loads(capsys.readouterr().out.splitlines()[0])
     assert line["transition"] == "firing" and line["alert"]["category"] == "generalization_gap"
@@ -129,15 +169,31 @@ def test_the_replay_cli_reads_training_logs(tmp_path: Path, capsys: pytest.Captu
     assert "no 'log_history'" in capsys.readouterr().err
 
 
-_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-10**30, 10**30), st.floats(allow_nan=True),
-                    st.text(max_size=5), st.lists(st.integers(), max_size=2))
-_ROWS = st.lists(st.dictionaries(st.sampled_from(["step", "loss", "grad_norm", "learning_rate", "eval_loss",
-                                                  "eval_acc", "epoch"]), _VALUES, max_size=6), max_size=30)
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(10**30), 10**30),
+    st.floats(allow_nan=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
+_ROWS = st.lists(
+    st.dictionaries(
+        st.sampled_from(
+            ["step", "loss", "grad_norm", "learning_rate", "eval_loss", "eval_acc", "epoch"]
+        ),
+        _VALUES,
+        max_size=6,
+    ),
+    max_size=30,
+)
 
 
 @given(rows=_ROWS)
 @settings(max_examples=60)
-def test_any_log_history_imports_and_replays_without_crashing(rows: list[dict[str, object]]) -> None:
+def test_any_log_history_imports_and_replays_without_crashing(
+    rows: list[dict[str, object]],
+) -> None:
     # A hand-edited or truncated log must give records or a HistoryError, never a crash.
     records = trainer_records(rows, "j")
     assert all(isinstance(r, (Step, Eval)) for r in records)

@@ -116,7 +116,8 @@ def test_summary_falls_back_to_the_rules_annotation() -> None:
 
 
 @pytest.mark.parametrize(
-    ("text", "seconds"), [("30s", 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("1.5h", 5400.0)]
+    ("text", "seconds"),
+    [("30s", 30.0), ("5m", 300.0), ("1h30m", 5400.0), ("250ms", 0.25), ("1.5h", 5400.0)],
 )
 def test_parse_duration(text: str, seconds: float) -> None:
     assert parse_duration(text) == pytest.approx(seconds)

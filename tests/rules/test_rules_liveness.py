@@ -7,10 +7,24 @@ from gradwatch.rules.liveness import LivenessTracker, SilentRankDetector, Stalle
 from gradwatch.rules.step import Liveness
 
 
-def live(rank: int, now: float, last_step: int, step_time: float, beat: float,
-         step_seconds: float | None = 1.0, job: str = "j") -> Liveness:
-    return Liveness(job=job, rank=rank, now=now, last_step=last_step, last_step_time=step_time,
-                    last_heartbeat_time=beat, step_seconds=step_seconds)
+def live(
+    rank: int,
+    now: float,
+    last_step: int,
+    step_time: float,
+    beat: float,
+    step_seconds: float | None = 1.0,
+    job: str = "j",
+) -> Liveness:
+    return Liveness(
+        job=job,
+        rank=rank,
+        now=now,
+        last_step=last_step,
+        last_step_time=step_time,
+        last_heartbeat_time=beat,
+        step_seconds=step_seconds,
+    )
 
 
 def test_stalled_needs_heartbeats_and_names_the_rank_behind() -> None:
@@ -18,8 +32,12 @@ def test_stalled_needs_heartbeats_and_names_the_rank_behind() -> None:
     now = 1000.0
     healthy = [live(r, now, 500, now - 1.0, now - 1.0) for r in range(4)]
     assert not det.observe_liveness(healthy).active
-    hung = [live(0, now, 500, now - 400, now - 1), live(1, now, 499, now - 401, now - 1),
-            live(2, now, 500, now - 400, now - 2), live(3, now, 500, now - 400, now - 50)]
+    hung = [
+        live(0, now, 500, now - 400, now - 1),
+        live(1, now, 499, now - 401, now - 1),
+        live(2, now, 500, now - 400, now - 2),
+        live(3, now, 500, now - 400, now - 50),
+    ]
     found = det.observe_liveness(hung)
     assert found.active and found.rank == 1
     assert found.evidence["stalled_ranks"] == [0, 1, 2]  # rank 3's heartbeats stopped: not "alive"
@@ -48,12 +66,18 @@ def test_engine_tick_routes_per_job_and_the_alert_carries_the_bad_rank() -> None
     engine = Engine(load_default_rules(), clock=lambda: 0.0)
     ok = [live(0, 10.0, 5, 9.0, 9.5, job="a"), live(1, 10.0, 5, 9.0, 9.5, job="a")]
     assert engine.tick(ok) == []
-    silent = [live(0, 100.0, 80, 99.0, 99.5, job="a"), live(1, 100.0, 5, 9.0, 9.5, job="a"),
-              live(0, 100.0, 3, 99.0, 99.5, job="b")]
+    silent = [
+        live(0, 100.0, 80, 99.0, 99.5, job="a"),
+        live(1, 100.0, 5, 9.0, 9.5, job="a"),
+        live(0, 100.0, 3, 99.0, 99.5, job="b"),
+    ]
     events = engine.tick(silent)
-    assert [(e.alert.rule, e.alert.job, e.alert.rank, e.alert.category, e.alert.step) for e in events] == [
-        ("RankSilent", "a", 1, "stalled", 5)]
-    assert events[0].alert.diagnosis is not None and events[0].alert.diagnosis["earlier_cause"] is None
+    assert [
+        (e.alert.rule, e.alert.job, e.alert.rank, e.alert.category, e.alert.step) for e in events
+    ] == [("RankSilent", "a", 1, "stalled", 5)]
+    assert (
+        events[0].alert.diagnosis is not None and events[0].alert.diagnosis["earlier_cause"] is None
+    )
     back = [live(0, 101.0, 81, 101.0, 101.0, job="a"), live(1, 101.0, 6, 101.0, 101.0, job="a")]
     assert [(e.alert.rule, e.current) for e in engine.tick(back)] == [("RankSilent", "resolved")]
     assert engine.jobs() == ["a", "b"]

@@ -10,17 +10,19 @@ import pytest
 from gradwatch.rules import Step
 from gradwatch.rules.detector import INACTIVE, Finding
 from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
-from gradwatch.rules.spike import LossSpikeDetector
 from gradwatch.rules.series import flat_since_start, trending_up
+from gradwatch.rules.spike import LossSpikeDetector
 
 
 def steps(losses: Iterable[float], first: int = 1, lr: float | None = 1e-3) -> list[Step]:
-    return [Step(job="j", step=first + i, time=float(i), loss=loss, lr=() if lr is None else (lr,))
-            for i, loss in enumerate(losses)]
+    return [
+        Step(job="j", step=first + i, time=float(i), loss=loss, lr=() if lr is None else (lr,))
+        for i, loss in enumerate(losses)
+    ]
 
 
 def run(det: object, losses: Iterable[float], **kw: object) -> list[Finding]:
-    """Every step's verdict; a step the detector gave none for (no new observation) reads inactive."""
+    """Every step's verdict; a step the detector gave none for (no observation) reads inactive."""
     found = [det.observe(s) for s in steps(losses, **kw)]  # type: ignore[attr-defined]
     return [INACTIVE if f is None else f for f in found]
 
@@ -37,7 +39,11 @@ def test_flat_fires_once_the_windows_resolve_it() -> None:
     first = next(i for i, f in enumerate(found) if f.active) + 1
     assert first == 250  # 50 head + 200 window, judged every 10 steps
     ev = found[-1].evidence
-    assert abs(ev["change"]) < 0.02 and ev["bound"] <= 0.02 and ev["start_level"] == pytest.approx(2.3, rel=0.01)
+    assert (
+        abs(ev["change"]) < 0.02
+        and ev["bound"] <= 0.02
+        and ev["start_level"] == pytest.approx(2.3, rel=0.01)
+    )
 
 
 def test_a_constant_loss_is_flat() -> None:
@@ -62,10 +68,15 @@ def test_a_run_first_seen_mid_way_is_not_judged() -> None:
 
 def test_no_verdict_while_the_learning_rate_still_rises() -> None:
     det = FlatFromStartDetector()
-    found = [det.observe(Step(job="j", step=t, time=0.0, loss=2.3, lr=(1e-6 * t,))) for t in range(1, 600)]
+    found = [
+        det.observe(Step(job="j", step=t, time=0.0, loss=2.3, lr=(1e-6 * t,)))
+        for t in range(1, 600)
+    ]
     assert not any(f.active for f in found)
     assert det.observe(Step(job="j", step=600, time=0.0, loss=2.3, lr=(6e-4,))).active is False
-    found = [det.observe(Step(job="j", step=t, time=0.0, loss=2.3, lr=(6e-4,))) for t in range(601, 900)]
+    found = [
+        det.observe(Step(job="j", step=t, time=0.0, loss=2.3, lr=(6e-4,))) for t in range(601, 900)
+    ]
     assert found[-1].active  # warm-up over, still flat
 
 
@@ -111,7 +122,7 @@ def test_trending_up() -> None:
 
 
 def converged_run(n: int = 1200, seed: int = 0) -> np.ndarray:
-    """2.0 down to a converged ~3e-4, logged with 4 decimals (as the HF Trainer does), with 10x blips."""
+    """2.0 down to a converged ~3e-4, logged with 4 decimals (as the HF Trainer does), 10x blips."""
     rng = np.random.default_rng(seed)
     t = np.arange(n)
     level = 3e-4 + 2.0 * np.exp(-t / 60.0)
@@ -143,7 +154,11 @@ def test_a_loss_at_exactly_zero_is_not_rising_by_inf_percent() -> None:
     back = [0.7 * 0.9**k for k in range(75)] + [0.0] * 100 + [0.4] * 100  # genuinely back up
     found = run(RisingLossDetector(), back)
     hit = next(f for f in found if f.active)
-    assert "+inf" not in hit.summary and "up from its low 0" in hit.summary and hit.evidence["rise"] is None
+    assert (
+        "+inf" not in hit.summary
+        and "up from its low 0" in hit.summary
+        and hit.evidence["rise"] is None
+    )
 
 
 def test_a_loss_wandering_around_chance_is_flat() -> None:
@@ -151,20 +166,28 @@ def test_a_loss_wandering_around_chance_is_flat() -> None:
     # around ln(4) with no net progress.
     t = np.arange(600)
     wander = np.log(4.0) * (1.0 + 0.03 * np.sin(t / 40.0))
-    found = run(FlatFromStartDetector(tolerance=0.05), wander * np.random.default_rng(0).lognormal(0.0, 0.05, t.size))
+    found = run(
+        FlatFromStartDetector(tolerance=0.05),
+        wander * np.random.default_rng(0).lognormal(0.0, 0.05, t.size),
+    )
     assert found[-1].active and "has not improved since step one" in found[-1].summary
 
 
 def test_a_loss_that_fell_and_came_back_is_not_flat() -> None:
     t = np.arange(800)
     level = np.where(t < 300, 2.3 - 1.0 * t / 300, 1.3 + 1.0 * (t - 300) / 300).clip(max=2.35)
-    found = run(FlatFromStartDetector(tolerance=0.05), level * np.random.default_rng(0).lognormal(0.0, 0.02, t.size))
+    found = run(
+        FlatFromStartDetector(tolerance=0.05),
+        level * np.random.default_rng(0).lognormal(0.0, 0.02, t.size),
+    )
     assert not any(f.active for f in found)
 
 
 def test_a_flat_incident_lasts_until_the_loss_clearly_moves_on() -> None:
     rng = np.random.default_rng(0)
-    level = np.concatenate([np.full(400, 2.0), np.full(600, 1.88), np.full(600, 1.5)])  # -6%, then -25%
+    level = np.concatenate(
+        [np.full(400, 2.0), np.full(600, 1.88), np.full(600, 1.5)]
+    )  # -6%, then -25%
     found = run(FlatFromStartDetector(tolerance=0.05), level * rng.lognormal(0.0, 0.01, level.size))
     active = [f.active for f in found]
     first = active.index(True)
@@ -177,7 +200,9 @@ def test_a_loss_falling_back_after_a_jump_is_not_rising() -> None:
     # data (it falls back over ~100 steps). Every block after the jump is above the low, but
     # the trend across them is down: learning, not a learning rate too high.
     t = np.arange(900)
-    level = np.where(t < 400, 0.6 + 1.4 * np.exp(-t / 60.0), 0.55 + 1.95 * np.exp(-(t - 400) / 60.0))
+    level = np.where(
+        t < 400, 0.6 + 1.4 * np.exp(-t / 60.0), 0.55 + 1.95 * np.exp(-(t - 400) / 60.0)
+    )
     losses = level * np.random.default_rng(0).lognormal(0.0, 0.1, t.size)
     assert not any(f.active for f in run(RisingLossDetector(), losses))
     stays = np.where(t < 400, level, 1.5) * np.random.default_rng(0).lognormal(0.0, 0.1, t.size)

@@ -13,7 +13,15 @@ LAYERS = tuple(f"{i}.{kind}" for i in range(6) for kind in ("weight", "bias"))
 
 def step(t: int, norms: np.ndarray | None = None, **kw: object) -> Step:
     values = np.ones(len(LAYERS)) if norms is None else norms
-    return Step(job="j", step=t, time=float(t), loss=kw.pop("loss", 1.0), layers=LAYERS, layer_norms=values, **kw)
+    return Step(
+        job="j",
+        step=t,
+        time=float(t),
+        loss=kw.pop("loss", 1.0),
+        layers=LAYERS,
+        layer_norms=values,
+        **kw,
+    )
 
 
 def test_nan_at_step_k_fires_at_k_and_names_the_layer_that_went_first() -> None:
@@ -60,7 +68,9 @@ def test_amp_overflow_skips_do_not_fire() -> None:
     for t in range(1, 200):
         overflow = t % 7 == 0
         norms = np.full(len(LAYERS), math.inf) if overflow else np.ones(len(LAYERS))
-        s = step(t, norms, grad_norm=math.inf if overflow else 1.0, skipped=overflow, loss_scale=65536.0)
+        s = step(
+            t, norms, grad_norm=math.inf if overflow else 1.0, skipped=overflow, loss_scale=65536.0
+        )
         assert not det.observe(s).active
 
 
@@ -85,5 +95,7 @@ def test_a_clean_step_ends_the_incident_and_the_next_one_is_ranked_afresh() -> N
 def test_changed_layer_list_resets_tracking() -> None:
     det = NonFiniteDetector()
     det.observe(step(1, np.full(len(LAYERS), math.nan)))
-    other = Step(job="j", step=2, time=2.0, layers=("a.w", "b.w"), layer_norms=np.array([1.0, math.nan]))
+    other = Step(
+        job="j", step=2, time=2.0, layers=("a.w", "b.w"), layer_norms=np.array([1.0, math.nan])
+    )
     assert det.observe(other).evidence["first_nonfinite"] == ["b.w"]

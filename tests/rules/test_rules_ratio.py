@@ -14,7 +14,14 @@ LAYERS = ("0.weight", "0.bias", "1.weight", "1.bias", "2.weight", "2.bias")
 
 
 def step(t: int, norms: list[float], layers: tuple[str, ...] = LAYERS, **kw: object) -> Step:
-    return Step(job="j", step=t, time=float(t), layers=layers, layer_norms=np.array(norms, dtype=float), **kw)
+    return Step(
+        job="j",
+        step=t,
+        time=float(t),
+        layers=layers,
+        layer_norms=np.array(norms, dtype=float),
+        **kw,
+    )
 
 
 def ratio_norms(first_over_last: float) -> list[float]:
@@ -58,7 +65,9 @@ def test_exploding_direction_and_filter() -> None:
 def test_a_large_but_steady_architectural_ratio_is_not_an_anomaly() -> None:
     # 200:1 from the first step is this network's shape; only drift from it counts.
     assert not any(run(LayerRatioDetector(), [200.0] * 300))
-    assert not any(run(LayerRatioDetector(), [17.0 * 1.003**t for t in range(600)]))  # 17 -> ~100, slowly
+    assert not any(
+        run(LayerRatioDetector(), [17.0 * 1.003**t for t in range(600)])
+    )  # 17 -> ~100, slowly
 
 
 def test_an_extreme_ratio_from_the_start_needs_no_drift() -> None:
@@ -73,7 +82,7 @@ def test_hysteresis_one_episode_is_one_incident() -> None:
     active = run(det, ratios)
     begin = active.index(True)
     end = len(active) - 1 - active[::-1].index(True)
-    assert all(active[begin:end + 1])  # never flaps while it stays beyond the square roots
+    assert all(active[begin : end + 1])  # never flaps while it stays beyond the square roots
     assert end < len(ratios) - 1  # back at its reference: over
 
 
@@ -84,10 +93,16 @@ def test_a_tiny_bias_never_decides() -> None:
     assert not any(det.observe(step(t, n)).active for t, n in enumerate(quiet, start=1))  # type: ignore[union-attr]
 
 
-NANOGPT = ("transformer.wte.weight", "transformer.wpe.weight",
-           "transformer.h.0.ln_1.weight", "transformer.h.0.attn.c_attn.weight",
-           "transformer.h.0.mlp.c_proj.weight", "transformer.h.1.attn.c_attn.weight",
-           "transformer.h.1.mlp.c_proj.weight", "transformer.ln_f.weight")
+NANOGPT = (
+    "transformer.wte.weight",
+    "transformer.wpe.weight",
+    "transformer.h.0.ln_1.weight",
+    "transformer.h.0.attn.c_attn.weight",
+    "transformer.h.0.mlp.c_proj.weight",
+    "transformer.h.1.attn.c_attn.weight",
+    "transformer.h.1.mlp.c_proj.weight",
+    "transformer.ln_f.weight",
+)
 ROLES = ("tied", "embedding", "norm", "weight", "weight", "weight", "weight", "norm")
 
 
@@ -112,7 +127,9 @@ def test_tied_embeddings_and_norm_gains_are_no_ends(roles: tuple[str, ...]) -> N
 
 def test_embeddings_are_ends_only_without_two_weight_modules() -> None:
     ends = LayerEnds()
-    end = ends.measure(step(1, [1e-4, 1.0, 1.0], layers=("embed.weight", "h.0.weight", "head.weight")))
+    end = ends.measure(
+        step(1, [1e-4, 1.0, 1.0], layers=("embed.weight", "h.0.weight", "head.weight"))
+    )
     assert end is not None and (end.first, end.last) == ("h.0", "head")
     end = ends.measure(step(1, [1e-4, 1.0], layers=("embed.weight", "head.weight")))
     assert end is not None and (end.first, end.last) == ("embed", "head")
@@ -162,8 +179,17 @@ def test_grouping() -> None:
     assert skip.tolist() == [False, True, False]
 
 
-@pytest.mark.parametrize("bad", [{"threshold": 1.0}, {"window": 0}, {"direction": "sideways"},
-                                 {"drift": 0.5}, {"extreme": 1.0}, {"reference": 0}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"threshold": 1.0},
+        {"window": 0},
+        {"direction": "sideways"},
+        {"drift": 0.5},
+        {"extreme": 1.0},
+        {"reference": 0},
+    ],
+)
 def test_invalid_params_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError):
         LayerRatioDetector(**bad)
@@ -173,6 +199,7 @@ def test_for_counts_measured_steps_only() -> None:
     # Issue 13, must-have 1: steps without layer norms (a loop that logs the loss alone between
     # measured steps) leave the rule's state alone: for: 5 counts measured steps.
     from gradwatch.rules import Engine, load_default_rules
+
     engine = Engine(load_default_rules(), clock=lambda: 0.0)
     fired = []
     for t in range(1, 400):

@@ -31,9 +31,10 @@ from gradwatch.wire.trace import TraceError
 RULES = load_default_rules()
 
 
-def live_and_record(records: Iterable[Record], directory: Path,
-                    checkpoints: dict[int, str] | None = None) -> tuple[list[Transition], Path]:
-    """Run the engine live (clock = record time) while recording; return the transitions and the file."""
+def live_and_record(
+    records: Iterable[Record], directory: Path, checkpoints: dict[int, str] | None = None
+) -> tuple[list[Transition], Path]:
+    """Run the engine live (clock = record time) while recording; return transitions and file."""
     now = [0.0]
     engine = Engine(RULES, clock=lambda: now[0])
     recorder = TraceRecorder(directory)
@@ -45,8 +46,17 @@ def live_and_record(records: Iterable[Record], directory: Path,
         if isinstance(record, Step):
             recorder.step(record)
             if checkpoints and record.step in checkpoints:
-                recorder.event(Event(job, 0, "inc", record.time, "checkpoint", record.step,
-                                     {"path": checkpoints[record.step]}))
+                recorder.event(
+                    Event(
+                        job,
+                        0,
+                        "inc",
+                        record.time,
+                        "checkpoint",
+                        record.step,
+                        {"path": checkpoints[record.step]},
+                    )
+                )
         elif isinstance(record, Stats):
             recorder.stats(record)
         else:
@@ -85,7 +95,9 @@ def test_on_record_sees_every_record_in_file_order_and_changes_nothing(tmp_path:
     with_hook = run.run(path, on_record=seen.append)
     assert len(seen) == run.records > 0
     lines = [json.loads(line) for line in path.read_text().splitlines()[1:]]  # after the header
-    assert [type(r).__name__.removeprefix("Trace").lower() for r in seen] == [d["type"] for d in lines]
+    assert [type(r).__name__.removeprefix("Trace").lower() for r in seen] == [
+        d["type"] for d in lines
+    ]
     without = Replay(RULES).run(path)
     assert [t.alert.to_dict() for t in with_hook] == [t.alert.to_dict() for t in without]
 
@@ -94,25 +106,37 @@ def test_replay_ticks_liveness_from_the_trace() -> None:
     header = '{"type":"header","version":1,"job":"j","layers":[]}'
     lines = [header]
     for t in range(1, 50):
-        lines.append(json.dumps({"type": "step", "step": t, "rank": 0, "time": float(t), "loss": 1.0}))
-        lines.append(json.dumps({"type": "step", "step": t, "rank": 1, "time": float(t), "loss": 1.0}))
+        lines.append(
+            json.dumps({"type": "step", "step": t, "rank": 0, "time": float(t), "loss": 1.0})
+        )
+        lines.append(
+            json.dumps({"type": "step", "step": t, "rank": 1, "time": float(t), "loss": 1.0})
+        )
     for t in range(50, 200):  # rank 1 goes silent; rank 0 keeps stepping
-        lines.append(json.dumps({"type": "step", "step": t, "rank": 0, "time": float(t), "loss": 1.0}))
+        lines.append(
+            json.dumps({"type": "step", "step": t, "rank": 0, "time": float(t), "loss": 1.0})
+        )
     silent = [t for t in replay(lines, RULES) if t.alert.rule == "RankSilent"]
     assert [(t.current, t.alert.rank, t.alert.step) for t in silent] == [("firing", 1, 49)]
-    assert silent[0].alert.started_at == 110.0  # 60 s after rank 1's last record, on the trace's clock
+    assert (
+        silent[0].alert.started_at == 110.0
+    )  # 60 s after rank 1's last record, on the trace's clock
 
 
 # ---------------------------------------------------------------- the CLI
 
 
 def test_replay_cli_json_and_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _, path = live_and_record(worked_example(), tmp_path, checkpoints={10: "ckpt/10.pt", 30: "ckpt/30.pt"})
+    _, path = live_and_record(
+        worked_example(), tmp_path, checkpoints={10: "ckpt/10.pt", 30: "ckpt/30.pt"}
+    )
     assert replay_main([str(path), "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(x["transition"], x["alert"]["rule"]) for x in lines] == [
-        ("firing", "ActivationsSaturated"), ("firing", "LayerGradNormRatioVanishing"),
-        ("firing", "NonFiniteGradients")]
+        ("firing", "ActivationsSaturated"),
+        ("firing", "LayerGradNormRatioVanishing"),
+        ("firing", "NonFiniteGradients"),
+    ]
     nan = lines[-1]["alert"]
     assert nan["evidence"]["loss"] == "nan" and nan["diagnosis"]["verdict"] == "numerical"
     assert nan["last_good_checkpoint"] == "ckpt/30.pt"  # saved before step 40, the newest such
@@ -146,11 +170,19 @@ def test_replay_cli_failures_exit_2(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def step(job: str, t: int) -> Step:
-    return Step(job=job, step=t, time=float(t), loss=1.0, layers=("a", "b"), layer_norms=np.array([1.0, 2.0]))
+    return Step(
+        job=job,
+        step=t,
+        time=float(t),
+        loss=1.0,
+        layers=("a", "b"),
+        layer_norms=np.array([1.0, 2.0]),
+    )
 
 
-def test_write_failure_is_logged_once_and_switches_recording_off(tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_write_failure_is_logged_once_and_switches_recording_off(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file where the directory should be")
     recorder = TraceRecorder(blocker / "traces")
@@ -167,7 +199,9 @@ def test_write_failure_is_logged_once_and_switches_recording_off(tmp_path: Path,
 def test_file_names_restarts_and_many_jobs(tmp_path: Path) -> None:
     assert trace_file_name("run-42") == "run-42"
     weird = trace_file_name("../etc/passwd")
-    assert "/" not in weird and not weird.startswith(".") and weird != trace_file_name("_/etc/passwd")
+    assert (
+        "/" not in weird and not weird.startswith(".") and weird != trace_file_name("_/etc/passwd")
+    )
     (tmp_path / "a.jsonl").write_text("from an earlier collector\n")
     recorder = TraceRecorder(tmp_path, max_open=1)
     for t in range(1, 4):  # alternate jobs with one open file: each reopen appends
@@ -183,7 +217,9 @@ def test_file_names_restarts_and_many_jobs(tmp_path: Path) -> None:
 
 
 def test_collector_records_what_it_receives(tmp_path: Path) -> None:
-    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", record_dir=tmp_path)
+    config = CollectorConfig(
+        listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", record_dir=tmp_path
+    )
     server = Server(config, registry=CollectorRegistry())
     server.start()
     ctx: zmq.Context[Any] = zmq.Context()
@@ -193,21 +229,31 @@ def test_collector_records_what_it_receives(tmp_path: Path) -> None:
         push.connect(server.bound_endpoint)
         schema = Schema(1, ("loss", "lr/0"), ("embed.weight", "fc.weight"))
         rows = np.array([[2.0, 0.1, 1.0, 0.5], [1.5, 0.1, float("nan"), 0.5]], "<f4")
-        push.send_multipart(encode(Batch("run-1", 0, 1, 1, 0, "inc", 0, (1, 2), (0.5, 1.0),
-                                         rows.tobytes(), schema)))
+        push.send_multipart(
+            encode(Batch("run-1", 0, 1, 1, 0, "inc", 0, (1, 2), (0.5, 1.0), rows.tobytes(), schema))
+        )
         push.send_multipart(encode(Heartbeat("run-1", 0, 1, "inc", 1.5, 2, 0)))
-        push.send_multipart(encode(Event("run-1", 0, "inc", 1.6, "eval", 2, {"loss": 2.5, "acc": 0.5})))
+        push.send_multipart(
+            encode(Event("run-1", 0, "inc", 1.6, "eval", 2, {"loss": 2.5, "acc": 0.5}))
+        )
         assert server.wait_for_messages(3, timeout=10)
     finally:
         push.close(linger=0)
         ctx.term()
         assert server.stop(10)
     text = (tmp_path / "run-1.jsonl").read_text().splitlines()
-    assert [json.loads(line)["type"] for line in text] == ["header", "step", "step", "heartbeat", "eval"]
+    assert [json.loads(line)["type"] for line in text] == [
+        "header",
+        "step",
+        "step",
+        "heartbeat",
+        "eval",
+    ]
     assert json.loads(text[2])["layer_grad_norms"] == ["nan", 0.5]
     assert json.loads(text[4])["metrics"] == {"acc": 0.5}
     assert [(t.alert.rule, t.alert.step) for t in replay(tmp_path / "run-1.jsonl", RULES)] == [
-        ("NonFiniteGradients", 2)]
+        ("NonFiniteGradients", 2)
+    ]
 
 
 def test_records_before_the_first_step_wait_for_its_layers(tmp_path: Path) -> None:

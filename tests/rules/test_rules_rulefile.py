@@ -80,7 +80,11 @@ def test_default_pack_loads_and_builds_detectors() -> None:
         assert {"summary", "diagnosis", "next_checks"} <= set(rule.annotations)
         assert rule.source.startswith(str(default_rules_path()))
     nonfinite = rules[0]
-    assert (nonfinite.severity, nonfinite.category, nonfinite.for_steps) == ("critical", "numerical", 1)
+    assert (nonfinite.severity, nonfinite.category, nonfinite.for_steps) == (
+        "critical",
+        "numerical",
+        1,
+    )
     assert default_rules_path().name == "default.yaml"
 
 
@@ -104,17 +108,21 @@ def test_every_problem_is_reported_with_its_line() -> None:
         load_rules_text(BAD, source="rules.yaml")
     message = str(info.value)
     expected = [
-        "rules.yaml:10: groups[0].rules[1].params.window: Input should be greater than or equal to 6",
+        "rules.yaml:10: groups[0].rules[1].params.window: "
+        "Input should be greater than or equal to 6",
         "rules.yaml:10: groups[0].rules[1].params.typo: Extra inputs are not permitted",
-        "rules.yaml:15: groups[0].rules[2].severity: Input should be 'info', 'warning' or 'critical'",
-        "rules.yaml:17: groups[0].rules[2].for: for must be a whole number of observations (e.g. 5) or a duration "
+        "rules.yaml:15: groups[0].rules[2].severity: "
+        "Input should be 'info', 'warning' or 'critical'",
+        "rules.yaml:17: groups[0].rules[2].for: "
+        "for must be a whole number of observations (e.g. 5) or a duration "
         "such as '30s', '5m', '1h30m'; got 'soon'",
         "rules.yaml:18: groups[0].rules[3].alert: duplicate rule name 'A' (first at line 4)",
         f"rules.yaml:19: groups[0].rules[3].detector: unknown detector 'nosuch'; known detectors: "
         f"{', '.join(detector_names())}",
         "rules.yaml:21: groups[0].rules[3].category: Input should be 'numerical'",
         "rules.yaml:22: groups[0].rules[4].alert: Field required",
-        "rules.yaml:25: groups[0].rules[4].actions[0]: Input should be 'notify', 'rollback' or 'stop'",
+        "rules.yaml:25: groups[0].rules[4].actions[0]: "
+        "Input should be 'notify', 'rollback' or 'stop'",
     ]
     for line in expected:
         assert line in message, f"missing {line!r} in\n{message}"
@@ -128,12 +136,18 @@ def test_params_of_the_wrong_type_are_errors() -> None:
     text = GOOD.replace("{window: 32, min_factor: 1.05}", '{window: "32", min_factor: true}')
     with pytest.raises(RuleFileError) as info:
         load_rules_text(text, source="r.yaml")
-    assert "r.yaml:13: groups[0].rules[1].params.window: Input should be a valid integer" in str(info.value)
-    assert "r.yaml:13: groups[0].rules[1].params.min_factor: Input should be a valid number" in str(info.value)
+    assert "r.yaml:13: groups[0].rules[1].params.window: Input should be a valid integer" in str(
+        info.value
+    )
+    assert "r.yaml:13: groups[0].rules[1].params.min_factor: Input should be a valid number" in str(
+        info.value
+    )
 
 
 def test_yaml_syntax_errors_and_empty_files() -> None:
-    with pytest.raises(RuleFileError, match=r"^1 problem in rule file x.yaml:\nx.yaml:3: not valid YAML"):
+    with pytest.raises(
+        RuleFileError, match=r"^1 problem in rule file x.yaml:\nx.yaml:3: not valid YAML"
+    ):
         load_rules_text("groups:\n  - name: a\n  rules: [\n", source="x.yaml")
     with pytest.raises(RuleFileError, match="x.yaml:1: the file is empty"):
         load_rules_text("# nothing\n", source="x.yaml")
@@ -143,7 +157,9 @@ def test_yaml_syntax_errors_and_empty_files() -> None:
 
 def test_duplicate_yaml_keys_are_errors() -> None:
     text = GOOD.replace("        for: 1\n", "        for: 1\n        for: 2\n")
-    with pytest.raises(RuleFileError, match=r"<string>:7: groups\[0\]\.rules\[0\]\.for: duplicate key"):
+    with pytest.raises(
+        RuleFileError, match=r"<string>:7: groups\[0\]\.rules\[0\]\.for: duplicate key"
+    ):
         load_rules_text(text)
 
 
@@ -153,7 +169,10 @@ def test_bad_label_names_and_negative_for() -> None:
         load_rules_text(text)
     message = str(info.value)
     assert "<string>:6: groups[0].rules[0].for: for must be" in message
-    assert "<string>:9: groups[0].rules[0].labels.bad-name (key): String should match pattern" in message
+    assert (
+        "<string>:9: groups[0].rules[0].labels.bad-name (key): String should match pattern"
+        in message
+    )
 
 
 def test_unreadable_file_is_a_rule_file_error(tmp_path: Path) -> None:
@@ -165,7 +184,9 @@ def test_recursive_and_aliased_yaml_is_rejected_not_hung() -> None:
     with pytest.raises(RuleFileError):
         load_rules_text("groups: &g [*g]\n")
     bomb = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n" for i in range(12)
+        f"{chr(98 + i)}: &{chr(98 + i)} "
+        f"[*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]\n"
+        for i in range(12)
     )
     with pytest.raises(RuleFileError, match="groups"):
         load_rules_text(bomb)

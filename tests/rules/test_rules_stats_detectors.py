@@ -1,4 +1,4 @@
-"""Cadence-statistics detectors (activations, weights, update ratios) and AMP loss-scale collapse."""
+"""Cadence-statistics detectors (activations, weights, update ratios), AMP loss-scale collapse."""
 
 from __future__ import annotations
 
@@ -17,11 +17,22 @@ from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
 LAYERS = ("0.weight", "0.bias", "1.weight", "1.bias")
 
 
-def stats(t: int, *, act: Sequence[ActStats] = (), weights: Sequence[float] | None = None,
-          ratios: Sequence[float] | None = None) -> Stats:
-    return Stats(job="j", step=t, time=float(t), layers=LAYERS, act=tuple(act),
-                 weight_norms=None if weights is None else np.asarray(weights, dtype=float),
-                 update_ratios=None if ratios is None else np.asarray(ratios, dtype=float))
+def stats(
+    t: int,
+    *,
+    act: Sequence[ActStats] = (),
+    weights: Sequence[float] | None = None,
+    ratios: Sequence[float] | None = None,
+) -> Stats:
+    return Stats(
+        job="j",
+        step=t,
+        time=float(t),
+        layers=LAYERS,
+        act=tuple(act),
+        weight_norms=None if weights is None else np.asarray(weights, dtype=float),
+        update_ratios=None if ratios is None else np.asarray(ratios, dtype=float),
+    )
 
 
 def relu(module: str, zero: float) -> ActStats:
@@ -37,7 +48,9 @@ def tanh(module: str, sat: float) -> ActStats:
 
 def test_dead_units_needs_three_samples_and_names_the_module() -> None:
     det = DeadUnitsDetector()
-    found = [det.observe_stats(stats(50 * k, act=[relu("a", 0.5), relu("b", 0.95)])) for k in range(1, 5)]
+    found = [
+        det.observe_stats(stats(50 * k, act=[relu("a", 0.5), relu("b", 0.95)])) for k in range(1, 5)
+    ]
     assert [f.active for f in found if f is not None] == [False, False, True, True]
     ev = found[2].evidence
     assert (ev["module"], ev["since_step"], ev["count"]) == ("b", 50, 1)
@@ -81,15 +94,21 @@ def run_weights(det: WeightRunawayDetector, totals: Sequence[float]) -> list[boo
 def test_geometric_weight_growth_fires() -> None:
     det = WeightRunawayDetector()
     assert run_weights(det, [10.0 * 1.15**k for k in range(12)])[-1]
-    found = det.observe_stats(stats(650, weights=[10.0 * 1.15**12, 0.0, 10.0 * 1.15**12 / 10, 0.01]))
+    found = det.observe_stats(
+        stats(650, weights=[10.0 * 1.15**12, 0.0, 10.0 * 1.15**12 / 10, 0.01])
+    )
     assert found is not None and found.evidence["fastest_layer"] in ("0.weight", "1.weight")
     assert found.evidence["growth"] >= 2.0
 
 
 def test_diffusive_and_saturating_growth_do_not_fire() -> None:
     # sqrt(t) (random walk, no weight decay) from an init of 10, and a warm-up that levels off.
-    assert not any(run_weights(WeightRunawayDetector(), [math.sqrt(100 + 40 * k) for k in range(60)]))
-    assert not any(run_weights(WeightRunawayDetector(), [10 * (3 - 2 * math.exp(-k / 3)) for k in range(60)]))
+    assert not any(
+        run_weights(WeightRunawayDetector(), [math.sqrt(100 + 40 * k) for k in range(60)])
+    )
+    assert not any(
+        run_weights(WeightRunawayDetector(), [10 * (3 - 2 * math.exp(-k / 3)) for k in range(60)])
+    )
 
 
 def test_zero_initialised_biases_do_not_count() -> None:
@@ -103,10 +122,14 @@ def test_update_ratio_high_uses_the_weighted_global_ratio() -> None:
     det = UpdateRatioDetector(direction="high")
     # The zero-initialised bias has an infinite ratio; weighted by its norm it does not count.
     for k in range(5):
-        found = det.observe_stats(stats(k, weights=[10.0, 0.0, 5.0, 0.0], ratios=[1e-3, math.inf, 1e-3, 0.5]))
+        found = det.observe_stats(
+            stats(k, weights=[10.0, 0.0, 5.0, 0.0], ratios=[1e-3, math.inf, 1e-3, 0.5])
+        )
         assert found is not None and not found.active
-    found = [det.observe_stats(stats(10 + k, weights=[10.0, 0.1, 5.0, 0.1], ratios=[0.3, 0.3, 0.3, 0.3]))
-             for k in range(3)]
+    found = [
+        det.observe_stats(stats(10 + k, weights=[10.0, 0.1, 5.0, 0.1], ratios=[0.3, 0.3, 0.3, 0.3]))
+        for k in range(3)
+    ]
     assert [f.active for f in found if f is not None] == [False, False, True]
     assert found[-1] is not None and found[-1].evidence["ratio"] == pytest.approx(0.3)
 
@@ -122,7 +145,12 @@ def frozen_run(det: UpdateRatioDetector, lrs: Sequence[float | None]) -> list[bo
 
 
 def test_frozen_weights_need_a_live_learning_rate() -> None:
-    assert frozen_run(UpdateRatioDetector(direction="low"), [1e-3] * 4) == [False, False, True, True]
+    assert frozen_run(UpdateRatioDetector(direction="low"), [1e-3] * 4) == [
+        False,
+        False,
+        True,
+        True,
+    ]
     assert not any(frozen_run(UpdateRatioDetector(direction="low"), [None] * 5))  # lr unknown
     assert not any(frozen_run(UpdateRatioDetector(direction="low"), [0.0] * 5))  # lr is zero
     annealed = [1e-3] + [1e-5] * 5  # end of a cosine schedule: 1% of the peak
@@ -134,12 +162,16 @@ def test_frozen_weights_need_a_live_learning_rate() -> None:
 
 def amp_steps(scales: Sequence[float], skipped: Sequence[bool]) -> list[bool]:
     det = LossScaleCollapseDetector()
-    return [det.observe(Step(job="j", step=t, time=0.0, loss_scale=s, skipped=k)).active
-            for t, (s, k) in enumerate(zip(scales, skipped, strict=True))]
+    return [
+        det.observe(Step(job="j", step=t, time=0.0, loss_scale=s, skipped=k)).active
+        for t, (s, k) in enumerate(zip(scales, skipped, strict=True))
+    ]
 
 
 def test_startup_search_and_rare_overflows_are_healthy() -> None:
-    scales = [65536.0 / 2 ** min(t, 16) for t in range(16)] + [1.5] * 984  # settles at 1.5: odd but above 1
+    scales = [65536.0 / 2 ** min(t, 16) for t in range(16)] + [
+        1.5
+    ] * 984  # settles at 1.5: odd but above 1
     skipped = [t < 16 or t % 500 == 0 for t in range(1000)]
     assert not any(amp_steps(scales, skipped))
 
@@ -151,7 +183,9 @@ def test_collapse_on_the_floor_and_on_a_skip_storm() -> None:
     storm = amp_steps([1024.0] * 300, [t >= 100 and t % 2 == 0 for t in range(300)])
     assert storm.index(True) > 100 and storm[-1]
     det = LossScaleCollapseDetector()
-    assert det.observe(Step(job="j", step=1, time=0.0, loss_scale=None)) is None  # no AMP: no verdict
+    assert (
+        det.observe(Step(job="j", step=1, time=0.0, loss_scale=None)) is None
+    )  # no AMP: no verdict
 
 
 # ---------------------------------------------------------------- lagging layers
@@ -160,11 +194,14 @@ DEEP = tuple(f"h.{i}.{kind}" for i in range(6) for kind in ("weight", "bias")) +
 
 
 def deep_stats(t: int, ratios: Sequence[float]) -> Stats:
-    return Stats(job="j", step=t, time=float(t), layers=DEEP, update_ratios=np.asarray(ratios, dtype=float))
+    return Stats(
+        job="j", step=t, time=float(t), layers=DEEP, update_ratios=np.asarray(ratios, dtype=float)
+    )
 
 
 def test_lagging_layers_far_below_the_fast_ones_after_three_samples() -> None:
     from gradwatch.rules.weights import LaggingLayersDetector
+
     det = LaggingLayersDetector(factor=30.0)
     # Weights of h.0 and h.1 update 100x slower than the median layer; biases and the
     # norm gain (1e-5, also "slow") are no weight matrices and are not judged.
@@ -179,15 +216,20 @@ def test_lagging_layers_far_below_the_fast_ones_after_three_samples() -> None:
 def test_lagging_layers_when_most_of_the_model_lags_behind_its_head() -> None:
     # Issue 13: hidden layers ~100x below the head: the median is a hidden layer itself.
     from gradwatch.rules.weights import LaggingLayersDetector
+
     det = LaggingLayersDetector(factor=30.0)
     ratios = [1e-5, 1e-6] * 5 + [1e-3, 1e-4] + [1e-5]
     found = [det.observe_stats(deep_stats(5 * k, ratios)) for k in range(1, 4)]
     assert found[-1] is not None and found[-1].active
-    assert found[-1].evidence["count"] == 5 and "h.5.weight" not in found[-1].evidence["lagging_layers"]
+    assert (
+        found[-1].evidence["count"] == 5
+        and "h.5.weight" not in found[-1].evidence["lagging_layers"]
+    )
 
 
 def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
     from gradwatch.rules.weights import LaggingLayersDetector
+
     det = LaggingLayersDetector(factor=30.0)
     rng = np.random.default_rng(0)
     for k in range(1, 200):
@@ -199,22 +241,34 @@ def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
 
 def test_dead_gelu_and_silu_units_through_the_default_rule() -> None:
     from gradwatch.rules import Engine, load_default_rules
+
     engine = Engine(load_default_rules(), clock=lambda: 0.0)
     fired = []
     for k in range(1, 6):
-        acts = (ActStats("mlp.act", "gelu", mean=-0.1, std=0.05, zero_frac=0.97),
-                ActStats("gate.act", "silu", mean=0.2, std=0.5, zero_frac=0.001))
+        acts = (
+            ActStats("mlp.act", "gelu", mean=-0.1, std=0.05, zero_frac=0.97),
+            ActStats("gate.act", "silu", mean=0.2, std=0.5, zero_frac=0.001),
+        )
         fired += engine.observe_stats(Stats(job="j", step=50 * k, time=0.0, act=acts))
     (t,) = fired
-    assert (t.alert.rule, t.alert.category, t.alert.evidence["module"]) == ("DeadGELUSiLUUnits", "dead_units", "mlp.act")
+    assert (t.alert.rule, t.alert.category, t.alert.evidence["module"]) == (
+        "DeadGELUSiLUUnits",
+        "dead_units",
+        "mlp.act",
+    )
 
 
 # ---------------------------------------------------------------- weights started too small
 
 
 def weight_stats(t: int, scale: float) -> Stats:
-    return Stats(job="j", step=t, time=float(t), layers=DEEP,
-                 weight_norms=np.array([scale, 0.01] * 6 + [1.0]))
+    return Stats(
+        job="j",
+        step=t,
+        time=float(t),
+        layers=DEEP,
+        weight_norms=np.array([scale, 0.01] * 6 + [1.0]),
+    )
 
 
 def waking(t: int) -> float:
@@ -224,36 +278,53 @@ def waking(t: int) -> float:
 
 def test_weights_grown_tenfold_from_the_init_and_settling_are_a_small_init() -> None:
     from gradwatch.rules.weights import SmallInitDetector
+
     det = SmallInitDetector()
     found = [det.observe_stats(weight_stats(t, waking(t))) for t in (1, 10, 50, 100, 200)]
     assert [bool(f and f.active) for f in found] == [False, False, False, True, True]
     ev = found[3].evidence  # type: ignore[union-attr]
-    assert ev["first_step"] == 1 and ev["growth"] == pytest.approx(waking(100) / waking(1), rel=1e-6)
+    assert ev["first_step"] == 1 and ev["growth"] == pytest.approx(
+        waking(100) / waking(1), rel=1e-6
+    )
     assert "h.0.weight" in ev["fastest_layers"]
 
 
 def test_weights_that_keep_growing_are_exploding_not_waking() -> None:
     # lr far too high: the weights grow 10x as fast, and keep growing.
     from gradwatch.rules.weights import SmallInitDetector
+
     det = SmallInitDetector()
-    assert not any(det.observe_stats(weight_stats(t, 0.5 * 1.05**t)).active for t in range(1, 300, 10))  # type: ignore[union-attr]
+    assert not any(
+        det.observe_stats(weight_stats(t, 0.5 * 1.05**t)).active for t in range(1, 300, 10)
+    )  # type: ignore[union-attr]
 
 
 def test_a_standard_init_and_a_late_first_sample_are_not_judged() -> None:
     from gradwatch.rules.weights import SmallInitDetector
+
     det = SmallInitDetector()
-    assert not any(det.observe_stats(weight_stats(t, 1.0 + t / 1000)).active for t in range(1, 1500, 50))  # type: ignore[union-attr]
+    assert not any(
+        det.observe_stats(weight_stats(t, 1.0 + t / 1000)).active for t in range(1, 1500, 50)
+    )  # type: ignore[union-attr]
     late = SmallInitDetector()
     assert all(late.observe_stats(weight_stats(t, 0.02 * 1.05**t)) is None for t in (50, 100, 200))
 
 
 def test_a_fresh_head_growing_alone_is_not_a_small_init() -> None:
     from gradwatch.rules.weights import SmallInitDetector
+
     det = SmallInitDetector()
     layers = ("backbone.0.weight", "backbone.1.weight", "backbone.2.weight", "head.weight")
     for t, head in ((1, 0.1), (10, 1.0), (100, 40.0)):
-        found = det.observe_stats(Stats(job="j", step=t, time=0.0, layers=layers,
-                                        weight_norms=np.array([1.0, 1.0, 1.0, head])))
+        found = det.observe_stats(
+            Stats(
+                job="j",
+                step=t,
+                time=0.0,
+                layers=layers,
+                weight_norms=np.array([1.0, 1.0, 1.0, head]),
+            )
+        )
         assert found is not None and not found.active
 
 
@@ -273,7 +344,9 @@ def test_early_dense_samples_alone_do_not_make_a_trend() -> None:
 
 def test_large_updates_that_keep_lowering_the_loss_are_a_fast_healthy_run() -> None:
     def run(loss_at) -> list[bool]:
-        det = UpdateRatioDetector(direction="high", high=0.03, samples=3, span=100, min_progress=0.1)
+        det = UpdateRatioDetector(
+            direction="high", high=0.03, samples=3, span=100, min_progress=0.1
+        )
         out = []
         for t in range(1, 400):
             det.observe(Step(job="j", step=t, time=0.0, loss=loss_at(t), lr=(1e-2,)))
@@ -281,6 +354,7 @@ def test_large_updates_that_keep_lowering_the_loss_are_a_fast_healthy_run() -> N
                 found = det.observe_stats(stats(t, ratios=[0.2] * 4))
                 out.append(bool(found and found.active))
         return out
+
     assert not any(run(lambda t: 2.0 * 0.99**t))  # falling fast: no page
     stuck = run(lambda t: 3.2 + 0.1 * math.sin(t))  # stuck far above where it should be
     assert stuck.index(True) == 4  # samples at 25, 50, 75, 100, 125: the span is reached at 125
@@ -289,20 +363,25 @@ def test_large_updates_that_keep_lowering_the_loss_are_a_fast_healthy_run() -> N
 def test_a_share_hovering_at_the_threshold_is_one_incident() -> None:
     det = DeadUnitsDetector(threshold=0.7, samples=2, kinds=("gelu",))
     shares = [0.72, 0.75, 0.69, 0.71, 0.68, 0.74, 0.5, 0.5]
-    active = [det.observe_stats(stats(k, act=[ActStats("m", "gelu", 0.0, 1.0, zero_frac=z)])).active  # type: ignore[union-attr]
-              for k, z in enumerate(shares)]
+    active = [
+        det.observe_stats(stats(k, act=[ActStats("m", "gelu", 0.0, 1.0, zero_frac=z)])).active  # type: ignore[union-attr]
+        for k, z in enumerate(shares)
+    ]
     assert active == [False, True, True, True, True, True, False, False]
 
 
 def small_run(loss_at, ratio: float = 3e-6, first: int = 1, lr_at=lambda t: 1e-3) -> list[bool]:
     """The default UpdatesTooSmall params over 200 steps, a cadence sample every 10."""
-    det = UpdateRatioDetector(direction="small", low=1e-5, samples=3, span=50, lr_fraction=0.1,
-                              min_progress=0.1)
+    det = UpdateRatioDetector(
+        direction="small", low=1e-5, samples=3, span=50, lr_fraction=0.1, min_progress=0.1
+    )
     out = []
     for t in range(first, first + 200):
         det.observe(Step(job="j", step=t, time=0.0, loss=loss_at(t), lr=(lr_at(t),)))
         if t % 10 == 0:
-            found = det.observe_stats(stats(t, weights=[4.0, 0.1, 2.0, 0.1], ratios=[ratio, 0.0, ratio, ratio]))
+            found = det.observe_stats(
+                stats(t, weights=[4.0, 0.1, 2.0, 0.1], ratios=[ratio, 0.0, ratio, ratio])
+            )
             out.append(bool(found and found.active))
     return out
 

@@ -5,16 +5,24 @@ from __future__ import annotations
 import numpy as np
 
 from gradwatch.rules import Engine, load_default_rules
-from gradwatch.rules.stepping import OptimizerIdleDetector
 from gradwatch.rules.step import Stats, Step
+from gradwatch.rules.stepping import OptimizerIdleDetector
 from gradwatch.rules.weights import UpdateRatioDetector
 
 RULES = load_default_rules()
 
 
 def step(t: int, *, lr: float = 0.1, skipped: bool = False, scale: float | None = None) -> Step:
-    return Step(job="j", step=t, time=float(t), loss=1.0, grad_norm=1.0, lr=(lr,),
-                skipped=skipped, loss_scale=scale)
+    return Step(
+        job="j",
+        step=t,
+        time=float(t),
+        loss=1.0,
+        grad_norm=1.0,
+        lr=(lr,),
+        skipped=skipped,
+        loss_scale=scale,
+    )
 
 
 def run(det: OptimizerIdleDetector, steps: list[Step]) -> list[bool]:
@@ -32,7 +40,7 @@ def test_a_stepping_optimizer_resets_the_count() -> None:
 
 
 def test_amp_overflow_skips_are_left_to_the_loss_scale_rule() -> None:
-    steps = [step(t, skipped=True, scale=2.0**(16 - t)) for t in range(1, 30)]
+    steps = [step(t, skipped=True, scale=2.0 ** (16 - t)) for t in range(1, 30)]
     assert not any(run(OptimizerIdleDetector(steps=10), steps))
 
 
@@ -45,8 +53,12 @@ def test_zero_learning_rate_fires_but_a_warmup_from_zero_does_not() -> None:
 
 def test_the_default_pack_calls_it_a_dead_pipeline() -> None:
     engine = Engine(RULES, clock=lambda: 0.0)
-    fired = [t.alert for s in range(1, 20) for t in engine.observe(step(s, skipped=True))
-             if t.current == "firing"]
+    fired = [
+        t.alert
+        for s in range(1, 20)
+        for t in engine.observe(step(s, skipped=True))
+        if t.current == "firing"
+    ]
     assert [(a.rule, a.category) for a in fired] == [("OptimizerIdle", "dead_pipeline")]
     assert fired[0].step == 10 and fired[0].evidence["since_step"] == 1
     assert "optimizer.step() did not run" in fired[0].summary
@@ -54,8 +66,14 @@ def test_the_default_pack_calls_it_a_dead_pipeline() -> None:
 
 def stats(t: int, ratios: list[float]) -> Stats:
     names = tuple(f"layer{i}.weight" for i in range(len(ratios)))
-    return Stats(job="j", step=t, time=float(t), layers=names,
-                 weight_norms=np.ones(len(ratios)), update_ratios=np.asarray(ratios))
+    return Stats(
+        job="j",
+        step=t,
+        time=float(t),
+        layers=names,
+        weight_norms=np.ones(len(ratios)),
+        update_ratios=np.asarray(ratios),
+    )
 
 
 def test_layers_frozen_names_the_still_layers_while_others_learn() -> None:

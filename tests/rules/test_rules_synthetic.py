@@ -1,4 +1,4 @@
-"""Every default rule against synthetic runs: each fault alerts with its category, healthy runs never do."""
+"""Every default rule against synthetic runs: each fault alerts with its category, healthy never."""
 
 from __future__ import annotations
 
@@ -44,9 +44,19 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     # census rules and GradientsAllZero in test_rules_gradient_faults; liveness in
     # test_rules_liveness and test_rules_straggler; UpdatesTooSmall in test_rules_stats_detectors.
     # Checked here: the signal groups.
-    elsewhere = {"GradientNormGrowingGeometrically", "LayerGradNormRatioVanishing", "LayerGradNormRatioExploding",
-                 "GradientsAllZero", "LayersLagging", "LayersFrozenMidRun", "TrainingInEvalMode", "DeadGELUSiLUUnits",
-                 "WeightsStartedTooSmall", "ParametersNotInOptimizer", "UpdatesTooSmall"}
+    elsewhere = {
+        "GradientNormGrowingGeometrically",
+        "LayerGradNormRatioVanishing",
+        "LayerGradNormRatioExploding",
+        "GradientsAllZero",
+        "LayersLagging",
+        "LayersFrozenMidRun",
+        "TrainingInEvalMode",
+        "DeadGELUSiLUUnits",
+        "WeightsStartedTooSmall",
+        "ParametersNotInOptimizer",
+        "UpdatesTooSmall",
+    }
     groups = {"numerical", "gradients", "activations", "weights", "model", "mixed-precision"}
     assert {r.name for r in RULES if r.group in groups} <= covered | elsewhere
     assert covered | elsewhere <= {r.name for r in RULES}
@@ -70,7 +80,10 @@ def test_fault_fires_its_rule_with_its_category(fault: str, seed: int) -> None:
 
 def test_a_spike_resolves_when_the_loss_returns_and_is_not_a_divergence() -> None:
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), fault_run("spike", 3).records())
-    assert [(t.alert.rule, t.current) for t in transitions] == [("LossSpike", "firing"), ("LossSpike", "resolved")]
+    assert [(t.alert.rule, t.current) for t in transitions] == [
+        ("LossSpike", "firing"),
+        ("LossSpike", "resolved"),
+    ]
     evidence = transitions[0].alert.evidence
     assert evidence["spike_step"] == 1000 and evidence["height_sigmas"] >= 6.0
     assert 0.0 < evidence["level"] < evidence["spike_loss"]

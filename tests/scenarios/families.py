@@ -13,14 +13,12 @@ healthy training generalise, so keep their descriptions out of rule-design notes
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from scenarios.scenario_lib import (N_CLS, N_IN, SCENARIOS, Ctx, Scenario, classify, mlp,
-                                    teacher)
-
-
+from scenarios.scenario_lib import N_CLS, N_IN, SCENARIOS, Ctx, Scenario, classify, mlp, teacher
 
 # --------------------------------------------------------------------------- one corrupt batch
 
@@ -39,6 +37,7 @@ def _corrupt_batch(ctx: Ctx, corrupt: bool) -> None:
     def inputs(step: int) -> torch.Tensor:
         x = torch.randn(64, N_IN)
         return x * 1000.0 if corrupt and step == 200 else x
+
     classify(ctx, model, opt, 300, inputs=inputs, label=lambda x: t(x / x.abs().max()))
 
 
@@ -61,6 +60,7 @@ def _scheduler_units(ctx: Ctx, per_batch: bool) -> None:
     def before(step: int) -> None:
         if step > 1 and (per_batch or (step - 1) % epoch == 0):
             sched.step()
+
     classify(ctx, model, opt, 400, before_step=before)
 
 
@@ -79,8 +79,7 @@ def _group_lrs(ctx: Ctx, hidden_lr: float, decay: float = 1.0) -> None:
     head = linears[-1]
     groups = [{"params": list(head.parameters()), "lr": 1e-3}]
     for i, layer in enumerate(reversed(linears[:-1]), start=1):
-        groups.append({"params": list(layer.parameters()),
-                       "lr": hidden_lr * (decay ** i)})
+        groups.append({"params": list(layer.parameters()), "lr": hidden_lr * (decay**i)})
     classify(ctx, model, torch.optim.Adam(groups), 300)
 
 
@@ -102,6 +101,7 @@ def _val_loss_reduction(ctx: Ctx, summed: bool) -> None:
     def val() -> torch.Tensor:
         total = sum(F.cross_entropy(model(xva[i]), yva[i]) for i in range(20))
         return total if summed else total / 20
+
     classify(ctx, model, opt, 300, label=t, eval_every=20, eval_fn=val)
 
 
@@ -128,10 +128,11 @@ def _misaligned_labels(ctx: Ctx, misaligned: bool) -> None:
         idx = torch.randint(0, 4096, (64,), generator=g)
         box[0] = idx
         return x[idx]
+
     classify(ctx, model, opt, 400, inputs=inputs, label=lambda _: y[box[0]])
 
 
-# --------------------------------------------------------------------------- no gradient reaches the model
+# ------------------------------------------------------------------ no gradient reaches the model
 
 
 def _detached_output(ctx: Ctx, detached: bool) -> None:
@@ -148,6 +149,7 @@ def _detached_output(ctx: Ctx, detached: bool) -> None:
         if detached:
             out = out.detach().requires_grad_()
         return F.cross_entropy(out, y)
+
     classify(ctx, model, opt, 300, loss_fn=loss_fn)
 
 
@@ -168,6 +170,7 @@ def _eval_mode_left_on(ctx: Ctx, bn: bool) -> None:
     def before(step: int) -> None:
         if step == 51:
             model.eval()  # validation ran after step 50 and left the model in eval mode
+
     classify(ctx, model, opt, 200, label=t, before_step=before)
 
 
@@ -184,8 +187,15 @@ def _dropout_p0_eval_in_train_mode(ctx: Ctx) -> None:
     opt = torch.optim.Adam(model.parameters(), lr=2e-3)
     t = teacher()
     xva = torch.randn(256, N_IN)
-    classify(ctx, model, opt, 100, label=t, eval_every=20,
-             eval_fn=lambda: F.cross_entropy(model(xva), t(xva)))
+    classify(
+        ctx,
+        model,
+        opt,
+        100,
+        label=t,
+        eval_every=20,
+        eval_fn=lambda: F.cross_entropy(model(xva), t(xva)),
+    )
 
 
 # --------------------------------------------------------------------------- freezing
@@ -208,6 +218,7 @@ def _frozen_mid_run(ctx: Ctx) -> None:
         if step == 100:
             for p in _backbone(model):
                 p.requires_grad_(False)
+
     classify(ctx, model, opt, 300, before_step=before)
 
 
@@ -254,9 +265,11 @@ class TiedGPT(nn.Module):
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList(
-            nn.TransformerEncoderLayer(d, 2, 4 * d, dropout=0.0, activation="gelu",
-                                       batch_first=True, norm_first=True)
-            for _ in range(layers))
+            nn.TransformerEncoderLayer(
+                d, 2, 4 * d, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+            )
+            for _ in range(layers)
+        )
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight  # weight tying (Press & Wolf 2017)
@@ -279,15 +292,18 @@ def _tied_gpt(ctx: Ctx, steps: int = 300) -> None:
     model = TiedGPT()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=3e-3, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=3e-3,
+        betas=(0.9, 0.99),
+    )
     warm = 30
 
     def lr_at(it: int) -> float:
         if it < warm:
             return 3e-3 * (it + 1) / (warm + 1)
         return 3e-4 + 0.5 * (1 + math.cos(math.pi * (it - warm) / (steps - warm))) * 2.7e-3
+
     g = torch.Generator().manual_seed(7)
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,6 +312,7 @@ def _tied_gpt(ctx: Ctx, steps: int = 300) -> None:
         noise = torch.rand(seq.shape, generator=g) < 0.1
         seq = torch.where(noise, torch.randint(0, 32, seq.shape, generator=g), seq)  # ...noisy
         return seq[:, :-1], seq[:, 1:]
+
     mon = ctx.watch(model, opt)
     for it in range(steps):
         for group in opt.param_groups:
@@ -324,6 +341,7 @@ def _near_zero_converged(ctx: Ctx) -> None:
         x = torch.randn(64, N_IN)
         margin = 2.5 if step % 40 == 0 else 3.0  # now and then a batch nearer the boundary
         return x + margin * torch.sign(x @ w)[:, None] * w / w.norm()
+
     classify(ctx, model, opt, 500, inputs=inputs, label=lambda x: (x @ w > 0).long())
 
 
@@ -336,9 +354,13 @@ def _weights_waking(ctx: Ctx) -> None:
     Healthy (it ends where the default init does): a note (info) about the small start is
     fair, a page is not.
     """
-    model = nn.Sequential(nn.Linear(N_IN, 64, bias=False), nn.Tanh(),
-                          nn.Linear(64, 64, bias=False), nn.Tanh(),
-                          nn.Linear(64, N_CLS, bias=False))
+    model = nn.Sequential(
+        nn.Linear(N_IN, 64, bias=False),
+        nn.Tanh(),
+        nn.Linear(64, 64, bias=False),
+        nn.Tanh(),
+        nn.Linear(64, N_CLS, bias=False),
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(0.02)
@@ -372,8 +394,16 @@ def _same_batch(ctx: Ctx, same: bool) -> None:
     first = torch.randn(64, N_IN)
     xva = torch.randn(512, N_IN)
     yva = t(xva)
-    classify(ctx, model, opt, 300, inputs=lambda s: first if same else torch.randn(64, N_IN),
-             label=t, eval_every=20, eval_fn=lambda: F.cross_entropy(model(xva), yva))
+    classify(
+        ctx,
+        model,
+        opt,
+        300,
+        inputs=lambda s: first if same else torch.randn(64, N_IN),
+        label=t,
+        eval_every=20,
+        eval_fn=lambda: F.cross_entropy(model(xva), yva),
+    )
 
 
 def _warmup(ctx: Ctx, stuck: bool) -> None:
@@ -397,48 +427,95 @@ def _warmup(ctx: Ctx, stuck: bool) -> None:
 FAMILIES: tuple[Scenario, ...] = (
     Scenario("corrupt_batch_one_step", "loss_spike", 200, lambda c: _corrupt_batch(c, True)),
     Scenario("healthy_twin_corrupt_batch", None, 0, lambda c: _corrupt_batch(c, False)),
-    Scenario("scheduler_stepped_per_batch", "lr_too_low", 61,
-             lambda c: _scheduler_units(c, True), also=("dead_pipeline",)),
+    Scenario(
+        "scheduler_stepped_per_batch",
+        "lr_too_low",
+        61,
+        lambda c: _scheduler_units(c, True),
+        also=("dead_pipeline",),
+    ),
     Scenario("healthy_scheduler_stepped_per_epoch", None, 0, lambda c: _scheduler_units(c, False)),
-    Scenario("hidden_lr_100x_below_head", "update_ratio", 1, lambda c: _group_lrs(c, 1e-5),
-             also=("lr_too_low",)),
+    Scenario(
+        "hidden_lr_100x_below_head",
+        "update_ratio",
+        1,
+        lambda c: _group_lrs(c, 1e-5),
+        also=("lr_too_low",),
+    ),
     Scenario("healthy_twin_equal_group_lrs", None, 0, lambda c: _group_lrs(c, 1e-3)),
-    Scenario("val_loss_summed_20x", "generalization_gap", 20,
-             lambda c: _val_loss_reduction(c, True), also=("eval_mode_wiring",)),
+    Scenario(
+        "val_loss_summed_20x",
+        "generalization_gap",
+        20,
+        lambda c: _val_loss_reduction(c, True),
+        also=("eval_mode_wiring",),
+    ),
     Scenario("healthy_twin_val_loss_averaged", None, 0, lambda c: _val_loss_reduction(c, False)),
-    Scenario("labels_misaligned_fixed_set", "dead_pipeline", 1,
-             lambda c: _misaligned_labels(c, True)),
+    Scenario(
+        "labels_misaligned_fixed_set", "dead_pipeline", 1, lambda c: _misaligned_labels(c, True)
+    ),
     Scenario("healthy_twin_labels_aligned", None, 0, lambda c: _misaligned_labels(c, False)),
-    Scenario("output_detached_requires_grad", "dead_pipeline", 1,
-             lambda c: _detached_output(c, True)),
+    Scenario(
+        "output_detached_requires_grad", "dead_pipeline", 1, lambda c: _detached_output(c, True)
+    ),
     Scenario("healthy_twin_output_attached", None, 0, lambda c: _detached_output(c, False)),
-    Scenario("eval_mode_left_on_after_validation", "eval_mode_wiring", 51,
-             lambda c: _eval_mode_left_on(c, bn=True)),
-    Scenario("healthy_eval_mode_left_on_no_effect", None, 0,
-             lambda c: _eval_mode_left_on(c, bn=False)),
+    Scenario(
+        "eval_mode_left_on_after_validation",
+        "eval_mode_wiring",
+        51,
+        lambda c: _eval_mode_left_on(c, bn=True),
+    ),
+    Scenario(
+        "healthy_eval_mode_left_on_no_effect", None, 0, lambda c: _eval_mode_left_on(c, bn=False)
+    ),
     Scenario("healthy_dropout_p0_eval_in_train_mode", None, 0, _dropout_p0_eval_in_train_mode),
-    Scenario("backbone_frozen_mid_run", "update_ratio", 100, _frozen_mid_run,
-             also=("dead_pipeline",)),
+    Scenario(
+        "backbone_frozen_mid_run", "update_ratio", 100, _frozen_mid_run, also=("dead_pipeline",)
+    ),
     Scenario("healthy_head_only_finetune", None, 0, _head_only_finetune, allow="info"),
-    Scenario("gelu_units_dead_bias", "dead_units", 1, lambda c: _smooth_act(c, nn.GELU, -6.0),
-             also=("vanishing_gradients",)),
-    Scenario("silu_units_dead_bias", "dead_units", 1, lambda c: _smooth_act(c, nn.SiLU, -8.0),
-             also=("vanishing_gradients",)),
+    Scenario(
+        "gelu_units_dead_bias",
+        "dead_units",
+        1,
+        lambda c: _smooth_act(c, nn.GELU, -6.0),
+        also=("vanishing_gradients",),
+    ),
+    Scenario(
+        "silu_units_dead_bias",
+        "dead_units",
+        1,
+        lambda c: _smooth_act(c, nn.SiLU, -8.0),
+        also=("vanishing_gradients",),
+    ),
     Scenario("healthy_gelu", None, 0, lambda c: _smooth_act(c, nn.GELU, 0.0)),
     Scenario("healthy_silu", None, 0, lambda c: _smooth_act(c, nn.SiLU, 0.0)),
     Scenario("healthy_tied_embedding_gpt", None, 0, _tied_gpt, slow=True),
     Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged),
-    Scenario("healthy_weights_waking_from_small_init", None, 0, _weights_waking,
-             allow="info"),
+    Scenario("healthy_weights_waking_from_small_init", None, 0, _weights_waking, allow="info"),
     # HELD OUT (see HELD_OUT below)
-    Scenario("adam_eps_too_large", "update_ratio", 1, lambda c: _adam_eps(c, 1.0),
-             also=("lr_too_low", "dead_pipeline")),
+    Scenario(
+        "adam_eps_too_large",
+        "update_ratio",
+        1,
+        lambda c: _adam_eps(c, 1.0),
+        also=("lr_too_low", "dead_pipeline"),
+    ),
     Scenario("healthy_twin_adam_eps_default", None, 0, lambda c: _adam_eps(c, 1e-8)),
-    Scenario("same_batch_every_step", "generalization_gap", 1, lambda c: _same_batch(c, True),
-             also=("dead_pipeline",)),
+    Scenario(
+        "same_batch_every_step",
+        "generalization_gap",
+        1,
+        lambda c: _same_batch(c, True),
+        also=("dead_pipeline",),
+    ),
     Scenario("healthy_twin_fresh_batches", None, 0, lambda c: _same_batch(c, False)),
-    Scenario("warmup_scheduler_never_stepped", "lr_too_low", 1, lambda c: _warmup(c, True),
-             also=("update_ratio", "dead_pipeline")),
+    Scenario(
+        "warmup_scheduler_never_stepped",
+        "lr_too_low",
+        1,
+        lambda c: _warmup(c, True),
+        also=("update_ratio", "dead_pipeline"),
+    ),
     Scenario("healthy_long_warmup_from_zero", None, 0, lambda c: _warmup(c, False)),
     Scenario("healthy_layerwise_lr_decay", None, 0, lambda c: _group_lrs(c, 1e-3, decay=0.7)),
 )
@@ -446,9 +523,12 @@ FAMILIES: tuple[Scenario, ...] = (
 # HELD OUT: these families were NOT shown to the rule designers (not in issue 13, not in
 # FINDINGS.md). The suite reports them separately, as a test of generalisation.
 HELD_OUT: tuple[str, ...] = (
-    "adam_eps_too_large", "healthy_twin_adam_eps_default",
-    "same_batch_every_step", "healthy_twin_fresh_batches",
-    "warmup_scheduler_never_stepped", "healthy_long_warmup_from_zero",
+    "adam_eps_too_large",
+    "healthy_twin_adam_eps_default",
+    "same_batch_every_step",
+    "healthy_twin_fresh_batches",
+    "warmup_scheduler_never_stepped",
+    "healthy_long_warmup_from_zero",
     "healthy_layerwise_lr_decay",
 )
 

@@ -22,15 +22,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from gradwatch.collector.config import CollectorConfig
-from gradwatch.collector.server import Server
-from gradwatch.collector.sinks import SinkStats
 from prometheus_client import CollectorRegistry
 from torch import nn
 from torch.nn import functional as F
 
 import gradwatch
 from gradwatch import seed_example
+from gradwatch.collector.config import CollectorConfig
+from gradwatch.collector.server import Server
+from gradwatch.collector.sinks import SinkStats
 
 DRAIN_TIMEOUT_S = 10.0
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
@@ -68,8 +68,9 @@ class CaptureSink:
     @property
     def fired(self) -> list[Fired]:
         with self._lock:
-            return [Fired(a.rule, str(a.category), int(a.step), str(a.severity))
-                    for a in self.alerts]
+            return [
+                Fired(a.rule, str(a.category), int(a.step), str(a.severity)) for a in self.alerts
+            ]
 
     def close(self, timeout: float) -> None:
         pass
@@ -186,12 +187,18 @@ class Result:
 
     def to_dict(self) -> dict[str, Any]:
         s = self.scenario
-        return {"name": s.name, "category": s.category, "onset": s.onset,
-                "detected": self.detected, "latency": self.latency,
-                "fired": [f.__dict__ for f in self.fired],
-                "other": [f.__dict__ for f in self.other],
-                "known_undetectable": s.needs, "pending": s.pending,
-                "seconds": round(self.seconds, 2)}
+        return {
+            "name": s.name,
+            "category": s.category,
+            "onset": s.onset,
+            "detected": self.detected,
+            "latency": self.latency,
+            "fired": [f.__dict__ for f in self.fired],
+            "other": [f.__dict__ for f in self.other],
+            "known_undetectable": s.needs,
+            "pending": s.pending,
+            "seconds": round(self.seconds, 2),
+        }
 
 
 def score(s: Scenario, fired: list[Fired], seconds: float) -> Result:
@@ -214,8 +221,12 @@ def score(s: Scenario, fired: list[Fired], seconds: float) -> Result:
 def run_scenario(s: Scenario) -> Result:
     clock = _Clock()
     sink = CaptureSink()
-    server = Server(CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
-                    registry=CollectorRegistry(), clock=clock, sinks=[sink])
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0"),
+        registry=CollectorRegistry(),
+        clock=clock,
+        sinks=[sink],
+    )
     server.start()
     ctx = Ctx(server, s.name, clock)
     started = time.monotonic()
@@ -250,8 +261,15 @@ def teacher(seed: int = 1) -> Callable[[torch.Tensor], torch.Tensor]:
     return lambda x: (torch.tanh(x @ w1) @ w2).argmax(1)
 
 
-def mlp(depth: int = 2, width: int = 32, act: type[nn.Module] = nn.ReLU, n_in: int = N_IN,
-        n_out: int = N_CLS, bn: bool = False, dropout: float = 0.0) -> nn.Sequential:
+def mlp(
+    depth: int = 2,
+    width: int = 32,
+    act: type[nn.Module] = nn.ReLU,
+    n_in: int = N_IN,
+    n_out: int = N_CLS,
+    bn: bool = False,
+    dropout: float = 0.0,
+) -> nn.Sequential:
     layers: list[nn.Module] = []
     d = n_in
     for _ in range(depth):
@@ -266,15 +284,25 @@ def mlp(depth: int = 2, width: int = 32, act: type[nn.Module] = nn.ReLU, n_in: i
     return nn.Sequential(*layers)
 
 
-def classify(ctx: Ctx, model: nn.Module, opt: torch.optim.Optimizer, steps: int, *,
-             batch: int = 64, label: Callable[[torch.Tensor], torch.Tensor] | None = None,
-             inputs: Callable[[int], torch.Tensor] | None = None,
-             loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
-             before_step: Callable[[int], None] | None = None,
-             after_backward: Callable[[int], None] | None = None,
-             do_step: Callable[[int], bool] | None = None,
-             eval_every: int = 0, eval_fn: Callable[[], torch.Tensor] | None = None,
-             sched: Any = None, data_change_at: int | None = None, **watch_kw: Any) -> Any:
+def classify(
+    ctx: Ctx,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    *,
+    batch: int = 64,
+    label: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    inputs: Callable[[int], torch.Tensor] | None = None,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor] | None = None,
+    before_step: Callable[[int], None] | None = None,
+    after_backward: Callable[[int], None] | None = None,
+    do_step: Callable[[int], bool] | None = None,
+    eval_every: int = 0,
+    eval_fn: Callable[[], torch.Tensor] | None = None,
+    sched: Any = None,
+    data_change_at: int | None = None,
+    **watch_kw: Any,
+) -> Any:
     """One plain classification loop; the hooks inject each fault at its step.
 
     ``data_change_at``: the loop announces a planned data change before that step.
@@ -305,8 +333,16 @@ def classify(ctx: Ctx, model: nn.Module, opt: torch.optim.Optimizer, steps: int,
     return mon
 
 
-def least_squares(ctx: Ctx, steps: int, lr: Callable[[int], float], *, sign: float = 1.0,
-                  noise: float = 0.1, batch: int = 64, **watch_kw: Any) -> Any:
+def least_squares(
+    ctx: Ctx,
+    steps: int,
+    lr: Callable[[int], float],
+    *,
+    sign: float = 1.0,
+    noise: float = 0.1,
+    batch: int = 64,
+    **watch_kw: Any,
+) -> Any:
     """SGD on least squares: stable only for lr < 2/lambda_max(H) (about 0.6 here)."""
     feats = torch.randn(512, 32)
     targets = feats @ torch.randn(32, 1) + noise * torch.randn(512, 1)
@@ -337,6 +373,7 @@ def _nan_log_softmax(ctx: Ctx) -> None:
             out = out * 1e4  # over-confident logits (a temperature bug): softmax underflows to 0
         p = torch.exp(out) / torch.exp(out).sum(1, keepdim=True)  # hand-written, unstable
         return -torch.log(p.gather(1, y[:, None])).mean()
+
     classify(ctx, model, opt, 110, loss_fn=loss_fn)
 
 
@@ -349,6 +386,7 @@ def _nan_input_batch(ctx: Ctx) -> None:
         if step == 70:
             x[3, 5] = float("nan")  # one corrupt record
         return x
+
     classify(ctx, model, opt, 100, inputs=inputs, label=lambda x: teacher()(torch.nan_to_num(x)))
 
 
@@ -364,6 +402,7 @@ def _nan_zero_std(ctx: Ctx) -> None:
         # per-batch target standardisation: 0/0 when a batch's targets are all equal
         target = (target - target.mean()) / target.std()
         return F.mse_loss(out, target)
+
     classify(ctx, model, opt, 90, inputs=inputs, loss_fn=loss_fn)
 
 
@@ -379,8 +418,7 @@ def _lr_too_high_mlp(ctx: Ctx) -> None:
     model = mlp(depth=2, n_out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.3)
     w = torch.randn(N_IN, 1)
-    classify(ctx, model, opt, 150, label=lambda x: x @ w,
-             loss_fn=lambda o, y, s: F.mse_loss(o, y))
+    classify(ctx, model, opt, 150, label=lambda x: x @ w, loss_fn=lambda o, y, s: F.mse_loss(o, y))
 
 
 def _flipped_sign_regression(ctx: Ctx) -> None:
@@ -391,8 +429,7 @@ def _flipped_sign_mlp(ctx: Ctx) -> None:
     model = mlp(depth=2, n_out=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     w = torch.randn(N_IN, 1)
-    classify(ctx, model, opt, 250, label=lambda x: x @ w,
-             loss_fn=lambda o, y, s: -F.mse_loss(o, y))
+    classify(ctx, model, opt, 250, label=lambda x: x @ w, loss_fn=lambda o, y, s: -F.mse_loss(o, y))
 
 
 def _spike_bad_shard(ctx: Ctx) -> None:
@@ -403,6 +440,7 @@ def _spike_bad_shard(ctx: Ctx) -> None:
     def inputs(step: int) -> torch.Tensor:
         x = torch.randn(64, N_IN)
         return x * 30 if 300 <= step < 305 else x  # an unnormalised shard, 5 batches
+
     classify(ctx, model, opt, 400, inputs=inputs, label=lambda x: t(x))
 
 
@@ -415,8 +453,8 @@ def _spike_label_shard(ctx: Ctx) -> None:
     def label(x: torch.Tensor) -> torch.Tensor:
         y = t(x)
         return (y + 1) % N_CLS if 300 <= step_box[0] < 306 else y  # mislabelled shard
-    classify(ctx, model, opt, 420, label=label,
-             before_step=lambda s: step_box.__setitem__(0, s))
+
+    classify(ctx, model, opt, 420, label=label, before_step=lambda s: step_box.__setitem__(0, s))
 
 
 def _spike_lr_pulse(ctx: Ctx) -> None:
@@ -425,6 +463,7 @@ def _spike_lr_pulse(ctx: Ctx) -> None:
 
     def before(step: int) -> None:
         opt.param_groups[0]["lr"] = 3.0 if 300 <= step < 304 else 0.1
+
     classify(ctx, model, opt, 420, before_step=before)
 
 
@@ -434,6 +473,7 @@ def _rising_after_lr_bump(ctx: Ctx) -> None:
 
     def before(step: int) -> None:
         opt.param_groups[0]["lr"] = 2e-3 if step < 250 else 0.1
+
     classify(ctx, model, opt, 500, before_step=before)
 
 
@@ -443,6 +483,7 @@ def _rising_sgd_lr_bump(ctx: Ctx) -> None:
 
     def before(step: int) -> None:
         opt.param_groups[0]["lr"] = 0.05 if step < 250 else 0.6
+
     classify(ctx, model, opt, 500, before_step=before)
 
 
@@ -487,6 +528,7 @@ def _detached_graph(ctx: Ctx) -> None:
 
     def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
         return F.cross_entropy(out.detach() + bias * 0, y)
+
     classify(ctx, model, opt, 300, loss_fn=loss_fn)
 
 
@@ -494,16 +536,21 @@ def _constant_inputs(ctx: Ctx) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(3)
-    classify(ctx, model, opt, 400, inputs=lambda s: torch.zeros(64, N_IN),
-             label=lambda x: torch.randint(0, N_CLS, (len(x),), generator=g))
+    classify(
+        ctx,
+        model,
+        opt,
+        400,
+        inputs=lambda s: torch.zeros(64, N_IN),
+        label=lambda x: torch.randint(0, N_CLS, (len(x),), generator=g),
+    )
 
 
 def _shuffled_labels(ctx: Ctx) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(4)
-    classify(ctx, model, opt, 400,
-             label=lambda x: torch.randint(0, N_CLS, (len(x),), generator=g))
+    classify(ctx, model, opt, 400, label=lambda x: torch.randint(0, N_CLS, (len(x),), generator=g))
 
 
 def _missing_optimizer_step(ctx: Ctx) -> None:
@@ -521,8 +568,16 @@ def _overfit(ctx: Ctx, n_train: int = 32, noise: float = 0.0) -> None:
     if noise:
         flip = torch.rand(n_train) < noise
         ytr[flip] = torch.randint(0, N_CLS, (int(flip.sum()),))
-    classify(ctx, model, opt, 400, inputs=lambda s: xtr, label=lambda x: ytr,
-             eval_every=20, eval_fn=lambda: F.cross_entropy(model(xva), yva))
+    classify(
+        ctx,
+        model,
+        opt,
+        400,
+        inputs=lambda s: xtr,
+        label=lambda x: ytr,
+        eval_every=20,
+        eval_fn=lambda: F.cross_entropy(model(xva), yva),
+    )
 
 
 def _eval_train_mode(ctx: Ctx, bn: bool, dropout: float) -> None:
@@ -531,8 +586,9 @@ def _eval_train_mode(ctx: Ctx, bn: bool, dropout: float) -> None:
     t = teacher()
     xva = torch.randn(256, N_IN)
     # forgot model.eval() before validation (and model.train() after)
-    classify(ctx, model, opt, 100, eval_every=20,
-             eval_fn=lambda: F.cross_entropy(model(xva), t(xva)))
+    classify(
+        ctx, model, opt, 100, eval_every=20, eval_fn=lambda: F.cross_entropy(model(xva), t(xva))
+    )
 
 
 def _weight_runaway(ctx: Ctx, in_loss: bool) -> None:
@@ -540,14 +596,18 @@ def _weight_runaway(ctx: Ctx, in_loss: bool) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     params = list(model.parameters())
     if in_loss:  # an L2 penalty added with the wrong sign
+
         def loss_fn(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
             return F.cross_entropy(out, y) - 0.2 * sum((p * p).sum() for p in params)
+
         classify(ctx, model, opt, 200, loss_fn=loss_fn)
     else:  # hand-written decoupled weight decay with the wrong sign
+
         def decay(step: int) -> None:
             with torch.no_grad():
                 for p in params:
                     p.grad.add_(p, alpha=-0.4)
+
         classify(ctx, model, opt, 200, after_backward=decay)
 
 
@@ -611,9 +671,15 @@ def _dead_relu_bias(ctx: Ctx) -> None:
 def _bf16_updates_rounded_away(ctx: Ctx) -> None:
     model = mlp().to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=1e-5)  # every update below bf16's precision
-    classify(ctx, model, opt, 300, inputs=lambda s: torch.randn(64, N_IN, dtype=torch.bfloat16),
-             label=lambda x: teacher()(x.float()),
-             loss_fn=lambda o, y, s: F.cross_entropy(o.float(), y))
+    classify(
+        ctx,
+        model,
+        opt,
+        300,
+        inputs=lambda s: torch.randn(64, N_IN, dtype=torch.bfloat16),
+        label=lambda x: teacher()(x.float()),
+        loss_fn=lambda o, y, s: F.cross_entropy(o.float(), y),
+    )
 
 
 # --------------------------------------------------------------------------- controls
@@ -649,28 +715,40 @@ def _dataset_shift(ctx: Ctx) -> None:
     model = mlp()
     t = teacher()
     # the same task on a new input distribution from step 250 (a second data source)
-    classify(ctx, model, torch.optim.Adam(model.parameters(), lr=2e-3), 500,
-             inputs=lambda s: torch.randn(64, N_IN) * (1.0 if s < 250 else 1.3)
-             + (0.0 if s < 250 else 0.3), label=t)
+    classify(
+        ctx,
+        model,
+        torch.optim.Adam(model.parameters(), lr=2e-3),
+        500,
+        inputs=lambda s: (
+            torch.randn(64, N_IN) * (1.0 if s < 250 else 1.3) + (0.0 if s < 250 else 0.3)
+        ),
+        label=t,
+    )
 
 
 def _task_switch(ctx: Ctx, announced: bool = True) -> None:
     model = mlp()
     t1, t2 = teacher(1), teacher(2)
     box = [0]
-    classify(ctx, model, torch.optim.Adam(model.parameters(), lr=2e-3), 500,
-             label=lambda x: t1(x) if box[0] < 250 else t2(x),
-             before_step=lambda s: box.__setitem__(0, s),
-             data_change_at=250 if announced else None)
+    classify(
+        ctx,
+        model,
+        torch.optim.Adam(model.parameters(), lr=2e-3),
+        500,
+        label=lambda x: t1(x) if box[0] < 250 else t2(x),
+        before_step=lambda s: box.__setitem__(0, s),
+        data_change_at=250 if announced else None,
+    )
 
 
-def seed_worked_example(ctx: Ctx | None, init_scale: float, full_steps: int = 300,
-                        **watch_kw: Any) -> list[float]:
+def seed_worked_example(
+    ctx: Ctx | None, init_scale: float, full_steps: int = 300, **watch_kw: Any
+) -> list[float]:
     """The seed's worked example (``gradwatch.seed_example``), watched through ``ctx``."""
     x, y = seed_example.tabular()
     watch = (lambda model, opt: ctx.watch(model, opt, **watch_kw)) if ctx is not None else None
-    return seed_example.run(seed_example.seed_model(init_scale), x, y, watch,
-                            full_steps=full_steps)
+    return seed_example.run(seed_example.seed_model(init_scale), x, y, watch, full_steps=full_steps)
 
 
 def _warmup_cosine(ctx: Ctx) -> None:
@@ -678,8 +756,13 @@ def _warmup_cosine(ctx: Ctx) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     steps, warm = 500, 100
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm
-        else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm))))
+        opt,
+        lambda s: (
+            (s + 1) / warm
+            if s < warm
+            else 0.5 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))
+        ),
+    )
     classify(ctx, model, opt, steps, sched=sched)
 
 
@@ -740,6 +823,7 @@ def _healthy_residual_deep(ctx: Ctx) -> None:
             for b in self.blocks:
                 h = h + 0.5 * F.relu(b(h))
             return self.out(h)
+
     model = Res()
     classify(ctx, model, torch.optim.Adam(model.parameters(), lr=1e-3), 400)
 
@@ -755,10 +839,12 @@ def _healthy_weight_decay_long(ctx: Ctx) -> None:
 
 
 ACT = "gradwatch.agent.activations"  # the agent's activation statistics (saturation, dead units)
-PARTIAL_FREEZE = ("a backbone frozen with requires_grad_(False) before watch(): the census "
-                  "counts it (params_frozen) but no rule pages on it, since a deliberate "
-                  "head-only fine-tune (families.healthy_head_only_finetune) looks the same "
-                  "except that its optimizer does not hold the frozen parameters")
+PARTIAL_FREEZE = (
+    "a backbone frozen with requires_grad_(False) before watch(): the census "
+    "counts it (params_frozen) but no rule pages on it, since a deliberate "
+    "head-only fine-tune (families.healthy_head_only_finetune) looks the same "
+    "except that its optimizer does not hold the frozen parameters"
+)
 
 SCENARIOS: tuple[Scenario, ...] = (
     # numerical
@@ -766,68 +852,141 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("nan_corrupt_input_record", "numerical", 70, _nan_input_batch),
     Scenario("nan_zero_std_standardisation", "numerical", 60, _nan_zero_std),
     # exploding / lr too high
-    Scenario("lr_far_too_high_least_squares", "exploding_gradients", 1, _lr_far_too_high,
-             also=("numerical", "lr_too_high")),
-    Scenario("lr_bump_above_stability", "exploding_gradients", 100, _lr_bump_explodes,
-             also=("numerical", "lr_too_high")),
-    Scenario("lr_too_high_mlp_regression", "exploding_gradients", 1, _lr_too_high_mlp,
-             also=("numerical", "lr_too_high")),
-    Scenario("flipped_loss_sign_least_squares", "exploding_gradients", 1,
-             _flipped_sign_regression, also=("lr_too_high", "numerical")),
-    Scenario("flipped_loss_sign_mlp", "exploding_gradients", 1, _flipped_sign_mlp,
-             also=("lr_too_high", "numerical", "weight_runaway")),
+    Scenario(
+        "lr_far_too_high_least_squares",
+        "exploding_gradients",
+        1,
+        _lr_far_too_high,
+        also=("numerical", "lr_too_high"),
+    ),
+    Scenario(
+        "lr_bump_above_stability",
+        "exploding_gradients",
+        100,
+        _lr_bump_explodes,
+        also=("numerical", "lr_too_high"),
+    ),
+    Scenario(
+        "lr_too_high_mlp_regression",
+        "exploding_gradients",
+        1,
+        _lr_too_high_mlp,
+        also=("numerical", "lr_too_high"),
+    ),
+    Scenario(
+        "flipped_loss_sign_least_squares",
+        "exploding_gradients",
+        1,
+        _flipped_sign_regression,
+        also=("lr_too_high", "numerical"),
+    ),
+    Scenario(
+        "flipped_loss_sign_mlp",
+        "exploding_gradients",
+        1,
+        _flipped_sign_mlp,
+        also=("lr_too_high", "numerical", "weight_runaway"),
+    ),
     # loss spikes
     Scenario("spike_unnormalised_shard", "loss_spike", 300, _spike_bad_shard),
     Scenario("spike_mislabelled_shard", "loss_spike", 300, _spike_label_shard),
     Scenario("spike_lr_pulse", "loss_spike", 300, _spike_lr_pulse, also=("lr_too_high",)),
     # rising loss after an lr bump
-    Scenario("rising_after_adam_lr_bump", "lr_too_high", 250, _rising_after_lr_bump,
-             also=("loss_spike",)),
-    Scenario("rising_after_sgd_lr_bump", "lr_too_high", 250, _rising_sgd_lr_bump,
-             also=("loss_spike", "exploding_gradients")),
+    Scenario(
+        "rising_after_adam_lr_bump", "lr_too_high", 250, _rising_after_lr_bump, also=("loss_spike",)
+    ),
+    Scenario(
+        "rising_after_sgd_lr_bump",
+        "lr_too_high",
+        250,
+        _rising_sgd_lr_bump,
+        also=("loss_spike", "exploding_gradients"),
+    ),
     # vanishing
     Scenario("deep_sigmoid_16", "vanishing_gradients", 1, _deep_sigmoid),
     Scenario("deep_sigmoid_10_narrow", "vanishing_gradients", 1, _deep_sigmoid_narrow),
     # dead pipeline / frozen
-    Scenario("frozen_zero_grad_before_step", "dead_pipeline", 1, _frozen_zero_grad_before_step,
-             also=("update_ratio", "vanishing_gradients")),
-    Scenario("frozen_backbone_requires_grad_off", "update_ratio", 1, _frozen_requires_grad_off,
-             also=("dead_pipeline",), needs=PARTIAL_FREEZE),
-    Scenario("bf16_updates_rounded_away", "update_ratio", 1, _bf16_updates_rounded_away,
-             also=("dead_pipeline",)),
+    Scenario(
+        "frozen_zero_grad_before_step",
+        "dead_pipeline",
+        1,
+        _frozen_zero_grad_before_step,
+        also=("update_ratio", "vanishing_gradients"),
+    ),
+    Scenario(
+        "frozen_backbone_requires_grad_off",
+        "update_ratio",
+        1,
+        _frozen_requires_grad_off,
+        also=("dead_pipeline",),
+        needs=PARTIAL_FREEZE,
+    ),
+    Scenario(
+        "bf16_updates_rounded_away",
+        "update_ratio",
+        1,
+        _bf16_updates_rounded_away,
+        also=("dead_pipeline",),
+    ),
     Scenario("lr_zero", "dead_pipeline", 1, _lr_zero, also=("update_ratio",)),
-    Scenario("detached_graph", "dead_pipeline", 1, _detached_graph,
-             also=("vanishing_gradients", "update_ratio")),
+    Scenario(
+        "detached_graph",
+        "dead_pipeline",
+        1,
+        _detached_graph,
+        also=("vanishing_gradients", "update_ratio"),
+    ),
     Scenario("constant_inputs", "dead_pipeline", 1, _constant_inputs),
     Scenario("shuffled_labels", "dead_pipeline", 1, _shuffled_labels),
-    Scenario("missing_optimizer_step", "dead_pipeline", 1, _missing_optimizer_step,
-             also=("update_ratio",)),
+    Scenario(
+        "missing_optimizer_step",
+        "dead_pipeline",
+        1,
+        _missing_optimizer_step,
+        also=("update_ratio",),
+    ),
     # generalization
     Scenario("overfit_32_samples", "generalization_gap", 1, lambda c: _overfit(c, 32)),
-    Scenario("overfit_noisy_labels", "generalization_gap", 1,
-             lambda c: _overfit(c, 64, noise=0.3)),
+    Scenario("overfit_noisy_labels", "generalization_gap", 1, lambda c: _overfit(c, 64, noise=0.3)),
     # eval wiring
-    Scenario("eval_batchnorm_train_mode", "eval_mode_wiring", 20,
-             lambda c: _eval_train_mode(c, bn=True, dropout=0.0)),
-    Scenario("eval_dropout_train_mode", "eval_mode_wiring", 20,
-             lambda c: _eval_train_mode(c, bn=False, dropout=0.3)),
+    Scenario(
+        "eval_batchnorm_train_mode",
+        "eval_mode_wiring",
+        20,
+        lambda c: _eval_train_mode(c, bn=True, dropout=0.0),
+    ),
+    Scenario(
+        "eval_dropout_train_mode",
+        "eval_mode_wiring",
+        20,
+        lambda c: _eval_train_mode(c, bn=False, dropout=0.3),
+    ),
     # weights
-    Scenario("negative_weight_decay", "weight_runaway", 1,
-             lambda c: _weight_runaway(c, in_loss=False)),
-    Scenario("negative_l2_penalty_in_loss", "weight_runaway", 1,
-             lambda c: _weight_runaway(c, in_loss=True)),
+    Scenario(
+        "negative_weight_decay", "weight_runaway", 1, lambda c: _weight_runaway(c, in_loss=False)
+    ),
+    Scenario(
+        "negative_l2_penalty_in_loss",
+        "weight_runaway",
+        1,
+        lambda c: _weight_runaway(c, in_loss=True),
+    ),
     # AMP
     Scenario("amp_fp16_overflow_storm", "loss_scale_collapse", 100, _amp_overflow_storm),
     # liveness
     Scenario("hung_step_heartbeats_continue", "stalled", 100, _hung_step),
     # activations
     Scenario("tanh_saturated_init", "saturation", 1, _saturated_tanh, requires=ACT),
-    Scenario("sigmoid_saturated_inputs", "saturation", 1, _saturated_sigmoid_inputs,
-             requires=ACT),
+    Scenario("sigmoid_saturated_inputs", "saturation", 1, _saturated_sigmoid_inputs, requires=ACT),
     Scenario("dead_relu_bias_init", "dead_units", 1, _dead_relu_bias, requires=ACT),
     # the seed's worked example, run for real (README: what actually happens)
-    Scenario("seed_example_xavier_x10", "saturation", 1,
-             lambda c: seed_worked_example(c, init_scale=10.0), requires=ACT),
+    Scenario(
+        "seed_example_xavier_x10",
+        "saturation",
+        1,
+        lambda c: seed_worked_example(c, init_scale=10.0),
+        requires=ACT,
+    ),
     # healthy controls
     Scenario("healthy_sgd_momentum", None, 0, _healthy_sgd),
     Scenario("healthy_adam", None, 0, _healthy_adam),
@@ -838,10 +997,16 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("healthy_task_switch_announced", None, 0, _task_switch),
     # Unannounced, the jump is worth a note (LossLevelShift, info: "call mon.data_changed()"),
     # never a page: the run learns the new task (the loss falls steadily, gradients calm).
-    Scenario("healthy_task_switch_unannounced", None, 0,
-             lambda c: _task_switch(c, announced=False), allow="info"),
-    Scenario("healthy_seed_example_fixed_init", None, 0,
-             lambda c: seed_worked_example(c, init_scale=1.0)),
+    Scenario(
+        "healthy_task_switch_unannounced",
+        None,
+        0,
+        lambda c: _task_switch(c, announced=False),
+        allow="info",
+    ),
+    Scenario(
+        "healthy_seed_example_fixed_init", None, 0, lambda c: seed_worked_example(c, init_scale=1.0)
+    ),
     Scenario("healthy_warmup_cosine", None, 0, _warmup_cosine),
     Scenario("healthy_step_decay", None, 0, _step_decay),
     Scenario("healthy_amp_fp16", None, 0, _amp_healthy),

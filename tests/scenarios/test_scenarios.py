@@ -1,4 +1,4 @@
-"""The scored fault suite as tests: real PyTorch faults through agent -> ZeroMQ -> collector -> rules.
+"""The scored fault suite as tests: real PyTorch faults, agent -> ZeroMQ -> collector -> rules.
 
 Asserts only what holds today: every healthy control raises nothing above what it
 allows (most allow nothing at all), and each fault raises its expected category (or
@@ -44,10 +44,12 @@ def _describe(fired: list) -> str:
 def test_fault_raises_its_category(scenario: Scenario) -> None:
     result = run_scenario(scenario)
     assert result.detected, (
-        f"{scenario.name}: expected {scenario.accepted}, fired {_describe(result.fired)}")
+        f"{scenario.name}: expected {scenario.accepted}, fired {_describe(result.fired)}"
+    )
     assert result.latency is not None and result.latency >= 0, (
         f"{scenario.name}: the alert begins before the fault's onset step {scenario.onset}: "
-        f"{_describe(result.fired)}")
+        f"{_describe(result.fired)}"
+    )
 
 
 @pytest.mark.parametrize("scenario", CONTROLS)
@@ -56,7 +58,8 @@ def test_healthy_control_raises_no_alert(scenario: Scenario) -> None:
     allowed = f" above {scenario.allow}" if scenario.allow else ""
     assert not result.other, (
         f"{scenario.name}: false alarm{allowed}: {_describe(result.other)} "
-        f"(all fired: {_describe(result.fired)})")
+        f"(all fired: {_describe(result.fired)})"
+    )
 
 
 def test_an_unannounced_task_switch_is_a_note_naming_the_step() -> None:
