@@ -76,6 +76,8 @@ MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropou
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
 _NEVER = float("inf")  # NoticeBoard.next_s while nothing is switched off
+# The default heartbeat period keeps a job's heartbeats at about this many a second.
+HEARTBEAT_RANKS_PER_S = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +405,7 @@ def watch(
     world: int | None = None,
     flush_every: int = 10,
     scaler: Any = None,
-    heartbeat_every: float = 2.0,
+    heartbeat_every: float | None = None,
     stats_every: int = 50,
     enabled: bool = True,
     activation_stats: bool = True,
@@ -429,7 +431,10 @@ def watch(
     loop's own numbers (agent/steps.py).
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
-    else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1. Pass
+    else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1.
+    ``heartbeat_every`` (seconds) defaults to 2, or ``world / 2048`` for a
+    world over 4,096 ranks (8 s at 16,384), so a large job's heartbeats stay
+    near 2,048 a second at the collector. Pass
     the ``torch.amp.GradScaler`` as ``scaler`` to report the loss scale.
     Every ``stats_every`` steps (0: never; ``early_stats``: densely at the
     start and after ``data_changed``, backing off to that, agent/cadence.py)
@@ -491,6 +496,9 @@ def watch(
     )
     assert job is not None  # checked above
     rank, world = resolve_rank_world(rank, world)
+    if heartbeat_every is None:
+        # Every rank beats: at 16,384 ranks, 2 s would be half the collector's messages.
+        heartbeat_every = max(2.0, world / HEARTBEAT_RANKS_PER_S)
     topo = resolve_layout(model, world, layout)
     shards = (
         topo.shards if topo is not None and shards is None else resolve_shards(model, world, shards)

@@ -41,7 +41,7 @@ _EXPECTED: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "flush_every": ((int,), "an int (steps per batch)", False),
     "stats_every": ((int,), "an int (steps; 0: no cadence statistics)", False),
     "start_step": ((int,), "an int (the number of the first logged step)", False),
-    "heartbeat_every": ((int, float), "a number of seconds", False),
+    "heartbeat_every": ((int, float), "a number of seconds or None", True),
     "enabled": ((bool,), "True or False", False),
     "activation_stats": ((bool,), "True or False", False),
     "update_ratios": ((bool,), "True or False", False),

@@ -70,3 +70,21 @@ def test_another_replica_sends_loss_and_a_nonfinite_flag_but_no_layers(pull) -> 
     assert all(row.layers == [] for row in got.steps.values())
     assert all(row.columns.get(wc.LOSS) is not None for step, row in got.steps.items() if step < 4)
     assert got.stats_steps == []  # its reporter's statistics stand for it
+
+
+def test_the_default_heartbeat_slows_with_the_world_so_a_large_job_beats_2048_a_second() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    periods = {}
+    for world in (1, 4096, 16384):
+        mon = gradwatch.watch(
+            model, opt, job="hb", endpoint="tcp://127.0.0.1:1", rank=0, world=world
+        )
+        periods[world] = mon.config.heartbeat_every
+        mon.close()
+    assert periods == {1: 2.0, 4096: 2.0, 16384: 8.0}
+    explicit = gradwatch.watch(
+        model, opt, job="hb", endpoint="tcp://127.0.0.1:1", rank=0, world=16384, heartbeat_every=1.0
+    )
+    assert explicit.config.heartbeat_every == 1.0
+    explicit.close()
