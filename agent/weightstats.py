@@ -128,8 +128,15 @@ class WeightStats:
         self._any_unsampled = bool(self._unsampled.numel())
         self._have_before = False
         self._plan_phases(weights, max_phases, min_phase_elements)
+        # float32/16 weights on the reader's device, not sharded: a phase's slices are
+        # one strided view each and one fused norm (dtype or device changes make a
+        # new WeightStats, agent/recovery.py).
+        self._plain = not (reader.sharded or reader.multi_device) and all(
+            w.dtype in _NARROW and w.device == self._device for w in weights
+        )
         # The latest norm of each slice (read in rotation) and the samples waiting on them.
         self._partials = torch.zeros(self._n_slices, dtype=torch.float32, device=self._device)
+        self._partial_views = [self._partials[a:b] for a, b in self._bounds]
         self._next_phase = 0
         self._waiting: list[Round] = []
 
@@ -299,6 +306,24 @@ class WeightStats:
 
     def _read_phase(self, phase: int) -> None:
         params = self._reader.params
+        norms: Sequence[torch.Tensor]
+        if self._plain:
+            # Each call on a cold cache costs microseconds: one view per slice.
+            views: list[torch.Tensor] = []
+            for i, start, stop in self._plan[phase]:
+                param = params[i]
+                if stop is None:
+                    views.append(param)
+                elif param.is_contiguous():
+                    views.append(
+                        param.as_strided((stop - start,), (1,), param.storage_offset() + start)
+                    )
+                else:
+                    break  # channels_last: the general path below
+            else:
+                norms = torch._foreach_norm(views, 2, dtype=torch.float32)
+                torch.stack(norms, out=self._partial_views[phase])
+                return
         slices = []
         for i, start, stop in self._plan[phase]:
             w: torch.Tensor = params[i]
@@ -308,7 +333,6 @@ class WeightStats:
             # The plan cuts only tensors that have a flat view (_plan_phases).
             slices.append(w if flat is None else flat[start:stop])
         a, b = self._bounds[phase]
-        norms: Sequence[torch.Tensor]
         if any(t.dtype not in _NARROW or t.device != self._device for t in slices):
             # float64, or model parallel: normed in their own precision and place,
             # then cast and moved: still no sync.
