@@ -18,7 +18,8 @@ See :mod:`gradwatch.agent.monitor` for what happens on each step.
 from gradwatch.agent.commands import ROLLBACK_EXIT_CODE, Rollback, resume_plan
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.gradients import NoLayersError
-from gradwatch.agent.monitor import Monitor, MonitorStats, watch
+from gradwatch.agent.monitor import Monitor, MonitorStats
+from gradwatch.agent.watching import watch
 
 __all__ = [
     "ROLLBACK_EXIT_CODE",

@@ -22,7 +22,7 @@ Example::
     >>> import queue, torch
     >>> from gradwatch.agent.buffer import StepBuffer
     >>> from gradwatch.agent.layout import Columns
-    >>> from gradwatch.agent.shipper import Counters
+    >>> from gradwatch.agent.items import Counters
     >>> cols = Columns(layers=("w",), base=("loss",), device_capacity=2)
     >>> work = queue.Queue(4)
     >>> buf = StepBuffer(cols, torch.device("cpu"), 2, 2, work, Counters())
@@ -41,8 +41,8 @@ from typing import Any
 
 import torch
 
+from gradwatch.agent.items import Counters, FlushItem
 from gradwatch.agent.layout import MISSING_I32, Columns, HostValue, fill_missing
-from gradwatch.agent.shipper import Counters, FlushItem
 from gradwatch.agent.workqueue import WorkQueue
 
 

@@ -38,9 +38,10 @@ from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus
 from gradwatch.agent.commands import Rollback
 from gradwatch.agent.config import AgentConfig, SetupError
+from gradwatch.agent.items import Counters, EventItem
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader
-from gradwatch.agent.shipper import Counters, EventItem, Shipper
+from gradwatch.agent.shipper import Shipper
 from gradwatch.agent.weightstats import WeightStats
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire.messages import CLOSED_NOTE, DEGRADED

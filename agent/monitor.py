@@ -1,4 +1,4 @@
-"""``watch()`` and the :class:`Monitor` it returns: the agent's public face.
+"""The :class:`Monitor` that ``watch()`` returns: the agent's public face.
 
 The training thread does three cheap things per step and nothing else: the
 optimizer's step pre-hook writes every layer's gradient norm into the open
@@ -15,7 +15,8 @@ which tells the collector what it can no longer measure (contract C3).
 The Monitor is one class chain, one job per module, each importing only the
 one below: agent/failsafe.py (shared state, events, switching off),
 agent/rollback_exit.py (rollback commands), agent/recording.py (the hooks and
-the per-step recording), and here the public methods and ``watch()``.
+the per-step recording), and here the public methods; ``watch()``, which
+builds the Monitor from the user's arguments, is in agent/watching.py.
 
 Example::
 
@@ -41,28 +42,25 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import torch
 
-from gradwatch.agent.activations import check_activation_modules
 from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
-from gradwatch.agent.commands import command_settings
-from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
+from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.failsafe import MAX_NOTE_CHARS
 from gradwatch.agent.gradients import GradReader
+from gradwatch.agent.items import Counters
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.manual import ParamsOnly
 from gradwatch.agent.recording import Scalar, StepRecorder
 from gradwatch.agent.recovery import NoticeBoard
-from gradwatch.agent.shipper import Counters, Shipper
-from gradwatch.agent.steps import check_watch_args
-from gradwatch.agent.topology import reports_layers, resolve_layout, resolve_shards, share_scales
+from gradwatch.agent.shipper import Shipper
+from gradwatch.agent.topology import share_scales
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import columns as wc
 from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
@@ -76,8 +74,6 @@ MODE_SENSITIVE = (torch.nn.modules.batchnorm._BatchNorm, torch.nn.modules.dropou
 # Names sent with one eval event: the header frame is capped at 64 KiB.
 MAX_TRAIN_MODE_NAMES = 32
 _NEVER = float("inf")  # NoticeBoard.next_s while nothing is switched off
-# The default heartbeat period keeps a job's heartbeats at about this many a second.
-HEARTBEAT_RANKS_PER_S = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,148 +389,6 @@ class Monitor(StepRecorder):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def watch(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
-    job: str | None = None,
-    endpoint: str = DEFAULT_ENDPOINT,
-    *,
-    rank: int | None = None,
-    world: int | None = None,
-    flush_every: int = 10,
-    scaler: Any = None,
-    heartbeat_every: float | None = None,
-    stats_every: int = 50,
-    enabled: bool = True,
-    activation_stats: bool = True,
-    update_ratios: bool = True,
-    activation_modules: Mapping[str, str] | None = None,
-    command_endpoint: str | None = None,
-    command_key: str | bytes | None = None,
-    on_rollback: str = "return",
-    resume_file: str | None = None,
-    curve_server_public_key_file: str | None = None,
-    curve_secret_key_file: str | None = None,
-    shards: int | None = None,
-    start_step: int = 1,
-    early_stats: bool = True,
-    layout: object = None,
-) -> Monitor:
-    """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
-
-    ``job`` (required) names the run. ``optimizer`` None: the loop updates the
-    parameters by hand, and the gradients are read at each ``log()``
-    (agent/manual.py). ``start_step``: the number of the first logged step (a
-    resumed run: the step it continues at); ``log(step=...)`` also takes the
-    loop's own numbers (agent/steps.py).
-
-    ``rank``/``world`` default to torch.distributed's when it is initialised,
-    else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1.
-    ``heartbeat_every`` (seconds) defaults to 2, or ``world / 2048`` for a
-    world over 4,096 ranks (8 s at 16,384), so a large job's heartbeats stay
-    near 2,048 a second at the collector. Pass
-    the ``torch.amp.GradScaler`` as ``scaler`` to report the loss scale.
-    Every ``stats_every`` steps (0: never; ``early_stats``: densely at the
-    start and after ``data_changed``, backing off to that, agent/cadence.py)
-    the parameters' own L2 norms are also shipped, as a separate
-    cadence-statistics batch, with activation statistics of that step's
-    forward pass (``activation_stats``; forward hooks armed for that forward
-    only; ReLU/Tanh/Sigmoid/GELU/SiLU/Softmax-family modules, and with
-    ``activation_modules`` (e.g. ``{"*.mlp.c_proj": "gelu"}``) the inputs of
-    named modules, for activations called functionally: agent/activations.py;
-    off for ``torch.compile``d models, with one warning) and each
-    layer's update ratio ||dw||/||w|| (``update_ratios``; estimated on a fixed
-    sample of at most 4,096 elements per tensor, agent/weightstats.py).
-    Rollback commands (off by default; docs/rollback.md): ``command_endpoint``
-    (else ``$GRADWATCH_COMMAND_ENDPOINT``) is the collector's command socket
-    and ``command_key`` (else ``$GRADWATCH_COMMAND_KEY`` or the file named by
-    ``$GRADWATCH_COMMAND_KEY_FILE``) its HMAC key. ``on_rollback="return"``
-    hands commands to :meth:`Monitor.pending_rollback`; ``"exit"`` writes
-    ``resume_file`` (default ``$GRADWATCH_RESUME_FILE`` or
-    ``./.gradwatch-resume.json``) and raises ``SystemExit(ROLLBACK_EXIT_CODE)``
-    from the next ``log()``.
-    ``shards``: how many ranks one replica's gradients are split across, so
-    the collector can assemble exact global norms (1 for DDP, the world size for
-    FSDP/ZeRO); detected from DTensor/FSDP parameters when not given
-    (agent/topology.py; ``$GRADWATCH_SHARDS`` overrides the detection).
-    ``layout``: the job's parallel layout (a ``gradwatch.agent.topology.Layout``,
-    a DeviceMesh with ``mesh_dim_names``, ``{"pp": 4, "dp": 512, "tp": 8}``
-    outermost first, or ``"pp=4,dp=512,tp=8"``; else ``$GRADWATCH_LAYOUT``):
-    it sets ``shards``, and only one replica per model shard sends per-layer
-    norms; the others send the loss, a ``grad_nonfinite`` flag, phases and
-    heartbeats, and no cadence statistics (docs/distributed.md).
-    CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
-    ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
-    else the ``GRADWATCH_CURVE_*`` environment variables.
-    Raises ``TypeError`` (an argument of the wrong type, named) or ``ValueError``
-    (a bad value) before training starts; after that, nothing the monitor does
-    raises into the loop, except that deliberate ``SystemExit``.
-    """
-    check_watch_args(
-        model,
-        optimizer,
-        job=job,
-        endpoint=endpoint,
-        rank=rank,
-        world=world,
-        flush_every=flush_every,
-        heartbeat_every=heartbeat_every,
-        stats_every=stats_every,
-        enabled=enabled,
-        activation_stats=activation_stats,
-        update_ratios=update_ratios,
-        command_endpoint=command_endpoint,
-        command_key=command_key,
-        on_rollback=on_rollback,
-        resume_file=resume_file,
-        curve_server_public_key_file=curve_server_public_key_file,
-        curve_secret_key_file=curve_secret_key_file,
-        shards=shards,
-        start_step=start_step,
-    )
-    assert job is not None  # checked above
-    rank, world = resolve_rank_world(rank, world)
-    if heartbeat_every is None:
-        # Every rank beats: at 16,384 ranks, 2 s would be half the collector's messages.
-        heartbeat_every = max(2.0, world / HEARTBEAT_RANKS_PER_S)
-    topo = resolve_layout(model, world, layout)
-    shards = (
-        topo.shards if topo is not None and shards is None else resolve_shards(model, world, shards)
-    )
-    try:
-        cmd_endpoint, cmd_key = command_settings(command_endpoint, command_key)
-    except ValueError as exc:
-        if command_endpoint is not None or command_key is not None:
-            raise
-        # Set up by the environment: a broken rollback setup must not stop training.
-        logger.error("gradwatch: %s; rollback commands are off for this run", exc)
-        cmd_endpoint, cmd_key = None, None
-    config = AgentConfig(
-        job=job,
-        rank=rank,
-        world=world,
-        shards=shards,
-        endpoint=endpoint,
-        layout=topo,
-        reports_layers=reports_layers(topo, rank),
-        flush_every=flush_every,
-        heartbeat_every=heartbeat_every,
-        stats_every=stats_every,
-        activation_stats=activation_stats,
-        activation_modules=check_activation_modules(activation_modules),
-        update_ratios=update_ratios,
-        command_endpoint=cmd_endpoint,
-        command_key=cmd_key,
-        on_rollback=on_rollback,
-        resume_file=resume_file,
-        curve_server_public_key_file=curve_server_public_key_file,
-        curve_secret_key_file=curve_secret_key_file,
-        start_step=start_step,
-        early_stats=early_stats,
-    )
-    return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
 
 
 def _layer_scales(

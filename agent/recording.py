@@ -44,10 +44,10 @@ from gradwatch.agent.activations import ActHooks, is_compiled
 from gradwatch.agent.failsafe import describe, to_host_async
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached
+from gradwatch.agent.items import StatsItem
 from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rollback_exit import RollbackExit
-from gradwatch.agent.shipper import StatsItem
 from gradwatch.agent.steps import user_step
 from gradwatch.agent.weightstats import Round, WeightStats
 from gradwatch.wire import columns as wc

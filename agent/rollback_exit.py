@@ -32,7 +32,7 @@ from gradwatch.agent.commands import (
     write_resume_file,
 )
 from gradwatch.agent.failsafe import Failsafe
-from gradwatch.agent.shipper import Reincarnate
+from gradwatch.agent.items import Reincarnate
 
 logger = logging.getLogger(__name__)
 

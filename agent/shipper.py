@@ -19,7 +19,8 @@ Example (what ``watch()`` does; nothing needs to listen)::
 
     >>> import queue
     >>> from gradwatch.agent.config import AgentConfig
-    >>> from gradwatch.agent.shipper import Counters, Shipper
+    >>> from gradwatch.agent.items import Counters
+    >>> from gradwatch.agent.shipper import Shipper
     >>> cfg = AgentConfig(job="doc", rank=0, world=1, endpoint="tcp://127.0.0.1:1")
     >>> shipper = Shipper(cfg, "abc123", queue.Queue(8), queue.Queue(8), Counters(),
     ...                   last_step=lambda: 0)
@@ -36,8 +37,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import zmq
@@ -45,7 +45,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from gradwatch.agent.commands import CommandReceiver, Rollback
 from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys
-from gradwatch.agent.layout import MISSING_LE, HostValue, Layout, le_bytes, merge_rows
+from gradwatch.agent.items import (
+    BufferPool,
+    Counters,
+    EventItem,
+    FlushItem,
+    Reincarnate,
+    StatsItem,
+)
+from gradwatch.agent.layout import MISSING_LE, le_bytes, merge_rows
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import (
     Batch,
@@ -66,84 +74,6 @@ _STOP = object()
 COMMAND_POLL_S = 0.1
 FIRST_BEAT_RETRY_S = 0.05  # until the first heartbeat gets through
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-
-
-class BufferPool(Protocol):
-    """Where the shipper returns host buffers: agent/buffer.py's Pool, or a ``queue.Queue``."""
-
-    def put_nowait(self, item: torch.Tensor) -> None: ...
-
-
-@dataclass
-class Counters:
-    """Host-side counters; each field has exactly one writing thread."""
-
-    steps_logged: int = 0  # training thread
-    steps_dropped_agent: int = 0  # training thread: no free buffer / queue full
-    steps_dropped_send: int = 0  # shipper: ZeroMQ would block (no peer, slow peer)
-    batches_sent: int = 0  # shipper
-    steps_sent: int = 0  # shipper
-    heartbeats_sent: int = 0  # shipper
-    events_sent: int = 0  # shipper
-    events_dropped: int = 0  # both, under ``lock``
-    stats_sent: int = 0  # shipper: cadence-statistics batches
-    stats_dropped: int = 0  # both, under ``lock``
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def steps_dropped(self) -> int:
-        return self.steps_dropped_agent + self.steps_dropped_send
-
-
-@dataclass(frozen=True, slots=True)
-class FlushItem:
-    """One batch in flight: ``rows`` device rows in ``buf`` (or ``device_copy``)."""
-
-    buf: torch.Tensor | None  # pooled flat host buffer, returned after use
-    rows: int
-    width: int
-    ready: Any  # torch.cuda.Event, or None when already on host
-    device_copy: torch.Tensor | None  # a device clone to read here (non-CUDA accelerators)
-    layout: Layout
-    steps: list[int]
-    times: list[float]
-    host_rows: list[list[HostValue]]
-
-
-@dataclass(frozen=True, slots=True)
-class EventItem:
-    kind: str
-    step: int
-    fields: Mapping[str, Any]
-    # Tensor-valued fields, stacked: names, then the host (or device) copy.
-    tensor_names: tuple[str, ...] = ()
-    tensor_values: torch.Tensor | None = None
-    ready: Any = None
-    time: float = field(default_factory=time.time)
-
-
-@dataclass(frozen=True, slots=True)
-class Reincarnate:
-    """Queued after a rollback: what follows is sent as ``incarnation``."""
-
-    incarnation: str
-
-
-@dataclass(frozen=True, slots=True)
-class StatsItem:
-    """Cadence statistics of one step.
-
-    ``values`` holds one value per name in ``columns`` (activation statistics,
-    MISSING where not measured), then the weight norms aligned with ``layers``.
-    """
-
-    step: int
-    time: float
-    layers: tuple[str, ...]
-    values: torch.Tensor  # float32; on the host once ``ready`` (if any) completes
-    ready: Any = None
-    columns: tuple[str, ...] = ()
-    census: Census | None = None  # sent in the batch header (contract C2)
 
 
 class Shipper:

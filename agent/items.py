@@ -1,0 +1,107 @@
+"""What the training thread hands the shipper thread, and the counters both keep.
+
+Small immutable records, one per kind of work: a flushed batch of step rows
+(:class:`FlushItem`), an event (:class:`EventItem`), a cadence sample
+(:class:`StatsItem`), a change of incarnation (:class:`Reincarnate`); and the
+host-side :class:`Counters`, each field with one writing thread. They sit
+apart from agent/shipper.py so the step buffer builds them without importing
+the thread that sends them.
+
+Example::
+
+    >>> from gradwatch.agent.items import Counters
+    >>> c = Counters(steps_dropped_agent=2, steps_dropped_send=3)
+    >>> c.steps_dropped
+    5
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gradwatch.agent.layout import HostValue, Layout
+from gradwatch.wire.census import Census
+
+
+class BufferPool(Protocol):
+    """Where the shipper returns host buffers: agent/buffer.py's Pool, or a ``queue.Queue``."""
+
+    def put_nowait(self, item: torch.Tensor) -> None: ...
+
+
+@dataclass
+class Counters:
+    """Host-side counters; each field has exactly one writing thread."""
+
+    steps_logged: int = 0  # training thread
+    steps_dropped_agent: int = 0  # training thread: no free buffer / queue full
+    steps_dropped_send: int = 0  # shipper: ZeroMQ would block (no peer, slow peer)
+    batches_sent: int = 0  # shipper
+    steps_sent: int = 0  # shipper
+    heartbeats_sent: int = 0  # shipper
+    events_sent: int = 0  # shipper
+    events_dropped: int = 0  # both, under ``lock``
+    stats_sent: int = 0  # shipper: cadence-statistics batches
+    stats_dropped: int = 0  # both, under ``lock``
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def steps_dropped(self) -> int:
+        return self.steps_dropped_agent + self.steps_dropped_send
+
+
+@dataclass(frozen=True, slots=True)
+class FlushItem:
+    """One batch in flight: ``rows`` device rows in ``buf`` (or ``device_copy``)."""
+
+    buf: torch.Tensor | None  # pooled flat host buffer, returned after use
+    rows: int
+    width: int
+    ready: Any  # torch.cuda.Event, or None when already on host
+    device_copy: torch.Tensor | None  # a device clone to read here (non-CUDA accelerators)
+    layout: Layout
+    steps: list[int]
+    times: list[float]
+    host_rows: list[list[HostValue]]
+
+
+@dataclass(frozen=True, slots=True)
+class EventItem:
+    kind: str
+    step: int
+    fields: Mapping[str, Any]
+    # Tensor-valued fields, stacked: names, then the host (or device) copy.
+    tensor_names: tuple[str, ...] = ()
+    tensor_values: torch.Tensor | None = None
+    ready: Any = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True, slots=True)
+class Reincarnate:
+    """Queued after a rollback: what follows is sent as ``incarnation``."""
+
+    incarnation: str
+
+
+@dataclass(frozen=True, slots=True)
+class StatsItem:
+    """Cadence statistics of one step.
+
+    ``values`` holds one value per name in ``columns`` (activation statistics,
+    MISSING where not measured), then the weight norms aligned with ``layers``.
+    """
+
+    step: int
+    time: float
+    layers: tuple[str, ...]
+    values: torch.Tensor  # float32; on the host once ``ready`` (if any) completes
+    ready: Any = None
+    columns: tuple[str, ...] = ()
+    census: Census | None = None  # sent in the batch header (contract C2)
