@@ -12,10 +12,12 @@ simulated clock that advances with the steps (so the assembly deadline measures
 the job, not this script). One rank's step carries a NaN to check that the
 alert fires, names that rank, and resolves. It prints, per flush interval: the
 CPU seconds the ingest thread spent (it must stay under the interval for the
-collector to keep up), the CPU time one flush burst takes to ingest (with a core
-to itself it must stay under ``assembly_deadline_seconds``, 5 s, or steps are
-judged without the last ranks; the wall time shows how busy the machine was),
-and the process's peak RSS.
+collector to keep up), the CPU time one flush burst takes to ingest, in all and
+per batch (with a core to itself it must stay under
+``assembly_deadline_seconds``, 5 s, or steps are judged without the last ranks;
+the wall time shows how busy the machine was), and the process's peak RSS.
+Compare two versions by running this script alternately in a worktree of each
+(``PYTHONPATH=<worktree>``): CPU times vary run to run on a shared machine.
 
     python benchmarks/ingest_16k.py                      # pp=4,dp=512,tp=8, 3 flushes
     python benchmarks/ingest_16k.py --layout pp=4,dp=128,tp=8 --heartbeat-every 10
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  flush {k}: ingest CPU {cpu[-1]:.2f} s per {fe} s interval "
             f"({cpu[-1] / fe:.0%} of one core), flush burst {burst_cpu:.2f} s CPU "
-            f"({burst:.2f} s wall), "
+            f"({burst:.2f} s wall, {burst_cpu / len(flush) * 1e6:.0f} us CPU per batch), "
             f"{len(flush)} batches + {n_beats} heartbeats"
         )
     clock.now += 30
@@ -190,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(
         f"median ingest CPU {statistics.median(cpu) / fe:.0%} of one core; median flush burst "
-        f"{statistics.median(bursts):.2f} s CPU (deadline 5 s); assembled "
+        f"{statistics.median(bursts):.2f} s CPU ({statistics.median(bursts) / world * 1e6:.0f} us "
+        "per batch; deadline 5 s); assembled "
         f"{counts.steps if counts else 0} steps, incomplete "
         f"{counts.incomplete if counts else '-'}; NaN at step {nan[0]} rank {nan[1]}: "
         f"{'fired, rank ' + str(rank) if fired else 'NOT fired'}"

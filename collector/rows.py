@@ -181,9 +181,16 @@ def stats_rows(batch: Batch, plan: Plan) -> tuple[Stats, ...]:
 
 def step_rows(batch: Batch, plan: Plan) -> tuple[Step, ...]:
     """One ``Step`` per row; a MISSING cell becomes ``None`` (or is left out)."""
-    rows, first = len(batch.steps), plan.first_layer
-    raw = np.frombuffer(batch.values, "<f4").reshape(rows, plan.schema.width)
+    raw = np.frombuffer(batch.values, "<f4").reshape(len(batch.steps), plan.schema.width)
     missing = raw.view("<u4") == MISSING_BITS
+    if plan.first_layer == plan.schema.width:
+        return _scalar_rows(batch, plan, raw, missing)
+    return _layer_rows(batch, plan, raw, missing)
+
+
+def _layer_rows(batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray) -> tuple[Step, ...]:
+    """``step_rows`` of any schema (with layers: their norms, total and missing cells per row)."""
+    rows, first = len(batch.steps), plan.first_layer
     # Named columns as Python lists: per-cell access below is list indexing.
     named = raw[:, :first].astype(np.float64).tolist()
     named_missing = missing[:, :first].tolist()
@@ -237,6 +244,64 @@ def step_rows(batch: Batch, plan: Plan) -> tuple[Step, ...]:
                 world=batch.world,
                 shards=batch.shards or 0,
                 layer_roles=row_roles,
+            )
+        )
+    return tuple(steps)
+
+
+# The layers of a row without any: one read-only empty array shared by every such
+# row (the state keeps each rank's latest step: 16,352 of a 16,384-rank job's
+# ranks send none, issue 17).
+_NO_NORMS = np.zeros(0)
+_NO_NORMS.flags.writeable = False
+
+
+def _scalar_rows(
+    batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray
+) -> tuple[Step, ...]:
+    """``step_rows`` of a schema without layers: the same ``Step`` values, no numpy per row.
+
+    Most ranks of a large job send only their loss, learning rates and a few
+    scalars (one replica per model shard sends layers); at 16,384 ranks a flush
+    is 16,352 such batches, so per-row numpy calls were most of ingest's cost.
+    """
+    named = raw.astype(np.float64).tolist()
+    named_missing = missing.tolist()
+    job, rank, world, shards = batch.job, batch.rank, batch.world, batch.shards or 0
+    layers, roles, dtype_max = plan.schema.layers, plan.schema.layer_roles, plan.dtype_max
+    loss_i, scale_i, skipped_i, norm_i = plan.loss, plan.loss_scale, plan.skipped, plan.grad_norm
+    lr_i, scalars_i = plan.lr, plan.scalars
+    # One missing learning rate leaves the row's ``lr`` empty, as in ``_layer_rows``.
+    lr_gone: list[bool] = (
+        np.logical_or.reduce(missing[:, list(lr_i)], axis=1).tolist()
+        if lr_i
+        else [False] * len(named)
+    )
+    steps = []
+    for values, gone, no_lr, step, when in zip(
+        named, named_missing, lr_gone, batch.steps, batch.times, strict=True
+    ):
+        grad_norm = None if norm_i is None or gone[norm_i] else values[norm_i]
+        skipped = None if skipped_i is None or gone[skipped_i] else values[skipped_i]
+        steps.append(
+            Step(
+                job=job,
+                step=step,
+                time=when,
+                rank=rank,
+                loss=None if loss_i is None or gone[loss_i] else values[loss_i],
+                grad_norm=grad_norm,
+                layers=layers,
+                layer_norms=_NO_NORMS,
+                lr=() if no_lr else tuple([values[i] for i in lr_i]),
+                loss_scale=None if scale_i is None or gone[scale_i] else values[scale_i],
+                skipped=skipped is not None and skipped > 0.5,
+                scalars={name: values[i] for name, i in scalars_i if not gone[i]},
+                dtype_max=dtype_max,
+                grad_norm_logged=grad_norm is not None,
+                world=world,
+                shards=shards,
+                layer_roles=roles,
             )
         )
     return tuple(steps)
