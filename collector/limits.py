@@ -14,7 +14,9 @@ Two checks per message, both before the costly part:
   ``ingest_share / active senders`` per second and charged with the time its
   messages actually took (:meth:`Admission.charge`). The buckets only bite
   while the ingest thread is contended (busy more than ``ingest_share`` of the
-  last second): alone, a job may use the whole thread. Under a flood, a light
+  last second) *and* another sender is active: alone, a job may use the whole
+  thread (a 16,384-rank job is one sender) and runs up no debt, so it gets its
+  share, not less, once another sender shows up. Under a flood, a light
   job (a real one: one small batch per flush) stays within its share; a
   flooding one runs dry, and its messages are then dropped after a header read
   (~tens of microseconds) instead of costing rules evaluation. A new sender's
@@ -170,8 +172,10 @@ class Admission:
         now = self._clock()
         with self._lock:
             bucket = self._bucket(unit, now)
-            if self._utilisation(now) < self.bounds.ingest_share or bucket.tokens > min(
-                rows * bucket.row_cost, self.bounds.ingest_burst_seconds
+            if (
+                self._utilisation(now) < self.bounds.ingest_share
+                or bucket.tokens > min(rows * bucket.row_cost, self.bounds.ingest_burst_seconds)
+                or self._alone(unit, now)
             ):
                 return True
         self._count(
@@ -193,7 +197,13 @@ class Admission:
             bucket = self._bucket(unit, now)
             if rows:  # per sender: one sender's costly rows do not make another's look costly
                 bucket.row_cost += 0.2 * (seconds / rows - bucket.row_cost)
-            bucket.tokens -= seconds
+            # Alone, the time it took was nobody else's: it leaves no debt that would
+            # starve it (a 16,384-rank job is one sender) once another sender shows up.
+            bucket.tokens = (
+                max(0.0, bucket.tokens - seconds)
+                if self._alone(unit, now)
+                else bucket.tokens - seconds
+            )
             bucket.last = now
             self._utilisation(now)
             self._busy += seconds
@@ -219,6 +229,10 @@ class Admission:
 
     def _active(self, now: float) -> int:
         return max(1, sum(1 for b in self._buckets.values() if now - b.last < ACTIVE_S))
+
+    def _alone(self, unit: str, now: float) -> bool:
+        """No sender but ``unit`` is active: nobody to share the thread with."""
+        return not any(u != unit and now - b.last < ACTIVE_S for u, b in self._buckets.items())
 
     def _bucket(self, unit: str, now: float) -> _Bucket:
         bucket = self._buckets.get(unit)

@@ -112,6 +112,7 @@ def test_a_sender_over_its_share_is_refused_only_under_contention() -> None:
     # Alone and idle: even a costly sender goes on (the thread is not contended).
     admission.charge("flood", 0.3)
     assert admission.allow("flood")
+    assert admission.allow("light")  # another sender: the shares matter from now on
     admission.charge("flood", 0.4)  # now 0.7 s of the last second: contended
     assert not admission.allow("flood")  # in debt: refused after a header read
     assert admission.allow("light")  # a light sender still gets its share
