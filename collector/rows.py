@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradwatch.rules.step import FLOAT32_MAX, ActStats, Stats, Step
+from gradwatch.rules.step import FLOAT32_MAX, ActStats, Stats, Step, build_step
 from gradwatch.wire import MISSING_BITS, Batch, Schema
 from gradwatch.wire import columns as col
 
@@ -226,7 +226,7 @@ def _layer_rows(batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray) 
         lr = () if any(gone[i] for i in plan.lr) else tuple(values[i] for i in plan.lr)
         skipped = _cell(values, gone, plan.skipped)
         steps.append(
-            Step(
+            build_step(
                 job=batch.job,
                 step=batch.steps[r],
                 time=batch.times[r],
@@ -284,7 +284,7 @@ def _scalar_rows(
         grad_norm = None if norm_i is None or gone[norm_i] else values[norm_i]
         skipped = None if skipped_i is None or gone[skipped_i] else values[skipped_i]
         steps.append(
-            Step(
+            build_step(
                 job=job,
                 step=step,
                 time=when,
