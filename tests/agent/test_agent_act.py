@@ -4,6 +4,7 @@ weight norms."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -17,15 +18,22 @@ from gradwatch.rules.step import Stats
 from gradwatch.wire import Batch, Heartbeat, decode, encode
 from gradwatch.wire import columns as wc
 
-WAIT_MS = 5000
+# Generous bounds for a loaded machine: waits end as soon as their condition holds.
+WAIT_S = 30.0
 
 
-def connected(sock: zmq.Socket) -> None:
-    """Wait for the first heartbeat: until the agent is connected, its sends are dropped."""
-    while True:
-        assert sock.poll(WAIT_MS), "the agent did not connect in time"
-        if isinstance(decode(sock.recv_multipart()), Heartbeat):
-            return
+def connected(sock: zmq.Socket, mon: gradwatch.Monitor) -> None:
+    """Wait for ``mon``'s first heartbeat. The agent's socket drops what it sends before its
+    connection is made (``IMMEDIATE``, by design), so a test that closes a monitor a few
+    milliseconds after ``watch()`` loses its statistics on a loaded machine unless it waits
+    here. A heartbeat of an earlier monitor on the same socket does not count."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        if sock.poll(100):
+            msg = decode(sock.recv_multipart())
+            if isinstance(msg, Heartbeat) and msg.incarnation == mon.incarnation:
+                return
+    raise AssertionError(f"the monitor did not connect within {WAIT_S} s")
 
 
 def run(
@@ -49,20 +57,26 @@ def run(
         early_stats=False,
         **kw,
     )
-    connected(sock)
+    connected(sock, mon)
     for _ in range(steps):
         model(torch.randn(64, n_in)).pow(2).mean().backward()
         opt.step()
         mon.log(loss=1.0)
         opt.zero_grad()
     mon.close()
+    assert mon.stats.stats_dropped == 0, "a cadence sample was dropped (not connected?)"
     return mon
 
 
 def received_stats(sock: zmq.Socket, n: int) -> list[Stats]:
+    """The next ``n`` cadence statistics on ``sock``; call it after the monitor's close() and
+    a check of its ``stats_sent``, so they are on their way and only the transfer is awaited."""
     ingest, out = Ingest(), []
+    deadline = time.monotonic() + WAIT_S
     while len(out) < n:
-        assert sock.poll(WAIT_MS), "no cadence statistics arrived in time"
+        assert time.monotonic() < deadline, f"{len(out)} of {n} cadence statistics arrived"
+        if not sock.poll(100):
+            continue
         msg = decode(sock.recv_multipart())
         if isinstance(msg, Batch) and msg.schema_id == wc.STATS_SCHEMA_ID:
             out.extend(ingest.feed(encode(msg)).stats)
@@ -193,7 +207,7 @@ def test_update_ratios_ship_on_cadence_steps_and_are_opt_out(pull) -> None:
         heartbeat_every=0.05,
         early_stats=False,
     )
-    connected(sock)
+    connected(sock, mon)
     expected = {}
     for step in range(1, 5):
         model(torch.randn(16, 8)).pow(2).mean().backward()
@@ -206,6 +220,7 @@ def test_update_ratios_ship_on_cadence_steps_and_are_opt_out(pull) -> None:
         mon.log(loss=1.0)
         opt.zero_grad()
     mon.close()
+    assert (mon.stats.stats_sent, mon.stats.stats_dropped) == (2, 0)
     stats = received_stats(sock, 2)
     for s in stats:
         assert s.update_ratios is not None
@@ -222,9 +237,11 @@ def test_update_ratios_ship_on_cadence_steps_and_are_opt_out(pull) -> None:
         update_ratios=False,
         heartbeat_every=0.05,
     )
+    connected(sock, mon)  # the first monitor's messages are read up to this one's heartbeat
     lin(torch.randn(2, 2)).sum().backward()
     opt.step()
     mon.log(loss=1.0)
     mon.close()
+    assert (mon.stats.stats_sent, mon.stats.stats_dropped) == (1, 0)
     (s,) = received_stats(sock, 1)
     assert s.update_ratios is None and s.weight_norms is not None
