@@ -51,6 +51,14 @@ unit (every query position, for attention rows) instead of a fixed subset. If th
 runs more than once in that window (gradient accumulation, an eval forward),
 the last call wins.
 
+Memory: a hook holds no reference to the output after it returns, and what it
+allocates while it runs is bounded by the sample, never the output's size: at
+most ``HOOK_BYTES_PER_SAMPLED`` bytes per sampled element (the sample, its
+float32 copy, the comparison masks, and for an output that is neither
+contiguous nor a permutation of a dense tensor the index vectors that gather
+it), i.e. ``hook_transient_bytes()`` (2.5 MiB; softmax: plus that per element
+of one row), released before the next hooked module runs.
+
 Hooks would make ``torch.compile`` recompile, so a compiled model gets no
 activation statistics (one warning at attach); other signals are unaffected.
 
@@ -93,6 +101,10 @@ MAX_ACT_MODULES = 256
 # share estimated from 65,536 values has a standard error under 0.2%, and reading
 # 1/16 of a 2^20-element output is ~10x cheaper (benchmarks/activation_cost.py).
 SAMPLE = 1 << 16
+# What a hook allocates while it runs, per sampled element at most: the gather's three
+# int64 index vectors (24), the sample in its own dtype (8 for float64), its float32
+# copy (4) and two bool masks (2); 38, rounded up. Checked in tests/agent/test_agent_act.py.
+HOOK_BYTES_PER_SAMPLED = 40
 # Tanh |y| above this, or Sigmoid y within this of 0 or 1, counts as saturated.
 TANH_SATURATED = 0.99
 SIGMOID_MARGIN = 0.01
@@ -332,11 +344,8 @@ class ActHooks:
 
 def _measure(y: torch.Tensor, kind: str, frac: bool) -> torch.Tensor:
     """[mean, std(, share)] of ``y`` as a float32 device tensor; reads nothing on the host."""
-    flat = y.reshape(-1)
+    flat = _sample(y)
     n = flat.numel()  # shape metadata: no sync
-    if n > SAMPLE:
-        flat = flat[:: _stride(n)]
-        n = flat.numel()
     x = flat.float()
     mean, std = _mean_std(x, n)
     if not frac:
@@ -353,10 +362,67 @@ def _measure(y: torch.Tensor, kind: str, frac: bool) -> torch.Tensor:
     return torch.stack((mean, std, hits.float() / n))
 
 
+def hook_transient_bytes(row_width: int = 0) -> int:
+    """The most one activation hook allocates while it runs (released when it returns),
+    whatever the size of the output: ``SAMPLE`` elements (plus one ``row_width`` row for a
+    softmax, whose rows are sampled whole) at ``HOOK_BYTES_PER_SAMPLED`` bytes each."""
+    return HOOK_BYTES_PER_SAMPLED * (SAMPLE + 1 + row_width)
+
+
 def _stride(n: int) -> int:
     """An odd step that samples about SAMPLE of ``n`` elements (or rows)."""
     step = -(-n // SAMPLE)
     return step + 1 - step % 2
+
+
+def _sample(y: torch.Tensor) -> torch.Tensor:
+    """Every ``_stride(n)``-th element of ``y`` in its flat (row-major) order, as a 1-D tensor.
+
+    Never a copy of the whole output, where ``reshape(-1)`` of a non-contiguous output
+    copied all of it (an activation-sized temporary per hooked module: 4 MiB for a
+    4 MiB transposed output). A contiguous ``y`` gives a strided view; a dense one in
+    another dimension order (transposed, channels-last) is read in its memory order, also
+    a view (the same evenly strided sample, in another order); any other (a slice) gathers
+    the elements by index: index temporaries of a few times the sample, never the output.
+    """
+    n = y.numel()
+    if n <= SAMPLE:
+        return y.reshape(-1)  # at most SAMPLE elements copied
+    step = _stride(n)
+    if not y.is_contiguous():
+        order = sorted(range(y.dim()), key=lambda d: y.stride(d), reverse=True)
+        dense = y.permute(order)
+        if not dense.is_contiguous():
+            return _gather(y, n, step)
+        y = dense
+    return y.view(-1)[::step]
+
+
+def _gather(y: torch.Tensor, n: int, step: int) -> torch.Tensor:
+    """Flat positions 0, step, 2 * step, ... < n of a non-dense ``y``, read at their storage
+    offsets: three index vectors of the sample's length whatever ``y``'s rank (indexing by
+    ``unravel_index`` held one per dimension and more: 7 MiB for a 7-d slice)."""
+    return _storage(y)[_offsets(y.shape, y.stride(), n, step, y.device)]
+
+
+def _offsets(
+    shape: tuple[int, ...], strides: tuple[int, ...], n: int, step: int, device: torch.device
+) -> torch.Tensor:
+    """Storage offsets (from the tensor's own) of flat positions 0, step, ... < n of ``shape``."""
+    idx = torch.arange(0, n, step, device=device)
+    offset = torch.zeros_like(idx)
+    part = torch.empty_like(idx)
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        torch.remainder(idx, size, out=part)
+        offset.add_(part, alpha=stride)
+        idx.div_(size, rounding_mode="floor")
+    return offset
+
+
+def _storage(y: torch.Tensor) -> torch.Tensor:
+    """A 1-D view of the storage ``y`` spans, from its first element (no copy)."""
+    span = sum((size - 1) * stride for size, stride in zip(y.shape, y.stride(), strict=True))
+    return y.as_strided((span + 1,), (1,))  # keeps y's storage offset
 
 
 def _mean_std(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -369,12 +435,20 @@ def _measure_rows(y: torch.Tensor, dim: int | None) -> torch.Tensor:
     """[mean, std, share of rows with max > SOFTMAX_SATURATED] over whole softmax rows."""
     if dim is None:  # nn.Softmax() without dim: torch's legacy choice of axis
         dim = 0 if y.dim() in (0, 1, 3) else 1
-    rows = y.movedim(dim, -1) if dim not in (-1, y.dim() - 1) else y
+    rows = y.movedim(dim, -1) if dim not in (-1, y.dim() - 1) else y  # a view
     width = rows.shape[-1]
-    rows = rows.reshape(-1, width)  # a copy only when ``dim`` was not the last
-    if rows.numel() > SAMPLE:
-        rows = rows[:: _stride(rows.numel())]
-    x = rows.float()
+    n = rows.numel()
+    if n > SAMPLE and rows.dim() > 1:
+        # Every _stride(n)-th row, gathered by index when the rows are not contiguous
+        # (``dim`` not the last, or a strided output): no copy of the whole output.
+        step = _stride(n)
+        if rows.is_contiguous():
+            rows = rows.view(-1, width)[::step]
+        else:
+            starts = _offsets(rows.shape[:-1], rows.stride()[:-1], n // width, step, rows.device)
+            cols = torch.arange(width, device=rows.device) * rows.stride(-1)
+            rows = _storage(rows)[starts[:, None] + cols]
+    x = rows.reshape(-1, width).float()  # the sample's rows (one whole row at least)
     flat = x.reshape(-1)
     mean, std = _mean_std(flat, flat.numel())
     peaked = (x.amax(dim=-1) > SOFTMAX_SATURATED).sum()
