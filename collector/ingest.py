@@ -31,6 +31,7 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradwatch.collector.rows import Plan, compile_plan, stats_rows, step_rows
 from gradwatch.rules.step import Eval, Stats, Step
@@ -133,8 +134,12 @@ class Ingest:
         self._lost: Counter[str] = Counter()
         self._log = RateLimitedLog(log)
 
-    def feed(self, frames: Frames) -> Ingested:
-        """Decode one message. Never raises: bad input is counted and dropped."""
+    def feed(self, frames: Frames, header: dict[str, Any] | None = None) -> Ingested:
+        """Decode one message. Never raises: bad input is counted and dropped.
+
+        ``header``: the header frame's JSON object when the caller already parsed
+        it (``gradwatch.wire.messages.header_object``), so it is parsed once.
+        """
         try:
             size = sum(memoryview(frame).nbytes for frame in frames)
             if size > self.max_message_bytes:
@@ -146,7 +151,7 @@ class Ingest:
                     self.max_message_bytes,
                 )
                 return NOTHING
-            message = decode(frames)
+            message = decode(frames, header)
         except WireVersionError as exc:
             self.reject("version", "dropped a message: %s", exc)
             return NOTHING

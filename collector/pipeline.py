@@ -101,12 +101,17 @@ class Pipeline:
 
     # ---------------------------------------------------------------- messages
 
-    def handle(self, frames: Frames, refused: bool = False) -> None:
-        """Handle one received message; ``refused`` ones only count as handled. Never raises."""
+    def handle(
+        self, frames: Frames, refused: bool = False, header: dict[str, Any] | None = None
+    ) -> None:
+        """Handle one received message; ``refused`` ones only count as handled. Never raises.
+
+        ``header``: the header frame's JSON object, when the caller parsed it already.
+        """
         try:
             if refused:
                 return  # counted and logged by the check that refused it
-            result = self.ingest.feed(frames)
+            result = self.ingest.feed(frames, header)
             self._record(result)
             for heartbeat in result.heartbeats:
                 self.state.observe_heartbeat(heartbeat)

@@ -68,6 +68,7 @@ from gradwatch.collector.wiring import (
     build_sinks,
 )
 from gradwatch.rules.assembly import Assembler
+from gradwatch.wire.messages import header_object
 
 log = logging.getLogger(__name__)
 
@@ -371,14 +372,17 @@ class Server:
                     continue
                 self._sender = sender_of(parts[0])
             # Who pays for this message's ingest time (collector/limits.py): a sender over
-            # its share is refused here, after one header parse, before any decoding.
-            job, rows = peek(parts[0].bytes)
+            # its share is refused here, after one header parse, before any decoding;
+            # the decoder reuses that parse.
+            head = parts[0].bytes
+            header = header_object(head)
+            job, rows = peek(head) if header is None else _job_rows(header)
             unit = self.admission.unit(job, self._sender)
             if not self.admission.allow(unit, rows):
                 self.pipeline.handle((), refused=True)
                 continue
             began = time.perf_counter()
-            self.pipeline.handle([part.buffer for part in parts])
+            self.pipeline.handle([part.buffer for part in parts], header=header)
             self.admission.charge(unit, time.perf_counter() - began, rows)
 
     # ---------------------------------------------------------------- resources
@@ -479,3 +483,9 @@ class Server:
         if self._context is not None and term:
             self._context.term()
         self._context = None
+
+
+def _job_rows(header: dict[str, Any]) -> tuple[str | None, int]:
+    """``limits.peek``'s answer, from a header already parsed (``header_object``)."""
+    job, steps = header.get("job"), header.get("steps")
+    return (job if isinstance(job, str) else None), (len(steps) if isinstance(steps, list) else 0)

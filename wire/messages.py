@@ -235,11 +235,27 @@ def encode(msg: Message) -> list[bytes]:
 # ---------------------------------------------------------------- decoding
 
 
-def decode(frames: Sequence[bytes | memoryview]) -> Message:
+def header_object(head: bytes) -> dict[str, Any] | None:
+    """The JSON object a header frame carries after its preamble, as ``decode`` reads it.
+
+    None where ``decode`` would refuse the frame for its size or its JSON. The
+    collector reads a message's job before decoding it (its admission check);
+    handing this object to ``decode(frames, header=...)`` parses the JSON once.
+    """
+    if not _PREAMBLE.size <= len(head) <= MAX_HEADER_BYTES:
+        return None
+    try:
+        return _json_object(head[_PREAMBLE.size :], "header")
+    except WireError:
+        return None
+
+
+def decode(frames: Sequence[bytes | memoryview], header: dict[str, Any] | None = None) -> Message:
     """Decode one multipart message, or raise ``WireError``.
 
     Any input at all either yields a valid message or raises ``WireError``
     (property-tested): the collector may feed it whatever arrives on a socket.
+    ``header``: ``header_object(frames[0])`` when the caller already has it.
     """
     if not 1 <= len(frames) <= 3:
         raise WireError(f"expected 1 to 3 frames, got {len(frames)}")
@@ -256,7 +272,7 @@ def decode(frames: Sequence[bytes | memoryview]) -> Message:
             f"wire version {version} is not supported (this build speaks {VERSION}); "
             "upgrade the collector or pin the agent to a matching gradwatch release"
         )
-    body = _json_object(head[_PREAMBLE.size :], "header")
+    body = _json_object(head[_PREAMBLE.size :], "header") if header is None else header
     if kind == KIND_BATCH:
         return _decode_batch(body, frames[1:])
     if len(frames) != 1:
