@@ -402,7 +402,7 @@ def _gather(y: torch.Tensor, n: int, step: int) -> torch.Tensor:
     """Flat positions 0, step, 2 * step, ... < n of a non-dense ``y``, read at their storage
     offsets: three index vectors of the sample's length whatever ``y``'s rank (indexing by
     ``unravel_index`` held one per dimension and more: 7 MiB for a 7-d slice)."""
-    return _storage(y)[_offsets(y.shape, y.stride(), n, step, y.device)]
+    return _storage(y).index_select(0, _offsets(y.shape, y.stride(), n, step, y.device))
 
 
 def _offsets(
@@ -447,7 +447,8 @@ def _measure_rows(y: torch.Tensor, dim: int | None) -> torch.Tensor:
         else:
             starts = _offsets(rows.shape[:-1], rows.stride()[:-1], n // width, step, rows.device)
             cols = torch.arange(width, device=rows.device) * rows.stride(-1)
-            rows = _storage(rows)[starts[:, None] + cols]
+            at = (starts[:, None] + cols).view(-1)
+            rows = _storage(rows).index_select(0, at).view(-1, width)
     x = rows.reshape(-1, width).float()  # the sample's rows (one whole row at least)
     flat = x.reshape(-1)
     mean, std = _mean_std(flat, flat.numel())

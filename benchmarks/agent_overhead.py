@@ -289,14 +289,18 @@ def _rss_kib() -> tuple[int, int]:
     return int(fields.get("VmRSS", 0)), int(fields.get("VmHWM", 0))
 
 
-def rss_probe(name: str, steps: int) -> dict[str, int]:
+def rss_probe(name: str, steps: int, activation_stats: bool = True) -> dict[str, int]:
     """In a fresh process: RSS after ``steps`` unwatched steps, then after ``watch()`` and
     ``steps`` watched ones (the dense early cadence included), shipping to a receiver.
 
-    Run as ``--rss-probe NAME``; the parent reads the JSON it prints. RSS counts
-    everything the agent brings (its threads' stacks, ZeroMQ's buffers, the host
-    pool), not only tensors, and whatever the allocator keeps, so it is an upper
-    bound on the agent's own share.
+    Run as ``--rss-probe NAME [--no-activation-stats]``; the parent reads the JSON it
+    prints. RSS counts everything the agent brings (its threads' stacks, ZeroMQ's
+    buffers, the host pool), not only tensors, and whatever the allocator keeps, so it is
+    an upper bound on the agent's own share. The peak is glibc's too: freed blocks of the
+    forward and backward stay mapped or not depending on the order of allocations, which
+    moves the transformer's peak by +5 to +30 MiB from run to run with or without
+    activation statistics; ``MALLOC_MMAP_THRESHOLD_=131072`` in the environment (big
+    blocks mapped and unmapped at once) makes it a measure of what is live.
     """
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -318,7 +322,11 @@ def rss_probe(name: str, steps: int) -> dict[str, int]:
         run(None)
         before, before_peak = _rss_kib()
         mon = gradwatch.watch(
-            work.model, opt, job="rss", endpoint=f"tcp://127.0.0.1:{receiver.port}"
+            work.model,
+            opt,
+            job="rss",
+            endpoint=f"tcp://127.0.0.1:{receiver.port}",
+            activation_stats=activation_stats,
         )
         run(mon)
         after, after_peak = _rss_kib()
@@ -428,10 +436,20 @@ def main() -> None:
     ap.add_argument("--only", choices=tuple(WORKLOADS), help="run one workload")
     ap.add_argument("--transformer-steps", type=int, default=300)
     ap.add_argument("--mlp-steps", type=int, default=2000)
-    ap.add_argument("--rss-probe", choices=tuple(WORKLOADS), help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--rss-probe",
+        choices=tuple(WORKLOADS),
+        help="only the RSS probe of one workload, in this process; prints JSON (KiB)",
+    )
+    ap.add_argument(
+        "--no-activation-stats",
+        action="store_true",
+        help="with --rss-probe: watch(..., activation_stats=False), to compare",
+    )
     args = ap.parse_args()
     if args.rss_probe:
-        print(json.dumps(rss_probe(args.rss_probe, RSS_STEPS[args.rss_probe])))
+        steps = RSS_STEPS[args.rss_probe]
+        print(json.dumps(rss_probe(args.rss_probe, steps, not args.no_activation_stats)))
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
