@@ -9,13 +9,14 @@ global norm the job would compute with an all-reduce. Rank ``r`` holds shard
 ``r % shards`` (DDP: every rank holds shard 0, so any one rank suffices).
 
 Pipeline stages hold different layers, so a step's layers are the union of
-every rank's, by name (:class:`_Catalog`), in model order: by the lowest rank
-that reported a layer, then its position there (stage ``s``'s lowest rank grows
-with ``s`` in every row-major DeviceMesh). Replicas are told apart per stage:
-two reports are of one replica group when they have the same shard index and
-begin with the same layer. A rank that sends no layers (a data-parallel replica
-whose group already has a reporter, agent/topology.py) still counts as having
-reported its step: its loss, flags and timing are its own.
+every rank's, by name (``_Catalog``, :mod:`gradwatch.rules.assembly_state`), in
+model order: by the lowest rank that reported a layer, then its position there
+(stage ``s``'s lowest rank grows with ``s`` in every row-major DeviceMesh).
+Replicas are told apart per stage: two reports are of one replica group when
+they have the same shard index and begin with the same layer. A rank that sends
+no layers (a data-parallel replica whose group already has a reporter,
+agent/topology.py) still counts as having reported its step: its loss, flags
+and timing are its own.
 
 A step is emitted, in step order per job, as soon as every rank heard from
 (a step or a heartbeat, :meth:`Assembler.heard`) has reported it and every
@@ -61,134 +62,47 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 
-from gradwatch.rules.step import Stats, Step, nonfinite_layers
-from gradwatch.wire.census import roles_for
-from gradwatch.wire.columns import GRAD_NONFINITE_SCALAR
+from gradwatch.rules.assembly_state import (
+    MAX_LAYOUTS,
+    NONFINITE_SCALAR,
+    AssemblyCounts,
+    Record,
+    _add,
+    _grow,
+    _new,
+    _Pending,
+    _Stream,
+)
+from gradwatch.rules.assembly_verdict import (
+    MAX_BLAMED,
+    _blame,
+    _complete,
+    _nonfinite_only,
+    _ratios,
+)
+from gradwatch.rules.step import Stats, Step
+
+__all__ = [
+    "MAX_BLAMED",
+    "MAX_LAYOUTS",
+    "MAX_PENDING_STEPS",
+    "NONFINITE_SCALAR",
+    "Assembler",
+    "AssemblyCounts",
+    "Record",
+    "assembles",
+]
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
-MAX_BLAMED = 64  # layers named in one step's blame
-# A scalar a rank that sends no per-layer norms sets to 1.0 when any of its own
-# gradients is NaN/Inf (agent/topology.reports_layers): a replica gone bad alone.
-NONFINITE_SCALAR = GRAD_NONFINITE_SCALAR
-
-Record = Step | Stats
 
 
 def assembles(record: Record) -> bool:
     """Whether ``record`` belongs to a job the collector judges as a whole."""
     return record.shards > 0 and record.world > 1
-
-
-@dataclass(slots=True)
-class AssemblyCounts:
-    """Cumulative counters of one job, for exposition (``Assembler.counts`` hands out copies)."""
-
-    steps: int = 0  # steps emitted
-    incomplete: int = 0  # emitted at the deadline without every expected rank
-    inexact: int = 0  # emitted with some layers left out (a shard missing)
-    late: int = 0  # reports of a step already emitted, dropped
-    restarts: int = 0
-
-
-MAX_LAYOUTS = 4096  # distinct layer lists remembered per job (one per stage and schema)
-
-
-@dataclass(slots=True)
-class _Catalog:
-    """Every layer name a job's ranks reported, and their model order across stages."""
-
-    names: list[str] = field(default_factory=list)
-    index: dict[str, int] = field(default_factory=dict)
-    # Per name: (lowest rank that reported it, its position in that rank's list).
-    keys: list[tuple[int, int]] = field(default_factory=list)
-    roles: dict[str, str] = field(default_factory=dict)
-    order: np.ndarray | None = None  # catalog rows in model order; None: to be sorted
-    # id(layers tuple) -> (that tuple, its catalog rows, lowest rank seen with it).
-    cache: dict[int, tuple[tuple[str, ...], np.ndarray, int]] = field(default_factory=dict)
-    # The last emitted layer tuple and its rows: reused while unchanged, so
-    # rules that key on a step's layers see one object step after step.
-    emitted: tuple[np.ndarray, tuple[str, ...]] = (np.zeros(0, np.int64), ())
-
-    def rows(self, layers: tuple[str, ...], roles: tuple[str, ...], rank: int) -> np.ndarray:
-        """Catalog rows of ``layers``, adding new names (ingest shares one tuple per schema)."""
-        hit = self.cache.get(id(layers))
-        if hit is not None and hit[0] is layers and hit[2] <= rank:
-            return hit[1]
-        rows = np.empty(len(layers), np.int64)
-        for pos, name in enumerate(layers):
-            i = self.index.get(name)
-            if i is None:
-                i = self.index[name] = len(self.names)
-                self.names.append(name)
-                self.keys.append((rank, pos))
-                self.order = None
-            elif rank < self.keys[i][0]:
-                self.keys[i] = (rank, pos)
-                self.order = None
-            rows[pos] = i
-        if roles and len(roles) == len(layers):
-            self.roles.update(zip(layers, roles, strict=True))
-        if len(self.cache) >= MAX_LAYOUTS:
-            self.cache.clear()
-        self.cache[id(layers)] = (layers, rows, rank)
-        return rows
-
-    def names_of(self, rows: np.ndarray) -> tuple[str, ...]:
-        last_rows, last = self.emitted
-        if not np.array_equal(rows, last_rows):
-            last = tuple(self.names[i] for i in rows.tolist())
-            self.emitted = (rows, last)
-        return last
-
-    def model_order(self) -> np.ndarray:
-        if self.order is None or len(self.order) != len(self.names):
-            self.order = np.array(
-                sorted(range(len(self.names)), key=self.keys.__getitem__), np.int64
-            )
-        return self.order
-
-
-@dataclass(slots=True)
-class _Pending:
-    """One step (or cadence sample) being assembled; arrays are indexed by catalog row."""
-
-    step: int
-    first: float  # collector clock at its first report
-    acc: np.ndarray  # per layer: sum of squares over shards (weights for stats)
-    seen: np.ndarray  # per layer: shard reports added
-    # (shard index, first layer's catalog row) of each replica group already added.
-    shards_seen: set[tuple[int, int]] = field(default_factory=set)
-    ranks: set[int] = field(default_factory=set)
-    lowest: Record | None = None
-    last_time: float = 0.0
-    loss_sum: float = 0.0
-    loss_n: int = 0
-    skipped: bool = False
-    flagged: bool = False  # a rank without layers flagged a non-finite gradient
-    updates: np.ndarray | None = None  # stats: per layer sum of ||dw||^2
-    updates_seen: np.ndarray | None = None
-    # Reports with something non-finite: (agent time, rank, layers, loss non-finite).
-    bad: list[tuple[float, int, frozenset[str], bool]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Stream:
-    """Assembly state of one job and one kind (steps or stats)."""
-
-    world: int
-    shards: int
-    pending: dict[int, _Pending] = field(default_factory=dict)
-    emitted: int = -1
-    absent: set[int] = field(default_factory=set)
-    known: set[int] = field(default_factory=set)  # ranks heard from (steps or heartbeats)
-    rank_step: dict[int, int] = field(default_factory=dict)
-    first_bad: dict[str, int] = field(default_factory=dict)
-    counts: AssemblyCounts = field(default_factory=AssemblyCounts)
-    catalog: _Catalog = field(default_factory=_Catalog)
 
 
 class Assembler:
@@ -370,189 +284,3 @@ class Assembler:
             time=pending.last_time,
             blame=_blame(stream, pending, layers, kept, loss, grad_norm),
         )
-
-
-def _complete(stream: _Stream, pending: _Pending) -> bool:
-    """Whether nobody is left to wait for.
-
-    The job's first step waits for the whole world (agents may connect after
-    another rank's first batch). After it: every rank heard from and not absent
-    has reported. A shard still missing then is held only by absent ranks or
-    ranks never heard from, which are not waited for (and the check stays
-    O(1) until every rank not absent reported, then O(absent ranks), never
-    O(world): a hostile header may claim a huge world).
-    """
-    if not stream.counts.steps:  # nothing emitted yet: this is the job's first step
-        return len(pending.ranks) >= stream.world
-    # Reporting ranks are all known; absent ones are not waited for. At most
-    # len(absent) are gone: below that bound the step cannot be complete, so the
-    # exact count (O(absent), thousands of ranks after an outage) runs only near the end.
-    if len(pending.ranks) + len(stream.absent) < len(stream.known):
-        return False
-    gone = sum(1 for r in stream.absent if r in stream.known and r not in pending.ranks)
-    return len(pending.ranks) >= len(stream.known) - gone
-
-
-def _nonfinite_only(record: Record) -> Step | None:
-    """A late report's non-finite values, as a step of their own: a NaN is never dropped.
-
-    Only those layers (and the loss) travel: the step was already judged
-    without this rank, and re-judging its finite values would count them twice.
-    """
-    if not isinstance(record, Step):
-        return None
-    if not (nonfinite_layers(record) or _loss_bad(record)):
-        return None
-    bad = ~np.isfinite(record.layer_norms)
-    layers = tuple(name for name, b in zip(record.layers, bad.tolist(), strict=True) if b)
-    loss_bad = _loss_bad(record)
-    norms = record.layer_norms[bad]
-    norms.flags.writeable = False
-    blame = dict.fromkeys(layers[:MAX_BLAMED], record.rank)
-    if loss_bad:
-        blame["loss"] = record.rank
-    return replace(
-        record,
-        layers=layers,
-        layer_norms=norms,
-        layer_roles=roles_for(layers, record.layers, record.layer_roles),
-        loss=record.loss if loss_bad else None,
-        grad_norm=None,
-        grad_norm_logged=False,
-        assembled=1,
-        blame=blame,
-    )
-
-
-def _new(record: Record, now: float) -> _Pending:
-    pending = _Pending(step=record.step, first=now, acc=np.zeros(0), seen=np.zeros(0, np.int32))
-    if isinstance(record, Stats):
-        pending.updates, pending.updates_seen = np.zeros(0), np.zeros(0, np.int32)
-    return pending
-
-
-def _grow(pending: _Pending, n: int) -> None:
-    """Widen the per-layer arrays to ``n`` catalog rows (a stage's layers seen first)."""
-    extra = n - len(pending.acc)
-    if extra <= 0:
-        return
-    pending.acc = np.concatenate([pending.acc, np.zeros(extra)])
-    pending.seen = np.concatenate([pending.seen, np.zeros(extra, np.int32)])
-    if pending.updates is not None and pending.updates_seen is not None:
-        pending.updates = np.concatenate([pending.updates, np.zeros(extra)])
-        pending.updates_seen = np.concatenate([pending.updates_seen, np.zeros(extra, np.int32)])
-
-
-def _add(pending: _Pending, record: Record, stream: _Stream) -> None:
-    if record.rank in pending.ranks:
-        return  # a duplicate (a resent batch): counted once
-    pending.ranks.add(record.rank)
-    pending.last_time = max(pending.last_time, record.time)
-    if pending.lowest is None or record.rank < pending.lowest.rank:
-        pending.lowest = record
-    values = record.weight_norms if isinstance(record, Stats) else record.layer_norms
-    if isinstance(record, Step):
-        if record.loss is not None:
-            pending.loss_sum += record.loss
-            pending.loss_n += 1
-        pending.skipped |= record.skipped
-        names, loss_bad = nonfinite_layers(record), _loss_bad(record)
-        if record.scalars.get(NONFINITE_SCALAR, 0.0) > 0.5 and not names:
-            names = frozenset({"grad_norm"})
-            pending.flagged = True
-        if names or loss_bad:
-            pending.bad.append((record.time, record.rank, names, loss_bad))
-    if values is None or not record.layers:
-        return  # nothing per layer from this rank (another replica reports them)
-    roles = record.layer_roles if isinstance(record, Step) else ()
-    rows = stream.catalog.rows(record.layers, roles, record.rank)
-    _grow(pending, len(stream.catalog.names))
-    group = (record.rank % stream.shards, int(rows[0]))
-    values = np.asarray(values, np.float64)
-    if group in pending.shards_seen:
-        # Another replica of this shard was added: replicas hold the same gradient,
-        # unless one went bad on its own (a faulty device): its non-finite values count.
-        _poison(pending, rows, values)
-        return
-    pending.shards_seen.add(group)
-    squares = np.square(values)
-    pending.acc[rows] += squares
-    pending.seen[rows] += 1
-    if (
-        isinstance(record, Stats)
-        and record.update_ratios is not None
-        and pending.updates is not None
-        and pending.updates_seen is not None
-    ):
-        ratios = np.asarray(record.update_ratios, np.float64)
-        measured = np.isfinite(ratios)  # NaN: not measured on this rank
-        dw = np.where(measured, ratios, 0.0) ** 2 * squares
-        pending.updates[rows] += dw
-        pending.updates_seen[rows] += measured
-
-
-def _poison(pending: _Pending, rows: np.ndarray, values: np.ndarray) -> None:
-    """Make the layers where ``values`` is non-finite non-finite in the sum too."""
-    for j in np.flatnonzero(~np.isfinite(values)).tolist():
-        i = int(rows[j])
-        pending.acc[i] += values[j] * values[j]  # nan stays nan; inf makes the sum inf
-
-
-def _loss_bad(step: Step) -> bool:
-    return step.loss is not None and not math.isfinite(step.loss)
-
-
-def _ratios(
-    pending: _Pending, rows: np.ndarray, keep: np.ndarray, norms: np.ndarray, shards: int
-) -> np.ndarray | None:
-    if pending.updates is None or pending.updates_seen is None or not pending.updates_seen.any():
-        return None
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratios: np.ndarray = np.where(
-            pending.updates_seen[rows] >= shards,
-            np.sqrt(pending.updates[rows]) / np.maximum(norms, 1e-30),
-            np.nan,
-        )
-    out: np.ndarray = ratios[keep]
-    out.flags.writeable = False
-    return out
-
-
-def _blame(
-    stream: _Stream,
-    pending: _Pending,
-    layers: tuple[str, ...],
-    norms: np.ndarray,
-    loss: float | None,
-    grad_norm: float | None,
-) -> dict[str, int]:
-    """Per non-finite layer (and "loss"), the rank where it first went non-finite."""
-    bad_layers = [
-        name for name, ok in zip(layers, np.isfinite(norms).tolist(), strict=True) if not ok
-    ]
-    if (
-        pending.flagged
-        and not bad_layers
-        and grad_norm is not None
-        and not math.isfinite(grad_norm)
-    ):
-        bad_layers = ["grad_norm"]  # only a flag: no layer to name
-    loss_bad = loss is not None and not math.isfinite(loss)  # the mean over ranks
-    if not bad_layers and not loss_bad:
-        stream.first_bad.clear()  # a clean step ends the incident
-        return {}
-    # Data-parallel jobs combine gradients before the optimizer sees them, so a NaN
-    # born on one rank shows on every rank's gradients at the same step; only that
-    # rank's own loss went non-finite. Those reports come first, then by time, rank.
-    reports = sorted(pending.bad, key=lambda bad: (not bad[3], bad[0], bad[1]))
-    for name in bad_layers[:MAX_BLAMED]:
-        if name not in stream.first_bad:
-            culprit = next((rank for _, rank, names, _ in reports if name in names), None)
-            if culprit is not None:
-                stream.first_bad[name] = culprit
-    if loss_bad and "loss" not in stream.first_bad:
-        culprit = next((rank for _, rank, _, lb in reports if lb), None)
-        if culprit is not None:
-            stream.first_bad["loss"] = culprit
-    wanted = set(bad_layers[:MAX_BLAMED]) | ({"loss"} if loss_bad else set())
-    return {name: rank for name, rank in stream.first_bad.items() if name in wanted}
