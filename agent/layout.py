@@ -214,7 +214,8 @@ def merge_rows(
 
 def _f32_bits(v: HostValue) -> int:
     # A CPU 0-d tensor the loop logged is read here, off the training thread:
-    # the point of keeping it as a tensor until now.
+    # the point of keeping it as a tensor until now. The caller has already turned a
+    # Later into its tensor and skipped None, which the HostValue type cannot say.
     x = float(v)  # type: ignore[arg-type]
     try:
         return _F32.unpack(_F32F.pack(x))[0]

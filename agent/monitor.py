@@ -147,6 +147,7 @@ class Monitor(StepRecorder):
         if not enabled:
             return
         if optimizer is None:
+            # A stand-in, not an Optimizer: the agent reads only its param_groups.
             optimizer = ParamsOnly(model)  # type: ignore[assignment]
         assert optimizer is not None
         self._reader = GradReader.attach(model, optimizer)

@@ -298,6 +298,8 @@ class _TLSMixin:
         except (OSError, ssl.SSLError):
             return  # a scanner, a plain-HTTP client or a wrong CA: nothing to answer
         request.settimeout(None)
+        # A mixin: the server class it is mixed into (before socketserver's) has
+        # finish_request; mypy sees only object above _TLSMixin.
         super().finish_request(request, client_address)  # type: ignore[misc]
 
 
@@ -305,6 +307,8 @@ class _QuietHandler(WSGIRequestHandler):
     def parse_request(self) -> bool:
         ok = super().parse_request()
         if ok:  # a whole request arrived: no longer an idle connection
+            # self.server is our server class (it has .connections); the stdlib
+            # types the handler's server as a plain BaseServer.
             self.server.connections.busy(self.connection)  # type: ignore[attr-defined]
         return ok
 

@@ -297,6 +297,7 @@ def fault_run(fault: str, seed: int = 0, **changes: object) -> Synth:
     if fault == "loss_scale":
         defaults["amp"] = True
     defaults.update(changes)
+    # The overrides arrive untyped (**changes: object); Synth's own fields check them.
     return Synth(**defaults)  # type: ignore[arg-type]
 
 

@@ -167,8 +167,13 @@ def roles_for(
     if len(names) == len(all_names) and tuple(names) == tuple(all_names):
         return tuple(all_roles)
     role = dict(zip(all_names, all_roles, strict=True))
-    found = tuple(role.get(name) for name in names)
-    return () if None in found else found  # type: ignore[return-value]
+    found: list[str] = []
+    for name in names:
+        known = role.get(name)
+        if known is None:  # a layer the census does not name: roles unknown
+            return ()
+        found.append(known)
+    return tuple(found)
 
 
 def _count(value: Any, what: str) -> int:
