@@ -83,8 +83,9 @@ def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
+# Timing wrapper, benchmark only.
 Monitor._pre_hook = _timed(Monitor._pre_hook)  # type: ignore[method-assign]
-Monitor.log = _timed(Monitor.log)  # type: ignore[method-assign]
+Monitor.log = _timed(Monitor.log)  # type: ignore[method-assign]  # timing wrapper, benchmark only
 
 
 @dataclass

@@ -25,6 +25,7 @@ def firing(
     alert = Alert(
         rule=rule,
         category=category,
+        # The helper takes a plain str; callers pass valid literal values.
         severity="critical",  # type: ignore[arg-type]
         job=job,
         state="firing",

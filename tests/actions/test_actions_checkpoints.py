@@ -20,7 +20,9 @@ def test_last_good_is_before_onset_not_newest() -> None:
     found = store.last_good("run-1", before_step=250)
     assert found is not None and (found.step, found.path) == (200, "ckpt/200.pt")
     # Strictly before: a checkpoint saved at the onset step already holds its update.
+    # Checkpoints 100 and 200 were added above.
     assert store.last_good("run-1", before_step=300).step == 200  # type: ignore[union-attr]
+    # Checkpoint 100 was added above.
     assert store.last_good("run-1", before_step=250, margin=100).step == 100  # type: ignore[union-attr]
     assert store.last_good("run-1", before_step=100) is None
     assert store.last_good("other", before_step=10_000) is None
@@ -59,6 +61,7 @@ def test_checkpoints_survive_a_restart(tmp_path: Path) -> None:
     store.add("run-1", 100, "ckpt/100.pt", time=1.0)
     store.close()
     again = CheckpointStore(path)
+    # Checkpoint 100 was stored before reopening.
     assert again.last_good("run-1", 101).path == "ckpt/100.pt"  # type: ignore[union-attr]
     again.close()
 

@@ -112,7 +112,9 @@ def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         c = mon.stats
         assert server.wait_for_messages(c.batches_sent + c.heartbeats_sent + c.events_sent, WAIT_S)
         assert sum(server.ingest.stats().rejected.values()) == 0
+        # The job has shipped steps (waited for above), so it exists.
         rank = server.state.job(JOB).ranks[0]  # type: ignore[union-attr]
+        # The rank has shipped steps, so latest is set.
         assert (rank.incarnation, rank.latest.step) == (mon.incarnation, 60)  # type: ignore[union-attr]
         with urllib.request.urlopen(server.metrics_url, timeout=WAIT_S) as response:
             metrics = response.read().decode().splitlines()

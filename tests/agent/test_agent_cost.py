@@ -59,6 +59,7 @@ def test_watch_ships_dense_early_statistics_and_again_after_data_changed() -> No
         queued.append(done.step)
         original(done)
 
+    # The test replaces the method to record calls.
     mon._queue_stats = record  # type: ignore[method-assign]
     for step in range(1, 121):
         if step == 101:

@@ -204,7 +204,7 @@ gradwatch_notification_retries_total{sink="webhook-0"} 2.0
 # HELP gradwatch_notification_queue_length Notifications waiting to be sent.
 # TYPE gradwatch_notification_queue_length gauge
 gradwatch_notification_queue_length{sink="webhook-0"} 1.0
-"""  # noqa: E501 -- exact exposition text: a HELP line is as long as its metric's help
+"""  # noqa: E501  # exact exposition text: a HELP line is as long as its metric's help
 
 
 def render(

@@ -52,7 +52,7 @@ def alert(state: str = "firing", job: str = "run-1") -> Alert:
         step=3,
         summary="nan",
         started_at=0.0,
-    )  # type: ignore[arg-type]
+    )  # type: ignore[arg-type]  # the helper takes a plain str; callers pass valid literal values
 
 
 def test_per_rank_state_keeps_no_step_history() -> None:
@@ -60,6 +60,7 @@ def test_per_rank_state_keeps_no_step_history() -> None:
     store = StateStore(clock=FakeClock())
     for n in range(1, 200):
         store.observe_step(replace(step(n), scalars={"data_seconds": 0.5, "forward_seconds": 0.25}))
+    # The job was just fed steps, so it exists.
     rank = store.job("run-1").ranks[0]  # type: ignore[union-attr]
     assert not hasattr(rank, "history")
     assert rank.last_step == 199
@@ -123,6 +124,7 @@ def test_heartbeats_and_checkpoints() -> None:
     job = store.job("run-1")
     assert job is not None
     assert job.ranks[2].heartbeat_step == 17 and job.ranks[2].heartbeat_time == clock.now
+    # A checkpoint before 250 was recorded above.
     assert job.last_checkpoint_before(250).path == "c/200"  # type: ignore[union-attr]
     assert job.last_checkpoint_before(100) is None
     assert len(job.evals) == 1

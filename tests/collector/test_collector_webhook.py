@@ -39,6 +39,7 @@ def alert(state: str = "firing") -> Alert:
         job="run-1",
         state=state,
         step=12,
+        # The helper takes a plain str; callers pass valid literal values.
         summary="loss is nan",  # type: ignore[arg-type]
         started_at=1.0,
         evidence={"loss": float("nan")},

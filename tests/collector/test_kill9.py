@@ -62,6 +62,7 @@ def collector(
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready_file.exists():
+            # Popen was started with stderr=PIPE.
             assert proc.poll() is None, f"collector exited early:\n{proc.stderr.read()}"  # type: ignore[union-attr]
             assert time.monotonic() < deadline, "collector not ready in time"
             time.sleep(0.02)  # waiting on another process's file; no event to block on

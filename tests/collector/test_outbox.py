@@ -40,6 +40,7 @@ def transition(current: str = "firing", step: int = 12) -> Transition:
     )
     if current == "resolved":
         return Transition(replace(alert, state="resolved", resolved_at=2.0), "firing", "resolved")
+    # The helper takes a plain str; callers pass valid literal values.
     return Transition(alert, "pending", current)  # type: ignore[arg-type]
 
 
@@ -78,7 +79,7 @@ def make_sink(
         jitter=lambda: 1.0,
         retry=RetryPolicy(base_delay=1.0, max_delay=8.0),
         **options,
-    )  # type: ignore[arg-type]
+    )  # type: ignore[arg-type]  # options are untyped test overrides, passed through as given
 
 
 def test_every_notification_is_stored_before_delivery_and_sent_once() -> None:

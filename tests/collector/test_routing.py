@@ -19,6 +19,7 @@ def alert(
     return Alert(
         rule=rule,
         category=category,
+        # The helper takes a plain str; callers pass valid literal values.
         severity=severity,  # type: ignore[arg-type]
         job="run-1",
         state="firing",
@@ -83,6 +84,7 @@ def test_token_bucket_paces_and_refills() -> None:
 
 def test_route_policy_rejects_unknown_keys_and_bad_rates() -> None:
     with pytest.raises(ValueError, match="extra"):
+        # The wrong key is the point: the policy must refuse it.
         RoutePolicy(min_sev="critical")  # type: ignore[call-arg]
     with pytest.raises(ValueError, match="greater than 0"):
         RoutePolicy(rate_per_minute=0)

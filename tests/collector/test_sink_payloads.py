@@ -227,6 +227,7 @@ def test_build_sinks_reads_secrets_from_env_or_files_and_never_shows_them(
         assert all(isinstance(s, OutboxSink) for s in sinks)
         assert isinstance(sinks[3], AlertmanagerSink)
         assert sinks[2].router.policy.min_severity == "critical"
+        # Every sink is an OutboxSink (asserted above), which has .channel.
         assert "sekrit" not in " ".join(repr(s.channel) for s in sinks)  # type: ignore[attr-defined]
         assert (tmp_path / "outbox.sqlite3").exists()
     finally:

@@ -21,8 +21,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-import gradwatch  # noqa: E402
-from gradwatch.collector.receiver import WebhookReceiver  # noqa: E402
+import gradwatch  # noqa: E402  # after importorskip
+from gradwatch.collector.receiver import WebhookReceiver  # noqa: E402  # after importorskip
 
 FLUSH_EVERY = 10
 NAN_STEP = 37

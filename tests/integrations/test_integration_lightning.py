@@ -21,11 +21,11 @@ pl = pytest.importorskip(
     "lightning.pytorch", reason="lightning is not installed: pip install 'gradwatch[lightning]'"
 )
 
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+from torch import nn  # noqa: E402  # after importorskip
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402  # after importorskip
 
-from gradwatch.integrations.lightning import GradwatchCallback  # noqa: E402
-from tests.integrations.recording import RecordingCollector  # noqa: E402
+from gradwatch.integrations.lightning import GradwatchCallback  # noqa: E402  # after importorskip
+from tests.integrations.recording import RecordingCollector  # noqa: E402  # after importorskip
 
 EPOCHS, BATCHES, ACCUMULATE, BATCH, CLIP = 2, 12, 2, 8, 0.5
 STEPS = EPOCHS * BATCHES // ACCUMULATE

@@ -27,11 +27,16 @@ pytest.importorskip(
     "accelerate", reason="the transformers Trainer needs accelerate: pip install 'gradwatch[hf]'"
 )
 
-from torch import nn  # noqa: E402
-from transformers import PretrainedConfig, PreTrainedModel, Trainer, TrainingArguments  # noqa: E402
+from torch import nn  # noqa: E402  # after importorskip
+from transformers import (  # noqa: E402  # after importorskip
+    PretrainedConfig,
+    PreTrainedModel,
+    Trainer,
+    TrainingArguments,
+)
 
-from gradwatch.integrations.transformers import GradwatchCallback  # noqa: E402
-from tests.integrations.recording import RecordingCollector  # noqa: E402
+from gradwatch.integrations.transformers import GradwatchCallback  # noqa: E402  # after the skips
+from tests.integrations.recording import RecordingCollector  # noqa: E402  # after importorskip
 
 STEPS, ACCUMULATE, LOG_EVERY, EVAL_EVERY = 12, 2, 2, 6
 N_IN, N_CLASSES, BATCH = 8, 3, 4
@@ -209,6 +214,7 @@ class _Breaker(transformers.TrainerCallback):
 
     def on_train_begin(self, *args: Any, **kwargs: Any) -> None:
         assert self.callback.monitor is not None
+        # The test replaces log to record what the monitor logs.
         self.callback.monitor.log = self.log  # type: ignore[method-assign]
 
 

@@ -13,9 +13,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("matplotlib")
 
-from torch import nn  # noqa: E402
+from torch import nn  # noqa: E402  # after importorskip
 
-from gradwatch.preflight import LRRangeResult, lr_range_test  # noqa: E402
+from gradwatch.preflight import LRRangeResult, lr_range_test  # noqa: E402  # after importorskip
 
 N, D, BATCH = 256, 10, 32
 FACTOR = 3.0

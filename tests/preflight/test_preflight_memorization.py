@@ -7,10 +7,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from torch import nn  # noqa: E402  # after importorskip
+from torch.nn import functional as F  # noqa: E402  # after importorskip
 
-from gradwatch.preflight import MemorizationResult, memorization  # noqa: E402
+from gradwatch.preflight import MemorizationResult, memorization  # noqa: E402  # after importorskip
 
 
 def mlp() -> nn.Module:

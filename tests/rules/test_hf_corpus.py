@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -42,16 +43,16 @@ def bench() -> ModuleType:
 
 
 @pytest.fixture(scope="module")
-def results(bench: ModuleType) -> list:  # type: ignore[type-arg]
+def results(bench: ModuleType) -> list[Any]:
     return bench.evaluate(CORPUS)
 
 
-def test_the_corpus_is_the_one_the_readme_describes(results: list) -> None:  # type: ignore[type-arg]
+def test_the_corpus_is_the_one_the_readme_describes(results: list[Any]) -> None:
     labels = [r.label for r in results]
     assert (len(results), labels.count("healthy"), labels.count("broken")) == (51, 39, 6)
 
 
-def test_no_false_page_on_a_healthy_run(results: list) -> None:  # type: ignore[type-arg]
+def test_no_false_page_on_a_healthy_run(results: list[Any]) -> None:
     pages = [
         (r.file, a.rule, a.step, a.summary)
         for r in results
@@ -61,7 +62,7 @@ def test_no_false_page_on_a_healthy_run(results: list) -> None:  # type: ignore[
     assert pages == []
 
 
-def test_broken_runs_get_a_fitting_alert(bench: ModuleType, results: list) -> None:  # type: ignore[type-arg]
+def test_broken_runs_get_a_fitting_alert(bench: ModuleType, results: list[Any]) -> None:
     summary = bench.summarize(results)
     missed = [
         (r.file, r.why, [(a.rule, a.category) for a in r.alerts])

@@ -26,7 +26,7 @@ def make(**kw: object) -> Alert:
         "rank": 0,
     }
     fields.update(kw)
-    return Alert(**fields)  # type: ignore[arg-type]
+    return Alert(**fields)  # type: ignore[arg-type]  # fields is a loose dict of valid test values
 
 
 def test_seventeen_categories() -> None:

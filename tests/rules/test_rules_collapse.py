@@ -50,6 +50,7 @@ def lr_run(lr_at: object, n: int = 1000, seed: int = 0, stall_below: float = 1e-
     rng = np.random.default_rng(seed)
     level, out = 2.3, []
     for t in range(1, n + 1):
+        # `lr_at` is typed object so tests may pass any callable.
         lr = lr_at(t)  # type: ignore[operator]
         if lr >= stall_below:
             level = 0.3 + (level - 0.3) * (1 - 0.01 * min(1.0, lr / 1e-3))

@@ -22,6 +22,7 @@ def alert(category: str = "numerical", step: int = 40) -> Alert:
         category=category,
         severity="warning",
         job="j",
+        # The helper takes a plain str; callers pass valid literal values.
         state="firing",  # type: ignore[arg-type]
         step=step,
         summary="",
@@ -63,6 +64,7 @@ def test_every_alert_carries_a_diagnosis() -> None:
 def test_the_ratio_alert_blames_saturation_not_itself() -> None:
     transitions = feed_all(Engine(RULES, clock=lambda: 0.0), worked_example())
     ratio = next(t.alert for t in transitions if t.alert.rule == "LayerGradNormRatioVanishing")
+    # The ratio alert always carries a diagnosis.
     cause = ratio.diagnosis["earlier_cause"]  # type: ignore[index]
     assert cause["signal"] == "activation_saturation" and cause["step"] < ratio.step
 

@@ -63,6 +63,7 @@ register_detector("test_per_job", PerJob)
 
 
 def spec(name: str, detector: str, category: str = "weight_runaway") -> RuleSpec:
+    # `category` is a plain str; the tests pass valid categories.
     return RuleSpec(name=name, detector=detector, severity="warning", category=category)  # type: ignore[arg-type]
 
 
@@ -116,6 +117,7 @@ def test_a_detector_without_inputs_is_refused() -> None:
 
 def test_feed_refuses_other_records() -> None:
     with pytest.raises(TypeError, match="Step, Stats, Eval or AgentNotice"):
+        # A wrong record type on purpose: feed must refuse it.
         Engine([]).feed("step")  # type: ignore[arg-type]
 
 

@@ -51,6 +51,7 @@ def alerts(records: Iterator[Record]) -> list[tuple[str, str, str, int]]:
 
 def run(**kw: object) -> Iterator[Record]:
     # stats_every 5: the agent's dense cadence, and a census sent whenever it changed.
+    # `kw` holds untyped Synth overrides, passed through as given.
     return Synth(steps=1200, stats_every=5, **kw).records()  # type: ignore[arg-type]
 
 
@@ -157,6 +158,7 @@ def test_a_logged_total_of_zero_is_not_evidence_of_zero_gradients() -> None:
         is None
     )
     zero = Step(job="j", step=2, time=0.0, layers=("a.weight",), layer_norms=np.zeros(1))
+    # A step with layer norms always gets a verdict.
     assert det.observe(zero).active  # type: ignore[union-attr]
     assert det.observe(replace(zero, step=3, skipped=True)) is None
 

@@ -23,6 +23,7 @@ def steps(losses: Iterable[float], first: int = 1, lr: float | None = 1e-3) -> l
 
 def run(det: object, losses: Iterable[float], **kw: object) -> list[Finding]:
     """Every step's verdict; a step the detector gave none for (no observation) reads inactive."""
+    # `det` is typed object so one helper runs every detector.
     found = [det.observe(s) for s in steps(losses, **kw)]  # type: ignore[attr-defined]
     return [INACTIVE if f is None else f for f in found]
 

@@ -90,6 +90,7 @@ def test_a_tiny_bias_never_decides() -> None:
     assert not any(run(LayerRatioDetector(), [1.0] * 20, layers=LAYERS))
     quiet = [[1.0, 1e-4, 1.0, 1e-3, 1.0, 1e-5 if t > 10 else 1.0] for t in range(30)]
     det = LayerRatioDetector()
+    # `observe` may return None; here it always returns a Finding.
     assert not any(det.observe(step(t, n)).active for t, n in enumerate(quiet, start=1))  # type: ignore[union-attr]
 
 
@@ -164,6 +165,7 @@ def test_ignore_patterns_and_too_few_modules() -> None:
 
 def test_amp_skips_and_missing_norms_give_no_verdict() -> None:
     det = LayerRatioDetector(window=1)
+    # `observe` may return None; here it always returns a Finding.
     assert det.observe(step(1, ratio_norms(1e-4))).active  # type: ignore[union-attr]
     assert det.observe(step(2, [math.inf] * 6, skipped=True, loss_scale=2.0)) is None
     assert det.observe(Step(job="j", step=3, time=3.0)) is None

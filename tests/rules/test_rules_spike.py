@@ -184,4 +184,5 @@ def test_spike_params_are_checked() -> None:
     with pytest.raises(ValueError, match="decide"):
         LossSpikeDetector(decide=60, diverge_after=50)
     with pytest.raises(ValidationError):
+        # A bad value on purpose: validation must refuse it.
         LossSpikeDetector(report="both")  # type: ignore[arg-type]

@@ -208,6 +208,7 @@ def test_lagging_layers_far_below_the_fast_ones_after_three_samples() -> None:
     ratios = [1e-5, 1e-5, 1e-5, 1e-5] + [1e-3, 1e-5] * 4 + [1e-5]
     found = [det.observe_stats(deep_stats(5 * k, ratios)) for k in range(1, 5)]
     assert [bool(f and f.active) for f in found] == [False, False, True, True]
+    # `found[2]` is active (asserted above), so not None.
     ev = found[2].evidence  # type: ignore[union-attr]
     assert ev["lagging_layers"] == ["h.0.weight", "h.1.weight"] and ev["since_step"] == 5
     assert ev["reference_ratio"] == pytest.approx(1e-3)
@@ -235,6 +236,7 @@ def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
     for k in range(1, 200):
         ratios = list(1e-3 * rng.lognormal(0.0, 0.5, len(DEEP)))
         ratios[0] = 1e-8  # frozen: LayersFrozen's, not lagging
+        # A stats record always gets a verdict from this detector.
         assert not det.observe_stats(deep_stats(k, ratios)).active  # type: ignore[union-attr]
     assert det.observe_stats(Stats(job="j", step=1, time=0.0, layers=DEEP)) is None
 
@@ -282,6 +284,7 @@ def test_weights_grown_tenfold_from_the_init_and_settling_are_a_small_init() -> 
     det = SmallInitDetector()
     found = [det.observe_stats(weight_stats(t, waking(t))) for t in (1, 10, 50, 100, 200)]
     assert [bool(f and f.active) for f in found] == [False, False, False, True, True]
+    # `found[3]` is active (asserted above), so not None.
     ev = found[3].evidence  # type: ignore[union-attr]
     assert ev["first_step"] == 1 and ev["growth"] == pytest.approx(
         waking(100) / waking(1), rel=1e-6
@@ -296,7 +299,7 @@ def test_weights_that_keep_growing_are_exploding_not_waking() -> None:
     det = SmallInitDetector()
     assert not any(
         det.observe_stats(weight_stats(t, 0.5 * 1.05**t)).active for t in range(1, 300, 10)
-    )  # type: ignore[union-attr]
+    )  # type: ignore[union-attr]  # a stats record always gets a verdict from this detector
 
 
 def test_a_standard_init_and_a_late_first_sample_are_not_judged() -> None:
@@ -305,7 +308,7 @@ def test_a_standard_init_and_a_late_first_sample_are_not_judged() -> None:
     det = SmallInitDetector()
     assert not any(
         det.observe_stats(weight_stats(t, 1.0 + t / 1000)).active for t in range(1, 1500, 50)
-    )  # type: ignore[union-attr]
+    )  # type: ignore[union-attr]  # a stats record always gets a verdict from this detector
     late = SmallInitDetector()
     assert all(late.observe_stats(weight_stats(t, 0.02 * 1.05**t)) is None for t in (50, 100, 200))
 
@@ -333,12 +336,15 @@ def test_early_dense_samples_alone_do_not_make_a_trend() -> None:
     # fast for a few steps; the rules want the condition to span 100 steps.
     fast = UpdateRatioDetector(direction="high", high=0.03, samples=3, span=100)
     fast.observe(Step(job="j", step=1, time=0.0, lr=(1e-2,)))
+    # A stats record always gets a verdict from this detector.
     assert not any(fast.observe_stats(stats(t, ratios=[0.2] * 4)).active for t in range(1, 9))  # type: ignore[union-attr]
     found = fast.observe_stats(stats(101, ratios=[0.2] * 4))
     assert found is not None and found.active and found.evidence["since_step"] == 1
     grow = WeightRunawayDetector(min_span=100)
+    # A stats record always gets a verdict from this detector.
     assert not any(grow.observe_stats(stats(t, weights=[2.0**t] * 4)).active for t in range(1, 12))  # type: ignore[union-attr]
     slow = WeightRunawayDetector(min_span=100)
+    # A stats record always gets a verdict from this detector.
     assert any(slow.observe_stats(stats(50 * k, weights=[2.0**k] * 4)).active for k in range(1, 12))  # type: ignore[union-attr]
 
 
@@ -364,6 +370,7 @@ def test_a_share_hovering_at_the_threshold_is_one_incident() -> None:
     det = DeadUnitsDetector(threshold=0.7, samples=2, kinds=("gelu",))
     shares = [0.72, 0.75, 0.69, 0.71, 0.68, 0.74, 0.5, 0.5]
     active = [
+        # A stats record always gets a verdict from this detector.
         det.observe_stats(stats(k, act=[ActStats("m", "gelu", 0.0, 1.0, zero_frac=z)])).active  # type: ignore[union-attr]
         for k, z in enumerate(shares)
     ]

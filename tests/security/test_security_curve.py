@@ -136,9 +136,11 @@ def test_revoked_key_is_refused_without_a_restart(
             assert wait_until(lambda: refused(server, "unknown_key") >= 1), (
                 "the allow-list change was not picked up"
             )
+            # `run-2` has shipped steps (waited for above), so it exists.
             before = server.state.job("run-2").ranks[0].last_step  # type: ignore[union-attr]
             train_steps(mon, model, opt, 3)
             assert wait_until(lambda: refused(server, "unknown_key") >= 4)
+        # `run-2` has shipped steps, so it exists.
         assert server.state.job("run-2").ranks[0].last_step == before  # type: ignore[union-attr]
 
 
@@ -197,6 +199,7 @@ def test_hostile_frames_from_an_allowed_key_are_counted_not_fatal(tmp_path: Path
             public, secret = zmq.auth.load_certificate(keys.trainer.secret_file)
             sock.setsockopt(zmq.CURVE_SERVERKEY, keys.collector.public_key.encode())
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            # `load_certificate`'s secret is Optional; this key file holds one.
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)  # type: ignore[arg-type]
             sock.connect(server.bound_endpoint)
             hostile = [
@@ -226,6 +229,7 @@ def test_an_allowed_key_cannot_create_jobs_past_its_cap(tmp_path: Path) -> None:
             public, secret = zmq.auth.load_certificate(keys.trainer.secret_file)
             sock.setsockopt(zmq.CURVE_SERVERKEY, keys.collector.public_key.encode())
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            # `load_certificate`'s secret is Optional; this key file holds one.
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)  # type: ignore[arg-type]
             sock.connect(server.bound_endpoint)
             for i in range(300):  # every name matches the key's run-* pattern

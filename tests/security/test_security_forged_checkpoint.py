@@ -99,21 +99,28 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
                 mon.checkpoint_saved(2, real)
                 assert wait_until(
                     lambda: [c.path for c in server.actions.checkpoints.of(JOB)] == [str(real)]
+                    # The server runs with actions enabled, so server.actions is set.
                 )  # type: ignore[union-attr]
                 # The attacker: overwrite the real entry, then add a newer one.
                 forge(push, 2, str(attacker_file))
                 forge(push, 3, str(attacker_file))
+                # The server runs with actions enabled, so server.actions is set.
                 assert wait_until(lambda: len(server.actions.checkpoints.of(JOB)) == 2)  # type: ignore[union-attr]
+                # The server runs with actions enabled, so server.actions is set.
                 assert server.actions.stats().checkpoints_refused == 1  # type: ignore[union-attr]
+                # The server runs with actions enabled, so server.actions is set.
                 assert server.actions.checkpoints.of(JOB)[0].path == str(real)  # type: ignore[union-attr]
 
                 # A NaN burst from step 5 on, until the rule fires and a signed rollback goes
                 # out (the agent may drop a step when its shipper lags: it never blocks the loop).
                 def nan_step() -> bool:
                     train_steps(mon, model, opt, 1, nan_from=5)
+                    # The server runs with actions enabled, so server.actions is set.
                     return server.actions.stats().sent == 1  # type: ignore[union-attr]
 
+                # The server runs with actions enabled, so server.actions is set.
                 assert wait_until(nan_step), (  # type: ignore[union-attr]
+                    # The server runs with actions enabled, so server.actions is set.
                     f"the collector never sent the rollback: {server.actions.stats()}, "  # type: ignore[union-attr]
                     f"admission {server.admission.refused()}, steps sent {mon.stats.steps_sent}"
                 )
@@ -123,6 +130,7 @@ def test_a_forged_checkpoint_is_refused_by_the_agent_and_the_collector_hears_of_
                 assert mon.pending_rollback() is None  # the loop never sees it
                 assert wait_until(
                     lambda: (
+                        # The server runs with actions enabled, so server.actions is set.
                         server.actions.stats().agent_refused  # type: ignore[union-attr]
                         == {"unvouched": 1}
                     )

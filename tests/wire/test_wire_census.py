@@ -114,6 +114,7 @@ def test_an_unknown_role_reads_as_other_and_a_misaligned_list_is_refused() -> No
         decode([frames[0], json.dumps(schema).encode(), frames[2]])
     bad_header = {"type": "header", "version": 1, "job": "j", "layers": ["a"], "layer_roles": [1]}
     with pytest.raises(TraceError, match="layer_roles"):
+        # The property read itself must raise.
         TraceReader([json.dumps(bad_header)]).header  # noqa: B018
 
 

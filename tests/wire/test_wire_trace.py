@@ -105,6 +105,7 @@ def test_other_records_round_trip() -> None:
     back = read(*(encode_record(r) for r in records))
     assert back[1:] == records[1:]
     stats = back[0]
+    # `records` is typed as the record union; records[0] is the TraceStats built above.
     assert isinstance(stats, TraceStats) and stats.act == records[0].act  # type: ignore[attr-defined]
     assert stats.layer_weight_norms == (1.0, None) and stats.update_ratios == (1e-3, math.inf)
 
