@@ -243,6 +243,7 @@ def share_scales(model: torch.nn.Module, layout: Layout | None) -> list[float] |
     params = [p for _, p in model.named_parameters()]
     dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     is_dtensor = [dtensor is not None and isinstance(p, dtensor) for p in params]
+    any_dtensor = any(is_dtensor)
     megatron = any(getattr(p, "tensor_model_parallel", False) for p in params)
     scales = []
     for p, dt in zip(params, is_dtensor, strict=True):
@@ -253,9 +254,9 @@ def share_scales(model: torch.nn.Module, layout: Layout | None) -> list[float] |
             for name, placement in zip(names, placements, strict=False):
                 if name in SHARD_DIMS and placement.is_replicate():
                     copies *= mesh.size(names.index(name))
-        elif any(is_dtensor) or (megatron and not getattr(p, "tensor_model_parallel", False)):
+        elif any_dtensor or (megatron and not getattr(p, "tensor_model_parallel", False)):
             # A plain tensor in a sharded model is a whole copy on every shard rank.
-            copies = layout.shards if any(is_dtensor) else sizes.get("tp", 1)
+            copies = layout.shards if any_dtensor else sizes.get("tp", 1)
         scales.append(1.0 / math.sqrt(copies))
     return None if all(s == 1.0 for s in scales) else scales
 
