@@ -146,12 +146,13 @@ def stats_rows(batch: Batch, plan: Plan) -> tuple[Stats, ...]:
             if not gone[m] and not gone[s]
         )
         keep = measured[r]
+        every = bool(keep.all())
         layers = (
             plan.schema.layers
-            if keep.all()
+            if every
             else tuple(name for name, k in zip(plan.schema.layers, keep.tolist(), strict=True) if k)
         )
-        row = norms[r] if keep.all() else norms[r][keep]
+        row = norms[r] if every else norms[r][keep]
         row.flags.writeable = False
         ratios = None
         if plan.ratios:
@@ -159,7 +160,7 @@ def stats_rows(batch: Batch, plan: Plan) -> tuple[Stats, ...]:
             cells = [_cell(values, gone, i) if i >= 0 else None for i in plan.ratios]
             if any(c is not None for c in cells):
                 full = np.array([math.nan if c is None else c for c in cells], np.float64)
-                ratios = full if keep.all() else full[keep]
+                ratios = full if every else full[keep]
                 ratios.flags.writeable = False
         out.append(
             Stats(
@@ -211,12 +212,11 @@ def _layer_rows(batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray) 
             row_layers, row_norms, row_roles = layers, norms[r].copy(), roles
         else:
             keep = measured[r]
-            row_layers = tuple(name for name, k in zip(layers, keep.tolist(), strict=True) if k)
+            kept = keep.tolist()
+            row_layers = tuple(name for name, k in zip(layers, kept, strict=True) if k)
             row_norms = norms[r][keep]
             row_roles = (
-                tuple(role for role, k in zip(roles, keep.tolist(), strict=True) if k)
-                if roles
-                else ()
+                tuple(role for role, k in zip(roles, kept, strict=True) if k) if roles else ()
             )
         row_norms.flags.writeable = False
         grad_norm = _cell(values, gone, plan.grad_norm)
