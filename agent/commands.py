@@ -1,4 +1,4 @@
-"""Rollback commands from the collector: receive, authenticate, hand to the loop.
+"""Commands from the collector (rollback, takeover): receive, authenticate, hand to the loop.
 
 The collector publishes signed commands on a ZeroMQ XPUB socket; the agent's
 shipper thread (never the training thread) polls a SUB socket subscribed to
@@ -22,6 +22,12 @@ socket. So an authentic command is then checked against this process's
 with content digests, under the checkpoint root) before the loop sees it; a
 refusal is logged, counted and reported to the collector as a
 ``rollback_refused`` note.
+
+A ``takeover`` command (the job's silent ranks, agent/takeover.py) passes the
+same signature, freshness and replay checks, and is also refused as
+``superseded`` when issued before the newest one accepted; an accepted one is
+handed to ``on_takeover``, which only changes whether this rank sends
+per-layer norms.
 
 Example (after a restart, before the loop)::
 
@@ -48,7 +54,14 @@ import zmq
 
 from gradwatch.agent.checkpoints import CheckpointLedger, checkpoint_root, full_hash_max_bytes
 from gradwatch.agent.config import CurveKeys
-from gradwatch.wire.commands import MAX_COMMAND_BYTES, MIN_KEY_BYTES, signature_ok
+from gradwatch.agent.takeover_command import Takeover, takeover_of
+from gradwatch.wire.commands import (
+    MAX_COMMAND_BYTES,
+    MIN_KEY_BYTES,
+    ROLLBACK,
+    TAKEOVER,
+    signature_ok,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +100,7 @@ class CommandRefused(ValueError):
 
 def verify_command(
     frames: list[bytes], key: bytes, job: str, now: float, seen: dict[str, float]
-) -> Rollback | None:
+) -> Rollback | Takeover | None:
     """Check one received command; ``None`` if it is for another job.
 
     ``seen`` maps nonces to their ``issued_at``; an accepted nonce is added.
@@ -105,20 +118,25 @@ def verify_command(
         fields = json.loads(body)
         if fields.get("job") != job:
             return None  # a SUB topic is a prefix: "run-1" also hears "run-10"
-        issued_at, nonce = float(fields["issued_at"]), str(fields["nonce"])
-        rollback = Rollback(
-            checkpoint=str(fields["checkpoint"]),
-            step=int(fields["step"]),
-            skip_batches=int(fields["skip_batches"]),
-            alert_id=str(fields["alert_id"]),
-            rule=str(fields.get("rule", "")),
-            issued_at=issued_at,
-        )
         action = fields["action"]
+        nonce = str(fields["nonce"])
+        command: Rollback | Takeover
+        if action == TAKEOVER:
+            command = takeover_of(fields)
+        else:
+            command = Rollback(
+                checkpoint=str(fields["checkpoint"]),
+                step=int(fields["step"]),
+                skip_batches=int(fields["skip_batches"]),
+                alert_id=str(fields["alert_id"]),
+                rule=str(fields.get("rule", "")),
+                issued_at=float(fields["issued_at"]),
+            )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CommandRefused("malformed", f"{type(exc).__name__}: {exc}") from None
-    if action != "rollback":
+    if action not in (ROLLBACK, TAKEOVER):
         raise CommandRefused("malformed", f"unknown action {action!r}")
+    issued_at = command.issued_at
     if not math.isfinite(issued_at) or abs(now - issued_at) > MAX_AGE_S:
         raise CommandRefused(
             "stale",
@@ -130,7 +148,7 @@ def verify_command(
     for old in [n for n, t in seen.items() if now - t > 2 * MAX_AGE_S]:
         del seen[old]  # too old to pass the freshness check again
     seen[nonce] = issued_at
-    return rollback
+    return command
 
 
 class CommandReceiver:
@@ -151,8 +169,11 @@ class CommandReceiver:
         curve: CurveKeys | None = None,
         report: Callable[[int, dict[str, Any]], None] | None = None,
         root: Path | None = None,
+        on_takeover: Callable[[Takeover], None] | None = None,
     ) -> None:
         self._job, self._key, self._on_command, self._clock = job, key, on_command, clock
+        self._on_takeover = on_takeover
+        self._newest_takeover = -math.inf  # issued_at of the newest takeover accepted
         self._report = report  # sends a note event to the collector; shipper thread only
         self._seen: dict[str, float] = {}
         self.accepted = 0
@@ -215,15 +236,32 @@ class CommandReceiver:
 
     def _handle(self, frames: list[bytes]) -> None:
         try:
-            rollback = verify_command(frames, self._key, self._job, self._clock(), self._seen)
+            command = verify_command(frames, self._key, self._job, self._clock(), self._seen)
+            if isinstance(command, Takeover) and (
+                self._on_takeover is None or command.issued_at < self._newest_takeover
+            ):
+                raise CommandRefused(
+                    "superseded" if self._on_takeover is not None else "unsupported",
+                    f"a takeover issued at {command.issued_at:.3f}, before the newest one "
+                    "taken; the newer one stands"
+                    if self._on_takeover is not None
+                    else "this agent takes no takeover commands",
+                )
         except CommandRefused as exc:
             with self._lock:
                 self.refused[exc.reason] = self.refused.get(exc.reason, 0) + 1
             logger.warning("gradwatch: refused a command for job %r: %s", self._job, exc)
             return
-        if rollback is None:
+        if command is None:
             return
-        self.ledger.check(rollback, rollback.checkpoint, rollback.step)
+        if isinstance(command, Takeover):
+            self._newest_takeover = command.issued_at
+            with self._lock:
+                self.accepted += 1
+            assert self._on_takeover is not None
+            self._on_takeover(command)
+            return
+        self.ledger.check(command, command.checkpoint, command.step)
 
     def _vouched(self, item: object) -> None:
         # The ledger's thread: the checkpoint is one this process saved, unchanged.

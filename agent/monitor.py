@@ -48,19 +48,17 @@ from typing import Any
 
 import torch
 
-from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.failsafe import MAX_NOTE_CHARS
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.items import Counters
-from gradwatch.agent.layout import Columns
 from gradwatch.agent.manual import ParamsOnly
-from gradwatch.agent.recording import Scalar, StepRecorder
+from gradwatch.agent.recording import Scalar
 from gradwatch.agent.recovery import NoticeBoard
 from gradwatch.agent.shipper import Shipper
-from gradwatch.agent.topology import share_scales
+from gradwatch.agent.takeover import LayerSwitch
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import columns as wc
 from gradwatch.wire.messages import CLOSED_NOTE, DATA_CHANGE
@@ -99,7 +97,7 @@ class MonitorStats:
     commands_refused: int = 0
 
 
-class Monitor(StepRecorder):
+class Monitor(LayerSwitch):
     """Watches one model and optimizer; create it with :func:`watch`.
 
     Its parts, one module each: the shared state, events and failure
@@ -165,30 +163,17 @@ class Monitor(StepRecorder):
             [] if self._manual else [wc.lr(g) for g in range(len(optimizer.param_groups))]
         )
         base = [wc.LOSS, *self._lr_columns, wc.SKIPPED]
-        if scaler is not None:
-            base.append(wc.LOSS_SCALE)
-        reports = config.reports_layers
-        self._columns = Columns(self._reader.names if reports else (), base, config.device_columns)
-        self._columns.layer_roles = self._census.roles(self._reader.params) if reports else ()
-        self._scratch = self._scales = None
-        if not reports:  # a replica whose model shard has a reporter (agent/topology.py)
-            self._scratch = torch.empty(len(self._reader.names), device=self._device)
-            self._nonfinite_slot = self._columns.device_slot(wc.scalar(wc.GRAD_NONFINITE_SCALAR))
-        else:
-            self._scales = _layer_scales(model, self._reader.params, config, self._device)
+        self._base_columns = (*base, wc.LOSS_SCALE) if scaler is not None else tuple(base)
         self._column_of = {wc.LOSS: wc.LOSS}
         if self._manual:
             self._column_of["lr"] = wc.lr(0)  # the hand-written update's rate, if logged
         # Appended to, never woken: the shipper polls it (agent/workqueue.py).
         self._work = WorkQueue(config.pool_size + config.max_pending_events)
-        self._buffer = StepBuffer(
-            self._columns,
-            self._device,
-            config.flush_every,
-            config.pool_size,
-            self._work,
-            self._counters,
-        )
+        # Per-layer norms or not (agent/topology.py), switched by a takeover (agent/takeover.py).
+        self._use_mode(self._layer_mode(config.reports_layers, config.pool_size))
+        self._other_mode = None
+        self._want_layers = config.reports_layers
+        self._silent = frozenset()
         # On CPU the loss travels as a reference the shipper reads (agent/layout.py:
         # Later). Not on CUDA: a CUDA graph replay rewrites its outputs in place
         # without a version bump, and a read there must wait for the device.
@@ -216,6 +201,7 @@ class Monitor(StepRecorder):
             last_step=lambda: max(self._step, 0),
             on_failure=self._fail,
             on_command=self._on_command if config.command_endpoint else None,
+            on_takeover=self._on_takeover if config.command_endpoint else None,
             started=lambda: max(self._step + 1 if self._began else self._step, 0),
         )
         self._shipper.start()
@@ -277,6 +263,8 @@ class Monitor(StepRecorder):
                 skipped = 0.0 if self._manual else 1.0
             self._open = False
             self._commit(scalars, skipped)
+            if self._want_layers is not self._mode.reports:
+                self._switch_layers()  # a takeover began or ended (agent/takeover.py)
             if self._manual:
                 self._before_update()
             if self._notices.next_s != _NEVER:  # something is off: resend it now and then
@@ -390,20 +378,3 @@ class Monitor(StepRecorder):
         tb: TracebackType | None,
     ) -> None:
         self.close()
-
-
-def _layer_scales(
-    model: torch.nn.Module,
-    params: tuple[torch.nn.Parameter, ...],
-    config: AgentConfig,
-    device: torch.device,
-) -> torch.Tensor | None:
-    """Per watched layer, the factor its norms are sent with (agent/topology.share_scales:
-    a copy held whole by every rank of a shard group counts once), or None (all 1)."""
-    scales = share_scales(model, config.layout)
-    if scales is None:
-        return None
-    factor = {id(p): s for (_, p), s in zip(model.named_parameters(), scales, strict=True)}
-    return torch.tensor(
-        [factor.get(id(p), 1.0) for p in params], dtype=torch.float32, device=device
-    )

@@ -54,6 +54,7 @@ from gradwatch.agent.items import (
     StatsItem,
 )
 from gradwatch.agent.layout import MISSING_LE, le_bytes, merge_rows
+from gradwatch.agent.takeover_command import Takeover
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import (
     Batch,
@@ -95,6 +96,7 @@ class Shipper:
         on_failure: Callable[[str, BaseException], None] | None = None,
         on_command: Callable[[Rollback], None] | None = None,
         started: Callable[[], int] | None = None,
+        on_takeover: Callable[[Takeover], None] | None = None,
     ) -> None:
         self._cfg = config
         self._inc = incarnation
@@ -144,6 +146,7 @@ class Shipper:
                     on_command,
                     curve=curve,
                     report=self._report_note,
+                    on_takeover=on_takeover,
                 )
             except ValueError as exc:  # a rollback feature problem never stops monitoring
                 logger.error("gradwatch: %s; rollback commands are off for this run", exc)

@@ -5,7 +5,8 @@ each message to the :class:`~gradwatch.collector.pipeline.Pipeline`
 (``Ingest`` -> ``StateStore`` -> rules ``Engine`` -> actions and sinks: steps
 and evals as they arrive; every rank's liveness from the state about once a
 second of the injected clock, see :meth:`Server.tick`), the command socket
-(:mod:`~gradwatch.collector.subscriptions`), an HTTP server for
+(:mod:`~gradwatch.collector.subscriptions`: rollbacks, and takeovers of a silent
+reporter's layers, :mod:`~gradwatch.collector.takeover`), an HTTP server for
 ``/metrics`` (rendered at scrape time), ``/healthz`` and ``/readyz``, and the
 sinks' threads. ``start()`` and ``stop(timeout)`` are for embedding and tests;
 ``run_until_signal()`` is what the CLI calls: SIGTERM/SIGINT only set a flag,
@@ -61,6 +62,7 @@ from gradwatch.collector.sinks import Sink, mask_url
 from gradwatch.collector.startup import check_open_files, warn_exposure
 from gradwatch.collector.state import StateStore
 from gradwatch.collector.subscriptions import CommandChannel, bind_socket, sender_of
+from gradwatch.collector.takeover import TakeoverMetrics, Takeovers, silent_threshold
 from gradwatch.collector.wiring import (
     RulesEngine,
     StoreErrorMetrics,
@@ -138,10 +140,10 @@ class Server:
         self._registered = False
         self._released = False
         self._wrote_ready_file = False
-        self._actions_metrics: ActionsMetrics | None = None
-        self._store_metrics: StoreErrorMetrics | None = None
-        self._assembly_metrics: AssemblyMetrics | None = None
+        # Registered by start(): actions, store errors, takeovers, assembly.
+        self._more_metrics: list[Any] = []
         self._commands: CommandChannel | None = None  # only with a command key
+        self.takeovers = Takeovers(None, None, clock)  # set up by start(), with the rules
         self._exit_requested = False
         self.auth_counters = AuthCounters()  # exposed only while CURVE is on
         self._auth: CurveAuth | None = None
@@ -179,14 +181,14 @@ class Server:
             self._registered = True
             self.registry.register(self._admission_metrics)
             assert self.actions is not None
-            self._actions_metrics = ActionsMetrics(self.actions)
-            self.registry.register(self._actions_metrics)
-            self._store_metrics = StoreErrorMetrics(self.sinks, lambda: self.actions, self.recorder)
-            self.registry.register(self._store_metrics)
-            self._assembly_metrics = AssemblyMetrics(
-                self.assembler, self.pipeline.assembler_lock, jobs=self.state.jobs
-            )
-            self.registry.register(self._assembly_metrics)
+            self._more_metrics = [
+                ActionsMetrics(self.actions),
+                StoreErrorMetrics(self.sinks, lambda: self.actions, self.recorder),
+                TakeoverMetrics(self.takeovers),
+                AssemblyMetrics(self.assembler, self.pipeline.assembler_lock, jobs=self.state.jobs),
+            ]
+            for metrics in self._more_metrics:
+                self.registry.register(metrics)
             for sink in self.sinks:
                 if self._auth is not None and isinstance(sink, OutboxSink):
                     sink.share_of = self.admission.sender_of  # per-key shares of the outbox
@@ -316,12 +318,14 @@ class Server:
         return self.pipeline.handled
 
     def tick(self) -> None:
-        """Judge every known rank's liveness now and send the transitions to the sinks.
+        """Judge every known rank's liveness now and send the transitions to the sinks;
+        publish the takeovers that changed (collector/takeover.py).
 
         The ingest thread calls this about once a second of the injected
         clock; tests call it directly after moving a fake clock. Never raises.
         """
         self.pipeline.tick()
+        self.takeovers.tick(self.state)
 
     # ---------------------------------------------------------------- ingest
 
@@ -413,7 +417,10 @@ class Server:
             secure = self._auth.secure if self._auth is not None else None
             self._commands = CommandChannel.bind(self._context, self.config.command_listen, secure)
             send = self._commands.send
-            log.info("rollback commands (HMAC-signed, not encrypted) on %s", self.command_endpoint)
+            log.info(
+                "commands (rollback, takeover; HMAC-signed, not encrypted) on %s",
+                self.command_endpoint,
+            )
         self.pipeline.actions = Actions(
             settings,
             {r.name: r.actions for r in rules},
@@ -421,6 +428,8 @@ class Server:
             self._clock,
             listening=self.listening,
         )
+        rules_silent_s = silent_threshold(getattr(self.pipeline.engine, "rules", ()))
+        self.takeovers.set_up(settings.key, send, rules_silent_s)
 
     def listening(self, job: str) -> bool:
         """Whether an agent of ``job`` is subscribed to rollback commands now."""
@@ -457,15 +466,10 @@ class Server:
             self.registry.unregister(self._exposition)
             self.registry.unregister(self._admission_metrics)
             self._registered = False
-        if self._actions_metrics is not None:
-            self.registry.unregister(self._actions_metrics)
-            self._actions_metrics = None
-        if self._store_metrics is not None:
-            self.registry.unregister(self._store_metrics)
-            self._store_metrics = None
-        if self._assembly_metrics is not None:
-            self.registry.unregister(self._assembly_metrics)
-            self._assembly_metrics = None
+        for metrics in self._more_metrics:
+            with contextlib.suppress(KeyError):  # start() may have failed before registering
+                self.registry.unregister(metrics)
+        self._more_metrics = []
         if self._http is not None:
             with contextlib.suppress(KeyError):
                 self.registry.unregister(self._http.connections)
