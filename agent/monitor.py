@@ -15,7 +15,8 @@ which tells the collector what it can no longer measure (contract C3).
 The Monitor is one class chain, one job per module, each importing only the
 one below: agent/failsafe.py (shared state, events, switching off),
 agent/rollback_exit.py (rollback commands), agent/recording.py (the hooks and
-the per-step recording), and here the public methods; ``watch()``, which
+the per-step recording), agent/takeover.py (sending per-layer norms or not, as
+a takeover command says), and here the public methods; ``watch()``, which
 builds the Monitor from the user's arguments, is in agent/watching.py.
 
 Example::
@@ -102,7 +103,8 @@ class Monitor(LayerSwitch):
 
     Its parts, one module each: the shared state, events and failure
     (agent/failsafe.py), rollback commands (agent/rollback_exit.py), the hooks
-    and the per-step recording (agent/recording.py); the public methods here.
+    and the per-step recording (agent/recording.py), takeovers of a silent
+    reporter's layers (agent/takeover.py); the public methods here.
     """
 
     def __init__(
@@ -174,6 +176,7 @@ class Monitor(LayerSwitch):
         self._other_mode = None
         self._want_layers = config.reports_layers
         self._silent = frozenset()
+        self._no_takeover = False
         # On CPU the loss travels as a reference the shipper reads (agent/layout.py:
         # Later). Not on CUDA: a CUDA graph replay rewrites its outputs in place
         # without a version bump, and a read there must wait for the device.

@@ -44,6 +44,7 @@ from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.recording import StepRecorder
+from gradwatch.agent.recovery import Notice
 from gradwatch.agent.takeover_command import Takeover
 from gradwatch.agent.topology import reports_layers, share_scales
 from gradwatch.agent.weightstats import WeightStats
@@ -85,6 +86,7 @@ class LayerSwitch(StepRecorder):
     # Written by the shipper thread, read by the training thread once per log().
     _want_layers: bool
     _silent: frozenset[int]
+    _no_takeover: bool  # a switch failed: takeovers are off for this rank
 
     def _layer_mode(self, reports: bool, pool_size: int) -> LayerMode:
         """Columns, device rows and read targets for sending layers (``reports``) or not."""
@@ -121,6 +123,8 @@ class LayerSwitch(StepRecorder):
     def _on_takeover(self, takeover: Takeover) -> None:
         """Shipper thread: decide whether this rank sends layers now; the loop applies it."""
         config = self.config
+        if self._no_takeover:
+            return
         want = reports_layers(config.layout, config.rank, takeover.silent)
         if want is not self._want_layers:
             logger.warning(
@@ -135,7 +139,25 @@ class LayerSwitch(StepRecorder):
         self._want_layers = want
 
     def _switch_layers(self) -> None:
-        """Training thread, after a commit: send layers from the next step on, or stop."""
+        """Training thread, after a commit: send layers from the next step on, or stop.
+
+        A failure (no memory for the other mode's rows) switches takeovers off
+        for this rank, says so (``AgentDegraded``), and monitoring goes on as it was.
+        """
+        try:
+            self._switch()
+        except Exception as exc:
+            self._no_takeover = True
+            self._want_layers = self._mode.reports
+            self._degrade(
+                Notice(
+                    "takeover (sending a silent reporter's per-layer norms)",
+                    f"switching failed: {type(exc).__name__}: {exc}; this rank keeps "
+                    "sending what it sent, another replica may still take over",
+                )
+            )
+
+    def _switch(self) -> None:
         current = self._mode
         self._buffer.flush()  # steps logged so far go out under their own schema
         if self._wstats is not None:

@@ -109,7 +109,9 @@ def watch(
     outermost first, or ``"pp=4,dp=512,tp=8"``; else ``$GRADWATCH_LAYOUT``):
     it sets ``shards``, and only one replica per model shard sends per-layer
     norms; the others send the loss, a ``grad_nonfinite`` flag, phases and
-    heartbeats, and no cadence statistics (docs/distributed.md).
+    heartbeats, and no cadence statistics (docs/distributed.md). With the
+    command endpoint and key set, a replica takes over when the collector
+    reports its shard's reporter silent (a signed ``takeover`` command).
     CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
     ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
     else the ``GRADWATCH_CURVE_*`` environment variables.

@@ -142,8 +142,10 @@ class Takeovers:
             return None
         cutoff = now - self.silent_seconds
         silent = frozenset(r for r, rank in ranks if rank.last_seen < cutoff)
-        live = [rank for r, rank in ranks if r not in silent and not rank.closed]
         previous = self._in_force.get(name)
+        if not silent and previous is None:
+            return None  # the usual case: one pass over the ranks
+        live = [rank for r, rank in ranks if r not in silent and not rank.closed]
         if not live:
             if previous is not None:  # every rank silent or closed: a finished job
                 with self._lock:

@@ -314,3 +314,25 @@ def test_a_reporter_told_it_is_silent_stops_and_no_layout_ignores_takeovers() ->
         plain._on_takeover(Takeover(frozenset({0}), time.time()))
         assert plain._want_layers is True  # no layout: every rank reports anyway
         plain.close()
+
+
+def test_a_switch_that_fails_leaves_the_rank_as_it_was() -> None:
+    with Receiver() as rx:
+        mon, model, opt = watched(rx, 1, layout="dp=2")
+
+        def no_memory(reports: bool, pool_size: int) -> None:
+            raise RuntimeError("out of memory")
+
+        mon._layer_mode = no_memory
+        assert rx.wait_for(lambda ms: any(isinstance(m, Heartbeat) for m in ms), WAIT_S)
+        run_steps(mon, model, opt, 2)
+        mon._on_takeover(Takeover(frozenset({0}), time.time()))
+        run_steps(mon, model, opt, 2)
+        mon._on_takeover(Takeover(frozenset({0}), time.time() + 1))  # repeated: ignored now
+        run_steps(mon, model, opt, 2)
+        mon.close()
+        assert rx.wait_for(lambda ms: sum(len(b.steps) for b in batches(rx)) >= 6, WAIT_S)
+        assert rx.wait_for(lambda ms: any(getattr(m, "kind", "") == "degraded" for m in ms), WAIT_S)
+    schemas = {b.schema_id: b.schema for b in batches(rx) if b.schema is not None}
+    assert [schemas[b.schema_id].layers for b in batches(rx)] == [()] * 6
+    assert mon.stats.disabled is None and mon._want_layers is False
