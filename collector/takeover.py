@@ -18,7 +18,11 @@ ranks in the collector's state:
 * while one is in force, the job's silent set is published again whenever it
   changes, and every ``repeat_s`` seconds (a rank that connects later, or
   missed a message, learns it; the agent refuses commands older than 60 s);
-  when it is empty the takeover ends with one last command naming no rank.
+  when it is empty the takeover ends with one last command naming no rank;
+* with none in force, every ``repeat_s`` seconds: if two live replicas send
+  one model shard's layers (the collector restarted during a takeover and the
+  reporter came back meanwhile), the job is told its silent ranks once
+  (``correct``), so the extra replica stops.
 
 The command is signed like a rollback (wire/commands.py): ``{v, job,
 action: "takeover", silent: [[first, last], ...], issued_at, nonce}``. Each
@@ -37,6 +41,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import secrets
 import threading
 import time
@@ -55,7 +60,7 @@ COMMAND_VERSION = 1
 DEFAULT_SILENT_S = 60.0  # rules.liveness.SilentRankDetector's default
 # Repeated this often while in force: well under the agent's 60 s freshness limit.
 REPEAT_S = 20.0
-KINDS = ("start", "change", "repeat", "end")
+KINDS = ("start", "change", "repeat", "end", "correct")
 
 
 def silent_threshold(rules: Iterable[Any]) -> float:
@@ -93,6 +98,8 @@ class Takeovers:
         self._key, self._send, self._clock = key, send, clock
         self.silent_seconds, self.repeat_s = silent_seconds, repeat_s
         self._in_force: dict[str, _InForce] = {}
+        # When each job was last checked for two replicas sending one shard's layers.
+        self._checked: dict[str, float] = {}
         self._lock = threading.Lock()  # the counters: the ingest thread writes, a scrape reads
         self.sent = dict.fromkeys(KINDS, 0)
         self._warned_off = False
@@ -115,6 +122,8 @@ class Takeovers:
             with self._lock:
                 for gone in [job for job in self._in_force if job not in jobs]:
                     del self._in_force[gone]  # forgotten by the state: finished or expired
+                for gone in [job for job in self._checked if job not in jobs]:
+                    del self._checked[gone]
             for name in sorted(jobs):
                 command = self._judge(state, name, now)
                 if command is not None:
@@ -124,7 +133,7 @@ class Takeovers:
         return sent
 
     def counts(self) -> dict[str, int]:
-        """Commands sent so far, by kind (``start``, ``change``, ``repeat``, ``end``)."""
+        """Commands sent so far, by kind (:data:`KINDS`)."""
         with self._lock:
             return dict(self.sent)
 
@@ -143,6 +152,17 @@ class Takeovers:
         cutoff = now - self.silent_seconds
         silent = frozenset(r for r, rank in ranks if rank.last_seen < cutoff)
         previous = self._in_force.get(name)
+        if previous is None and now - self._checked.get(name, -math.inf) >= self.repeat_s:
+            self._checked[name] = now
+            if _reported_twice(ranks, silent):
+                log.warning(
+                    "job %r: two replicas of a model shard send layers with no takeover in "
+                    "force (this collector restarted during one?); telling the job its "
+                    "silent ranks (%s) again",
+                    name,
+                    _text(sorted(silent)) or "none",
+                )
+                return self._publish(name, silent, now, "correct")
         if not silent and previous is None:
             return None  # the usual case: one pass over the ranks
         live = [rank for r, rank in ranks if r not in silent and not rank.closed]
@@ -184,7 +204,8 @@ class Takeovers:
         with self._lock:
             if kind == "end":
                 del self._in_force[name]
-            else:
+                self._checked[name] = now  # the replica stops at its next step: no correction
+            elif kind != "correct":  # a one-off: nothing is in force after it
                 self._in_force[name] = _InForce(silent, now)
         if self._key is None or self._send is None:
             if not self._warned_off:
@@ -219,6 +240,28 @@ class Takeovers:
         return command
 
 
+def _reported_twice(ranks: Sequence[tuple[int, Any]], silent: frozenset[int]) -> bool:
+    """Whether two live ranks send layers for one model shard while a live rank sends none.
+
+    A shard is told apart as the assembler does: shard index ``rank % shards``
+    and first layer (the stage). Without a rank that sends no layers there is
+    no layout (every rank reports), so nothing to correct.
+    """
+    groups: set[tuple[int, str]] = set()
+    twice = spare = False
+    for r, rank in ranks:
+        latest = rank.latest
+        if r in silent or rank.closed or latest is None:
+            continue
+        if not latest.layers:
+            spare = True
+            continue
+        group = (r % max(latest.shards, 1), latest.layers[0])
+        twice = twice or group in groups
+        groups.add(group)
+    return twice and spare
+
+
 def _sends_layers(latest: Any) -> bool:
     return latest is not None and bool(latest.layers)
 
@@ -240,7 +283,8 @@ class TakeoverMetrics:
         commands = CounterMetricFamily(
             "gradwatch_takeover_commands",
             "Takeover commands sent to jobs (a reporting rank went silent: start; "
-            "the silent set changed; repeated while in force; the reporters are back: end).",
+            "the silent set changed; repeated while in force; the reporters are back: end; "
+            "two replicas sent one shard's layers with none in force: correct).",
             labels=["kind"],
         )
         for kind in KINDS:

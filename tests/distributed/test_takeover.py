@@ -215,8 +215,22 @@ def test_the_collector_starts_repeats_and_ends_a_takeover() -> None:
     state.observe_step(step(2, 142, ()))
     assert [c["silent"] for c in takeovers.tick(state)] == [[]]
     assert takeovers.in_force() == {} and takeovers.tick(state) == []
-    assert takeovers.counts() == {"start": 1, "change": 1, "repeat": 1, "end": 1}
+    assert takeovers.counts() == {"start": 1, "change": 1, "repeat": 1, "end": 1, "correct": 0}
     assert len(commands(sent)) == 4 and len({c["nonce"] for c in commands(sent)}) == 4
+
+
+def test_a_restarted_collector_stops_a_replica_that_still_takes_over() -> None:
+    """Rank 1 took over before this collector started; rank 0 is back: both send layers."""
+    clock, sent = Clock(), []
+    state = three_ranks(clock)
+    state.observe_step(step(1, 2, LAYERS))
+    takeovers = Takeovers(KEY, sent.append, clock, silent_seconds=60.0, repeat_s=20.0)
+    assert [c["silent"] for c in takeovers.tick(state)] == [[]]  # nobody silent: stop
+    assert takeovers.in_force() == {} and takeovers.tick(state) == []  # once per 20 s
+    state.observe_step(step(1, 3, ()))  # rank 1 stopped
+    clock.now += 20.0
+    assert takeovers.tick(state) == []
+    assert takeovers.counts()["correct"] == 1 and len(commands(sent)) == 1
 
 
 def test_no_takeover_without_need_or_without_a_key() -> None:
