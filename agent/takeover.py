@@ -128,12 +128,13 @@ class LayerSwitch(StepRecorder):
         want = reports_layers(config.layout, config.rank, takeover.silent)
         if want is not self._want_layers:
             logger.warning(
-                "gradwatch: rank %d %s per-layer gradient norms at its next step: the "
-                "collector reports ranks %s silent (a takeover changes only what this "
-                "rank sends; training is not touched)",
+                "gradwatch: rank %d %s per-layer gradient norms after its next step: %s "
+                "(a takeover changes only what this rank sends; training is not touched)",
                 config.rank,
                 "starts sending" if want else "stops sending",
-                _ranks_text(takeover.silent),
+                f"the collector reports ranks {_ranks_text(takeover.silent)} silent"
+                if takeover.silent
+                else "the collector reports every rank back",
             )
         self._silent = takeover.silent
         self._want_layers = want
@@ -203,4 +204,4 @@ def _layer_scales(
 def _ranks_text(ranks: frozenset[int], most: int = 8) -> str:
     shown = sorted(ranks)[:most]
     more = f" and {len(ranks) - most} more" if len(ranks) > most else ""
-    return (", ".join(map(str, shown)) or "none") + more
+    return ", ".join(map(str, shown)) + more
