@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 
+from gradwatch.agent import exit_flush
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
 from gradwatch.agent.config import AgentConfig
@@ -209,6 +210,8 @@ class Monitor(LayerSwitch):
         )
         self._shipper.start()
         self._attach(model, optimizer)
+        # A loop that dies before its close() still ships its last steps (agent/exit_flush.py).
+        exit_flush.track(self)
 
     # ------------------------------------------------------------ public
 
@@ -350,6 +353,15 @@ class Monitor(LayerSwitch):
 
     def close(self) -> None:
         """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
+        self._close(CLOSED_NOTE)
+
+    def close_for_exit(self, note: str) -> None:
+        """Close at interpreter exit or when the ``with`` block raised (agent/exit_flush.py):
+        as close(), with ``note`` (``closed``, or ``exited: <Type>: <message>``)."""
+        self._close(note)
+
+    def _close(self, note: str) -> None:
+        exit_flush.untrack(self)
         if self._closed:
             return
         self._closed = True
@@ -364,8 +376,9 @@ class Monitor(LayerSwitch):
                         self._queue_stats(done)
             except Exception as exc:
                 self._fail("flushing the last steps in Monitor.close()", exc)
-            # After the last batch: the collector forgets a job soon once every rank closed.
-            self._event("note", self._step, {"note": CLOSED_NOTE})
+            # After the last batch: the collector forgets a job soon once every rank closed;
+            # any other note (the process died) leaves the rank to go silent, and page.
+            self._event("note", self._step, {"note": note})
         self._off = True
         self._drop_hooks()
         if hasattr(self, "_shipper"):
@@ -380,4 +393,4 @@ class Monitor(LayerSwitch):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close_for_exit(exit_flush.exit_note(exc))
