@@ -45,7 +45,8 @@ whose *input* is the output of an activation of that kind, typically the
 Linear that follows it; those statistics are reported as ``<module>:input``.
 
 An output of more than ``SAMPLE`` elements is measured on an evenly strided
-sample of about ``SAMPLE`` elements (whole rows for softmax). The stride is odd,
+sample of about ``SAMPLE`` elements (a softmax: whole rows, about ``ROW_SAMPLE``
+elements of them). The stride is odd,
 so with the usual power-of-two widths the sample cycles through every hidden
 unit (every query position, for attention rows) instead of a fixed subset. If the module
 runs more than once in that window (gradient accumulation, an eval forward),
@@ -90,17 +91,23 @@ import torch
 from torch import nn
 
 from gradwatch.agent.hooks import Detached
-from gradwatch.agent.layout import fill_missing
+from gradwatch.agent.layout import MISSING_I32, fill_missing
 from gradwatch.wire import columns as wc
 
 logger = logging.getLogger(__name__)
 
 # Hooked modules at most (the first in model order); the rest are not measured.
 MAX_ACT_MODULES = 256
-# Outputs larger than this are measured on a strided sample of about this size: a
-# share estimated from 65,536 values has a standard error under 0.2%, and reading
-# 1/16 of a 2^20-element output is ~10x cheaper (benchmarks/activation_cost.py).
-SAMPLE = 1 << 16
+# Outputs larger than this are measured on a strided sample of about this size. A
+# share estimated from 8,192 values has a standard error under 0.6% (p = 0.5), against
+# thresholds of 0.5-0.9 over healthy floors of 0.02 or less (rules/default.yaml), and a
+# hook on the GPT benchmark's (8, 128, 1024) GELU output costs ~134 us of CPU instead
+# of ~388 us at 65,536 (it was that until 2026-12-03; benchmarks/activation_cost.py).
+SAMPLE = 1 << 13
+# A softmax is sampled by whole rows, and its share counts rows: about this many
+# elements of them (512 rows of 128), so the share of one-hot rows keeps a standard
+# error near 2% instead of the 6% of 64 rows.
+ROW_SAMPLE = 1 << 16
 # What a hook allocates while it runs, per sampled element at most: the gather's three
 # int64 index vectors (24), the sample in its own dtype (8 for float64), its float32
 # copy (4) and two bool masks (2); 38, rounded up. Checked in tests/agent/test_agent_act.py.
@@ -121,6 +128,9 @@ KINDS = ("relu", "relu6", "tanh", "sigmoid", "gelu", "silu", "softmax")
 INPUT_SUFFIX = ":input"
 
 _COMPILED_PREFIX = "_orig_mod."
+# One module's slots in the values vector: all of them, its mean, its mean of squares
+# (a std once snapshot() ran) and its share (None for a family without one).
+_Cells = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 # Hugging Face and other libraries write their own activation classes (GELUActivation,
 # NewGELUActivation, PytorchGELUTanh, SiLUActivation...): recognised by class name.
 # The names of gated blocks (SwiGLU, GeGLU) do not match: their output is a product.
@@ -254,8 +264,24 @@ class ActHooks:
                 columns.append(wc.act(target.name, target.kind, frac))
             self._plan.append((target, first, frac is not None))
         self.columns = tuple(columns)
+        # While armed: per module [mean, mean of squares(, share)], written in place by its
+        # hook; snapshot() turns every mean of squares into a std at once (fewer tensor
+        # operations per hook: each costs microseconds on the cold cache of a forward pass).
         self.values = torch.empty(len(columns), dtype=torch.float32, device=device)
         fill_missing(self.values)
+        firsts = [first for _, first, _ in self._plan]
+        self._mean_at = torch.tensor(firsts, dtype=torch.long, device=device)
+        self._square_at = self._mean_at + 1
+        # Views made once: (the module's slots, its mean, its mean of squares, its share).
+        self._cells = [
+            (
+                self.values[first : first + (3 if frac else 2)],
+                self.values[first],
+                self.values[first + 1],
+                self.values[first + 2] if frac else None,
+            )
+            for _, first, frac in self._plan
+        ]
         self._handles: list[Any] = []
 
     @classmethod
@@ -300,9 +326,9 @@ class ActHooks:
         if self._handles:
             return
         fill_missing(self.values)  # a module that does not run stays MISSING
-        for target, first, frac in self._plan:
+        for (target, _, _), cells in zip(self._plan, self._cells, strict=True):
             # Detached: a model pickled or copied while armed carries an inert hook.
-            hook = Detached(self._hook(target, first, frac))
+            hook = Detached(self._hook(target, cells))
             if target.on_input:
                 self._handles.append(target.module.register_forward_pre_hook(hook))
             else:
@@ -313,15 +339,20 @@ class ActHooks:
             self._handles.pop().remove()
 
     def snapshot(self) -> torch.Tensor:
-        """A copy of the values (device), queued: the vector is reused at the next arm."""
+        """The statistics [mean, std(, share)] per module (device), queued, no sync: the
+        values vector is reused at the next arm."""
         out = self.values.clone()
         if not self._handles:
             fill_missing(out)  # not armed for this step's forward: nothing was measured
+            return out
+        mean, square = out[self._mean_at], out[self._square_at]
+        std = (square - mean * mean).clamp_min_(0.0).sqrt_()
+        # A module that did not run keeps MISSING (its NaN bits), not a computed NaN.
+        ran = out.view(torch.int32)[self._square_at] != MISSING_I32
+        out[self._square_at] = torch.where(ran, std, square)
         return out
 
-    def _hook(self, target: _Target, first: int, frac: bool) -> Callable[..., None]:
-        values = self.values
-        width = 3 if frac else 2
+    def _hook(self, target: _Target, cells: _Cells) -> Callable[..., None]:
         kind, on_input = target.kind, target.on_input
         dim = getattr(target.module, "dim", None) if kind == "softmax" and not on_input else -1
 
@@ -332,8 +363,10 @@ class ActHooks:
                     return
                 with torch.no_grad():
                     y = y.detach()
-                    stats = _measure_rows(y, dim) if kind == "softmax" else _measure(y, kind, frac)
-                    values[first : first + width].copy_(stats)
+                    if kind == "softmax":
+                        _measure_rows(y, dim, cells)
+                    else:
+                        _measure(y, kind, cells)
             except Exception as exc:  # never raise into the user's forward pass
                 self.disarm()
                 if self._on_error is not None:
@@ -342,36 +375,39 @@ class ActHooks:
         return hook
 
 
-def _measure(y: torch.Tensor, kind: str, frac: bool) -> torch.Tensor:
-    """[mean, std(, share)] of ``y`` as a float32 device tensor; reads nothing on the host."""
-    flat = _sample(y)
-    n = flat.numel()  # shape metadata: no sync
-    x = flat.float()
-    mean, std = _mean_std(x, n)
-    if not frac:
-        return torch.stack((mean, std))
-    if kind in ("relu", "relu6"):
-        hits = (x == 0).sum()
-    elif kind == "tanh":
-        hits = (x.abs() > TANH_SATURATED).sum()
-    elif kind == "sigmoid":
-        hits = ((x < SIGMOID_MARGIN) | (x > 1.0 - SIGMOID_MARGIN)).sum()
-    else:  # gelu, silu: the flat negative tail
-        low = GELU_DEAD_OUTPUT if kind == "gelu" else SILU_DEAD_OUTPUT
-        hits = ((x > low) & (x <= 0.0)).sum()
-    return torch.stack((mean, std, hits.float() / n))
+def _measure(y: torch.Tensor, kind: str, cells: _Cells) -> None:
+    """Write [mean, mean of squares(, share)] of ``y`` into the module's ``cells``; no sync."""
+    span, mean, square, share = cells
+    # One strided read into a contiguous float32 vector (SAMPLE x 4 bytes, in L1/L2),
+    # which the reductions below then share: reading the strided view once per
+    # reduction touched a cache line per element each time (~20% of the hook in a loop).
+    x = _sample(y).float().contiguous()
+    torch.sum(x, 0, out=mean)
+    torch.dot(x, x, out=square)
+    if share is not None:
+        if kind in ("relu", "relu6"):
+            hits = x == 0
+        elif kind == "tanh":
+            hits = x.abs() > TANH_SATURATED
+        elif kind == "sigmoid":
+            hits = (x < SIGMOID_MARGIN) | (x > 1.0 - SIGMOID_MARGIN)
+        else:  # gelu, silu: the flat negative tail
+            hits = (x > (GELU_DEAD_OUTPUT if kind == "gelu" else SILU_DEAD_OUTPUT)) & (x <= 0.0)
+        torch.sum(hits, 0, dtype=torch.float32, out=share)
+    span.div_(x.numel())  # sums to means; numel is shape metadata: no sync
 
 
 def hook_transient_bytes(row_width: int = 0) -> int:
     """The most one activation hook allocates while it runs (released when it returns),
-    whatever the size of the output: ``SAMPLE`` elements (plus one ``row_width`` row for a
-    softmax, whose rows are sampled whole) at ``HOOK_BYTES_PER_SAMPLED`` bytes each."""
-    return HOOK_BYTES_PER_SAMPLED * (SAMPLE + 1 + row_width)
+    whatever the size of the output: ``ROW_SAMPLE`` elements (the larger sample: a
+    softmax's whole rows, plus one ``row_width`` row) at ``HOOK_BYTES_PER_SAMPLED`` bytes
+    each; an elementwise output's ``SAMPLE`` takes an eighth of it."""
+    return HOOK_BYTES_PER_SAMPLED * (ROW_SAMPLE + 1 + row_width)
 
 
-def _stride(n: int) -> int:
-    """An odd step that samples about SAMPLE of ``n`` elements (or rows)."""
-    step = -(-n // SAMPLE)
+def _stride(n: int, sample: int = SAMPLE) -> int:
+    """An odd step that samples about ``sample`` of ``n`` elements (or rows)."""
+    step = -(-n // sample)
     return step + 1 - step % 2
 
 
@@ -425,23 +461,19 @@ def _storage(y: torch.Tensor) -> torch.Tensor:
     return y.as_strided((span + 1,), (1,))  # keeps y's storage offset
 
 
-def _mean_std(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    mean = x.sum() / n
-    std = (torch.dot(x, x) / n - mean * mean).clamp_min_(0.0).sqrt_()
-    return mean, std
-
-
-def _measure_rows(y: torch.Tensor, dim: int | None) -> torch.Tensor:
-    """[mean, std, share of rows with max > SOFTMAX_SATURATED] over whole softmax rows."""
+def _measure_rows(y: torch.Tensor, dim: int | None, cells: _Cells) -> None:
+    """Write [mean, mean of squares, share of rows with max > SOFTMAX_SATURATED] over whole
+    softmax rows into ``cells``; no sync."""
+    span, mean, square, share = cells
     if dim is None:  # nn.Softmax() without dim: torch's legacy choice of axis
         dim = 0 if y.dim() in (0, 1, 3) else 1
     rows = y.movedim(dim, -1) if dim not in (-1, y.dim() - 1) else y  # a view
     width = rows.shape[-1]
     n = rows.numel()
-    if n > SAMPLE and rows.dim() > 1:
+    if n > ROW_SAMPLE and rows.dim() > 1:
         # Every _stride(n)-th row, gathered by index when the rows are not contiguous
         # (``dim`` not the last, or a strided output): no copy of the whole output.
-        step = _stride(n)
+        step = _stride(n, ROW_SAMPLE)
         if rows.is_contiguous():
             rows = rows.view(-1, width)[::step]
         else:
@@ -451,6 +483,9 @@ def _measure_rows(y: torch.Tensor, dim: int | None) -> torch.Tensor:
             rows = _storage(rows).index_select(0, at).view(-1, width)
     x = rows.reshape(-1, width).float()  # the sample's rows (one whole row at least)
     flat = x.reshape(-1)
-    mean, std = _mean_std(flat, flat.numel())
-    peaked = (x.amax(dim=-1) > SOFTMAX_SATURATED).sum()
-    return torch.stack((mean, std, peaked.float() / x.shape[0]))
+    torch.sum(flat, 0, out=mean)
+    torch.dot(flat, flat, out=square)
+    span[:2].div_(flat.numel())
+    assert share is not None  # a softmax always has its share (_frac_stat)
+    torch.sum(x.amax(dim=-1) > SOFTMAX_SATURATED, 0, dtype=torch.float32, out=share)
+    share.div_(x.shape[0])

@@ -74,8 +74,9 @@ def test_a_hook_allocates_at_most_its_bound_and_keeps_nothing(name: str) -> None
 def measured(module: nn.Module, y: torch.Tensor) -> list[float]:
     hooks, hook = hook_of(module)
     hook(module, (y,), y)
+    values = hooks.snapshot().tolist()
     hooks.disarm()
-    return hooks.values.tolist()
+    return values
 
 
 @pytest.mark.parametrize("name", ["sliced", "softmax, dim 1 of 4"])
@@ -91,5 +92,7 @@ def test_a_gathered_sample_is_the_contiguous_copys_sample(name: str) -> None:
 
 
 def test_the_bound_is_the_sample_not_the_output() -> None:
-    assert hook_transient_bytes() == activations.HOOK_BYTES_PER_SAMPLED * (activations.SAMPLE + 1)
+    assert hook_transient_bytes() == activations.HOOK_BYTES_PER_SAMPLED * (
+        activations.ROW_SAMPLE + 1
+    )
     assert hook_transient_bytes() < 3 << 20

@@ -138,9 +138,9 @@ def test_cadence_steps_with_activation_hooks_make_no_syncing_call(detector, endp
     measured: list[str] = []
     original = activations._measure
 
-    def counting(y: torch.Tensor, kind: str, frac: bool) -> torch.Tensor:
+    def counting(y: torch.Tensor, kind: str, cells: tuple[torch.Tensor, ...]) -> None:
         measured.append(kind)
-        return original(y, kind, frac)
+        original(y, kind, cells)
 
     monkeypatch.setattr(activations, "_measure", counting)
     mon = run_loop(endpoint, steps=12, stats_every=2)  # most steps hook the forward
