@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradwatch.agent.activations import hook_transient_bytes
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.weightstats import MAX_PHASES, SAMPLE
 
@@ -35,11 +36,16 @@ class Budget:
     host_pool: int  # host (pinned under CUDA): pool_size flushed halves in flight
     samples: int  # device: update-ratio samples before and after the update
     stats: int  # device and host: cadence vectors in progress and queued
+    # device, during a cadence step's forward only: one activation hook's temporaries
+    # (one hook runs at a time and frees them when it returns); 0 without activations
+    hooks: int = 0
     slack: int = SLACK
 
     @property
     def total(self) -> int:
-        return self.step_buffer + self.host_pool + self.samples + self.stats + self.slack
+        return (
+            self.step_buffer + self.host_pool + self.samples + self.stats + self.hooks + self.slack
+        )
 
 
 def memory_budget(
@@ -48,10 +54,12 @@ def memory_budget(
     elem_bytes: int = F32,
     act_columns: int = 0,
     sample: int = SAMPLE,
+    act_row_width: int = 0,
 ) -> Budget:
     """The budget for a model of ``n_layers`` trainable tensors of ``elem_bytes`` each element.
 
-    ``act_columns``: activation-statistics columns (3 per hooked module at most).
+    ``act_columns``: activation-statistics columns (3 per hooked module at most);
+    ``act_row_width``: the longest softmax row among the hooked modules (0: none).
     """
     width = n_layers + config.device_columns
     row_bytes = config.flush_every * width * F32
@@ -64,4 +72,5 @@ def memory_budget(
         host_pool=(config.pool_size + 1) * row_bytes,
         samples=2 * n_layers * sample * elem_bytes,
         stats=(queued + 3) * vector,
+        hooks=hook_transient_bytes(act_row_width) if act_columns else 0,
     )

@@ -127,6 +127,11 @@ class WeightStats:
         self._parts = [*self._before.split(counts), *self._after.split(counts)]
         self._any_unsampled = bool(self._unsampled.numel())
         self._have_before = False
+        # The strided views of the pre-hook's gather and the parameters' data pointers then:
+        # read again by the after-gather of the same step (views cost ~3 us each to make),
+        # then dropped, so no old storage is held past the step.
+        self._views: list[torch.Tensor] | None = None
+        self._pointers: list[int] = []
         self._plan_phases(weights, max_phases, min_phase_elements)
         # float32/16 weights on the reader's device, not sharded: a phase's slices are
         # one strided view each and one fused norm (dtype or device changes make a
@@ -187,7 +192,9 @@ class WeightStats:
     def sample_before(self) -> None:
         """Gather each parameter's sample before the optimizer updates it (pre-hook)."""
         with torch.no_grad():
-            self._gather(self._before)
+            self._views = self._gather(self._before)
+        if self._views is not None:
+            self._pointers = [p.data_ptr() for p in self._reader.params]
         self._have_before = True
 
     def ratios(self) -> torch.Tensor:
@@ -199,8 +206,17 @@ class WeightStats:
             fill_missing(out)
             return out
         self._have_before = False
+        views, self._views = self._views, None
         with torch.no_grad():
-            self._gather(self._after)
+            if views is None:
+                self._gather(self._after)
+            elif [p.data_ptr() for p in self._reader.params] == self._pointers:
+                torch.cat(views, out=self._after)  # the same elements, after the update
+            else:
+                # The loop gave a parameter new storage during the step (a cast, a
+                # re-flattening): before and after are not one update's ends.
+                fill_missing(out)
+                return out
             self._before.sub_(self._after)
             # float64 weights (model.double()) cannot be normed into float32 directly:
             # norm in their own dtype, then narrow the per-layer results.
@@ -215,10 +231,14 @@ class WeightStats:
     def drop(self) -> None:
         """Forget a pending before-sample and the waiting samples (switching off)."""
         self._have_before = False
+        self._views = None
         self._waiting = []
 
-    def _gather(self, into: torch.Tensor) -> None:
-        """Gather every sample into ``into`` (one ``cat``); called under ``no_grad``."""
+    def _gather(self, into: torch.Tensor) -> list[torch.Tensor] | None:
+        """Gather every sample into ``into`` (one ``cat``); called under ``no_grad``.
+
+        Returns the views read when they are plain strided views of the parameters
+        (the usual case), which a second gather of the same step may reuse."""
         reader = self._reader
         if not (reader.sharded or reader.multi_device):
             # One strided view per parameter, made anew (the storage may have been
@@ -234,7 +254,7 @@ class WeightStats:
             else:
                 if views:
                     torch.cat(views, out=into)
-                return
+                return views
         views = []
         for w, spec in zip(self._weights(), self._samples, strict=True):
             if spec is None:
@@ -247,6 +267,7 @@ class WeightStats:
             views.append(view)
         if views:
             torch.cat(views, out=into)
+        return None
 
     # ------------------------------------------------------------ weight norms
 
