@@ -4,8 +4,13 @@ Four variants of the same training step run interleaved round-robin in one
 process, so drift in the machine (thermal, other load) hits them equally:
 
 * ``baseline`` -- no monitoring;
-* ``agent``    -- ``gradwatch.watch`` at default settings (early cadence on),
-  shipping to a PULL socket on loopback that a receiver thread drains;
+* ``agent``    -- ``gradwatch.watch`` at default settings, shipping to a PULL
+  socket on loopback that a receiver thread drains. A run's first ~235 steps
+  carry dense cadence statistics (agent/cadence.py), so on a short run (the
+  transformer's) this variant measures that start;
+* ``agent_s50`` -- the same with ``early_stats=False``: statistics every 50
+  steps, which is the default schedule after the dense start (the rest of a
+  run);
 * ``read``     -- the physical limit: one fused read of all gradients
   (``torch._foreach_norm`` + ``torch.stack``) before ``opt.step()``, nothing else;
 * ``naive``    -- what people write by hand: every parameter's grad norm
@@ -16,7 +21,8 @@ seq 128, vocab 1000, batch 8, AdamW), the ~0.4M-parameter MLP 256-512-512-10
 (batch 64, SGD) and the 6x256 MLP of issue 14 (batch 64, SGD). For each it
 prints, per variant, the p50 / p99 / max / mean step time and the overhead
 of p50, p99 and mean against the baseline's; then the agent's own
-training-thread time (the optimizer pre-hook plus ``log()``, timed directly:
+training-thread time (the optimizer pre-hook, ``log()`` and every forward hook it
+leaves on the model, timed directly:
 steadier than step times on a busy machine) as p50 / p99 / max / mean, and
 its ratio to the fused read timed the same way in the same run, both in wall
 time and in the training thread's own CPU time (``time.thread_time``: what
@@ -58,9 +64,11 @@ from torch import nn
 
 import gradwatch
 from gradwatch.agent.budget import memory_budget
+from gradwatch.agent.hooks import Detached
 from gradwatch.agent.monitor import Monitor
 
-VARIANTS = ("baseline", "agent", "read", "naive")
+VARIANTS = ("baseline", "agent", "agent_s50", "read", "naive")
+AGENTS = ("agent", "agent_s50")  # the variants that watch
 # Steps run unwatched, then watched, by the RSS probe (the transformer's are ~100x longer).
 RSS_STEPS = {"transformer": 30, "mlp": 200, "mlp6x256": 200}
 
@@ -83,9 +91,13 @@ def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
     return timed
 
 
-# Timing wrapper, benchmark only.
-Monitor._pre_hook = _timed(Monitor._pre_hook)  # type: ignore[method-assign]
-Monitor.log = _timed(Monitor.log)  # type: ignore[method-assign]  # timing wrapper, benchmark only
+# Every way the agent runs on the training thread: the process-wide optimizer
+# pre-hook, log(), and every hook it leaves on the model (the phase clock's forward
+# pre/post hooks on every step, the activation hooks of a cadence step's forward):
+# all of those are Detached (agent/hooks.py). Timing wrappers, benchmark only.
+Monitor._any_pre_hook = _timed(Monitor._any_pre_hook)  # type: ignore[method-assign]
+Monitor.log = _timed(Monitor.log)  # type: ignore[method-assign]
+Detached.__call__ = _timed(Detached.__call__)  # type: ignore[method-assign]
 
 
 @dataclass
@@ -176,8 +188,14 @@ def make_step(
     opt = work.make_opt(model)
     params = [p for p in model.parameters() if p.requires_grad]
     mon = (
-        gradwatch.watch(model, opt, job=f"bench-{work.name}", endpoint=endpoint)
-        if variant == "agent"
+        gradwatch.watch(
+            model,
+            opt,
+            job=f"bench-{work.name}-{variant}",
+            endpoint=endpoint,
+            early_stats=variant == "agent",
+        )
+        if variant in AGENTS
         else None
     )
     sink: list[float] = []
@@ -221,8 +239,9 @@ def measure(
         for _ in range(warmup):
             step()
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    inside: dict[str, list[float]] = {"agent": [], "read": [], "agent_cpu": [], "read_cpu": []}
-    kinds: dict[str, list[float]] = collections.defaultdict(list)  # agent CPU time by kind
+    inside: dict[str, list[float]] = collections.defaultdict(list)
+    # agent CPU time by (variant, kind of step)
+    kinds: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
     while len(times["baseline"]) < steps:
         for variant, (step, _) in runners.items():  # round-robin, chunk steps each
             ts = times[variant]
@@ -232,11 +251,12 @@ def measure(
                 t0 = time.perf_counter()
                 kind = step()
                 ts.append(time.perf_counter() - t0)
-                if variant in ("agent", "read"):
-                    inside[variant].append(_INSIDE[variant])
-                    inside[variant + "_cpu"].append(_INSIDE[variant + "_cpu"])
-                if variant == "agent":
-                    kinds[kind].append(_INSIDE["agent_cpu"])
+                if variant in AGENTS or variant == "read":
+                    key = "agent" if variant in AGENTS else "read"
+                    inside[variant].append(_INSIDE[key])
+                    inside[variant + "_cpu"].append(_INSIDE[key + "_cpu"])
+                if variant in AGENTS:
+                    kinds[variant, kind].append(_INSIDE["agent_cpu"])
     for _, close in runners.values():
         close()
     return {"times": times, "inside": inside, "kinds": dict(kinds)}
@@ -369,50 +389,42 @@ def report(
     b50, b99, bmean = statistics.median(base), _q(base, 99), statistics.mean(base)
     print(f"\n{name}: {len(base)} steps per variant, {n_params:,} parameters")
     print(
-        f"  {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
+        f"  {'variant':<10} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
         f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}"
     )
     for variant, ts in times.items():
         p50, p99, mean = statistics.median(ts), _q(ts, 99), statistics.mean(ts)
         print(
-            f"  {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
+            f"  {variant:<10} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
             f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f} {(p99 / b99 - 1) * 100:>+7.2f}"
             f" {(mean / bmean - 1) * 100:>+7.2f}"
         )
-    agent, read = inside["agent"], inside["read"]
-    a50, a99, amean = statistics.median(agent), _q(agent, 99), statistics.mean(agent)
-    r50, rmean = statistics.median(read), statistics.mean(read)
-    print(
-        f"  inside the agent (pre-hook + log), per step: p50 {a50 * 1e6:.0f} us, "
-        f"p99 {a99 * 1e6:.0f} us, max {max(agent) * 1e6:.0f} us, mean {amean * 1e6:.0f} us"
-        f" = {a50 / b50 * 100:.2f}% / {a99 / b50 * 100:.2f}% / {amean / b50 * 100:.2f}% of "
-        "the baseline p50 step"
-    )
-    print(
-        f"  one fused gradient read (_foreach_norm + stack), same run: p50 "
-        f"{r50 * 1e6:.0f} us, p99 {_q(read, 99) * 1e6:.0f} us, max {max(read) * 1e6:.0f} us,"
-        f" mean {rmean * 1e6:.0f} us; agent / read: p50 {a50 / r50:.2f}x, p99 "
-        f"{a99 / _q(read, 99):.2f}x, mean {amean / rmean:.2f}x"
-    )
-    acpu, rcpu = inside["agent_cpu"], inside["read_cpu"]
-    c50, c99, cmean = statistics.median(acpu), _q(acpu, 99), statistics.mean(acpu)
-    r50, r99, rmean = statistics.median(rcpu), _q(rcpu, 99), statistics.mean(rcpu)
+    read, rcpu = inside["read"], inside["read_cpu"]
     base_cpu = b50 if not result.get("base_cpu") else result["base_cpu"]
+    r50, r99, rmean = statistics.median(rcpu), _q(rcpu, 99), statistics.mean(rcpu)
     print(
-        f"  thread CPU time (time.thread_time), agent: p50 {c50 * 1e6:.0f} us, p99 "
-        f"{c99 * 1e6:.0f} us, max {max(acpu) * 1e6:.0f} us, mean {cmean * 1e6:.0f} us; read: "
-        f"p50 {r50 * 1e6:.0f} us, p99 {r99 * 1e6:.0f} us, max {max(rcpu) * 1e6:.0f} us, mean "
-        f"{rmean * 1e6:.0f} us; agent / read: p50 {c50 / r50:.2f}x, p99 {c99 / r99:.2f}x, "
-        f"mean {cmean / rmean:.2f}x; agent - read = {(c50 - r50) / base_cpu * 100:.2f}% / "
-        f"{(cmean - rmean) / base_cpu * 100:.2f}% (p50 / mean) of the baseline step"
+        f"  one fused gradient read (_foreach_norm + stack), same run, thread CPU: p50 "
+        f"{r50 * 1e6:.0f} us, p99 {r99 * 1e6:.0f} us, max {max(rcpu) * 1e6:.0f} us, mean "
+        f"{rmean * 1e6:.0f} us = {r50 / base_cpu * 100:.2f}% of the baseline step's thread CPU"
+        f" ({base_cpu * 1e3:.2f} ms); wall p50 {statistics.median(read) * 1e6:.0f} us"
     )
-    kinds = result.get("kinds", {})
-    if kinds:
+    for variant in AGENTS:
+        wall, cpu = inside[variant], inside[variant + "_cpu"]
+        c50, c99, cmean = statistics.median(cpu), _q(cpu, 99), statistics.mean(cpu)
+        print(
+            f"  {variant}: inside the agent (pre-hook, log, forward hooks), thread CPU: p50 "
+            f"{c50 * 1e6:.0f} us, p99 {c99 * 1e6:.0f} us, max {max(cpu) * 1e6:.0f} us, mean "
+            f"{cmean * 1e6:.0f} us = {c50 / base_cpu * 100:.2f}% / {c99 / base_cpu * 100:.2f}% / "
+            f"{cmean / base_cpu * 100:.2f}% (p50 / p99 / mean) of the baseline step; agent / "
+            f"read p50 {c50 / r50:.2f}x, p99 {c99 / r99:.2f}x, mean {cmean / rmean:.2f}x; wall "
+            f"p50 {statistics.median(wall) * 1e6:.0f} us, p99 {_q(wall, 99) * 1e6:.0f} us"
+        )
+        by_kind = {k: ts for (v, k), ts in result.get("kinds", {}).items() if v == variant}
         parts = [
             f"{kind} {len(ts)}x p50 {statistics.median(ts) * 1e6:.0f} us"
-            for kind, ts in sorted(kinds.items(), key=lambda kv: -len(kv[1]))
+            for kind, ts in sorted(by_kind.items(), key=lambda kv: -len(kv[1]))
         ]
-        print("  agent CPU time by kind of step: " + ", ".join(parts))
+        print(f"    {variant} CPU time by kind of step: " + ", ".join(parts))
     if rss is not None:
         print(
             f"  process RSS (fresh process, {RSS_STEPS[name]} steps each): "
