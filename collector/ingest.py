@@ -33,8 +33,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradwatch.collector.rows import Plan, compile_plan, stats_rows, step_rows
-from gradwatch.rules.step import Eval, Stats, Step
+from gradwatch.collector.rows import Plan, compile_plan, quiet_rows, stats_rows, step_rows
+from gradwatch.rules.step import Eval, QuietRows, Stats, Step
 from gradwatch.wire import (
     Batch,
     Event,
@@ -70,6 +70,9 @@ class Ingested:
     events: tuple[Event, ...] = ()
     evals: tuple[Eval, ...] = ()  # the ``eval`` events among ``events``, decoded
     stats: tuple[Stats, ...] = ()  # from batches of a cadence-statistics schema
+    # Batches without layers of a job judged as a whole, as columns (only when
+    # ``feed(quiet=True)``; otherwise their rows are in ``steps``).
+    quiet: tuple[QuietRows, ...] = ()
 
 
 NOTHING = Ingested()
@@ -134,11 +137,15 @@ class Ingest:
         self._lost: Counter[str] = Counter()
         self._log = RateLimitedLog(log)
 
-    def feed(self, frames: Frames, header: dict[str, Any] | None = None) -> Ingested:
+    def feed(
+        self, frames: Frames, header: dict[str, Any] | None = None, quiet: bool = False
+    ) -> Ingested:
         """Decode one message. Never raises: bad input is counted and dropped.
 
         ``header``: the header frame's JSON object when the caller already parsed
         it (``gradwatch.wire.messages.header_object``), so it is parsed once.
+        ``quiet``: a batch without layers of a multi-rank job comes back as
+        ``Ingested.quiet`` columns instead of one ``Step`` per row.
         """
         try:
             size = sum(memoryview(frame).nbytes for frame in frames)
@@ -166,7 +173,7 @@ class Ingest:
         try:
             if self.admit is not None and self.admit(message) is not None:
                 return NOTHING
-            return self._dispatch(message)
+            return self._dispatch(message, quiet)
         except Exception as exc:
             self.reject(
                 "internal",
@@ -198,7 +205,7 @@ class Ingest:
 
     # ------------------------------------------------------------ per kind
 
-    def _dispatch(self, message: Batch | Heartbeat | Event) -> Ingested:
+    def _dispatch(self, message: Batch | Heartbeat | Event, quiet: bool = False) -> Ingested:
         if isinstance(message, Heartbeat):
             self._count_message("heartbeat")
             stream = self._stream(message.job, message.rank, message.incarnation)
@@ -209,9 +216,9 @@ class Ingest:
             evals = (eval_of(message),) if message.kind == "eval" else ()
             return Ingested(events=(message,), evals=evals)
         self._count_message("batch")
-        return self._batch(message)
+        return self._batch(message, quiet)
 
-    def _batch(self, batch: Batch) -> Ingested:
+    def _batch(self, batch: Batch, quiet: bool) -> Ingested:
         stream = self._stream(batch.job, batch.rank, batch.incarnation)
         self._track_seq(stream, batch)
         self._track_dropped(stream, batch.job, batch.rank, batch.dropped)
@@ -243,6 +250,8 @@ class Ingest:
             return NOTHING
         if plan.stats:
             return Ingested(stats=stats_rows(batch, plan))
+        if quiet and plan.first_layer == plan.schema.width and batch.shards and batch.world > 1:
+            return Ingested(quiet=(quiet_rows(batch, plan),))  # rules.assembly.assembles
         return Ingested(steps=step_rows(batch, plan))
 
     def _plan(self, stream: _Stream, batch: Batch) -> Plan | None:

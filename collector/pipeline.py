@@ -39,7 +39,7 @@ from gradwatch.collector.wiring import RulesEngine
 from gradwatch.rules import Step
 from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.assembly import Assembler, assembles
-from gradwatch.rules.step import Eval, Stats
+from gradwatch.rules.step import Eval, QuietRows, Stats
 from gradwatch.wire.messages import DATA_CHANGE, DEGRADED
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,9 @@ class Pipeline:
         self.engine: RulesEngine | None = None
         self.engine_lock = threading.Lock()
         self.actions: Actions | None = None
+        # Batches without layers of multi-rank jobs go through as columns
+        # (issue 17); False: one Step per row, as before (tests compare the two).
+        self.quiet_rows = True
         self._progress = threading.Condition()
         self._handled = 0
 
@@ -111,7 +114,10 @@ class Pipeline:
         try:
             if refused:
                 return  # counted and logged by the check that refused it
-            result = self.ingest.feed(frames, header)
+            recorder = self.recorder
+            # The recorder writes every row's Step: it gets them one by one.
+            quiet = self.quiet_rows and (recorder is None or not recorder.enabled)
+            result = self.ingest.feed(frames, header, quiet)
             self._record(result)
             for heartbeat in result.heartbeats:
                 self.state.observe_heartbeat(heartbeat)
@@ -133,6 +139,8 @@ class Pipeline:
                         self._evaluate("the agent's notice", notice, self._engine().observe_notice)
             for step in result.steps:
                 self._observe(step)
+            for rows in result.quiet:
+                self._observe_quiet(rows)
             if result.steps:
                 self.state.observe_lag(max(result.steps, key=lambda s: s.time))
             for stats in result.stats:
@@ -176,6 +184,31 @@ class Pipeline:
             )
             return
         self._judge("the step", step, self._engine().observe)
+
+    def _observe_quiet(self, rows: QuietRows) -> None:
+        """``_observe`` of each row of a batch without layers of a job judged as a whole.
+
+        The rows go to the state and the assembler as columns (no ``Step`` per
+        row); the state and the assembled steps are those of ``_observe`` per row.
+        """
+        doing = "record"
+        try:
+            self.state.observe_quiet(rows)
+            doing = "assemble"
+            with self.assembler_lock:
+                wholes = self.assembler.add_quiet(rows)
+        except Exception as exc:
+            self.ingest.reject(
+                "internal",
+                f"failed to %s steps %d-%d of job %r: %r; {_BUG}",
+                doing,
+                rows.steps[0],
+                rows.steps[-1],
+                rows.job,
+                exc,
+            )
+            return
+        self._judge_whole(wholes)
 
     def _judge(
         self, what: str, record: Step | Stats, observe: Callable[[Any], Sequence[Any]]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gradwatch.rules.step import FLOAT32_MAX, ActStats, Stats, Step, build_step
+from gradwatch.rules.step import FLOAT32_MAX, ActStats, QuietRows, Stats, Step, build_step
 from gradwatch.wire import MISSING_BITS, Batch, Schema
 from gradwatch.wire import columns as col
 
@@ -265,49 +265,105 @@ def _scalar_rows(
     scalars (one replica per model shard sends layers); at 16,384 ranks a flush
     is 16,352 such batches, so per-row numpy calls were most of ingest's cost.
     """
-    named = raw.astype(np.float64).tolist()
-    named_missing = missing.tolist()
+    return _quiet(batch, plan, raw, missing).all_steps()
+
+
+def quiet_rows(batch: Batch, plan: Plan) -> QuietRows:
+    """The rows of a batch whose schema has no layers, as columns (``QuietRows``).
+
+    The collector hands these to its per-rank state and the assembler whole
+    (issue 17); ``QuietRows.step(r)`` is ``step_rows(batch, plan)[r]``.
+    """
+    raw = np.frombuffer(batch.values, "<f4").reshape(len(batch.steps), plan.schema.width)
+    return _quiet(batch, plan, raw, raw.view("<u4") == MISSING_BITS)
+
+
+def _quiet(batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray) -> QuietRows:
+    rows = len(batch.steps)
+    # Column by column, None where a cell is missing (a value is never None otherwise).
+    columns: list[list[float | None]] = raw.T.astype(np.float64).tolist()
+    any_missing = bool(missing.any())
+    if any_missing:
+        columns = [
+            [None if g else v for v, g in zip(values, gone, strict=True)]
+            for values, gone in zip(columns, missing.T.tolist(), strict=True)
+        ]
+    absent: list[float | None] = [None] * rows
+
+    def column(i: int | None) -> list[float | None]:
+        return absent if i is None else columns[i]
+
     job, rank, world, shards = batch.job, batch.rank, batch.world, batch.shards or 0
     layers, roles, dtype_max = plan.schema.layers, plan.schema.layer_roles, plan.dtype_max
-    loss_i, scale_i, skipped_i, norm_i = plan.loss, plan.loss_scale, plan.skipped, plan.grad_norm
-    lr_i, scalars_i = plan.lr, plan.scalars
+    loss, norm, scale, skip = (
+        column(plan.loss),
+        column(plan.grad_norm),
+        column(plan.loss_scale),
+        column(plan.skipped),
+    )
+    lr_cols = [columns[i] for i in plan.lr]
+    scalar_cols = [(name, columns[i]) for name, i in plan.scalars]
     # One missing learning rate leaves the row's ``lr`` empty, as in ``_layer_rows``.
     lr_gone: list[bool] = (
-        np.logical_or.reduce(missing[:, list(lr_i)], axis=1).tolist()
-        if lr_i
-        else [False] * len(named)
+        np.logical_or.reduce(missing[:, list(plan.lr)], axis=1).tolist()
+        if plan.lr and any_missing
+        else [False] * rows
     )
-    steps = []
-    for values, gone, no_lr, step, when in zip(
-        named, named_missing, lr_gone, batch.steps, batch.times, strict=True
-    ):
-        grad_norm = None if norm_i is None or gone[norm_i] else values[norm_i]
-        skipped = None if skipped_i is None or gone[skipped_i] else values[skipped_i]
-        # Positional, in _StepBuilder.__init__'s order (~2x cheaper than keywords,
-        # this loop's largest cost); tests/collector/test_ingest_speed.py checks every
-        # field against _layer_rows, which names them.
-        steps.append(
-            build_step(
-                job,
-                step,
-                when,
-                rank,
-                None if loss_i is None or gone[loss_i] else values[loss_i],  # loss
-                grad_norm,
-                layers,
-                _NO_NORMS,  # layer_norms
-                () if no_lr else tuple([values[i] for i in lr_i]),  # lr
-                None if scale_i is None or gone[scale_i] else values[scale_i],  # loss_scale
-                skipped is not None and skipped > 0.5,  # skipped
-                {name: values[i] for name, i in scalars_i if not gone[i]},  # scalars
-                dtype_max,
-                grad_norm is not None,  # grad_norm_logged
-                world,
-                shards,
-                roles,  # layer_roles
-            )
+    steps, times = batch.steps, batch.times
+
+    def build(r: int) -> Step:
+        grad_norm, skipped = norm[r], skip[r]
+        # Positional, in _StepBuilder.__init__'s order (~2x cheaper than keywords);
+        # tests/collector/test_ingest_speed.py checks every field against
+        # _layer_rows, which names them.
+        return build_step(
+            job,
+            steps[r],
+            times[r],
+            rank,
+            loss[r],
+            grad_norm,
+            layers,
+            _NO_NORMS,  # layer_norms
+            () if lr_gone[r] else tuple([c[r] for c in lr_cols]),  # lr
+            scale[r],  # loss_scale
+            skipped is not None and skipped > 0.5,  # skipped
+            {name: c[r] for name, c in scalar_cols if c[r] is not None},  # scalars
+            dtype_max,
+            grad_norm is not None,  # grad_norm_logged
+            world,
+            shards,
+            roles,  # layer_roles
         )
-    return tuple(steps)
+
+    scalar = dict(plan.scalars)
+    # The step phases as rules.liveness.PhaseTimes reads them from a Step's scalars.
+    phases = [columns[scalar[name]] for name in _PHASES if name in scalar]
+    flag = column(scalar.get(col.GRAD_NONFINITE_SCALAR))
+    return QuietRows(
+        job=job,
+        rank=rank,
+        world=world,
+        shards=shards,
+        steps=steps,
+        times=times,
+        loss=loss,
+        grad_norm=norm,
+        skipped=[v is not None and v > 0.5 for v in skip],
+        flagged=[v is not None and v > 0.5 for v in flag],
+        data=column(scalar.get(col.DATA_SECONDS_SCALAR)),
+        busy=[_sum(cells) for cells in zip(*phases, strict=True)] if phases else absent,
+        build=build,
+    )
+
+
+def _sum(cells: tuple[float | None, ...]) -> float | None:
+    present = [c for c in cells if c is not None]
+    return sum(present) if present else None
+
+
+# rules.liveness.PhaseTimes: the phases before the gradient sync, summed per step.
+_PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
 
 
 def _cell(values: list[float], gone: list[bool], i: int | None) -> float | None:

@@ -72,8 +72,10 @@ from gradwatch.rules.assembly_state import (
     AssemblyCounts,
     Record,
     _add,
+    _add_quiet,
     _grow,
     _new,
+    _new_step,
     _Pending,
     _Stream,
 )
@@ -84,7 +86,7 @@ from gradwatch.rules.assembly_verdict import (
     _nonfinite_only,
     _ratios,
 )
-from gradwatch.rules.step import Stats, Step
+from gradwatch.rules.step import QuietRows, Stats, Step
 
 __all__ = [
     "MAX_BLAMED",
@@ -143,6 +145,47 @@ class Assembler:
         stream.absent.discard(record.rank)  # it reports a step still being assembled
         _add(pending, record, stream)
         out += self._ready(stream)
+        return out
+
+    def add_quiet(self, rows: QuietRows) -> list[Record]:
+        """``add`` of each row's ``Step``, in row order, without building those Steps.
+
+        The same pending sums, counters and emitted steps: a row that is late,
+        goes back in time, or meets a new (or rescaled) job's first report takes
+        ``add`` with its ``Step``; every other row only adds its rank, loss and
+        flags (a rank without layers adds nothing per layer). Issue 17: 16,352 of
+        a 16,384-rank job's batches carry no layers.
+        """
+        out: list[Record] = []
+        key, rank = (rows.job, "step"), rows.rank
+        stream: _Stream | None = None
+        ready = True  # whether _ready may emit something after this row
+        for r, step in enumerate(rows.steps):
+            if stream is None:
+                stream = self._streams.get(key)
+                if stream is not None and (stream.world, stream.shards) != (
+                    rows.world,
+                    rows.shards,
+                ):
+                    stream = None
+            if stream is None or step <= stream.emitted:
+                out += self.add(rows.step(r))  # may replace the stream: look it up again
+                stream, ready = None, True
+                continue
+            stream.rank_step[rank] = step
+            stream.known.add(rank)
+            pending = stream.pending.get(step)
+            if pending is None:
+                pending = stream.pending[step] = _new_step(step, self._clock())
+            stream.absent.discard(rank)
+            _add_quiet(pending, rows, r)
+            # After the first row's call, only a report to the lowest pending step can
+            # complete a step (adding a known rank or un-marking an absent one never
+            # does), and only a new pending step can exceed MAX_PENDING_STEPS; the
+            # deadlines were checked on the first row and again at the next expire().
+            if ready or step == min(stream.pending) or len(stream.pending) > MAX_PENDING_STEPS:
+                out += self._ready(stream)
+                ready = False
         return out
 
     def heard(self, job: str, rank: int) -> None:

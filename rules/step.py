@@ -6,7 +6,7 @@ from trace lines. ``None`` always means "not measured", never zero.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import cast
 
@@ -21,6 +21,7 @@ __all__ = [
     "Census",
     "Eval",
     "Liveness",
+    "QuietRows",
     "Stats",
     "Step",
     "build_step",
@@ -151,6 +152,46 @@ _check_builder()
 # per rank report (collector/rows.py). The result is a ``Step``, equal to
 # ``Step(...)`` with the same arguments, and as frozen.
 build_step = cast(Callable[..., Step], _StepBuilder)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class QuietRows:
+    """The rows of one rank's batch that carries no layer norms, as columns.
+
+    At 16,384 ranks of a 3D-parallel job only one replica per model shard sends
+    layer norms: a flush is 16,352 batches like this one (issue 17). The
+    collector's per-rank state and the assembler read these columns instead of
+    one ``Step`` per row (``StateStore.observe_quiet``, ``Assembler.add_quiet``),
+    and build a row's ``Step`` (``step(r)``: the one the collector would have
+    built for that row) only where one is kept: a rank's latest step, a pending
+    step's lowest rank, a report that takes the assembler's general path.
+
+    Per row ``r``: ``loss`` and ``grad_norm`` (None: not measured), ``skipped``,
+    ``flagged`` (the rank's own gradients went non-finite: its
+    ``grad_nonfinite`` scalar is over 0.5), ``data`` (its ``data_seconds``
+    scalar) and ``busy`` (the sum of its step-phase scalars, None without any),
+    as ``rules.liveness.PhaseTimes.observe`` reads them from a ``Step``.
+    """
+
+    job: str
+    rank: int
+    world: int
+    shards: int
+    steps: tuple[int, ...]
+    times: tuple[float, ...]
+    loss: Sequence[float | None]
+    grad_norm: Sequence[float | None]
+    skipped: Sequence[bool]
+    flagged: Sequence[bool]
+    data: Sequence[float | None]
+    busy: Sequence[float | None]
+    build: Callable[[int], Step]  # row r's Step
+
+    def step(self, r: int) -> Step:
+        return self.build(r)
+
+    def all_steps(self) -> tuple[Step, ...]:
+        return tuple(self.build(r) for r in range(len(self.steps)))
 
 
 @dataclass(frozen=True, slots=True)
