@@ -53,7 +53,7 @@ import resource
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -151,6 +151,7 @@ class Admission:
         self._jobs: dict[str, _Job] = {}
         self._per_key: Counter[str] = Counter()
         self._buckets: dict[str, _Bucket] = {}
+        self._recent: OrderedDict[str, float] = OrderedDict()  # see _current
         self._refused: Counter[str] = Counter(dict.fromkeys(REASONS, 0))
         self._by_sender: Counter[tuple[str, str]] = Counter()
         self._rss, self._rss_at = 0, -float("inf")
@@ -164,20 +165,40 @@ class Admission:
         if key:
             return key
         with self._lock:
-            return job if job is not None and job in self._jobs else NEW
+            return self._unit(job)
+
+    def _unit(self, job: str | None) -> str:
+        return job if job is not None and job in self._jobs else NEW
+
+    def decide(self, job: str | None, key: str = "", rows: int = 0) -> str | None:
+        """``unit`` and ``allow`` in one call (one lock): who pays, or None when refused."""
+        now = self._clock()
+        with self._lock:
+            unit = key or self._unit(job)
+            if self._allowed(unit, rows, now):
+                return unit
+        self._refuse_share(unit)
+        return None
 
     def allow(self, unit: str, rows: int = 0) -> bool:
         """False (counted) when the thread is contended and ``unit``'s share does not
         cover the message (``rows`` rows: the expected cost of a batch)."""
         now = self._clock()
         with self._lock:
-            bucket = self._bucket(unit, now)
-            if (
-                self._utilisation(now) < self.bounds.ingest_share
-                or bucket.tokens > min(rows * bucket.row_cost, self.bounds.ingest_burst_seconds)
-                or self._alone(unit, now)
-            ):
+            if self._allowed(unit, rows, now):
                 return True
+        self._refuse_share(unit)
+        return False
+
+    def _allowed(self, unit: str, rows: int, now: float) -> bool:
+        bucket = self._bucket(unit, now)
+        return (
+            self._utilisation(now) < self.bounds.ingest_share
+            or bucket.tokens > min(rows * bucket.row_cost, self.bounds.ingest_burst_seconds)
+            or self._alone(unit, now)
+        )
+
+    def _refuse_share(self, unit: str) -> None:
         self._count(
             "share",
             unit,
@@ -188,7 +209,6 @@ class Admission:
             100 * self.bounds.ingest_share,
             self.active(),
         )
-        return False
 
     def charge(self, unit: str, seconds: float, rows: int = 0) -> None:
         """Take the ingest time one message of ``unit`` (``rows`` rows) cost from its bucket."""
@@ -205,6 +225,8 @@ class Admission:
                 else bucket.tokens - seconds
             )
             bucket.last = now
+            self._recent[unit] = now
+            self._recent.move_to_end(unit)
             self._utilisation(now)
             self._busy += seconds
 
@@ -228,11 +250,28 @@ class Admission:
             return self._active(now)
 
     def _active(self, now: float) -> int:
-        return max(1, sum(1 for b in self._buckets.values() if now - b.last < ACTIVE_S))
+        return max(1, len(self._current(now)))
 
     def _alone(self, unit: str, now: float) -> bool:
         """No sender but ``unit`` is active: nobody to share the thread with."""
-        return not any(u != unit and now - b.last < ACTIVE_S for u, b in self._buckets.items())
+        recent = self._current(now)
+        return not recent or (len(recent) == 1 and unit in recent)
+
+    def _current(self, now: float) -> OrderedDict[str, float]:
+        """The active senders (a message within ``ACTIVE_S``), least recent first.
+
+        Kept in order of their last message, so the inactive ones are at the
+        front: O(1) per message, amortised, however many senders there are (it
+        was a scan of every bucket, three times per message). The clock is
+        monotonic (``time.monotonic``).
+        """
+        recent = self._recent
+        while recent:
+            unit, last = next(iter(recent.items()))
+            if now - last < ACTIVE_S:
+                break
+            del recent[unit]
+        return recent
 
     def _bucket(self, unit: str, now: float) -> _Bucket:
         bucket = self._buckets.get(unit)
@@ -243,6 +282,8 @@ class Admission:
                 self._prune(now)
             # A tenth of a second of its share: many fresh senders cannot each spend a burst.
             bucket = self._buckets[unit] = _Bucket(min(burst, rate * NEW_CREDIT_S), now, now)
+            self._recent[unit] = now
+            self._recent.move_to_end(unit)
             return bucket
         bucket.tokens = min(burst, bucket.tokens + (now - bucket.at) * rate)
         bucket.at = now
@@ -340,6 +381,7 @@ class Admission:
                 if self._per_key[known.key] <= 0:
                     del self._per_key[known.key]
             self._buckets.pop(job, None)
+            self._recent.pop(job, None)
 
     def retain(self, live: set[str], grace_s: float = 10.0) -> list[str]:
         """Forget admitted jobs the collector's state never took up (every message of
