@@ -72,7 +72,6 @@ from gradwatch.rules.assembly_state import (
     AssemblyCounts,
     Record,
     _add,
-    _add_quiet,
     _grow,
     _new,
     _new_step,
@@ -100,6 +99,7 @@ __all__ = [
 ]
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
+_FLAGGED = frozenset({"grad_norm"})  # what _add blames on a rank's non-finite flag
 
 
 def assembles(record: Record) -> bool:
@@ -158,6 +158,7 @@ class Assembler:
         """
         out: list[Record] = []
         key, rank = (rows.job, "step"), rows.rank
+        times, losses, skipped, flagged = rows.times, rows.loss, rows.skipped, rows.flagged
         stream: _Stream | None = None
         ready = True  # whether _ready may emit something after this row
         for r, step in enumerate(rows.steps):
@@ -178,7 +179,27 @@ class Assembler:
             if pending is None:
                 pending = stream.pending[step] = _new_step(step, self._clock())
             stream.absent.discard(rank)
-            _add_quiet(pending, rows, r)
+            if rank not in pending.ranks:  # else a duplicate (a resent batch): counted once
+                # _add of a Step without layers (assembly_state._add), from the columns.
+                pending.ranks.add(rank)
+                when, loss = times[r], losses[r]
+                if when > pending.last_time:
+                    pending.last_time = when
+                if pending.lowest is None or rank < pending.lowest.rank:
+                    pending.lowest = rows.step(r)
+                if loss is not None:
+                    pending.loss_sum += loss
+                    pending.loss_n += 1
+                    loss_bad = not math.isfinite(loss)
+                else:
+                    loss_bad = False
+                if skipped[r]:
+                    pending.skipped = True
+                if flagged[r]:  # its NONFINITE_SCALAR over 0.5, and no layers of its own
+                    pending.flagged = True
+                    pending.bad.append((when, rank, _FLAGGED, loss_bad))
+                elif loss_bad:
+                    pending.bad.append((when, rank, frozenset(), loss_bad))
             # After the first row's call, only a report to the lowest pending step can
             # complete a step (adding a known rank or un-marking an absent one never
             # does), and only a new pending step can exceed MAX_PENDING_STEPS; the

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gradwatch.rules.step import QuietRows, Stats, Step, nonfinite_layers
+from gradwatch.rules.step import Stats, Step, nonfinite_layers
 from gradwatch.wire.columns import GRAD_NONFINITE_SCALAR
 
 # A scalar a rank that sends no per-layer norms sets to 1.0 when any of its own
@@ -215,29 +215,6 @@ def _add(pending: _Pending, record: Record, stream: _Stream) -> None:
         dw = np.where(measured, ratios, 0.0) ** 2 * squares
         pending.updates[rows] += dw
         pending.updates_seen[rows] += measured
-
-
-def _add_quiet(pending: _Pending, rows: QuietRows, r: int) -> None:
-    """``_add`` of row ``r``'s ``Step`` (a rank without layers), from the columns."""
-    rank = rows.rank
-    if rank in pending.ranks:
-        return  # a duplicate (a resent batch): counted once
-    pending.ranks.add(rank)
-    when, loss = rows.times[r], rows.loss[r]
-    pending.last_time = max(pending.last_time, when)
-    if pending.lowest is None or rank < pending.lowest.rank:
-        pending.lowest = rows.step(r)
-    if loss is not None:
-        pending.loss_sum += loss
-        pending.loss_n += 1
-    pending.skipped |= rows.skipped[r]
-    loss_bad = loss is not None and not math.isfinite(loss)
-    names: frozenset[str] = frozenset()
-    if rows.flagged[r]:  # the scalar NONFINITE_SCALAR over 0.5, and no layers of its own
-        names = frozenset({"grad_norm"})
-        pending.flagged = True
-    if names or loss_bad:
-        pending.bad.append((when, rank, names, loss_bad))
 
 
 def _poison(pending: _Pending, rows: np.ndarray, values: np.ndarray) -> None:
