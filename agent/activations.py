@@ -57,8 +57,9 @@ allocates while it runs is bounded by the sample, never the output's size: at
 most ``HOOK_BYTES_PER_SAMPLED`` bytes per sampled element (the sample, its
 float32 copy, the comparison masks, and for an output that is neither
 contiguous nor a permutation of a dense tensor the index vectors that gather
-it), i.e. ``hook_transient_bytes()`` (2.5 MiB; softmax: plus that per element
-of one row), released before the next hooked module runs.
+it), i.e. ``hook_transient_bytes()``: 328 KB for an elementwise activation; a
+softmax, sampled by whole rows, 2.5 MiB plus 40 bytes per element of one row.
+Released before the next hooked module runs.
 
 Hooks would make ``torch.compile`` recompile, so a compiled model gets no
 activation statistics (one warning at attach); other signals are unaffected.
@@ -399,9 +400,11 @@ def _measure(y: torch.Tensor, kind: str, cells: _Cells) -> None:
 
 def hook_transient_bytes(row_width: int = 0) -> int:
     """The most one activation hook allocates while it runs (released when it returns),
-    whatever the size of the output: ``ROW_SAMPLE`` elements (the larger sample: a
-    softmax's whole rows, plus one ``row_width`` row) at ``HOOK_BYTES_PER_SAMPLED`` bytes
-    each; an elementwise output's ``SAMPLE`` takes an eighth of it."""
+    whatever the size of the output, at ``HOOK_BYTES_PER_SAMPLED`` bytes per sampled
+    element: ``SAMPLE`` elements for an elementwise activation (``row_width`` 0), or a
+    softmax's whole rows, ``ROW_SAMPLE`` elements plus one row of ``row_width``."""
+    if not row_width:
+        return HOOK_BYTES_PER_SAMPLED * (SAMPLE + 1)
     return HOOK_BYTES_PER_SAMPLED * (ROW_SAMPLE + 1 + row_width)
 
 
