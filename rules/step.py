@@ -24,6 +24,7 @@ __all__ = [
     "QuietRows",
     "Stats",
     "Step",
+    "build_liveness",
     "build_step",
     "nonfinite_layers",
 ]
@@ -130,21 +131,19 @@ class _StepBuilder:
         self.__class__ = Step  # type: ignore[assignment]  # same slots: see the class doc
 
 
-def _check_builder() -> None:
-    """A field added to ``Step`` must be added to ``_StepBuilder`` too (checked at import)."""
-    wanted = tuple(f.name for f in fields(Step))
-    params = _StepBuilder.__init__.__code__.co_varnames[
-        1 : _StepBuilder.__init__.__code__.co_argcount
-    ]
-    given = (*params, "assembled", "blame")
-    if _StepBuilder.__slots__ != wanted or sorted(given) != sorted(wanted):
+def _check_builder(builder: type, cls: type, defaults: tuple[str, ...]) -> None:
+    """A field added to ``cls`` must be added to its ``builder`` too (checked at import)."""
+    wanted = tuple(f.name for f in fields(cls))
+    init = vars(builder)["__init__"].__code__  # the builder's own, not an inherited one
+    given = (*init.co_varnames[1 : init.co_argcount], *defaults)
+    if getattr(builder, "__slots__", ()) != wanted or sorted(given) != sorted(wanted):
         raise RuntimeError(
-            f"gradwatch.rules.step: _StepBuilder sets {sorted(given)} but Step has "
-            f"{sorted(wanted)}; update _StepBuilder.__init__ with Step's fields"
+            f"gradwatch.rules.step: {builder.__name__} sets {sorted(given)} but "
+            f"{cls.__name__} has {sorted(wanted)}; update {builder.__name__}.__init__"
         )
 
 
-_check_builder()
+_check_builder(_StepBuilder, Step, ("assembled", "blame"))
 
 
 # ``Step(...)`` with every field but ``assembled`` and ``blame`` given (by keyword,
@@ -288,6 +287,46 @@ class Liveness:
     # share one step time.
     data_seconds: float | None = None
     busy_seconds: float | None = None
+
+
+class _LivenessBuilder:
+    """Builds a ``Liveness`` at the cost of a plain class, as ``_StepBuilder`` does a ``Step``.
+
+    The collector builds one per rank every second (16,384 per tick, issue 17).
+    """
+
+    __slots__ = Liveness.__slots__
+
+    def __init__(
+        self,
+        job: str,
+        rank: int,
+        now: float,
+        last_step: int,
+        last_step_time: float,
+        last_heartbeat_time: float,
+        step_seconds: float | None,
+        started: int | None,
+        data_seconds: float | None,
+        busy_seconds: float | None,
+    ) -> None:
+        self.job = job
+        self.rank = rank
+        self.now = now
+        self.last_step = last_step
+        self.last_step_time = last_step_time
+        self.last_heartbeat_time = last_heartbeat_time
+        self.step_seconds = step_seconds
+        self.started = started
+        self.data_seconds = data_seconds
+        self.busy_seconds = busy_seconds
+        self.__class__ = Liveness  # type: ignore[assignment]  # same slots: see _StepBuilder
+
+
+_check_builder(_LivenessBuilder, Liveness, ())
+
+# ``Liveness(...)`` with every field given, positionally in field order, ~4x cheaper.
+build_liveness = cast(Callable[..., Liveness], _LivenessBuilder)
 
 
 def nonfinite_layers(step: Step) -> frozenset[str]:
