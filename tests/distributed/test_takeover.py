@@ -339,13 +339,22 @@ def test_a_switch_that_fails_leaves_the_rank_as_it_was() -> None:
 
         mon._layer_mode = no_memory
         assert rx.wait_for(lambda ms: any(isinstance(m, Heartbeat) for m in ms), WAIT_S)
+
+        def sent(n: int) -> bool:
+            # Each pair of steps arrives before the next: flushing every step in a tight
+            # loop could outrun the shipper's pool of host buffers on a loaded machine,
+            # and the agent drops a batch rather than wait (a drop is not what this tests).
+            return rx.wait_for(lambda ms: sum(len(b.steps) for b in batches(rx)) >= n, WAIT_S)
+
         run_steps(mon, model, opt, 2)
+        assert sent(2)
         mon._on_takeover(Takeover(frozenset({0}), time.time()))
         run_steps(mon, model, opt, 2)
+        assert sent(4)
         mon._on_takeover(Takeover(frozenset({0}), time.time() + 1))  # repeated: ignored now
         run_steps(mon, model, opt, 2)
         mon.close()
-        assert rx.wait_for(lambda ms: sum(len(b.steps) for b in batches(rx)) >= 6, WAIT_S)
+        assert sent(6)
         assert rx.wait_for(lambda ms: any(getattr(m, "kind", "") == "degraded" for m in ms), WAIT_S)
     schemas = {b.schema_id: b.schema for b in batches(rx) if b.schema is not None}
     assert [schemas[b.schema_id].layers for b in batches(rx)] == [()] * 6
