@@ -295,9 +295,15 @@ def test_a_replica_sends_layers_while_its_reporter_is_silent() -> None:
             rx, 1, layout="dp=2", flush_every=2, stats_every=2, early_stats=False
         )
         assert rx.wait_for(lambda ms: any(isinstance(m, Heartbeat) for m in ms), WAIT_S)
+
+        def sent(n: int) -> bool:  # as in the failed-switch test below: no drop under load
+            return rx.wait_for(lambda ms: sum(len(b.steps) for b in batches(rx)) >= n, WAIT_S)
+
         run_steps(mon, model, opt, 3)
+        assert sent(2)  # flushed at step 2; step 3 waits in the buffer
         mon._on_takeover(Takeover(frozenset({0}), time.time()))  # as the shipper thread does
         run_steps(mon, model, opt, 4)
+        assert sent(6)
         mon._on_takeover(Takeover(frozenset({7}), time.time()))  # rank 0 is back
         run_steps(mon, model, opt, 3)
         mon.close()
