@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 MAX_STEP = 2**62  # the wire's bound on step numbers
 
 DEFAULT_ENDPOINT = "tcp://127.0.0.1:5555"
+# Collectors one agent may feed (agent/destinations.py): an HA pair is the intended use;
+# more would multiply the agent's sends for no gain.
+MAX_ENDPOINTS = 4
 # Not GRADWATCH_CURVE_SECRET_KEY_FILE: that is the collector's own setting, and
 # both may live in one environment (a demo, a test, a sidecar pod).
 ENV_CURVE_SERVER_KEY = "GRADWATCH_CURVE_SERVER_KEY"
@@ -149,11 +152,27 @@ class AgentConfig:
                 "command_endpoint needs a ZeroMQ address and command_key the "
                 f"collector's command key; got {self.command_endpoint!r}"
             )
-        if not self.endpoint or "://" not in self.endpoint:
+        parts = split_endpoints(self.endpoint)
+        if not parts or any("://" not in part for part in parts):
             raise ValueError(
-                f"endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT!r}, "
-                f"got {self.endpoint!r}"
+                f"endpoint must be a ZeroMQ address like {DEFAULT_ENDPOINT!r}, or the "
+                f"addresses of an HA pair of collectors separated by a comma; got "
+                f"{self.endpoint!r}"
             )
+        if len(parts) > MAX_ENDPOINTS:
+            raise ValueError(
+                f"endpoint names {len(parts)} collectors; at most {MAX_ENDPOINTS} (an HA "
+                "pair is two): every message goes to each"
+            )
+
+
+def split_endpoints(endpoint: str) -> tuple[str, ...]:
+    """The addresses of a comma-separated ``endpoint`` (agent/destinations.py), in order.
+
+    >>> split_endpoints(" tcp://a:5555, tcp://b:5555 ")
+    ('tcp://a:5555', 'tcp://b:5555')
+    """
+    return tuple(part.strip() for part in endpoint.split(",") if part.strip())
 
 
 @dataclass(frozen=True, slots=True)

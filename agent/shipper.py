@@ -14,6 +14,8 @@ restarted collector relearns the layer names at once), and on the first batch
 after ``schema_every_s`` seconds without one. The same monitor reports a
 refused handshake (a CurveZMQ key the collector does not allow, or CURVE on
 one side only): logged once, since ZeroMQ retries it at every reconnect.
+With several endpoints (an HA pair of collectors, agent/destinations.py) each
+has its own socket and its own schema state, and every message goes to each.
 
 Example (what ``watch()`` does; nothing needs to listen)::
 
@@ -36,15 +38,16 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from gradwatch.agent.commands import CommandReceiver, Rollback
-from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys
+from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys, split_endpoints
+from gradwatch.agent.destinations import Destination
 from gradwatch.agent.items import (
     BufferPool,
     Counters,
@@ -74,7 +77,6 @@ _STOP = object()
 # With a command socket, the thread looks at it at least this often.
 COMMAND_POLL_S = 0.1
 FIRST_BEAT_RETRY_S = 0.05  # until the first heartbeat gets through
-_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 class Shipper:
@@ -115,21 +117,15 @@ class Shipper:
         except ValueError as exc:
             self._key_error = exc
         self._ctx = zmq.Context(io_threads=1)
-        try:
-            self._sock = self._ctx.socket(zmq.PUSH)
-            self._sock.setsockopt(zmq.SNDHWM, config.send_hwm)
-            self._sock.setsockopt(zmq.IMMEDIATE, 1)
-            self._sock.setsockopt(zmq.LINGER, 0)
-            if curve is not None:
-                curve.apply(self._sock)
-            self._events = self._sock.get_monitor_socket(
-                zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
-            )
-            if self._key_error is None:
-                self._sock.connect(config.endpoint)
-        except zmq.ZMQError as exc:
-            self._ctx.destroy(linger=0)
-            raise ValueError(f"cannot connect to endpoint {config.endpoint!r}: {exc}") from exc
+        self._dests: list[Destination] = []
+        for endpoint in split_endpoints(config.endpoint):
+            try:
+                self._dests.append(Destination(self._ctx, endpoint, config.send_hwm, curve))
+                if self._key_error is None:
+                    self._dests[-1].connect()
+            except zmq.ZMQError as exc:
+                self._ctx.destroy(linger=0)
+                raise ValueError(f"cannot connect to endpoint {endpoint!r}: {exc}") from exc
         self._commands: CommandReceiver | None = None
         if (
             on_command is not None
@@ -150,9 +146,6 @@ class Shipper:
                 )
             except ValueError as exc:  # a rollback feature problem never stops monitoring
                 logger.error("gradwatch: %s; rollback commands are off for this run", exc)
-        # Schema id -> when it last travelled; cleared on a (re)connection.
-        self._schema_sent: dict[int, float] = {}
-        self._refusal_logged = False
         self._stale_logged = False
         self._seq = 0  # batches of any schema sent by this incarnation
         self._stats_schema: Schema | None = None
@@ -248,7 +241,8 @@ class Shipper:
         rewound step numbers as a fresh start, not as a stall, and relearns the schema."""
         self._inc = incarnation
         self._seq = 0
-        self._schema_sent.clear()
+        for dest in self._dests:
+            dest.schema_sent.clear()
         self._heartbeat()
 
     def _discard_queued(self) -> None:
@@ -270,29 +264,15 @@ class Shipper:
                     self._counters.stats_dropped += 1
 
     def _watch_connections(self) -> None:
-        """A new handshake means a (re)started peer that may not know our schema."""
-        while self._events.poll(0):
-            event = recv_monitor_message(self._events, zmq.NOBLOCK)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._schema_sent.clear()
-            elif not self._refusal_logged:  # retried every reconnect: say it once
-                self._refusal_logged = True
-                logger.error(
-                    "gradwatch: the collector at %s refused this agent's connection "
-                    "(%s); steps are counted as dropped until it is fixed (SECURITY.md)",
-                    self._cfg.endpoint,
-                    _refusal_reason(event),
-                )
+        for dest in self._dests:
+            dest.watch()
 
     def _send(self, frames: list[bytes]) -> bool:
-        try:
-            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            # No peer, or a full pipe: the handshake event of a restarted collector may come
-            # after our next send, so the next batch that goes out carries the schema.
-            self._schema_sent.clear()
-            return False
+        """Send to every collector; True if at least one took it."""
+        sent = False
+        for dest in self._dests:
+            sent = dest.send(frames) or sent
+        return sent
 
     def _ship_batch(self, item: FlushItem) -> None:
         stale = [0]
@@ -341,10 +321,9 @@ class Shipper:
         values: bytes,
         census: Census | None = None,
     ) -> bool:
-        """Send one batch, attaching ``schema`` when the peer may not know it; True if sent."""
+        """Send one batch to every collector, attaching ``schema`` for those that may not
+        know it; True if at least one took it."""
         now = time.monotonic()
-        last = self._schema_sent.get(schema.id)
-        attach = last is None or now - last >= self._cfg.schema_every_s
         cfg = self._cfg
         batch = Batch(
             job=cfg.job,
@@ -357,16 +336,24 @@ class Shipper:
             steps=tuple(steps),
             times=tuple(times),
             values=values,
-            schema=schema if attach else None,
+            schema=None,
             shards=cfg.shards,
             census=census,
         )
-        if not self._send(encode_batch(batch)):
-            return False
-        self._seq += 1
-        if attach:
-            self._schema_sent[schema.id] = now
-        return True
+        encoded: dict[bool, list[bytes]] = {}  # with / without the schema, made once each
+        sent = False
+        for dest in self._dests:
+            last = dest.schema_sent.get(schema.id)
+            attach = last is None or now - last >= cfg.schema_every_s
+            if attach not in encoded:
+                encoded[attach] = encode_batch(replace(batch, schema=schema) if attach else batch)
+            if dest.send(encoded[attach]):
+                sent = True
+                if attach:
+                    dest.schema_sent[schema.id] = now
+        if sent:
+            self._seq += 1
+        return sent
 
     def _host_rows(self, item: FlushItem) -> torch.Tensor:
         if item.ready is not None:
@@ -431,28 +418,13 @@ class Shipper:
         if math.isfinite(self._deadline):
             linger_ms = max(0, int((self._deadline - time.monotonic()) * 1000))
         try:
-            self._sock.disable_monitor()
-            self._events.close(linger=0)
+            for dest in self._dests:
+                dest.close(linger_ms)
             if self._commands is not None:
                 self._commands.close()
-            self._sock.close(linger=linger_ms)
             self._ctx.term()
         except zmq.ZMQError as exc:  # nothing left to protect; do not raise in a thread
             logger.debug("gradwatch: closing the ZeroMQ socket failed: %s", exc)
-
-
-def _refusal_reason(event: Mapping[str, Any]) -> str:
-    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-        return "this agent's CurveZMQ key is not in the collector's allow-list"
-    if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
-        return (
-            "one side uses CurveZMQ and the other does not: set or unset "
-            "GRADWATCH_CURVE_SERVER_KEY(_FILE) and GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE"
-        )
-    return (
-        f"handshake error {event['value']:#x}: check GRADWATCH_CURVE_SERVER_KEY(_FILE) "
-        "against the collector's public key"
-    )
 
 
 def _json_number(value: Any) -> Any:

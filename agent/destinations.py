@@ -1,0 +1,104 @@
+"""The collectors one agent ships to: one, or both of a high-availability pair.
+
+An HA pair is two collectors fed the same stream, so either can judge the job
+and page (their alerts carry no collector identity, so an Alertmanager cluster
+sends one notification for both: deploy/fleet/README.md). A ZeroMQ PUSH socket
+connected to two endpoints would deal the messages out between them, each
+collector seeing half the steps; so each endpoint gets its own socket here, and
+every message goes to each.
+
+``endpoint`` is one ZeroMQ address or several separated by commas
+(``"tcp://collector-a:5555,tcp://collector-b:5555"``; ``GRADWATCH_ENDPOINT``
+alike). Each destination keeps its own connection state: whether its peer may
+not know a schema yet (a collector that restarted, or one that came up later),
+and whether a refusal was logged. A destination that is down does not hold the
+other back: every send is non-blocking, and a message counts as sent when at
+least one collector took it.
+
+The addresses are split and checked (at most ``MAX_ENDPOINTS``) by
+agent/config.py when ``watch()`` builds its configuration.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from gradwatch.agent.config import CurveKeys
+
+logger = logging.getLogger(__name__)
+
+_HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+
+
+class Destination:
+    """One collector's PUSH socket and what this agent knows about its peer."""
+
+    def __init__(
+        self, ctx: zmq.Context[Any], endpoint: str, hwm: int, curve: CurveKeys | None
+    ) -> None:
+        self.endpoint = endpoint
+        # Schema id -> when it last travelled to this peer; cleared on a (re)connection.
+        self.schema_sent: dict[int, float] = {}
+        self._refusal_logged = False
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.SNDHWM, hwm)
+        self.sock.setsockopt(zmq.IMMEDIATE, 1)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(self.sock)
+        self._events = self.sock.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED
+        )
+
+    def connect(self) -> None:
+        self.sock.connect(self.endpoint)
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Send without waiting; False when there is no peer or its pipe is full."""
+        try:
+            self.sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            # No peer, or a full pipe: the handshake event of a restarted collector may come
+            # after our next send, so the next batch that goes out carries the schema.
+            self.schema_sent.clear()
+            return False
+
+    def watch(self) -> None:
+        """A new handshake means a (re)started peer that may not know our schema."""
+        while self._events.poll(0):
+            event = recv_monitor_message(self._events, zmq.NOBLOCK)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.schema_sent.clear()
+            elif not self._refusal_logged:  # retried every reconnect: say it once
+                self._refusal_logged = True
+                logger.error(
+                    "gradwatch: the collector at %s refused this agent's connection "
+                    "(%s); steps are counted as dropped until it is fixed (SECURITY.md)",
+                    self.endpoint,
+                    _refusal_reason(event),
+                )
+
+    def close(self, linger_ms: int) -> None:
+        self.sock.disable_monitor()
+        self._events.close(linger=0)
+        self.sock.close(linger=linger_ms)
+
+
+def _refusal_reason(event: Mapping[str, Any]) -> str:
+    if event["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return "this agent's CurveZMQ key is not in the collector's allow-list"
+    if event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH:
+        return (
+            "one side uses CurveZMQ and the other does not: set or unset "
+            "GRADWATCH_CURVE_SERVER_KEY(_FILE) and GRADWATCH_AGENT_CURVE_SECRET_KEY_FILE"
+        )
+    return (
+        f"handshake error {event['value']:#x}: check GRADWATCH_CURVE_SERVER_KEY(_FILE) "
+        "against the collector's public key"
+    )
