@@ -1,7 +1,8 @@
 """An HA pair of collectors firing the same alert through a two-replica Alertmanager cluster.
 
-Two real collectors receive the same job's stream (what each collector of an
-HA pair sees) and both post their alerts to both Alertmanager replicas, which
+A real training loop watched by one agent feeds both collectors of an HA pair
+(``endpoint="<collector-a>,<collector-b>"``: agent/destinations.py sends every
+message to each), and both post their alerts to both Alertmanager replicas, which
 gossip on loopback (``--cluster.listen-address``/``--cluster.peer``). The alert
 a collector builds carries no collector identity (collector/alertmanager.py:
 alertname, severity, category, training_job, job, rank and the rule's labels),
@@ -15,21 +16,19 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+import torch
 import yaml
-import zmq
 from prometheus_client import CollectorRegistry
 
+import gradwatch
 from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.receiver import WebhookReceiver
 from gradwatch.collector.server import Server
-from gradwatch.wire import Batch, Heartbeat, Schema, encode
 from tests.binaries import require_binary
 from tests.integration.promstack import alertmanager_config, free_port, http_get, wait_until
 
@@ -48,7 +47,6 @@ GROUP_INTERVAL_S = 5.0
 # After the incident resolved: long enough for a second replica's duplicate, had
 # the gossip failed (it would send one peer timeout after the first, plus a group interval).
 QUIET_WINDOW_S = 4 * PEER_TIMEOUT_S + 2.0
-SCHEMA = Schema(id=0, columns=("loss", "lr/0"), layers=("fc1.weight", "fc2.weight"))
 
 
 @contextmanager
@@ -134,45 +132,44 @@ def collector(alertmanagers: Sequence[str]) -> Iterator[Server]:
         assert server.stop(10), "the collector did not stop within its deadline"
 
 
-def send_steps(endpoints: Sequence[str], steps: range, seq: int) -> None:
-    """One rank's batch of ``steps``, teed to every collector of the pair (NaN at ``NAN_STEP``)."""
-    ctx = zmq.Context()
-    socks = []
-    try:
-        for endpoint in endpoints:
-            sock = ctx.socket(zmq.PUSH)
-            sock.linger = 2000  # bounded: what is queued goes out before close
-            sock.connect(endpoint)
-            socks.append(sock)
-        now = time.time()
-        values = np.ones((len(steps), 4), "<f4")  # loss, lr, two layer norms
-        values[:, 1] = 1e-3
-        for row, step in enumerate(steps):
-            if step == NAN_STEP:
-                values[row, [0, 2, 3]] = np.nan  # the loss and every layer went NaN
-        hb = Heartbeat(
-            job=JOB, rank=0, world=1, incarnation="ha", time=now, step=steps[0] - 1, dropped=0
+def wait_for_job(pair: Sequence[Server], deadline_s: float) -> None:
+    """Until both collectors have heard the agent (its first heartbeat): the agent's
+    sockets queue nothing for a peer not connected yet (ZMQ_IMMEDIATE)."""
+    wait_until(
+        lambda: True if all(c.state.job(JOB) is not None for c in pair) else None,
+        deadline_s,
+        "the agent's first heartbeat at both collectors of the pair",
+    )
+
+
+def train(
+    run: tuple[gradwatch.Monitor, torch.nn.Module, Any], pair: Sequence[Server], steps: range
+) -> None:
+    """Steps of a real loop; at ``NAN_STEP`` the gradients go NaN and the optimizer step is
+    skipped (as a GradScaler skips an overflow), so training goes on clean after it. Each
+    step reaches both collectors before the next: a loop that outran the agent's pool of
+    host buffers would have a step dropped by design, which is not what this tests."""
+    mon, model, opt = run
+    for step in steps:
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        if step == NAN_STEP:
+            loss = loss * float("nan")
+        loss.backward()
+        if step != NAN_STEP:
+            opt.step()
+        mon.log(loss=loss.detach() if step != NAN_STEP else 1.0)  # log() reads skipped grads
+        opt.zero_grad()
+        wait_until(
+            lambda s=step: True if all(_latest(c) >= s for c in pair) else None,
+            TIMEOUT_S,
+            f"step {step} at both collectors",
         )
-        batch = Batch(
-            job=JOB,
-            rank=0,
-            world=1,
-            schema_id=0,
-            seq=seq,
-            incarnation="ha",
-            dropped=0,
-            steps=tuple(steps),
-            times=tuple(now + 0.01 * i for i in range(len(steps))),
-            values=values.tobytes(),
-            schema=SCHEMA,
-        )
-        for sock in socks:
-            sock.send_multipart(encode(hb))
-            sock.send_multipart(encode(batch))
-    finally:
-        for sock in socks:
-            sock.close()
-        ctx.term()
+
+
+def _latest(server: Server) -> int:
+    job = server.state.job(JOB)
+    rank = job.ranks.get(0) if job is not None else None
+    return rank.latest.step if rank is not None and rank.latest is not None else 0
 
 
 def _ours(bodies: list[Any], status: str) -> list[dict[str, Any]]:
@@ -200,8 +197,14 @@ def test_one_notification_per_incident_from_an_ha_pair(tmp_path: Path) -> None:
         ExitStack() as stack,
     ):
         pair = [stack.enter_context(collector(ams)) for _ in range(2)]
-        endpoints = [c.bound_endpoint for c in pair]
-        send_steps(endpoints, range(1, NAN_STEP + 1), seq=0)  # up to the NaN: it fires
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        endpoint = ",".join(c.bound_endpoint for c in pair)
+        mon = gradwatch.watch(model, opt, job=JOB, endpoint=endpoint, flush_every=1)
+        stack.callback(mon.close)
+        wait_for_job(pair, TIMEOUT_S)
+        train((mon, model, opt), pair, range(1, NAN_STEP + 1))  # up to the NaN: it fires
         receiver.wait_for(lambda bodies: bool(_ours(bodies, "firing")), TIMEOUT_S)
         # Both collectors fired it to both replicas: each replica holds it, as one alert.
         for url in ams:
@@ -209,7 +212,7 @@ def test_one_notification_per_incident_from_an_ha_pair(tmp_path: Path) -> None:
             assert len(held) == 1 and held[0]["labels"]["rank"] == "0", held
         for server in pair:
             assert [sink.stats().delivered for sink in server.sinks] == [1] * len(ams)
-        send_steps(endpoints, range(NAN_STEP + 1, STEPS + 1), seq=1)  # clean again: resolved
+        train((mon, model, opt), pair, range(NAN_STEP + 1, STEPS + 1))  # clean: resolved
         receiver.wait_for(lambda bodies: bool(_ours(bodies, "resolved")), TIMEOUT_S)
         # A duplicate from the second replica would come within the window; none may.
         try:
