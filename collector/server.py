@@ -381,8 +381,8 @@ class Server:
             head = parts[0].bytes
             header = header_object(head)
             job, rows = peek(head) if header is None else _job_rows(header)
-            unit = self.admission.unit(job, self._sender)
-            if not self.admission.allow(unit, rows):
+            unit = self.admission.decide(job, self._sender, rows)
+            if unit is None:
                 self.pipeline.handle((), refused=True)
                 continue
             began = time.perf_counter()
