@@ -73,7 +73,9 @@ def watch(
     parameters by hand, and the gradients are read at each ``log()``
     (agent/manual.py). ``start_step``: the number of the first logged step (a
     resumed run: the step it continues at); ``log(step=...)`` also takes the
-    loop's own numbers (agent/steps.py).
+    loop's own numbers (agent/steps.py). ``endpoint``: the collector's ZeroMQ
+    address, or both addresses of an HA pair of collectors separated by a comma
+    (every message goes to each: agent/destinations.py).
 
     ``rank``/``world`` default to torch.distributed's when it is initialised,
     else to the ``RANK``/``WORLD_SIZE`` environment variables, else 0/1.
