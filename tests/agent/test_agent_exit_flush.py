@@ -33,6 +33,8 @@ CHILD = textwrap.dedent(
     """
     import sys, torch, gradwatch
     end = sys.argv[1]
+    if end == "stale":  # an exception an earlier session left there, not this run's
+        sys.last_value = ValueError("from before the run")
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = gradwatch.watch(model, opt, job="exit", endpoint=sys.argv[2], flush_every=10)
@@ -112,11 +114,11 @@ def test_a_loop_that_dies_by_an_exception_still_sends_its_last_steps() -> None:
     assert notes == ["exited: RuntimeError: loss is NaN, giving up"]
 
 
-@pytest.mark.parametrize("end", ["return", "interrupt"])
+@pytest.mark.parametrize("end", ["return", "interrupt", "stale"])
 def test_a_loop_that_ends_or_is_stopped_without_close_closes_cleanly(end: str) -> None:
     code, losses, notes = run_child(end)
     # An uncaught KeyboardInterrupt ends the process by SIGINT, after the atexit handlers.
-    assert code == (0 if end == "return" else -signal.SIGINT)
+    assert code == (-signal.SIGINT if end == "interrupt" else 0)
     assert sorted(losses) == list(range(1, 26))
     assert notes == [CLOSED_NOTE]
 
@@ -144,7 +146,15 @@ def test_a_with_block_that_raises_sends_the_exit_note(pull: tuple[zmq.Socket, st
 
 def test_the_exit_note_names_a_failure_and_is_bounded() -> None:
     assert exit_note(None) == CLOSED_NOTE
-    assert exit_note(SystemExit(1)) == CLOSED_NOTE
+    assert exit_note(SystemExit(0)) == exit_note(SystemExit()) == CLOSED_NOTE
     assert exit_note(KeyboardInterrupt()) == CLOSED_NOTE
+    # Inside a with block a failing exit code is a failure (atexit cannot see the code).
+    assert exit_note(SystemExit(1)) == "exited: SystemExit: 1"
+
+    class Unprintable(Exception):
+        def __str__(self) -> str:
+            raise RuntimeError("no")
+
+    assert exit_note(Unprintable()) == "exited: Unprintable: (its message could not be read)"
     long = exit_note(ValueError("x" * 1000))
     assert long.startswith("exited: ValueError: xxx") and len(long) == MAX_REASON_CHARS
