@@ -180,7 +180,9 @@ class StepRecorder(RollbackExit):
         if self._cadence.take_forced():
             self._stats_now = True  # forced during this step: it is a cadence step
         if self._stats_now and self.config.update_ratios and self._wstats is not None:
-            self._wstats.sample_before()  # a cadence step's update ratios
+            # A cadence step's update ratios; without an optimizer the after-gather comes
+            # a forward and backward pass later, so no views are kept for it.
+            self._wstats.sample_before(keep_views=not self._manual)
 
     def _read_grads(self) -> None:
         """Read this step's gradient norms into the open row; after a failure caused by a

@@ -129,7 +129,7 @@ class WeightStats:
         self._have_before = False
         # The strided views of the pre-hook's gather and the parameters' data pointers then:
         # read again by the after-gather of the same step (views cost ~3 us each to make),
-        # then dropped, so no old storage is held past the step.
+        # then dropped: held only across the optimizer step, never a forward pass.
         self._views: list[torch.Tensor] | None = None
         self._pointers: list[int] = []
         self._plan_phases(weights, max_phases, min_phase_elements)
@@ -189,10 +189,18 @@ class WeightStats:
 
     # ------------------------------------------------------------ update ratios
 
-    def sample_before(self) -> None:
-        """Gather each parameter's sample before the optimizer updates it (pre-hook)."""
+    def sample_before(self, keep_views: bool = True) -> None:
+        """Gather each parameter's sample before the optimizer updates it (pre-hook).
+
+        ``keep_views``: keep the gather's views for the after-update gather. Only when
+        that comes within the same step (the optimizer's pre-hook, then ``log()``): a
+        hand-written update (no optimizer) samples at the end of one ``log()`` and
+        after the next, and views held that long would keep storage the loop replaced
+        (``p.data = p.data - lr * p.grad``) alive through a forward and backward pass.
+        """
         with torch.no_grad():
-            self._views = self._gather(self._before)
+            views = self._gather(self._before)
+        self._views = views if keep_views else None
         if self._views is not None:
             self._pointers = [p.data_ptr() for p in self._reader.params]
         self._have_before = True
@@ -208,15 +216,12 @@ class WeightStats:
         self._have_before = False
         views, self._views = self._views, None
         with torch.no_grad():
-            if views is None:
-                self._gather(self._after)
-            elif [p.data_ptr() for p in self._reader.params] == self._pointers:
+            if views is not None and [p.data_ptr() for p in self._reader.params] == self._pointers:
                 torch.cat(views, out=self._after)  # the same elements, after the update
             else:
-                # The loop gave a parameter new storage during the step (a cast, a
-                # re-flattening): before and after are not one update's ends.
-                fill_missing(out)
-                return out
+                # No views kept, or a parameter got new storage during the step (an
+                # update written as p.data = ..., a cast): gather from the parameters now.
+                self._gather(self._after)
             self._before.sub_(self._after)
             # float64 weights (model.double()) cannot be normed into float32 directly:
             # norm in their own dtype, then narrow the per-layer results.

@@ -129,21 +129,27 @@ def test_a_skipped_update_gives_missing_ratios_not_zero() -> None:
     assert out.isnan().all()
 
 
-def test_a_parameter_given_new_storage_during_the_step_gives_missing_not_a_ratio() -> None:
-    # The after-gather reuses the pre-hook's views; a cast or re-flattening between them
-    # would compare two storages, not one update's ends.
-    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    ws = WeightStats(GradReader.attach(model, opt))
-    model(torch.randn(4, 64)).sum().backward()
-    ws.sample_before()
-    opt.step()
-    assert not ws.ratios().isnan().any()  # the usual step: every layer has its ratio
-    ws.sample_before()
-    with torch.no_grad():
-        model[0].weight.data = model[0].weight.data.clone()  # new storage, same values
-    opt.step()
-    assert ws.ratios().isnan().all()
+def test_a_parameter_given_new_storage_during_the_step_still_gets_its_ratio() -> None:
+    # The after-gather reuses the pre-hook's views only while every parameter keeps its
+    # storage; an update written as p.data = ... (new storage) is gathered afresh.
+    def ratios(new_storage: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2))
+        ws = WeightStats(GradReader.attach(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+        model(torch.randn(4, 64)).sum().backward()
+        ws.sample_before()
+        with torch.no_grad():
+            for p in model.parameters():
+                assert p.grad is not None
+                if new_storage:
+                    p.data = p.data - 0.1 * p.grad  # a hand-written update: new storage
+                else:
+                    p.sub_(0.1 * p.grad)
+        return ws.ratios()
+
+    in_place, replaced = ratios(False), ratios(True)
+    assert not in_place.isnan().any() and (in_place > 0).all()
+    assert torch.allclose(replaced, in_place, rtol=1e-5)
 
 
 def test_weight_norms_read_over_several_phases_equal_the_exact_norms() -> None:
