@@ -159,6 +159,11 @@ class AgentConfig:
                 f"addresses of an HA pair of collectors separated by a comma; got "
                 f"{self.endpoint!r}"
             )
+        if len(set(parts)) != len(parts):
+            raise ValueError(
+                f"endpoint names a collector twice ({self.endpoint!r}); it would receive "
+                "every message twice: list each collector of the pair once"
+            )
         if len(parts) > MAX_ENDPOINTS:
             raise ValueError(
                 f"endpoint names {len(parts)} collectors; at most {MAX_ENDPOINTS} (an HA "

@@ -13,7 +13,8 @@ alike). Each destination keeps its own connection state: whether its peer may
 not know a schema yet (a collector that restarted, or one that came up later),
 and whether a refusal was logged. A destination that is down does not hold the
 other back: every send is non-blocking, and a message counts as sent when at
-least one collector took it.
+least one collector took it. With CurveZMQ, every collector of the pair must
+serve the same server key (``GRADWATCH_CURVE_SERVER_KEY``): the agent has one.
 
 The addresses are split and checked (at most ``MAX_ENDPOINTS``) by
 agent/config.py when ``watch()`` builds its configuration.

@@ -141,6 +141,7 @@ def test_a_collector_that_is_down_does_not_hold_back_the_other(
     [
         ("tcp://127.0.0.1:1,collector-b:5555", "ZeroMQ address"),
         (",".join(f"tcp://127.0.0.1:{p}" for p in range(1, 6)), "at most 4"),
+        ("tcp://127.0.0.1:1, tcp://127.0.0.1:1", "twice"),
     ],
 )
 def test_a_bad_endpoint_list_says_what_to_do(endpoint: str, message: str) -> None:
