@@ -58,7 +58,9 @@ JOB_LABEL = "training_job"
 SNAPSHOT_RANKS = 1024  # from this many ranks, scrapes are served a snapshot (collect)
 REFRESH_S = 1.0  # a snapshot is rendered this often while scrapes keep coming
 STALE_S = 10.0  # a snapshot older than this (the refresher is stuck) is not served
-IDLE_S = 60.0  # the refresher stops after this long without a scrape
+# The refresher stops after this long without a scrape: longer than Prometheus' default
+# scrape interval (1 m) and its common 2 m, so those scrapes find it running.
+IDLE_S = 150.0
 ALERT_LABELS = [JOB_LABEL, "rule", "category", "severity"]
 
 
@@ -100,6 +102,7 @@ class GradwatchCollector(Collector):
         self._refresher: threading.Thread | None = None
         self._large = False  # the last render saw snapshot_ranks ranks or more
         self.rendered = threading.Event()  # set after each snapshot the refresher renders
+        self._closed = threading.Event()  # close(): the refresher stops at once
 
     def describe(self) -> Iterable[Metric]:
         # Empty families: enough for the registry to detect clashing names
@@ -119,7 +122,7 @@ class GradwatchCollector(Collector):
         ``STALE_S`` the scrape renders itself). Smaller collectors render on
         every scrape, as exact as before.
         """
-        if not self._large:
+        if not self._large or self._closed.is_set():
             return self._render()
         now = time.monotonic()
         with self._snap_lock:
@@ -142,7 +145,7 @@ class GradwatchCollector(Collector):
 
     def _refresh(self) -> None:
         """Render a snapshot every ``refresh_seconds`` until no scrape came for ``IDLE_S``."""
-        while True:
+        while not self._closed.is_set():
             with self._snap_lock:
                 if time.monotonic() - self._wanted > IDLE_S:
                     self._refresher = None
@@ -152,7 +155,16 @@ class GradwatchCollector(Collector):
             with self._snap_lock:
                 self._snapshot = (began, families)
             self.rendered.set()
-            time.sleep(max(0.0, self._refresh_s - (time.monotonic() - began)))
+            if self._closed.wait(max(0.0, self._refresh_s - (time.monotonic() - began))):
+                return
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the refresher (the collector is stopping); later scrapes render themselves."""
+        self._closed.set()
+        with self._snap_lock:
+            refresher = self._refresher
+        if refresher is not None:
+            refresher.join(timeout)
 
     def _families(
         self, jobs: list[JobView], ingest: IngestStats, firing: list[AlertLike]

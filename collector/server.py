@@ -462,6 +462,7 @@ class Server:
         self._released = True
         if self._wrote_ready_file and self.config.ready_file is not None:
             self.config.ready_file.unlink(missing_ok=True)
+        self._exposition.close()  # its snapshot refresher, if large jobs started one
         if self._registered:
             self.registry.unregister(self._exposition)
             self.registry.unregister(self._admission_metrics)

@@ -72,3 +72,9 @@ def test_large_collectors_serve_a_snapshot_without_waiting_for_the_state() -> No
         collector.rendered.clear()
         assert collector.rendered.wait(WAIT_S)
     assert 'gradwatch_job_step{training_job="j"} 2.0' in _scrape(registry)
+
+    # Stopping the collector stops the refresher at once; a later scrape renders itself.
+    collector.close()
+    assert collector._refresher is None or not collector._refresher.is_alive()
+    _report(store, ranks=4, step=3)
+    assert 'gradwatch_job_step{training_job="j"} 3.0' in _scrape(registry)
