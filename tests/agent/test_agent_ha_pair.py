@@ -25,11 +25,14 @@ WAIT_S = 15.0
 class Pull:
     """A bound PULL socket and everything it received, decoded."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]]) -> None:
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], endpoint: str | None = None) -> None:
         self.sock = ctx.socket(zmq.PULL)
         self.sock.linger = 0
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        if endpoint is None:
+            self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
+        else:  # a collector back on its old port
+            self.endpoint = endpoint
+            rebind(self.sock, endpoint)
         self.got: list[Message] = []
 
     def drain(self) -> None:
@@ -60,13 +63,13 @@ def wait_until(pulls: list[Pull], done: Callable[[], bool]) -> bool:
 
 
 @pytest.fixture
-def pulls() -> Iterator[Callable[[], Pull]]:
+def pulls() -> Iterator[Callable[..., Pull]]:
     """Makes bound PULL sockets; closes every one of them after the test."""
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     made: list[Pull] = []
 
-    def make() -> Pull:
-        made.append(Pull(context))
+    def make(endpoint: str | None = None) -> Pull:
+        made.append(Pull(context, endpoint))
         return made[-1]
 
     yield make
@@ -95,7 +98,7 @@ def train(run: Watched, steps: int) -> None:
         opt.zero_grad()
 
 
-def test_every_message_reaches_both_collectors_of_a_pair(pulls: Callable[[], Pull]) -> None:
+def test_every_message_reaches_both_collectors_of_a_pair(pulls: Callable[..., Pull]) -> None:
     a, b = pulls(), pulls()
     run = watched(f"{a.endpoint}, {b.endpoint}")
     mon = run[0]
@@ -121,7 +124,7 @@ def test_every_message_reaches_both_collectors_of_a_pair(pulls: Callable[[], Pul
 
 
 def test_a_collector_that_is_down_does_not_hold_back_the_other(
-    pulls: Callable[[], Pull],
+    pulls: Callable[..., Pull],
 ) -> None:
     up, down = pulls(), pulls()
     down_endpoint = down.endpoint
@@ -134,6 +137,50 @@ def test_a_collector_that_is_down_does_not_hold_back_the_other(
     assert wait_until([up], lambda: len(up.steps()) == 10)
     assert up.steps() == list(range(1, 11))
     assert mon.stats.steps_sent == 10  # sent: one collector of the pair took each
+
+
+def test_a_restarted_collector_of_the_pair_relearns_the_schema(
+    pulls: Callable[..., Pull],
+) -> None:
+    # Each collector has its own schema state: the one that restarted gets the schema
+    # again with its next batch, the one that stayed up does not need it.
+    stays, restarts = pulls(), pulls()
+    run = watched(f"{stays.endpoint},{restarts.endpoint}")
+    mon = run[0]
+    assert wait_until(
+        [stays, restarts],
+        lambda: all(any(isinstance(m, Heartbeat) for m in p.got) for p in (stays, restarts)),
+    )
+    train(run, 5)  # one batch each, with the schema
+    assert wait_until([stays, restarts], lambda: len(stays.steps()) == len(restarts.steps()) == 5)
+    restarts.sock.close(linger=0)  # the collector goes away and comes back on the same port
+    back = pulls(restarts.endpoint)
+    assert wait_until([back], lambda: any(isinstance(m, Heartbeat) for m in back.got))
+    train(run, 5)
+    mon.close()
+    assert wait_until([stays, back], lambda: len(stays.steps()) == 10 and len(back.steps()) == 5)
+    stays_batches = [
+        m for m in stays.got if isinstance(m, Batch) and m.schema_id != wc.STATS_SCHEMA_ID
+    ]
+    back_batches = [
+        m for m in back.got if isinstance(m, Batch) and m.schema_id != wc.STATS_SCHEMA_ID
+    ]
+    assert [b.schema is not None for b in stays_batches] == [True, False]
+    assert [b.schema is not None for b in back_batches] == [True]
+
+
+def rebind(sock: zmq.Socket[bytes], endpoint: str) -> None:
+    """Bind ``sock`` to ``endpoint`` once ZeroMQ has released the port of the socket closed
+    there (on its I/O thread, after close() returned: EADDRINUSE until then)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)  # the port is still held by the closed socket
 
 
 @pytest.mark.parametrize(
