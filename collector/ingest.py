@@ -314,8 +314,9 @@ class Ingest:
                 self._lost[batch.job] += lost
             self._log.warning(
                 "lost",
-                "%d batch(es) of job %r rank %d were lost in transit "
-                "(seq %d then %d); check the network and receive_hwm",
+                "%d batch(es) of job %r rank %d never arrived here (seq %d then %d): "
+                "lost in transit (check the network and receive_hwm), or sent while this "
+                "collector was down to the other collector of an HA pair",
                 lost,
                 batch.job,
                 batch.rank,
