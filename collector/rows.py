@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gradwatch.rules.liveness import PRE_SYNC_PHASES
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, QuietRows, Stats, Step, build_step
 from gradwatch.wire import MISSING_BITS, Batch, Schema
 from gradwatch.wire import columns as col
@@ -338,7 +339,7 @@ def _quiet(batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray) -> Qu
 
     scalar = dict(plan.scalars)
     # The step phases as rules.liveness.PhaseTimes reads them from a Step's scalars.
-    phases = [columns[scalar[name]] for name in _PHASES if name in scalar]
+    phases = [columns[scalar[name]] for name in PRE_SYNC_PHASES if name in scalar]
     flag = column(scalar.get(col.GRAD_NONFINITE_SCALAR))
     return QuietRows(
         job=job,
@@ -360,10 +361,6 @@ def _quiet(batch: Batch, plan: Plan, raw: np.ndarray, missing: np.ndarray) -> Qu
 def _sum(cells: tuple[float | None, ...]) -> float | None:
     present = [c for c in cells if c is not None]
     return sum(present) if present else None
-
-
-# rules.liveness.PhaseTimes: the phases before the gradient sync, summed per step.
-_PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
 
 
 def _cell(values: list[float], gone: list[bool], i: int | None) -> float | None:

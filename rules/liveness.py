@@ -259,7 +259,8 @@ class StragglerDetector:
         return Finding(True, summary, evidence, rank=culprit)
 
 
-_PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
+# The phases before the gradient sync, summed per step (collector/rows.py reads them too).
+PRE_SYNC_PHASES = (col.DATA_SECONDS_SCALAR, col.FORWARD_SECONDS_SCALAR)
 RECENT_STEPS = 32  # steps behind a rank's median timings
 
 
@@ -282,7 +283,7 @@ class PhaseTimes:
         data = step.scalars.get(col.DATA_SECONDS_SCALAR)
         if data is not None:
             self.data.append(data)
-        phases = [step.scalars[name] for name in _PHASES if name in step.scalars]
+        phases = [step.scalars[name] for name in PRE_SYNC_PHASES if name in step.scalars]
         if phases:
             self.busy.append(sum(phases))
 
