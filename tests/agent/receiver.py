@@ -101,3 +101,17 @@ def _rows(batch: Batch, schema: Schema) -> dict[int, Row]:
         layers = [value(i) for i in range(base + len(schema.columns), base + schema.width)]
         out[step] = Row(batch.incarnation, columns, layers)
     return out
+
+
+def rebind(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
+    """ZeroMQ releases a closed socket's port on its I/O thread, after close()
+    returns: until then a bind to the same port fails with EADDRINUSE."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)

@@ -18,6 +18,7 @@ import zmq
 import gradwatch
 from gradwatch.wire import Batch, Event, Heartbeat, Message, decode
 from gradwatch.wire import columns as wc
+from tests.agent.receiver import rebind
 
 WAIT_S = 15.0
 
@@ -32,7 +33,7 @@ class Pull:
             self.endpoint = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         else:  # a collector back on its old port
             self.endpoint = endpoint
-            rebind(self.sock, endpoint)
+            rebind(self.sock, endpoint, WAIT_S)
         self.got: list[Message] = []
 
     def drain(self) -> None:
@@ -167,20 +168,6 @@ def test_a_restarted_collector_of_the_pair_relearns_the_schema(
     ]
     assert [b.schema is not None for b in stays_batches] == [True, False]
     assert [b.schema is not None for b in back_batches] == [True]
-
-
-def rebind(sock: zmq.Socket[bytes], endpoint: str) -> None:
-    """Bind ``sock`` to ``endpoint`` once ZeroMQ has released the port of the socket closed
-    there (on its I/O thread, after close() returned: EADDRINUSE until then)."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        try:
-            sock.bind(endpoint)
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)  # the port is still held by the closed socket
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ from gradwatch.agent import AgentConfig
 from gradwatch.agent.monitor import Monitor
 from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
 from gradwatch.wire import columns as wc
+from tests.agent.receiver import rebind
 
 WAIT_MS = 5000
 
@@ -287,20 +288,6 @@ def test_eval_fields_that_json_cannot_carry_arrive_as_strings(pull):
     assert event.fields == {"loss": "nan", "ppl": "inf", "split": "val", "n": 3}
 
 
-def _rebind(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
-    """ZeroMQ releases a closed socket's port on its I/O thread, after close()
-    returns: until then a bind to the same port fails with EADDRINUSE."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            sock.bind(endpoint)
-            return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
-
-
 def test_schema_is_resent_after_the_collector_restarts():
     ctx = zmq.Context()
     first = ctx.socket(zmq.PULL)
@@ -333,7 +320,7 @@ def test_schema_is_resent_after_the_collector_restarts():
         first.close(linger=0)  # the collector goes away and comes back on the same port
         second = ctx.socket(zmq.PULL)
         second.linger = 0
-        _rebind(second, f"tcp://127.0.0.1:{port}")
+        rebind(second, f"tcp://127.0.0.1:{port}")
         wait_connected(second)
         steps(2)
         (after,), _ = collect(second, 2)
