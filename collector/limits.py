@@ -122,7 +122,12 @@ def peek(header: bytes) -> tuple[str | None, int]:
         return None, 0
     if not isinstance(body, dict):
         return None, 0
-    job, steps = body.get("job"), body.get("steps")
+    return job_rows(body)
+
+
+def job_rows(header: dict[str, Any]) -> tuple[str | None, int]:
+    """The job and row count of a header already parsed (``peek`` without the parse)."""
+    job, steps = header.get("job"), header.get("steps")
     return (job if isinstance(job, str) else None), (len(steps) if isinstance(steps, list) else 0)
 
 

@@ -54,7 +54,7 @@ from gradwatch.collector.config import CollectorConfig, CollectorError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Ingest
-from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds, peek
+from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds, job_rows, peek
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pipeline import Pipeline
 from gradwatch.collector.recorder import TraceRecorder
@@ -380,7 +380,7 @@ class Server:
             # the decoder reuses that parse.
             head = parts[0].bytes
             header = header_object(head)
-            job, rows = peek(head) if header is None else _job_rows(header)
+            job, rows = peek(head) if header is None else job_rows(header)
             unit = self.admission.decide(job, self._sender, rows)
             if unit is None:
                 self.pipeline.handle((), refused=True)
@@ -488,9 +488,3 @@ class Server:
         if self._context is not None and term:
             self._context.term()
         self._context = None
-
-
-def _job_rows(header: dict[str, Any]) -> tuple[str | None, int]:
-    """``limits.peek``'s answer, from a header already parsed (``header_object``)."""
-    job, steps = header.get("job"), header.get("steps")
-    return (job if isinstance(job, str) else None), (len(steps) if isinstance(steps, list) else 0)

@@ -239,7 +239,6 @@ class StateStore:
             newest = -1
             intervals = rank.step_intervals
             loss, grad_norm = rank.last_loss, rank.last_grad_norm
-            progress = rank.progress
             for r, step in enumerate(rows.steps):
                 when = rows.times[r]
                 data, busy = rows.data[r], rows.busy[r]
@@ -256,9 +255,7 @@ class StateStore:
                     loss = rows.loss[r]
                 if rows.grad_norm[r] is not None:
                     grad_norm = rows.grad_norm[r]
-                if progress is None or step > progress:
-                    progress = rank.progress = step
-                    rank.progress_time = now
+            rank.advance(max(rows.steps), now)  # as each row's would: now is one for all
             rank.last_loss, rank.last_grad_norm = loss, grad_norm
             if newest >= 0:
                 rank.latest = rows.step(newest)

@@ -67,6 +67,7 @@ from dataclasses import replace
 import numpy as np
 
 from gradwatch.rules.assembly_state import (
+    FLAGGED,
     MAX_LAYOUTS,
     NONFINITE_SCALAR,
     AssemblyCounts,
@@ -99,7 +100,6 @@ __all__ = [
 ]
 
 MAX_PENDING_STEPS = 256  # per job and kind: beyond it the oldest is emitted as is
-_FLAGGED = frozenset({"grad_norm"})  # what _add blames on a rank's non-finite flag
 
 
 def assembles(record: Record) -> bool:
@@ -197,7 +197,7 @@ class Assembler:
                     pending.skipped = True
                 if flagged[r]:  # its NONFINITE_SCALAR over 0.5, and no layers of its own
                     pending.flagged = True
-                    pending.bad.append((when, rank, _FLAGGED, loss_bad))
+                    pending.bad.append((when, rank, FLAGGED, loss_bad))
                 elif loss_bad:
                     pending.bad.append((when, rank, frozenset(), loss_bad))
             # After the first row's call, only a report to the lowest pending step can

@@ -30,6 +30,9 @@ import numpy as np
 from gradwatch.rules.step import Stats, Step, nonfinite_layers
 from gradwatch.wire.columns import GRAD_NONFINITE_SCALAR
 
+# What a rank's fused non-finite flag blames when it sends no layers (agent/topology.py).
+FLAGGED = frozenset({"grad_norm"})
+
 # A scalar a rank that sends no per-layer norms sets to 1.0 when any of its own
 # gradients is NaN/Inf (agent/topology.reports_layers): a replica gone bad alone.
 NONFINITE_SCALAR = GRAD_NONFINITE_SCALAR
@@ -184,7 +187,7 @@ def _add(pending: _Pending, record: Record, stream: _Stream) -> None:
         pending.skipped |= record.skipped
         names, loss_bad = nonfinite_layers(record), _loss_bad(record)
         if record.scalars.get(NONFINITE_SCALAR, 0.0) > 0.5 and not names:
-            names = frozenset({"grad_norm"})
+            names = FLAGGED
             pending.flagged = True
         if names or loss_bad:
             pending.bad.append((record.time, record.rank, names, loss_bad))

@@ -11,8 +11,7 @@ import struct
 
 import pytest
 
-from gradwatch.collector.limits import peek
-from gradwatch.collector.server import _job_rows
+from gradwatch.collector.limits import job_rows, peek
 from gradwatch.wire import Batch, Event, Heartbeat, Schema, WireError, decode, encode
 from gradwatch.wire.messages import (
     KIND_BATCH,
@@ -38,7 +37,7 @@ def test_decoding_with_the_parsed_header_gives_the_same_message(message: object)
     header = header_object(frames[0])
     assert isinstance(header, dict)
     assert decode(frames, header) == decode(frames) == message
-    assert _job_rows(header) == peek(frames[0])
+    assert job_rows(header) == peek(frames[0])
 
 
 @pytest.mark.parametrize(
@@ -60,7 +59,7 @@ def test_decoding_with_the_parsed_header_gives_the_same_message(message: object)
 def test_admission_reads_every_header_as_peek_does(head: bytes) -> None:
     header = header_object(head)
     # What the server's receive loop does: the parsed header, else peek's own parse.
-    assert (peek(head) if header is None else _job_rows(header)) == peek(head)
+    assert (peek(head) if header is None else job_rows(header)) == peek(head)
     if header is None:  # then decode parses it itself and refuses it
         with pytest.raises(WireError):
             decode([head])
