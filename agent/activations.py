@@ -253,7 +253,7 @@ class ActHooks:
         self._on_error = on_error
         columns: list[str] = []
         # (target, first slot, whether a share is measured)
-        self._plan: list[tuple[_Target, int, bool]] = []
+        plan: list[tuple[_Target, int, bool]] = []
         for target in targets:
             first = len(columns)
             columns += [
@@ -263,25 +263,35 @@ class ActHooks:
             frac = _frac_stat(target.kind)
             if frac is not None:
                 columns.append(wc.act(target.name, target.kind, frac))
-            self._plan.append((target, first, frac is not None))
+            plan.append((target, first, frac is not None))
         self.columns = tuple(columns)
         # While armed: per module [mean, mean of squares(, share)], written in place by its
         # hook; snapshot() turns every mean of squares into a std at once (fewer tensor
         # operations per hook: each costs microseconds on the cold cache of a forward pass).
         self.values = torch.empty(len(columns), dtype=torch.float32, device=device)
         fill_missing(self.values)
-        firsts = [first for _, first, _ in self._plan]
+        firsts = [first for _, first, _ in plan]
         self._mean_at = torch.tensor(firsts, dtype=torch.long, device=device)
         self._square_at = self._mean_at + 1
-        # Views made once: (the module's slots, its mean, its mean of squares, its share).
-        self._cells = [
+        # Each module's hook, made once (arm() only registers them), writing into views
+        # made once: (the module's slots, its mean, its mean of squares, its share).
+        # Detached: a model pickled or copied while armed carries an inert hook.
+        self._hooks = [
             (
-                self.values[first : first + (3 if frac else 2)],
-                self.values[first],
-                self.values[first + 1],
-                self.values[first + 2] if frac else None,
+                target,
+                Detached(
+                    self._hook(
+                        target,
+                        (
+                            self.values[first : first + (3 if frac else 2)],
+                            self.values[first],
+                            self.values[first + 1],
+                            self.values[first + 2] if frac else None,
+                        ),
+                    )
+                ),
             )
-            for _, first, frac in self._plan
+            for target, first, frac in plan
         ]
         self._handles: list[Any] = []
 
@@ -327,9 +337,7 @@ class ActHooks:
         if self._handles:
             return
         fill_missing(self.values)  # a module that does not run stays MISSING
-        for (target, _, _), cells in zip(self._plan, self._cells, strict=True):
-            # Detached: a model pickled or copied while armed carries an inert hook.
-            hook = Detached(self._hook(target, cells))
+        for target, hook in self._hooks:
             if target.on_input:
                 self._handles.append(target.module.register_forward_pre_hook(hook))
             else:

@@ -176,7 +176,6 @@ class Monitor(LayerSwitch):
         self._use_mode(self._layer_mode(config.reports_layers, config.pool_size))
         self._other_mode = None
         self._want_layers = config.reports_layers
-        self._silent = frozenset()
         self._no_takeover = False
         # On CPU the loss travels as a reference the shipper reads (agent/layout.py:
         # Later). Not on CUDA: a CUDA graph replay rewrites its outputs in place
@@ -353,14 +352,11 @@ class Monitor(LayerSwitch):
 
     def close(self) -> None:
         """Ship what is buffered and stop, waiting at most ``config.close_timeout`` s."""
-        self._close(CLOSED_NOTE)
+        self.close_for_exit(CLOSED_NOTE)
 
     def close_for_exit(self, note: str) -> None:
-        """Close at interpreter exit or when the ``with`` block raised (agent/exit_flush.py):
-        as close(), with ``note`` (``closed``, or ``exited: <Type>: <message>``)."""
-        self._close(note)
-
-    def _close(self, note: str) -> None:
+        """As close(), with ``note`` as the last message: ``closed``, or at interpreter exit
+        or when the ``with`` block raised ``exited: <Type>: <message>`` (agent/exit_flush.py)."""
         exit_flush.untrack(self)
         if self._closed:
             return

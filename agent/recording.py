@@ -105,15 +105,18 @@ class StepRecorder(RollbackExit):
                         optional=True,
                     )
                 )
-        if (
-            self.config.stats_every
-            and self._scratch is None
-            and isinstance(self._reader, GradReader)
-        ):  # always, at attach
-            self._wstats = WeightStats(self._reader)
+        if self.config.stats_every and self._scratch is None:
+            self._wstats = self._weight_stats()
+        if self._wstats is not None:
             self._stats_now = self._cadence.due(self._step + 1)
             if self._acts is not None and self._stats_now:
                 self._acts.arm()  # the first step is a cadence step
+
+    def _weight_stats(self) -> WeightStats | None:
+        """Cadence weight statistics over the reader's parameters (after a recovery, the
+        ones it still reads: its ``weights_reader``), or None where they cannot be read."""
+        weights = getattr(self._reader, "weights_reader", self._reader)
+        return WeightStats(weights) if isinstance(weights, GradReader) else None
 
     def _renumber(self, step: Any) -> None:
         """Make the step being logged number ``step`` (log(step=...)); see agent/steps.py."""
@@ -198,8 +201,7 @@ class StepRecorder(RollbackExit):
                 raise
             self._reader, notice = fixed
             if self._wstats is not None:  # it reads the weights through the old reader
-                weights = getattr(self._reader, "weights_reader", self._reader)
-                self._wstats = WeightStats(weights) if isinstance(weights, GradReader) else None
+                self._wstats = self._weight_stats()
             if notice is not None:
                 self._degrade(notice)
             if scratch is not None and scratch.numel() != len(self._reader.names):

@@ -41,7 +41,6 @@ import torch
 
 from gradwatch.agent.activations import ActHooks
 from gradwatch.agent.buffer import StepBuffer
-from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.recording import StepRecorder
 from gradwatch.agent.recovery import Notice
@@ -85,7 +84,6 @@ class LayerSwitch(StepRecorder):
     _base_columns: tuple[str, ...]
     # Written by the shipper thread, read by the training thread once per log().
     _want_layers: bool
-    _silent: frozenset[int]
     _no_takeover: bool  # a switch failed: takeovers are off for this rank
 
     def _layer_mode(self, reports: bool, pool_size: int) -> LayerMode:
@@ -136,7 +134,6 @@ class LayerSwitch(StepRecorder):
                 if takeover.silent
                 else "the collector reports every rank back",
             )
-        self._silent = takeover.silent
         self._want_layers = want
 
     def _switch_layers(self) -> None:
@@ -166,7 +163,7 @@ class LayerSwitch(StepRecorder):
                 self._queue_stats(done)
         if self._acts is not None:
             self._acts.disarm()
-        current.scratch, current.scales = self._scratch, self._scales
+        current.scratch = self._scratch  # _read_grads may have made a new one
         current.wstats, current.acts = self._wstats, self._acts
         other = self._other_mode
         if other is None:
@@ -175,13 +172,8 @@ class LayerSwitch(StepRecorder):
         self._other_mode = current
         self._use_mode(other)
         self._wstats, self._acts = other.wstats, other.acts
-        if (
-            other.reports
-            and self._wstats is None
-            and self.config.stats_every
-            and isinstance(self._reader, GradReader)
-        ):
-            self._wstats = WeightStats(self._reader)
+        if other.reports and self._wstats is None and self.config.stats_every:
+            self._wstats = self._weight_stats()
 
 
 def _layer_scales(

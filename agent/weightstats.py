@@ -358,7 +358,6 @@ class WeightStats:
             flat = None if stop is None else _flat(w)
             # The plan cuts only tensors that have a flat view (_plan_phases).
             slices.append(w if flat is None else flat[start:stop])
-        a, b = self._bounds[phase]
         if any(t.dtype not in _NARROW or t.device != self._device for t in slices):
             # float64, or model parallel: normed in their own precision and place,
             # then cast and moved: still no sync.
@@ -368,7 +367,7 @@ class WeightStats:
             ]
         else:
             norms = torch._foreach_norm(slices, 2, dtype=torch.float32)
-        torch.stack(norms, out=self._partials[a:b])
+        torch.stack(norms, out=self._partial_views[phase])
 
     def _weights(self) -> list[torch.Tensor]:
         return [local(p).detach() for p in self._reader.params]

@@ -156,7 +156,7 @@ def kernel_times(repeats: int) -> dict[str, float]:
     hidden = torch.randn(8, 128, 1024)
     probs = torch.softmax(torch.randn(8, 4, 128, 128), dim=-1)
     values = torch.empty(3)
-    cells = (values, values[0], values[1], values[2])  # one module's slots (ActHooks._cells)
+    cells = (values, values[0], values[1], values[2])  # one module's slots (as ActHooks makes them)
     calls = {
         "relu": lambda: _measure(torch.relu(hidden), "relu", cells),
         "gelu": lambda: _measure(hidden, "gelu", cells),
