@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -56,7 +57,7 @@ from gradwatch.agent.items import (
     Reincarnate,
     StatsItem,
 )
-from gradwatch.agent.layout import MISSING_LE, le_bytes, merge_rows
+from gradwatch.agent.layout import MISSING_I32, MISSING_LE, le_bytes, merge_rows
 from gradwatch.agent.takeover_command import Takeover
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import (
@@ -291,7 +292,8 @@ class Shipper:
                 stale[0],
             )
         counters = self._counters
-        if self._send_batch(item.layout.schema, item.steps, item.times, values):
+        flag = has_nonfinite(values)
+        if self._send_batch(item.layout.schema, item.steps, item.times, values, nonfinite=flag):
             counters.batches_sent += 1
             counters.steps_sent += item.rows
         else:
@@ -320,6 +322,7 @@ class Shipper:
         times: list[float],
         values: bytes,
         census: Census | None = None,
+        nonfinite: bool = False,
     ) -> bool:
         """Send one batch to every collector, attaching ``schema`` for those that may not
         know it; True if at least one took it."""
@@ -339,6 +342,7 @@ class Shipper:
             schema=None,
             shards=cfg.shards,
             census=census,
+            nonfinite=nonfinite,
         )
         encoded: dict[bool, list[bytes]] = {}  # with / without the schema, made once each
         sent = False
@@ -425,6 +429,26 @@ class Shipper:
             self._ctx.term()
         except zmq.ZMQError as exc:  # nothing left to protect; do not raise in a thread
             logger.debug("gradwatch: closing the ZeroMQ socket failed: %s", exc)
+
+
+def has_nonfinite(values: bytes) -> bool:
+    """Whether little-endian float32 ``values`` hold a NaN or Inf (MISSING cells do not count).
+
+    Sets the batch header's ``nonfinite`` hint (docs/wire.md), which buys the batch
+    priority at the collector; the collector still decides from the values. On the
+    shipper thread: ~20 us for a 10 x 1,000 batch, in four tensor ops on one copy.
+    """
+    if not values:
+        return False
+    cells = torch.frombuffer(bytearray(values), dtype=torch.int32)  # a copy: bytes are read-only
+    if sys.byteorder != "little":
+        cells = cells.view(torch.uint8).view(-1, 4).flip(1).contiguous().view(torch.int32).flatten()
+    # Exponent bits all set is NaN or Inf; MISSING is a NaN with its own payload.
+    special = (cells & _EXPONENT) == _EXPONENT
+    return bool((special & (cells != MISSING_I32)).any())
+
+
+_EXPONENT = 0x7F800000
 
 
 def _json_number(value: Any) -> Any:

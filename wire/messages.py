@@ -49,6 +49,9 @@ EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA
 # A "note" event with this ``fields.note``: the agent closed (the job ended on this rank).
 CLOSED_NOTE: Final = "closed"
 
+# Optional batch header field: 1 when the sender saw a NaN/Inf in the values (a hint).
+NONFINITE_FIELD: Final = "nonfinite"
+
 _PREAMBLE = struct.Struct("<2sBB")
 _FLOAT_MAX_INT: Final = int(sys.float_info.max)
 
@@ -116,6 +119,9 @@ class Batch:
     shards: int | None = None
     # A cadence-statistics batch's model census (docs/wire.md); None: not sent.
     census: Census | None = None
+    # The sender saw a non-finite value (NaN/Inf, never MISSING) in ``values``: a hint
+    # that buys the batch priority at the collector (docs/wire.md), never a verdict.
+    nonfinite: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +195,8 @@ def encode_batch(batch: Batch) -> list[bytes]:
         body["shards"] = batch.shards
     if batch.census is not None:
         body["census"] = census_body(batch.census)
+    if batch.nonfinite:
+        body[NONFINITE_FIELD] = 1  # absent otherwise: the bytes of other batches are unchanged
     frames = [_header(KIND_BATCH, body)]
     if batch.schema is not None:
         frames.append(encode_schema(batch.schema))
@@ -382,7 +390,18 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
         schema=schema,
         shards=shards,
         census=census,
+        nonfinite=_optional_int(body, NONFINITE_FIELD, 0, 1) == 1,
     )
+
+
+def flagged(header: Mapping[str, Any]) -> bool:
+    """Whether a parsed batch header (``header_object``) carries the non-finite hint.
+
+    Read before decoding, to order work; what the values hold is decided by
+    decoding them, never by this flag.
+    """
+    value = header.get(NONFINITE_FIELD)
+    return type(value) is int and value == 1
 
 
 def row_width(batch: Batch) -> int:

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from gradwatch import wire
 from gradwatch.wire import Batch, Event, Heartbeat, Schema, WireError, WireVersionError
+from gradwatch.wire.messages import flagged
 
 names = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20)
 jobs = st.text(
@@ -41,6 +42,7 @@ def batches(draw: st.DrawFn) -> Batch:
         times=tuple(draw(st.lists(finite, min_size=rows, max_size=rows))),
         values=struct.pack(f"<{len(floats)}f", *floats),
         schema=schema if draw(st.booleans()) or schema.width == 0 else None,
+        nonfinite=draw(st.booleans()),
     )
 
 
@@ -109,6 +111,7 @@ def test_mutated_frames_decode_or_raise_wire_error(batch: Batch, data: st.DataOb
     st.dictionaries(
         st.sampled_from(
             ["job", "rank", "world", "schema", "seq", "inc", "dropped", "steps", "times"]
+            + ["nonfinite"]
         ),
         st.one_of(
             st.none(),
@@ -168,3 +171,26 @@ def test_missing_sentinel_is_a_quiet_nan_distinct_from_arithmetic_nan() -> None:
     (canonical,) = struct.unpack("<I", struct.pack("<f", float("nan")))
     assert canonical != wire.MISSING_BITS
     assert wire.MISSING_BITS & 0x7FC00000 == 0x7FC00000  # quiet NaN: survives copies
+
+
+def _flag_batch(nonfinite: bool) -> Batch:
+    return Batch(
+        "j", 0, 2, 0, 0, "i", 0, (1,), (0.0,), struct.pack("<f", 1.0), None, 2, None, nonfinite
+    )
+
+
+def test_nonfinite_hint_travels_only_when_set() -> None:
+    plain, hinted = wire.encode(_flag_batch(False)), wire.encode(_flag_batch(True))
+    assert b"nonfinite" not in plain[0]  # batches without it keep their bytes
+    assert json.loads(hinted[0][4:])["nonfinite"] == 1
+    assert wire.decode(hinted).nonfinite and not wire.decode(plain).nonfinite
+    assert flagged(json.loads(hinted[0][4:])) and not flagged(json.loads(plain[0][4:]))
+
+
+@pytest.mark.parametrize("value", [True, 2, -1, "1", 1.0])
+def test_a_nonfinite_hint_other_than_1_is_refused_and_never_flags(value: object) -> None:
+    head = json.loads(wire.encode(_flag_batch(True))[0][4:])
+    head["nonfinite"] = value
+    assert not flagged(head)
+    with pytest.raises(WireError):
+        wire.decode([b"GW\x01\x01" + json.dumps(head).encode(), struct.pack("<f", 1.0)])
