@@ -183,6 +183,35 @@ class Ingest:
             )
             return NOTHING
 
+    def peek_steps(self, frames: Frames, header: dict[str, Any] | None = None) -> tuple[Step, ...]:
+        """The rows of a step batch of a stream already known here, touching no state.
+
+        For the collector's early look at a batch (collector/priority.py) before
+        it is handled in turn: no counters, sequence or caches change, and a
+        batch this cannot read at once (malformed, oversized, of a stream or
+        schema not seen yet, cadence statistics) gives ``()``: it is judged
+        when handled. Never raises.
+        """
+        try:
+            if sum(memoryview(frame).nbytes for frame in frames) > self.max_message_bytes:
+                return ()
+            batch = decode(frames, header)
+            if not isinstance(batch, Batch):
+                return ()
+            with self._lock:
+                stream = self._streams.get((batch.job, batch.rank, batch.incarnation))
+            plan = None if stream is None else stream.plans.get(batch.schema_id)
+            if (
+                plan is None
+                or plan.stats
+                or (batch.schema is not None and batch.schema != plan.schema)
+                or row_width(batch) != plan.schema.width
+            ):
+                return ()
+            return step_rows(batch, plan)
+        except Exception:  # a bad message is counted when it is handled, not here
+            return ()
+
     def reject(self, reason: str, message: str, *args: object) -> None:
         """Count one dropped message under ``reason`` and log it, rate-limited."""
         with self._lock:

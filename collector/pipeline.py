@@ -23,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -39,7 +40,7 @@ from gradwatch.collector.wiring import RulesEngine
 from gradwatch.rules import Step
 from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.assembly import Assembler, assembles
-from gradwatch.rules.step import Eval, QuietRows, Stats
+from gradwatch.rules.step import Eval, QuietRows, Stats, nonfinite_layers
 from gradwatch.wire.messages import DATA_CHANGE, DEGRADED
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,47 @@ class Pipeline:
             with self._progress:
                 self._handled += 1
                 self._progress.notify_all()
+
+    def early(self, frames: Frames, header: dict[str, Any] | None = None) -> str:
+        """Page a flagged batch's first non-finite row now, before it is handled in turn.
+
+        The server calls this for batches whose ``nonfinite`` hint bought them the
+        priority lane (collector/priority.py); the batch is still handled in its
+        place afterwards, which changes no state this left alone. A page needs a
+        decoded non-finite loss or layer norm (never the hint alone) in a row
+        that its judged record will page too: a row of a job judged as a whole
+        that carries a loss scale (AMP) is left to the assembled step, since
+        another rank's skipped step would make it a GradScaler skip. Returns the
+        outcome counted by the lane: ``paged``, ``no_page`` (an incident already
+        fires, or the rule judges the row otherwise: a GradScaler skip), ``finite``,
+        ``amp`` or ``unread`` (not readable before it is handled).
+        Never raises.
+        """
+        try:
+            if self.engine is None:
+                return "unread"
+            steps = self.ingest.peek_steps(frames, header)
+            if not steps:
+                return "unread"
+            row = next((s for s in steps if _nonfinite_row(s)), None)
+            if row is None:
+                return "finite"
+            whole = assembles(row)
+            if whole and row.loss_scale is not None:
+                return "amp"
+            # Not part of RulesEngine: a test double without it sees no early pages.
+            observe_early = getattr(self._engine(), "observe_early", None)
+            if observe_early is None:
+                return "unread"
+            with self.engine_lock:
+                transitions = observe_early(row, whole)
+        except Exception as exc:
+            self.ingest.reject(
+                "internal", f"failed to judge a flagged batch early: %r; {_BUG}", exc
+            )
+            return "unread"
+        self.dispatch(transitions)
+        return "paged" if transitions else "no_page"
 
     def _record(self, result: Ingested) -> None:
         recorder = self.recorder
@@ -346,3 +388,9 @@ class Pipeline:
             return []
         with self.engine_lock:
             return list(self.engine.firing())
+
+
+def _nonfinite_row(step: Step) -> bool:
+    """A row whose own loss or layer norm is NaN/Inf (a total or flag alone is not enough)."""
+    loss = step.loss
+    return (loss is not None and not math.isfinite(loss)) or bool(nonfinite_layers(step))

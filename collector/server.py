@@ -54,14 +54,15 @@ from gradwatch.collector.config import CollectorConfig, CollectorError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Ingest
-from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds, job_rows, peek
+from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pipeline import Pipeline
+from gradwatch.collector.priority import Intake, PriorityMetrics
 from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.sinks import Sink, mask_url
 from gradwatch.collector.startup import check_open_files, warn_exposure
 from gradwatch.collector.state import StateStore
-from gradwatch.collector.subscriptions import CommandChannel, bind_socket, sender_of
+from gradwatch.collector.subscriptions import CommandChannel, bind_socket
 from gradwatch.collector.takeover import TakeoverMetrics, Takeovers, silent_threshold
 from gradwatch.collector.wiring import (
     RulesEngine,
@@ -70,7 +71,6 @@ from gradwatch.collector.wiring import (
     build_sinks,
 )
 from gradwatch.rules.assembly import Assembler
-from gradwatch.wire.messages import header_object
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +98,13 @@ class Server:
         self._clock = clock
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
         self.admission = Admission(Bounds.of(config))
-        self._sender = ""  # the CurveZMQ key of the message being handled ("" without CURVE)
         self.ingest = Ingest(
             config.max_message_bytes,
-            admit=lambda message: self.admission.admit(message, self._sender),
+            admit=lambda message: self.admission.admit(message, self.intake.sender),
         )
-        self.ingest.may_grow = lambda job, rank: self.admission.may_grow(job, rank, self._sender)
+        self.ingest.may_grow = lambda job, rank: self.admission.may_grow(
+            job, rank, self.intake.sender
+        )
         self._admission_metrics = AdmissionMetrics(self.admission)
         self.recorder = TraceRecorder(config.record_dir) if config.record_dir is not None else None
         self.state = StateStore(config.job_ttl_seconds, clock, config.finished_grace_seconds)
@@ -118,6 +119,8 @@ class Server:
             self.admission,
         )
         self.pipeline.engine = engine
+        # Socket -> pipeline in arrival order; flagged NaNs page on arrival (priority.py).
+        self.intake: Intake = Intake(self.pipeline, self.admission)
         self._exposition = GradwatchCollector(
             self.state,
             self.ingest.stats,
@@ -186,6 +189,7 @@ class Server:
                 StoreErrorMetrics(self.sinks, lambda: self.actions, self.recorder),
                 TakeoverMetrics(self.takeovers),
                 AssemblyMetrics(self.assembler, self.pipeline.assembler_lock, jobs=self.state.jobs),
+                PriorityMetrics(self.intake.lane, self.intake.inbox),
             ]
             for metrics in self._more_metrics:
                 self.registry.register(metrics)
@@ -340,9 +344,10 @@ class Server:
         next_expiry = time.monotonic() + EXPIRE_EVERY_S
         try:
             while not self._stopping.is_set():
-                ready = dict(poller.poll(POLL_MS))
-                if sock in ready:
-                    self._drain(sock, lambda n: n < DRAIN_BUDGET)
+                waiting = bool(self.intake.inbox)  # received, not handled yet
+                ready = dict(poller.poll(0 if waiting else POLL_MS))
+                if sock in ready or waiting:
+                    self.intake.drain(sock, lambda n: n < DRAIN_BUDGET)
                 if commands is not None and commands in ready:
                     assert self._commands is not None
                     self._commands.read_subscriptions()
@@ -356,38 +361,11 @@ class Server:
                     self._next_liveness = now + LIVENESS_EVERY_S
                     self.tick()
             # Stopping: handle what has already arrived, within the deadline.
-            self._drain(sock, lambda n: time.monotonic() < self._drain_deadline)
+            self.intake.drain(sock, lambda n: time.monotonic() < self._drain_deadline)
         except Exception:
             log.exception("the ingest thread failed; the collector is no longer ready")
         finally:
             sock.close(linger=0)
-
-    def _drain(self, sock: zmq.Socket[Any], more: Callable[[int], bool]) -> None:
-        handled = 0
-        while more(handled):
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            handled += 1
-            if self._auth is not None:
-                if not self._auth.permits(parts):
-                    self.pipeline.handle((), refused=True)  # counted by the allow-list check
-                    continue
-                self._sender = sender_of(parts[0])
-            # Who pays for this message's ingest time (collector/limits.py): a sender over
-            # its share is refused here, after one header parse, before any decoding;
-            # the decoder reuses that parse.
-            head = parts[0].bytes
-            header = header_object(head)
-            job, rows = peek(head) if header is None else job_rows(header)
-            unit = self.admission.decide(job, self._sender, rows)
-            if unit is None:
-                self.pipeline.handle((), refused=True)
-                continue
-            began = time.perf_counter()
-            self.pipeline.handle([part.buffer for part in parts], header=header)
-            self.admission.charge(unit, time.perf_counter() - began, rows)
 
     # ---------------------------------------------------------------- resources
 
@@ -395,6 +373,7 @@ class Server:
         self._context = zmq.Context()
         # Keys are read before any socket exists: a bad key file leaves nothing to close.
         self._auth = build_auth(self.config, self._context, self.auth_counters)
+        self.intake.auth = self._auth
         sock = self._context.socket(zmq.PULL)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, self.config.receive_hwm)

@@ -35,6 +35,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,8 +48,9 @@ from gradwatch.rules.alert import Alert, Transition
 from gradwatch.rules.detector import Finding, inputs_of
 from gradwatch.rules.diagnosis import JobHistory, diagnose
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule
+from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.rulefile import RuleSpec
-from gradwatch.rules.step import Eval, Liveness, Stats, Step
+from gradwatch.rules.step import Eval, Liveness, Stats, Step, nonfinite_layers
 
 _CHECK_SEPARATOR = re.compile(r"\s*(?:\n|;)\s*")
 
@@ -138,6 +140,15 @@ class Engine:
         self._job_rules = [
             i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs
         ]
+        # Positions in _rank_rules of the rules observe_early() may fire: the non-finite
+        # detector without a ``for`` (a NaN is a one-step catastrophe, paged on arrival).
+        self._early_rules = [
+            position
+            for position, i in enumerate(self._rank_rules)
+            if isinstance(self.rules[i].make_detector(), NonFiniteDetector)
+            and self._alert_rules[i].for_seconds in (None, 0)
+            and self._alert_rules[i].for_steps <= 1
+        ]
         self._clock = clock
         self._ranks: dict[tuple[str, int | None], _RankState] = {}  # None: assembled records
         self._jobs: dict[str, _JobState] = {}
@@ -152,6 +163,36 @@ class Engine:
             job.history.observe_step(step)
         state = self._rank(step.job, _key(step), step.step)
         return self._run(state.steps, "observe", step, step.step)
+
+    def observe_early(self, step: Step, whole: bool) -> list[Transition]:
+        """Page a non-finite value in one rank's report now, before its step is judged.
+
+        ``step`` is one rank's row; ``whole``: its job is judged as a whole (the
+        assembled step will follow). Only rules with the non-finite detector that
+        fire on one observation take part; each judges the row with a fresh
+        detector (the rule's own keeps judging the records :meth:`observe` gets)
+        and, if active, opens the incident on the slot the judged record will
+        reach: the job's assembled slot when ``whole`` (the alert names this
+        rank, as the assembled step's blame would when it went bad here first),
+        else the rank's. The judged record then continues that incident: same
+        alert id, no second firing (``AlertLifecycle.open_early``).
+        """
+        if not self._early_rules:
+            return []
+        state = self._rank(step.job, None if whole else step.rank, step.step)
+        transitions: list[Transition] = []
+        for position in self._early_rules:
+            slot = state.all[position]
+            detector = self.rules[self._rank_rules[position]].make_detector()
+            finding = detector.observe(step) if isinstance(detector, NonFiniteDetector) else None
+            if finding is None or not finding.active:
+                continue
+            if whole:
+                finding = _blamed(finding, _own_blame(step))
+            transition = slot.lifecycle.open_early(step.step, finding)
+            if transition is not None:
+                transitions.append(transition)
+        return transitions
 
     def observe_stats(self, stats: Stats) -> list[Transition]:
         """Feed one cadence sample to every rule that reads stats."""
@@ -354,6 +395,14 @@ def _blamed(finding: Finding, blame: Mapping[str, int]) -> Finding:
     evidence = {**finding.evidence, "first_bad_rank": rank}
     summary = f"{finding.summary} (first on rank {rank}" + (f", {where})" if where else ")")
     return replace(finding, rank=rank, summary=summary, evidence=evidence)
+
+
+def _own_blame(step: Step) -> dict[str, int]:
+    """The blame one rank's row gives: its non-finite layers and loss, all on its rank."""
+    blame = dict.fromkeys(nonfinite_layers(step), step.rank)
+    if step.loss is not None and not math.isfinite(step.loss):
+        blame["loss"] = step.rank
+    return blame or {"grad_norm": step.rank}
 
 
 def _latest_change(changes: list[int], applied: int, at_step: int) -> int | None:

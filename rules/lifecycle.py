@@ -99,6 +99,9 @@ class AlertLifecycle:
         self._held = 0  # consecutive observations the condition held
         self._quiet = 0  # consecutive observations it did not, while firing
         self._alert: Alert | None = None
+        # The step of an incident opened by open_early() until a judged observation of
+        # that step or later arrives; None otherwise.
+        self._early: int | None = None
 
     @property
     def state(self) -> LifecycleState:
@@ -110,12 +113,54 @@ class AlertLifecycle:
         """The alert of the current or latest incident; None before the first one fired."""
         return self._alert
 
+    @property
+    def fires_at_once(self) -> bool:
+        """Whether one observation fires this rule (no ``for`` to wait out)."""
+        return self.rule.for_seconds in (None, 0) and self.rule.for_steps <= 1
+
     def update(self, step: int, finding: Finding) -> Transition | None:
         """Advance on one observation of the rule's signal; return the transition to announce."""
         now = self._clock()
+        if self._early is not None:
+            return self._judged_after_early(step, finding, now)
         if finding.active:
             return self._on_active(step, finding, now)
         return self._on_inactive(now)
+
+    def open_early(self, step: int, finding: Finding) -> Transition | None:
+        """Fire now on one report's verdict, before the judged one (the collector's early page).
+
+        For rules that fire on one observation (:attr:`fires_at_once`) and an
+        active ``finding``; None when an incident is already firing. The incident
+        is the one :meth:`update` would open at ``step`` (same ``step`` and rank,
+        so the same alert id), and it stays provisional until an observation
+        of ``step`` or later arrives: observations of earlier steps (still in
+        flight when the early report overtook them) neither resolve nor re-fire
+        it, and the first judged active one corrects its evidence without a
+        second notification.
+        """
+        if not (finding.active and self.fires_at_once) or self._state == "firing":
+            return None
+        previous, now = self._state, self._clock()
+        self._state, self._start_step, self._started_at = "firing", step, now
+        self._held, self._quiet, self._early = 1, 0, step
+        self._alert = self._build(finding)
+        return Transition(self._alert, previous, "firing")
+
+    def _judged_after_early(self, step: int, finding: Finding, now: float) -> Transition | None:
+        """``update`` while an early-paged incident waits for its judged verdict."""
+        alert = self._alert
+        assert self._early is not None and alert is not None
+        if finding.active:
+            # The judged evidence (assembled across ranks) replaces the one report's.
+            # The rank and step stay: they are the incident's identity (alert id,
+            # Alertmanager labels); first_bad_rank says where assembly found it first.
+            evidence = {**finding.evidence, "paged_early_from_rank": alert.rank}
+            self._alert = replace(alert, evidence=MappingProxyType(evidence))
+        if step < self._early:
+            return None  # a step before the paged one, overtaken: it decides nothing
+        self._early = None
+        return None if finding.active else self._on_inactive(now)
 
     def _on_active(self, step: int, finding: Finding, now: float) -> Transition | None:
         self._quiet = 0
@@ -145,6 +190,7 @@ class AlertLifecycle:
 
     def close(self) -> Transition | None:
         """End the current incident now (the job finished): resolve it if it is firing."""
+        self._early = None
         if self._state == "pending":
             self._state = "inactive"
         if self._state != "firing" or self._alert is None:

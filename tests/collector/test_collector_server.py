@@ -11,14 +11,13 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
@@ -28,6 +27,7 @@ from gradwatch.collector.receiver import WebhookReceiver
 from gradwatch.collector.server import Server
 from gradwatch.rules.step import Step
 from gradwatch.wire import Batch, Event, Heartbeat, Schema, encode
+from tests.collector.conftest import Connect
 
 LAYERS = ("embed.weight", "fc.weight", "fc.bias")
 
@@ -61,28 +61,6 @@ def batch(
 
 HEALTHY = [[2.0 - 0.1 * i, 0.1, 1.0, 0.5, 0.1] for i in range(4)]
 POISONED = [[1.5, 0.1, float("nan"), 0.5, 0.1]]
-
-
-Connect = Callable[[Server], "zmq.Socket[Any]"]
-
-
-@pytest.fixture
-def connect() -> Iterator[Connect]:
-    """PUSH sockets to a server, all closed (linger 0) and the context ended after the test."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    sockets: list[zmq.Socket[Any]] = []
-
-    def push_to(server: Server) -> zmq.Socket[Any]:
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(server.bound_endpoint)
-        sockets.append(sock)
-        return sock
-
-    yield push_to
-    for sock in sockets:
-        sock.close(linger=0)
-    ctx.term()
 
 
 @contextmanager

@@ -1,0 +1,184 @@
+"""The priority lane with a real server on loopback: a flagged NaN pages on arrival, once.
+
+Real sockets, a real webhook receiver and the default rules; each rank has its
+own PUSH socket, and every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
+
+from gradwatch.collector.config import CollectorConfig
+from gradwatch.collector.priority import PriorityLane
+from gradwatch.collector.receiver import WebhookReceiver
+from gradwatch.collector.server import Server
+from gradwatch.wire import Batch, Heartbeat, Schema, encode
+from tests.collector.conftest import Connect
+
+LAYERS = ("embed.weight", "fc.weight")
+SCHEMA = Schema(1, ("loss", "lr/0"), LAYERS)
+NAN = float("nan")
+
+
+@contextmanager
+def running(lane: PriorityLane | None = None, **overrides: Any) -> Iterator[Server]:
+    config = CollectorConfig(listen="tcp://127.0.0.1:*", metrics_addr="127.0.0.1:0", **overrides)
+    server = Server(config, registry=CollectorRegistry())
+    if lane is not None:
+        server.intake.lane = lane
+    server.start()
+    try:
+        yield server
+    finally:
+        assert server.stop(10), "the server did not stop within its deadline"
+
+
+def batch(
+    job: str,
+    rank: int,
+    world: int,
+    first: int,
+    rows: Sequence[Sequence[float]],
+    seq: int,
+    *,
+    flag: bool = False,
+    schema: bool = False,
+) -> list[bytes]:
+    steps = tuple(range(first, first + len(rows)))
+    return encode(
+        Batch(
+            job,
+            rank,
+            world,
+            SCHEMA.id,
+            seq,
+            f"inc-{rank}",
+            0,
+            steps,
+            tuple(1000.0 + s for s in steps),
+            np.array(rows, "<f4").tobytes(),
+            SCHEMA if schema else None,
+            shards=world if world > 1 else None,
+            nonfinite=flag,
+        )
+    )
+
+
+def clean(n: int) -> list[list[float]]:
+    return [[2.0, 0.1, 1.0, 0.5]] * n
+
+
+def latest_step(server: Server, job: str) -> int | None:
+    state = server.state.job(job)
+    latest = None if state is None else state.ranks[0].latest
+    return None if latest is None else latest.step
+
+
+def firings(bodies: list[Any]) -> list[Any]:
+    return [b for b in bodies if b["state"] == "firing"]
+
+
+def test_a_flagged_nan_pages_before_its_step_is_assembled_and_only_once(
+    connect: Connect,
+) -> None:
+    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
+        r0, r1 = connect(server), connect(server)
+        sent = 0
+
+        def send(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+            nonlocal sent
+            sock.send_multipart(frames)
+            sent += 1
+            assert server.wait_for_messages(sent, timeout=10)
+
+        for rank, sock in enumerate((r0, r1)):
+            send(sock, encode(Heartbeat("big", rank, 2, f"inc-{rank}", 1000.0, 0, 0)))
+        send(r0, batch("big", 0, 2, 1, clean(2), 0, schema=True))
+        send(r1, batch("big", 1, 2, 1, clean(2), 0, schema=True))
+        assert server.assembler.counts()["big"].steps == 2
+        # Rank 0's batch of steps 3-4 has a NaN loss and layer at step 4; rank 1 has not
+        # reported steps 3-4, so they cannot be assembled: only the early look can page.
+        r0.send_multipart(batch("big", 0, 2, 3, [clean(1)[0], [NAN, 0.1, NAN, 0.5]], 1, flag=True))
+        (page,) = receiver.wait_for(lambda got: len(got) >= 1, timeout=10)
+        sent += 1
+        assert server.wait_for_messages(sent, timeout=10)
+        with server.assembler_lock:
+            assert server.assembler.counts()["big"].steps == 2, "paged only after assembly"
+        assert (page["state"], page["step"], page["rank"]) == ("firing", 4, 0)
+        assert page["category"] == "numerical"
+        # Rank 1 completes steps 3 (clean: before the paged step, it resolves nothing)
+        # and 4 (the assembled NaN continues the incident), then steps 5-6 are clean.
+        send(r1, batch("big", 1, 2, 3, clean(2), 1))
+        assert server.assembler.counts()["big"].steps == 4
+        send(r0, batch("big", 0, 2, 5, clean(2), 2))
+        send(r1, batch("big", 1, 2, 5, clean(2), 2))
+        bodies = receiver.wait_for(lambda got: any(b["state"] == "resolved" for b in got), 10)
+        (resolved,) = [b for b in bodies if b["state"] == "resolved"]
+        assert firings(bodies) == [page], "the assembled verdict must not page again"
+        assert resolved["id"] == page["id"] and resolved["rank"] == 0
+        assert resolved["evidence"]["paged_early_from_rank"] == 0
+        assert resolved["evidence"]["first_bad_rank"] == 0  # assembly agrees
+        assert server.intake.lane.outcomes()["paged"] == 1
+
+
+def test_a_flag_on_finite_values_pages_nothing(connect: Connect) -> None:
+    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
+        sock = connect(server)
+        sock.send_multipart(batch("solo", 0, 1, 1, clean(2), 0, schema=True))
+        assert server.wait_for_messages(1, timeout=10)
+        sock.send_multipart(batch("solo", 0, 1, 3, clean(2), 1, flag=True))
+        assert server.wait_for_messages(2, timeout=10)
+        assert server.intake.lane.outcomes()["finite"] == 1  # looked at, nothing non-finite
+        assert server.pipeline.firing() == [] and receiver.bodies == []
+        assert latest_step(server, "solo") == 4  # and it was handled in turn
+
+
+def test_a_sender_flagging_every_batch_gets_bounded_priority_counted_and_named(
+    connect: Connect, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A frozen clock: the buckets never refill, so the bound is exactly the burst.
+    lane = PriorityLane(rate=1.0, burst=3.0, clock=lambda: 0.0)
+    with WebhookReceiver() as receiver, running(lane, webhooks=[receiver.url]) as server:
+        flood, honest = connect(server), connect(server)
+        honest.send_multipart(batch("honest", 0, 1, 1, clean(1), 0, schema=True))
+        flood.send_multipart(batch("flood", 0, 1, 1, clean(1), 0, schema=True))
+        assert server.wait_for_messages(2, timeout=10)
+        n = 40
+        with caplog.at_level(logging.WARNING, logger="gradwatch.collector.priority"):
+            for i in range(n):
+                flood.send_multipart(batch("flood", 0, 1, 2 + i, clean(1), 1 + i, flag=True))
+            honest.send_multipart(batch("honest", 0, 1, 2, [[NAN, 0.1, NAN, 0.5]], 1, flag=True))
+            assert server.wait_for_messages(2 + n + 1, timeout=20)
+            (page,) = receiver.wait_for(lambda got: len(got) >= 1, timeout=10)
+        outcomes = lane.outcomes()
+        assert outcomes["over_share"] == n - 3  # the flood's looks stop at its burst
+        assert outcomes["finite"] + outcomes["unread"] == 3
+        assert outcomes["paged"] == 1  # the honest sender keeps its own share
+        assert lane.over_share() == [("flood", n - 3)]
+        assert (page["job"], page["state"], page["step"]) == ("honest", "firing", 2)
+        assert any("'flood'" in r.getMessage() for r in caplog.records), "name who flagged"
+        # Every flooded batch was still handled, in turn: nothing is lost.
+        assert latest_step(server, "flood") == n + 1
+        exposed = generate_latest(server.registry).decode()
+        assert f'gradwatch_ingest_priority_total{{outcome="over_share"}} {n - 3}.0' in exposed
+        assert (
+            f'gradwatch_ingest_priority_over_share_by_sender_total{{sender="flood"}} {n - 3}.0'
+            in exposed
+        )
+
+
+def test_the_lane_refills_at_its_rate() -> None:
+    now = [0.0]
+    lane = PriorityLane(rate=2.0, burst=2.0, clock=lambda: now[0])
+    assert [lane.take("a") for _ in range(3)] == [True, True, False]
+    now[0] = 0.5  # one token back
+    assert [lane.take("a"), lane.take("a"), lane.take("b")] == [True, False, True]
+    assert lane.outcomes()["over_share"] == 2
