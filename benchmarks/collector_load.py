@@ -419,6 +419,7 @@ def run_config(
                     cq,
                     results,
                     places(args.layout, share),
+                    not args.no_probe_flag,
                 ),
             )
             p.start()
@@ -560,6 +561,15 @@ def run_config(
         res.rss_trace = [(t - t0, kib / 1024) for t, kib in monitor.rss_trace]
         res.sender_lag_s = max(d["max_flush_lag_s"] for d in done.values())
         res.burst_send_s = max(d["max_burst_send_s"] for d in done.values())
+        # The senders push in parallel: a flush took as long as its slower sender.
+        # (strict=False: a sender told to exit early may have pushed one flush fewer.)
+        pushes = [d["burst_send_s"] for d in done.values()]
+        res.push_s = [max(flush) for flush in zip(*pushes, strict=False)]
+        res.priority = {
+            k.split('"')[1]: int(v)
+            for k, v in samples.items()
+            if k.startswith("gradwatch_ingest_priority_total{")
+        }
     finally:
         if monitor is not None:
             monitor.stop_event.set()
@@ -629,6 +639,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds between a rank's heartbeats (AgentConfig default 2)",
     )
     parser.add_argument("--probes", type=int, help="NaN probes per config (default 8, quick 3)")
+    parser.add_argument(
+        "--no-probe-flag",
+        action="store_true",
+        help="send probes without the header's nonfinite hint (an agent before it): "
+        "they page only from the assembled step",
+    )
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -707,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"offered, lost {r.lost}, assembled {fmt_n(r.asm_steps)}/{r.last_step + 1} "
                 f"(incomplete {fmt_n(r.asm_incomplete)}, late {fmt_n(r.asm_late)}), alert "
                 f"p50/p99 {fmt_s(r.pct(50))}/{fmt_s(r.pct(99))} s, cpu {r.cpu_pct:.0f}%, "
-                f"RSS {r.peak_rss_mib:.0f} MiB, scrape med {r.scrape_med_ms:.1f} ms, burst "
-                f"send {r.burst_send_s:.2f} s",
+                f"RSS {r.peak_rss_mib:.0f} MiB, scrape med {r.scrape_med_ms:.1f} ms, senders' "
+                f"push per flush median/max {fmt_s(r.push_pct(50))}/{fmt_s(r.push_pct(100))} s",
                 flush=True,
             )
     print(f"\ncollector load benchmark, {time.monotonic() - started:.0f} s total\n")

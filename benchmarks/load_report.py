@@ -62,6 +62,8 @@ class Result:
     scrape_errors: int = 0
     sender_lag_s: float = 0.0
     burst_send_s: float = 0.0
+    push_s: list[float] = field(default_factory=list)  # per flush: the senders' push time
+    priority: dict[str, int] = field(default_factory=dict)  # gradwatch_ingest_priority_total
     log_lines: list[str] = field(default_factory=list)
     rss_trace: list[tuple[float, float]] = field(default_factory=list)  # (s since start, MiB)
     layout: str = ""  # a 3D layout (pp=..,dp=..,tp=..); "" = every rank sends layers
@@ -79,6 +81,13 @@ class Result:
     @property
     def lost(self) -> int:
         return self.lost_batches + self.eagain_batches + self.rejected + self.transit_lost
+
+    def push_pct(self, q: float) -> float:
+        """The senders' push time per flush at percentile ``q`` (100: the slowest)."""
+        if not self.push_s:
+            return math.nan
+        ordered = sorted(self.push_s)
+        return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]  # nearest rank
 
     def pct(self, q: float, values: list[float] | None = None) -> float:
         values = self.latencies if values is None else values
@@ -158,6 +167,7 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         "2nd half MiB",
         "scrape med/max ms",
         "sender lag s",
+        "push/flush med/max s",
     )
     rows = []
     for r in results:
@@ -179,6 +189,7 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
                 f"{r.rss_growth_mib:+.1f}",
                 f"{r.scrape_med_ms:.1f}/{r.scrape_max_ms:.1f}",
                 f"{r.sender_lag_s:.2f}",
+                f"{fmt_s(r.push_pct(50))}/{fmt_s(r.push_pct(100))}",
             )
         )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
@@ -197,7 +208,9 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         "gradwatch_job_ingest_lag_seconds seen (warm: after the first 20 s, i.e. without "
         "the first flush, which carries every rank's schema); alert = NaN logged at the agent -> "
         "webhook, incl. batching (target p99 < flush interval + 1 s); send->hook = from "
-        "the batch's send; p99 of n probes is their max; cpu % of one core over run + "
+        "the batch's send; p99 of n probes is their max; push/flush = the senders' time to "
+        "push one flush of every rank's batch (a simulation cost: real ranks ship from "
+        "their own hosts); cpu % of one core over run + "
         "drain; RSS = start->peak (VmHWM); 2nd half = RSS growth over the run's second "
         "half)"
     )
@@ -244,6 +257,11 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
             )
         if r.agent_dropped:
             notes.append(f"collector counted {r.agent_dropped} agent-dropped steps")
+        if r.priority:
+            notes.append(
+                "flagged batches: "
+                + ", ".join(f"{k} {v}" for k, v in sorted(r.priority.items()) if v)
+            )
         if r.scrape_errors:
             notes.append(f"{r.scrape_errors} failed scrapes")
         warnings = [ln for ln in r.log_lines if "WARNING" in ln or "ERROR" in ln]

@@ -21,9 +21,16 @@ agent with ``watch(layout=...)`` does.
 *Probes* are NaNs in the job's own stream, planned by the parent before the
 start: for each ``(step, rank)`` in ``probes``, that rank's row of that step
 has a NaN loss and NaN first layers, as a rank whose forward pass blew up
-would log. When the batch carrying it has been handed to its socket, the
-sender reports the agent-side time of that step (its ``times`` entry) and the
-time of the send.
+would log; its batch carries the header's ``nonfinite`` hint, as the agent's
+shipper sets it (``flag_probes=False``: as an agent without the hint sends it).
+When the batch carrying it has been handed to its socket, the sender reports
+the agent-side time of that step (its ``times`` entry) and the time of the send.
+
+*Cost.* Two processes push a whole job's flush on the collector's own cores,
+which no real job does (each rank ships from its own host). So each flush's
+values are made for all ranks in one numpy call and each header is patched from
+the rank's :class:`HeaderTemplate` (the agent's encoder's bytes, tested), and
+the time to push one flush is reported per flush (``burst_send_s``).
 
 Protocol with the parent (multiprocessing queues):
   parent -> cmd:  ("go", t0) | ("exit",)
@@ -39,16 +46,18 @@ Example (what ``collector_load.py`` does per sender process)::
 from __future__ import annotations
 
 import heapq
+import json
 import os
 import queue
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import zmq
 
-from gradwatch.wire import Batch, Heartbeat, Schema, encode
+from gradwatch.wire import Batch, Heartbeat, Schema, encode, encode_batch, encode_schema
 
 COLUMNS = ("loss", "lr/0", "skipped")
 QUIET_COLUMNS = (*COLUMNS, "s/grad_nonfinite")  # a replica that sends no layers
@@ -58,6 +67,55 @@ WARMUP_TIMEOUT_S = 30.0
 CONNECT_CHUNK = 256
 WARMUP_PER_RANK_S = 0.015  # 8,192 sockets per sender took ~40 s to connect on 2 busy cores
 POISONED_LAYERS = 3  # a probe's NaN layers: the first ones, where a blow-up shows first
+
+
+_JSON = {"separators": (",", ":"), "allow_nan": False}
+
+
+class HeaderTemplate:
+    """One rank's batch header, built once; per flush only seq, dropped, steps, times change.
+
+    The senders simulate thousands of hosts on the collector's own cores, so what
+    they spend per batch is an artifact of the simulation, not a cost of the
+    collector. The fixed parts of the header are formatted once as the agent's
+    encoder formats them (``wire.encode_batch``: the same keys, order and JSON
+    separators); ``steps_times`` is shared by every rank of a flush (lockstep).
+    tests/collector/test_loadgen_template.py checks the bytes against the encoder.
+    """
+
+    def __init__(
+        self, job: str, rank: int, world: int, schema_id: int, inc: str, shards: int | None
+    ) -> None:
+        probe = Batch(job, rank, world, schema_id, 0, inc, 0, (0,), (0.0,), b"", None, shards)
+        preamble = encode_batch(probe)[0][:4]  # magic, version, kind: as the encoder writes them
+        fixed = {"job": job, "rank": rank, "world": world, "schema": schema_id}
+        self._head = preamble + json.dumps(fixed, **_JSON)[:-1].encode() + b',"seq":'
+        self._inc = b"," + json.dumps({"inc": inc}, **_JSON)[1:-1].encode() + b',"dropped":'
+        tail = b"" if shards is None else b',"shards":' + str(shards).encode()
+        self._tail = (tail + b"}", tail + b',"nonfinite":1}')
+
+    @staticmethod
+    def steps_times(steps: Sequence[int], times: Sequence[float]) -> bytes:
+        """The steps and times of a flush, encoded once for every rank."""
+        return (
+            b',"steps":'
+            + json.dumps(list(steps), **_JSON).encode()
+            + b',"times":'
+            + json.dumps(list(times), **_JSON).encode()
+        )
+
+    def header(self, seq: int, dropped: int, steps_times: bytes, nonfinite: bool) -> bytes:
+        """The header frame ``encode_batch`` makes for this rank's batch."""
+        return b"".join(
+            (
+                self._head,
+                str(seq).encode(),
+                self._inc,
+                str(dropped).encode(),
+                steps_times,
+                self._tail[nonfinite],
+            )
+        )
 
 
 def layer_names(layers: int, stage: int = 0) -> tuple[str, ...]:
@@ -94,6 +152,7 @@ def sender_main(
     cmd: Any,
     res: Any,
     places: list[tuple[int, bool]] | None = None,
+    flag_probes: bool = True,
 ) -> None:
     try:
         _Sender(
@@ -112,6 +171,7 @@ def sender_main(
             cmd,
             res,
             places,
+            flag_probes,
         ).run()
     except BaseException:
         res.put(("error", sid, traceback.format_exc()))
@@ -135,7 +195,9 @@ class _Sender:
         cmd: Any,
         res: Any,
         places: list[tuple[int, bool]] | None = None,
+        flag_probes: bool = True,
     ) -> None:
+        self.flag_probes = flag_probes  # False: an agent without the nonfinite hint
         self.sid, self.endpoint, self.job, self.world, self.shards = (
             sid,
             endpoint,
@@ -157,6 +219,12 @@ class _Sender:
         quiet = Schema(id=0, columns=QUIET_COLUMNS, layers=())
         self.schemas = [by_stage[s] if reports else quiet for s, reports in self.places]
         self.incs = [f"{os.getpid():x}-{r}" for r in ranks]
+        self.templates = [
+            HeaderTemplate(job, r, world, 0, inc, shards)
+            for r, inc in zip(ranks, self.incs, strict=True)
+        ]
+        self.schema_frames = {id(s): encode_schema(s) for s in self.schemas}
+        self.quiet = [i for i, (_, reports) in enumerate(self.places) if not reports]
         self.seq = [0] * len(ranks)
         self.schema_sent = [-1e18] * len(ranks)  # monotonic time the schema last travelled
         self.dropped = [0] * len(ranks)  # cumulative steps not shipped, per rank
@@ -186,6 +254,7 @@ class _Sender:
             "probes_eagain": 0,
             "max_flush_lag_s": 0.0,
             "max_burst_send_s": 0.0,
+            "burst_send_s": [],  # per flush: seconds to push every rank's batch
             "last_step": -1,
         }
 
@@ -249,43 +318,46 @@ class _Sender:
             self.stats["heartbeats_sent" if ok else "heartbeats_eagain"] += 1
         return ok
 
-    def _batch(self, i: int, first_step: int, t0: float) -> None:
-        schema = self.schemas[i]
-        fe, w = self.flush_every, schema.width
+    def _flush(self, first_step: int, t0: float) -> None:
+        """Every rank's batch of one flush: values made for all ranks at once, headers
+        patched from each rank's template (as the agent's encoder would write them)."""
+        fe = self.flush_every
         steps = tuple(range(first_step, first_step + fe))
         times = tuple(t0 + s / self.step_rate for s in steps)
-        vals = np.empty((fe, w), dtype="<f4")
-        vals[:, 0] = [2.0 * np.exp(-s / 5000.0) + 0.01 * self.rng.random() for s in steps]
-        vals[:, 1] = 1e-4
-        vals[:, 2] = 0.0
-        base = self.base.get(i)
-        if base is None:
-            vals[:, 3] = 0.0  # s/grad_nonfinite: its own gradients are finite
-        else:
-            off = int(self.rng.integers(0, self.noise.shape[0] - fe + 1))
-            np.multiply(base, self.noise[off : off + fe], out=vals[:, len(COLUMNS) :])
+        shared = HeaderTemplate.steps_times(steps, times)
+        loss = 2.0 * np.exp(-np.array(steps) / 5000.0)
+        quiet = np.empty((len(self.quiet), fe, len(QUIET_COLUMNS)), dtype="<f4")
+        quiet[:, :, 0] = loss + 0.01 * self.rng.random((len(self.quiet), fe))
+        quiet[:, :, 1], quiet[:, :, 2], quiet[:, :, 3] = 1e-4, 0.0, 0.0  # lr, skipped, flag
+        rows = dict(zip(self.quiet, quiet, strict=True))
+        for i in range(len(self.ranks)):
+            vals = rows.get(i)
+            if vals is None:  # a reporter: its stage's layer norms
+                vals = np.empty((fe, self.schemas[i].width), dtype="<f4")
+                vals[:, 0] = loss + 0.01 * self.rng.random(fe)
+                vals[:, 1], vals[:, 2] = 1e-4, 0.0
+                off = int(self.rng.integers(0, self.noise.shape[0] - fe + 1))
+                np.multiply(self.base[i], self.noise[off : off + fe], out=vals[:, len(COLUMNS) :])
+            self._send_batch(i, steps, times, shared, vals)
+
+    def _send_batch(
+        self, i: int, steps: tuple[int, ...], times: tuple[float, ...], shared: bytes, vals: Any
+    ) -> None:
         probed = [(row, step) for row, step in enumerate(steps) if (i, step) in self.probes]
         for row, _ in probed:
-            poison(vals[row], quiet=base is None)
+            poison(vals[row], quiet=i not in self.base)
+        schema = self.schemas[i]
         now = time.monotonic()
         attach = now - self.schema_sent[i] >= SCHEMA_EVERY_S
-        batch = Batch(
-            job=self.job,
-            rank=self.ranks[i],
-            world=self.world,
-            schema_id=0,
-            seq=self.seq[i],
-            incarnation=self.incs[i],
-            dropped=self.dropped[i],
-            steps=steps,
-            times=times,
-            values=vals.tobytes(),
-            schema=schema if attach else None,
-            shards=self.shards,
-        )
-        frames = encode(batch)
+        # The agent's shipper hints a batch holding a NaN/Inf (agent/shipper.has_nonfinite);
+        # these values have no MISSING cells, so "not all finite" is the same test.
+        flag = bool(probed) and self.flag_probes and not np.isfinite(vals).all()
+        header = self.templates[i].header(self.seq[i], self.dropped[i], shared, flag)
+        values = vals.tobytes()
+        frames = [header, self.schema_frames[id(schema)], values] if attach else [header, values]
         ok = self._send(i, frames)
         t_send = time.time()
+        fe = len(steps)
         if ok:
             self.seq[i] += 1
             if attach:
@@ -344,11 +416,10 @@ class _Sender:
                 lag = now - flush_time(flush_k)
                 self.stats["max_flush_lag_s"] = max(self.stats["max_flush_lag_s"], lag)
                 started = time.monotonic()
-                for i in range(n):
-                    self._batch(i, flush_k * fe, t0)
-                self.stats["max_burst_send_s"] = max(
-                    self.stats["max_burst_send_s"], time.monotonic() - started
-                )
+                self._flush(flush_k * fe, t0)
+                took = time.monotonic() - started
+                self.stats["burst_send_s"].append(took)
+                self.stats["max_burst_send_s"] = max(self.stats["max_burst_send_s"], took)
                 self.stats["last_step"] = (flush_k + 1) * fe - 1
                 flush_k += 1
                 continue
