@@ -8,17 +8,13 @@ the 6 broken ones. ``benchmarks/hf_corpus.py`` prints the per-run detail.
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-CORPUS = ROOT.parent / "shared" / "data" / "hf-trainer-logs"
+from tests.rules.benchmark_module import CORPUS, load
 
 _MISSING = f"the HF log corpus is not at {CORPUS} (shared/ beside the clone)"
 # Locally a clone without shared/ beside it skips; CI always has it and must not skip.
@@ -28,18 +24,9 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("hf_corpus", ROOT / "benchmarks" / "hf_corpus.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["hf_corpus"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return _benchmark()
+    return load("hf_corpus")
 
 
 @pytest.fixture(scope="module")
