@@ -412,6 +412,12 @@ class Admission:
             self._memory_full()
             return self._rss
 
+    def memory_full(self) -> bool:
+        """Whether the process is over ``max_memory_bytes`` (resident memory, re-read at most
+        every ``RSS_EVERY_S``)."""
+        with self._lock:
+            return self._memory_full()
+
     def refused(self) -> dict[str, int]:
         with self._lock:
             return dict(self._refused)

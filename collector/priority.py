@@ -59,8 +59,14 @@ PRIORITY_RATE = 2.0  # looks per second per sender: a NaN needs one to page
 PRIORITY_BURST = 8.0  # looks a sender may take at once (a bucket starts full)
 MAX_LANE_SENDERS = 1024  # buckets kept; beyond it the idle full ones are dropped
 LOOKAHEAD_MESSAGES = 20_000  # a 16,384-rank flush burst fits (issue 17)
-LOOKAHEAD_BYTES = 64 * 1024 * 1024  # of frames held ahead of their turn
+LOOKAHEAD_BYTES = 64 * 1024 * 1024  # of frames held ahead of their turn, at most
+# ... and at most this share of max_memory_bytes: the inbox sits on top of what the
+# admission's memory bound counts (it gates new jobs and ranks, not messages in flight),
+# so a flood must not carry the process past max_memory_bytes through it (issue 15).
+LOOKAHEAD_MEMORY_SHARE = 1 / 16
+MESSAGE_OVERHEAD = 512  # bytes per held message beyond its frames (Frame, Received, deque)
 TOP_SENDERS = 20  # senders named in the over-share metric
+HINT = b'"nonfinite":1'  # wire.messages.NONFINITE_FIELD set, as the agent's encoder writes it
 RECEIVE_EVERY = 32  # messages handled between looks at what arrived (a flagged NaN waits ~5 ms)
 OUTCOMES = ("paged", "no_page", "finite", "amp", "unread", "over_share")
 
@@ -71,7 +77,9 @@ class Received:
 
     parts: Sequence[Any]  # zmq.Frame
     head: bytes  # the header frame
-    header: dict[str, Any] | None  # its JSON object (``wire.messages.header_object``)
+    # Its JSON object (``wire.messages.header_object``), parsed on arrival only when
+    # the header carries the nonfinite hint; else when it is handled.
+    header: dict[str, Any] | None
     sender: str  # the CurveZMQ key ("" without CURVE)
     nbytes: int
 
@@ -83,6 +91,7 @@ class Inbox:
         self, max_messages: int = LOOKAHEAD_MESSAGES, max_bytes: int = LOOKAHEAD_BYTES
     ) -> None:
         self.max_messages, self.max_bytes = max_messages, max_bytes
+        self.squeezed = False  # the process is over its memory bound: hold only a few
         self._queue: deque[Received] = deque()
         self._bytes = 0
 
@@ -91,6 +100,10 @@ class Inbox:
 
     def room(self) -> bool:
         """Whether another message may be taken in (else it waits in ZeroMQ's queue)."""
+        if self.squeezed:
+            # Over max_memory_bytes the lookahead shrinks to one receive's worth, as before
+            # the inbox: what arrives waits in ZeroMQ's queue, bounded by its HWM.
+            return len(self._queue) < RECEIVE_EVERY
         return len(self._queue) < self.max_messages and self._bytes < self.max_bytes
 
     def put(self, item: Received) -> None:
@@ -184,7 +197,8 @@ class Intake:
 
     def __init__(self, pipeline: Pipeline, admission: Admission) -> None:
         self.pipeline, self.admission = pipeline, admission
-        self.inbox = Inbox()
+        memory = int(admission.bounds.max_memory_bytes * LOOKAHEAD_MEMORY_SHARE)
+        self.inbox = Inbox(max_bytes=min(LOOKAHEAD_BYTES, memory))
         self.lane = PriorityLane()
         self.auth: CurveAuth | None = None
         self.sender = ""  # the CurveZMQ key of the message being handled ("" without CURVE)
@@ -206,6 +220,7 @@ class Intake:
     def _receive(self, sock: zmq.Socket[Any]) -> None:
         """Take what has arrived into the inbox (bounded); look at flagged batches at once."""
         inbox, lane = self.inbox, self.lane
+        inbox.squeezed = self.admission.memory_full()
         while inbox.room():
             try:
                 parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -218,8 +233,16 @@ class Intake:
                     continue
                 sender = sender_of(parts[0])
             head = parts[0].bytes
-            header = header_object(head)
-            inbox.put(Received(parts, head, header, sender, sum(len(p) for p in parts)))
+            # The header is held twice (its frame and this copy); both count.
+            nbytes = len(head) + sum(len(p) for p in parts) + MESSAGE_OVERHEAD
+            item = Received(parts, head, None, sender, nbytes)
+            inbox.put(item)
+            # A byte search, not a parse: queued messages keep no JSON objects (memory,
+            # and the garbage collector's work); the handling parses each header once.
+            # Inside a JSON string the quotes would be escaped, so only the key matches.
+            if HINT not in head:
+                continue
+            header = item.header = header_object(head)
             if header is None or not flagged(header):
                 continue
             job, _ = job_rows(header)
@@ -234,7 +257,7 @@ class Intake:
         # its share is refused here, after one header parse, before any decoding;
         # the decoder reuses that parse.
         self.sender = item.sender
-        header = item.header
+        header = item.header if item.header is not None else header_object(item.head)
         job, rows = peek(item.head) if header is None else job_rows(header)
         unit = self.admission.decide(job, item.sender, rows)
         if unit is None:

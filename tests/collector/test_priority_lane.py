@@ -17,7 +17,7 @@ import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 
 from gradwatch.collector.config import CollectorConfig
-from gradwatch.collector.priority import PriorityLane
+from gradwatch.collector.priority import RECEIVE_EVERY, Inbox, PriorityLane, Received
 from gradwatch.collector.receiver import WebhookReceiver
 from gradwatch.collector.server import Server
 from gradwatch.wire import Batch, Heartbeat, Schema, encode
@@ -182,3 +182,32 @@ def test_the_lane_refills_at_its_rate() -> None:
     now[0] = 0.5  # one token back
     assert [lane.take("a"), lane.take("a"), lane.take("b")] == [True, False, True]
     assert lane.outcomes()["over_share"] == 2
+
+
+def _received(nbytes: int) -> Received:
+    return Received(parts=(), head=b"", header=None, sender="", nbytes=nbytes)
+
+
+def test_the_inbox_is_bounded_by_count_and_bytes_and_shrinks_over_the_memory_bound() -> None:
+    inbox = Inbox(max_messages=1_000, max_bytes=10_000)
+    while inbox.room():
+        inbox.put(_received(100))
+    assert len(inbox) == 100  # the byte bound, not the count, stopped it
+    inbox.squeezed = True  # the process went over max_memory_bytes: one receive's worth
+    assert not inbox.room()
+    while len(inbox) >= RECEIVE_EVERY:
+        inbox.pop()
+    assert inbox.room()
+    inbox.put(_received(100))
+    assert not inbox.room()
+
+
+def test_the_lookahead_is_a_share_of_the_memory_bound() -> None:
+    # The inbox sits on top of what max_memory_bytes gates (new jobs and ranks): a small
+    # bound gets a small lookahead, so a flood cannot carry the process past it.
+    server = Server(
+        CollectorConfig(listen="tcp://127.0.0.1:*", max_memory_bytes=320 * 2**20),
+        registry=CollectorRegistry(),
+        sinks=[],
+    )
+    assert server.intake.inbox.max_bytes == 20 * 2**20
