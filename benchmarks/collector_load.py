@@ -263,6 +263,7 @@ class Monitor(threading.Thread):
         self.pid, self.url, self.job = pid, url, job
         self.stop_event = threading.Event()
         self.scrapes: list[float] = []
+        self.scrape_at: list[float] = []  # unix time each scrape began
         self.scrape_errors = 0
         self.peak_rss_kib = 0
         self.rss_trace: list[tuple[float, int]] = []  # (unix time, VmRSS KiB)
@@ -280,12 +281,14 @@ class Monitor(threading.Thread):
                 return
             if time.monotonic() >= next_scrape:
                 next_scrape = time.monotonic() + SCRAPE_EVERY_S
+                began = time.time()
                 try:
                     took, samples = scrape(self.url)
                 except OSError:
                     self.scrape_errors += 1
                     continue
                 self.scrapes.append(took)
+                self.scrape_at.append(began)
                 self.observe(samples)
 
     def observe(self, samples: dict[str, float]) -> None:
@@ -557,6 +560,8 @@ def run_config(
         if monitor.scrapes:
             res.scrape_med_ms = statistics.median(monitor.scrapes) * 1000
             res.scrape_max_ms = max(monitor.scrapes) * 1000
+            worst = monitor.scrapes.index(max(monitor.scrapes))
+            res.scrape_max_at_s = monitor.scrape_at[worst] - t0
         res.scrape_errors = monitor.scrape_errors
         res.rss_trace = [(t - t0, kib / 1024) for t, kib in monitor.rss_trace]
         res.sender_lag_s = max(d["max_flush_lag_s"] for d in done.values())

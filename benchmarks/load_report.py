@@ -59,6 +59,7 @@ class Result:
     rss_growth_mib: float = math.nan  # RSS at the end of the run minus at its middle
     scrape_med_ms: float = math.nan
     scrape_max_ms: float = math.nan
+    scrape_max_at_s: float = math.nan  # when the slowest scrape began, seconds into the run
     scrape_errors: int = 0
     sender_lag_s: float = 0.0
     burst_send_s: float = 0.0
@@ -145,7 +146,7 @@ def breaks(r: Result) -> list[str]:
     if r.scrape_med_ms > 100:
         why.append(f"median scrape {r.scrape_med_ms:.0f} ms > 100 ms")
     if r.scrape_max_ms > 1000:
-        why.append(f"max scrape {r.scrape_max_ms:.0f} ms > 1 s")
+        why.append(f"max scrape {r.scrape_max_ms:.0f} ms > 1 s (at +{r.scrape_max_at_s:.0f} s)")
     return why
 
 
@@ -239,7 +240,7 @@ def print_table(results: list[Result], args: argparse.Namespace) -> None:
         if later and broke is not None and r is not broke[0]:
             notes.append("also over: " + "; ".join(later))
         if r.scrape_max_ms > 100:
-            notes.append(f"max scrape {r.scrape_max_ms:.0f} ms")
+            notes.append(f"max scrape {r.scrape_max_ms:.0f} ms at +{r.scrape_max_at_s:.1f} s")
         if r.asm_inexact:
             notes.append(f"{fmt_n(r.asm_inexact)} inexact assembled steps")
         if r.max_absent:

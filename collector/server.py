@@ -58,6 +58,7 @@ from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pipeline import Pipeline
 from gradwatch.collector.priority import Intake, PriorityMetrics
+from gradwatch.collector.process_metrics import serve_off_thread
 from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.sinks import Sink, mask_url
 from gradwatch.collector.startup import check_open_files, warn_exposure
@@ -82,6 +83,10 @@ DRAIN_BUDGET = 1000  # messages handled between stop/expiry checks
 TICK_S = 0.1  # run_until_signal's flag check period
 
 
+def _nothing() -> None:
+    return None
+
+
 class Server:
     """One collector: see the module docstring. Not restartable once stopped."""
 
@@ -95,6 +100,7 @@ class Server:
     ) -> None:
         self.config = config
         self.registry = registry if registry is not None else REGISTRY
+        self._restore_process: Callable[[], None] = _nothing  # serve_off_thread's undo
         self._clock = clock
         self.sinks: list[Sink] = list(sinks) if sinks is not None else build_sinks(config)
         self.admission = Admission(Bounds.of(config))
@@ -193,6 +199,9 @@ class Server:
             ]
             for metrics in self._more_metrics:
                 self.registry.register(metrics)
+            # process_* off the scrape's thread (collector/process_metrics.py: a scrape
+            # waited 1.0-1.4 s for it during a 16,384-rank flush burst).
+            self._restore_process = serve_off_thread(self.registry)
             for sink in self.sinks:
                 if self._auth is not None and isinstance(sink, OutboxSink):
                     sink.share_of = self.admission.sender_of  # per-key shares of the outbox
@@ -442,6 +451,8 @@ class Server:
         if self._wrote_ready_file and self.config.ready_file is not None:
             self.config.ready_file.unlink(missing_ok=True)
         self._exposition.close()  # its snapshot refresher, if large jobs started one
+        self._restore_process()
+        self._restore_process = _nothing
         if self._registered:
             self.registry.unregister(self._exposition)
             self.registry.unregister(self._admission_metrics)
