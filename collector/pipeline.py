@@ -168,10 +168,12 @@ class Pipeline:
         decoded non-finite loss or layer norm (never the hint alone) in a row
         that its judged record will page too: a row of a job judged as a whole
         that carries a loss scale (AMP) is left to the assembled step, since
-        another rank's skipped step would make it a GradScaler skip. Returns the
-        outcome counted by the lane: ``paged``, ``no_page`` (an incident already
-        fires, or the rule judges the row otherwise: a GradScaler skip), ``finite``,
-        ``amp`` or ``unread`` (not readable before it is handled).
+        another rank's skipped step would make it a GradScaler skip, and so is one
+        whose non-finite values are gradients only (the reduce spreads them to every
+        rank). Returns the outcome counted by the lane: ``paged``, ``no_page`` (an
+        incident already fires, or the rule judges the row otherwise: a GradScaler
+        skip), ``finite``, ``amp``, ``shared`` (gradients only, in a job judged as a
+        whole) or ``unread`` (not readable before it is handled).
         Never raises.
         """
         try:
@@ -186,6 +188,15 @@ class Pipeline:
             whole = assembles(row)
             if whole and row.loss_scale is not None:
                 return "amp"
+            if whole:
+                # The reduce shares gradients across ranks, so a NaN gradient beside a finite
+                # loss says nothing of where it was born (every replica shows it): naming the
+                # rank whose report came first would blame by arrival order, and two
+                # collectors of an HA pair could page different ranks. Only a rank's own
+                # loss is its own; the assembled verdict, which sees every rank, names the rest.
+                row = next((s for s in steps if _loss_nonfinite(s)), None)
+                if row is None:
+                    return "shared"
             # Not part of RulesEngine: a test double without it sees no early pages.
             observe_early = getattr(self._engine(), "observe_early", None)
             if observe_early is None:
@@ -390,7 +401,11 @@ class Pipeline:
             return list(self.engine.firing())
 
 
+def _loss_nonfinite(step: Step) -> bool:
+    """A row whose own loss is NaN/Inf: computed before any collective, so born on its rank."""
+    return step.loss is not None and not math.isfinite(step.loss)
+
+
 def _nonfinite_row(step: Step) -> bool:
     """A row whose own loss or layer norm is NaN/Inf (a total or flag alone is not enough)."""
-    loss = step.loss
-    return (loss is not None and not math.isfinite(loss)) or bool(nonfinite_layers(step))
+    return _loss_nonfinite(step) or bool(nonfinite_layers(step))

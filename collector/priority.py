@@ -68,7 +68,7 @@ MESSAGE_OVERHEAD = 512  # bytes per held message beyond its frames (Frame, Recei
 TOP_SENDERS = 20  # senders named in the over-share metric
 HINT = b'"nonfinite":1'  # wire.messages.NONFINITE_FIELD set, as the agent's encoder writes it
 RECEIVE_EVERY = 32  # messages handled between looks at what arrived (a flagged NaN waits ~5 ms)
-OUTCOMES = ("paged", "no_page", "finite", "amp", "unread", "over_share")
+OUTCOMES = ("paged", "no_page", "finite", "amp", "shared", "unread", "over_share")
 
 
 @dataclass(slots=True)
@@ -278,7 +278,7 @@ class PriorityMetrics:
         outcomes = CounterMetricFamily(
             "gradwatch_ingest_priority",
             "Batches flagged non-finite by their sender, by what the early look found "
-            "(paged, no_page, finite, amp, unread) or over_share (waited their turn).",
+            "(paged, no_page, finite, amp, shared, unread) or over_share (waited their turn).",
             labels=["outcome"],
         )
         for outcome, count in sorted(self._lane.outcomes().items()):

@@ -129,6 +129,32 @@ def test_a_flagged_nan_pages_before_its_step_is_assembled_and_only_once(
         assert server.intake.lane.outcomes()["paged"] == 1
 
 
+def test_a_shared_nan_gradient_waits_for_the_assembled_verdict_to_name_its_rank(
+    connect: Connect,
+) -> None:
+    # DDP: rank 1's batch went NaN, the reduce spread NaN gradients to rank 0 too. Rank 0's
+    # report (finite loss) arrives first; paging it early would blame rank 0 by arrival order.
+    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
+        r0, r1 = connect(server), connect(server)
+        sent = 0
+
+        def send(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+            nonlocal sent
+            sock.send_multipart(frames)
+            sent += 1
+            assert server.wait_for_messages(sent, timeout=10)
+
+        send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
+        send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
+        send(r0, batch("ddp", 0, 2, 3, [clean(1)[0], [2.0, 0.1, NAN, NAN]], 1, flag=True))
+        assert server.intake.lane.outcomes()["shared"] == 1
+        assert receiver.bodies == [], "a shared NaN gradient must not page before assembly"
+        send(r1, batch("ddp", 1, 2, 3, [clean(1)[0], [NAN, 0.1, NAN, NAN]], 1, flag=True))
+        (page,) = firings(receiver.wait_for(lambda got: len(got) >= 1, timeout=10))
+        assert (page["step"], page["rank"]) == (4, 1)  # where the loss went bad
+        assert server.intake.lane.outcomes()["paged"] == 1  # rank 1's own NaN loss
+
+
 def test_a_flag_on_finite_values_pages_nothing(connect: Connect) -> None:
     with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
         sock = connect(server)
