@@ -86,18 +86,27 @@ def firings(bodies: list[Any]) -> list[Any]:
     return [b for b in bodies if b["state"] == "firing"]
 
 
+class Sender:
+    """Sends one message and waits until the server handled it (bounded)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server, self.sent = server, 0
+
+    def __call__(self, sock: zmq.Socket[Any], frames: list[bytes]) -> None:
+        sock.send_multipart(frames)
+        self.counted()
+
+    def counted(self) -> None:
+        self.sent += 1
+        assert self.server.wait_for_messages(self.sent, timeout=10)
+
+
 def test_a_flagged_nan_pages_before_its_step_is_assembled_and_only_once(
     connect: Connect,
 ) -> None:
     with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
         r0, r1 = connect(server), connect(server)
-        sent = 0
-
-        def send(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
-            nonlocal sent
-            sock.send_multipart(frames)
-            sent += 1
-            assert server.wait_for_messages(sent, timeout=10)
+        send = Sender(server)
 
         for rank, sock in enumerate((r0, r1)):
             send(sock, encode(Heartbeat("big", rank, 2, f"inc-{rank}", 1000.0, 0, 0)))
@@ -108,8 +117,7 @@ def test_a_flagged_nan_pages_before_its_step_is_assembled_and_only_once(
         # reported steps 3-4, so they cannot be assembled: only the early look can page.
         r0.send_multipart(batch("big", 0, 2, 3, [clean(1)[0], [NAN, 0.1, NAN, 0.5]], 1, flag=True))
         (page,) = receiver.wait_for(lambda got: len(got) >= 1, timeout=10)
-        sent += 1
-        assert server.wait_for_messages(sent, timeout=10)
+        send.counted()
         with server.assembler_lock:
             assert server.assembler.counts()["big"].steps == 2, "paged only after assembly"
         assert (page["state"], page["step"], page["rank"]) == ("firing", 4, 0)
@@ -136,13 +144,7 @@ def test_a_shared_nan_gradient_waits_for_the_assembled_verdict_to_name_its_rank(
     # report (finite loss) arrives first; paging it early would blame rank 0 by arrival order.
     with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
         r0, r1 = connect(server), connect(server)
-        sent = 0
-
-        def send(sock: zmq.Socket[Any], frames: list[bytes]) -> None:
-            nonlocal sent
-            sock.send_multipart(frames)
-            sent += 1
-            assert server.wait_for_messages(sent, timeout=10)
+        send = Sender(server)
 
         send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
         send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
