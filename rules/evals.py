@@ -27,6 +27,12 @@ from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.loss import finite_loss
 from gradwatch.rules.step import Eval, Step
 
+# The evals' level: a median of 5 halves single-eval noise (1.2 / sqrt(5)) and still moves
+# within 3 evals of a real turn.
+LEVEL_EVALS = 5
+# 3 standard errors: one-sided, a flat level crosses it about once in 700 evals.
+LEVEL_Z = 3.0
+
 
 class GeneralizationGapDetector:
     """Active from the ``patience``-th eval in a row well above the best while train fell, until
@@ -81,6 +87,7 @@ class GeneralizationGapDetector:
         self._since_eval = 0  # training losses since the previous eval
         self._count = 0
         self._vals: deque[float] = deque(maxlen=32)
+        self._best_level = math.inf  # lowest median of LEVEL_EVALS evals in a row
         self._best: tuple[float, int, float | None] | None = None  # (val loss, step, train level)
         self._held = 0
         self._open = False
@@ -121,22 +128,40 @@ class GeneralizationGapDetector:
                 self._best = (loss, step, train)
             return INACTIVE
         falling = train is not None and best[2] is not None and train < best[2]
-        self._held = self._held + 1 if loss > limit and falling else 0
+        halved = (
+            train is not None and best[2] is not None and train <= self.few_train_drop * best[2]
+        )
+        bar = limit
+        # Many evals: the material rise (few_rise over the best with the training loss at half
+        # its level then: the corpus's overfitting label) also counts, on the evals' level
+        # (median of the last LEVEL_EVALS) against its lowest: on a small, noisy validation set
+        # the noise bar can sit above a validation loss that has doubled while the training
+        # loss fell tenfold, while single evals bounce 25% over an optimistic best.
+        level = self._level()
+        if level is not None:
+            self._best_level = min(self._best_level, level)
+        if len(self._vals) > self.noise_evals and level is not None:
+            # ... plus LEVEL_Z standard errors of that median, so a flat but noisy level does
+            # not cross it by chance over a long run.
+            spread = LEVEL_Z * eval_noise(list(self._vals)) / math.sqrt(LEVEL_EVALS)
+            if halved and level >= (1 + self.few_rise) * self._best_level + spread:
+                bar = min(bar, best[0] + self.few_rise * abs(best[0]))
+        self._held = self._held + 1 if loss > bar and falling else 0
         if self._count < self.min_evals or self._held < self.patience:
             return INACTIVE
         # Few evals, no noise estimate: a noisy small validation set can bounce 25%; what
         # overfitting adds is the training loss falling far (to half its level at the best).
-        if (
-            len(self._vals) <= self.noise_evals
-            and train is not None
-            and best[2] is not None
-            and train > self.few_train_drop * best[2]
-        ):
+        if len(self._vals) <= self.noise_evals and not halved:
             return INACTIVE
-        # Hysteresis: the episode lasts until an eval comes back half-way from the limit to
+        # Hysteresis: the episode lasts until an eval comes back half-way from the bar to
         # the best.
-        self._open, self._close_above = True, best[0] + 0.5 * (limit - best[0])
-        return self._finding(loss, step, train, limit)
+        self._open, self._close_above = True, best[0] + 0.5 * (bar - best[0])
+        return self._finding(loss, step, train, bar)
+
+    def _level(self) -> float | None:
+        if len(self._vals) < LEVEL_EVALS:
+            return None
+        return statistics.median(list(self._vals)[-LEVEL_EVALS:])
 
     def _limit(self, best: float) -> float:
         if len(self._vals) < self.noise_evals:

@@ -141,3 +141,39 @@ def test_a_noisy_small_validation_set_bouncing_is_not_overfitting() -> None:
     det = GeneralizationGapDetector()
     points = list(zip([1.0, 0.9, 0.85, 0.8, 0.75], [0.5, 0.45, 0.58, 0.6, 0.44], strict=True))
     assert not any(evaluate(det, points))
+
+
+def _noisy_rise(train_end: float, seed: int) -> list[tuple[float, float]]:
+    # 34 evals of a small validation set (noise ~15%): val falls to its best at eval 10, then
+    # climbs to ~2.5x it; the training loss falls from 0.65 to train_end over the climb.
+    rng = np.random.default_rng(seed)
+    vals = [3.0 - 0.2 * k for k in range(10)] + [1.0 + 0.06 * k for k in range(24)]
+    trains = [0.7] * 10 + [0.65 - (0.65 - train_end) * k / 23 for k in range(24)]
+    return [(t, v * float(rng.lognormal(0.0, 0.15))) for t, v in zip(trains, vals, strict=True)]
+
+
+def test_a_material_rise_on_a_noisy_validation_set_is_caught() -> None:
+    # Seen on a held-out real log (a ConvNeXt run, 34 evals): the noise bar sat above a val loss
+    # that had doubled while the training loss fell tenfold. The material rise (25% over the
+    # best with the training loss halved) counts at any number of evals.
+    for seed in range(5):
+        assert any(evaluate(GeneralizationGapDetector(), _noisy_rise(0.06, seed))), seed
+
+
+def test_a_noisy_rise_without_the_training_loss_halving_waits_for_the_noise_bar() -> None:
+    # The same validation curve while training only creeps down (0.65 -> 0.5): the material
+    # branch needs the training loss at half its level at the best eval, so it stays out.
+    fired = [
+        evaluate(GeneralizationGapDetector(), _noisy_rise(0.5, seed)).index(True)
+        if any(evaluate(GeneralizationGapDetector(), _noisy_rise(0.5, seed)))
+        else None
+        for seed in range(5)
+    ]
+    halved = [
+        evaluate(GeneralizationGapDetector(), _noisy_rise(0.06, seed)).index(True)
+        for seed in range(5)
+    ]
+    # Never earlier, and later (or never) where the noise bar alone had not been crossed yet.
+    pairs = list(zip(fired, halved, strict=True))
+    assert all(f is None or f >= h for f, h in pairs)
+    assert any(f is None or f > h for f, h in pairs)
