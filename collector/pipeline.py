@@ -41,6 +41,7 @@ from gradwatch.rules import Step
 from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules.step import Eval, QuietRows, Stats, nonfinite_layers
+from gradwatch.wire.columns import GRAD_NONFINITE_SCALAR
 from gradwatch.wire.messages import DATA_CHANGE, DEGRADED
 
 log = logging.getLogger(__name__)
@@ -168,12 +169,13 @@ class Pipeline:
         decoded non-finite loss or layer norm (never the hint alone) in a row
         that its judged record will page too: a row of a job judged as a whole
         that carries a loss scale (AMP) is left to the assembled step, since
-        another rank's skipped step would make it a GradScaler skip, and so is one
-        whose non-finite values are gradients only (the reduce spreads them to every
-        rank). Returns the outcome counted by the lane: ``paged``, ``no_page`` (an
-        incident already fires, or the rule judges the row otherwise: a GradScaler
-        skip), ``finite``, ``amp``, ``shared`` (gradients only, in a job judged as a
-        whole) or ``unread`` (not readable before it is handled).
+        another rank's skipped step would make it a GradScaler skip, and so is a
+        bad row not known to be born on its rank (``_born_here``). Returns the
+        outcome counted by the lane: ``paged``, ``no_page`` (an incident already
+        fires, or the rule judges the row otherwise: a GradScaler skip),
+        ``finite``, ``amp``, ``shared`` (in a job judged as a whole, a NaN that may
+        have come through the reduce) or ``unread`` (not readable before it is
+        handled).
         Never raises.
         """
         try:
@@ -182,21 +184,15 @@ class Pipeline:
             steps = self.ingest.peek_steps(frames, header)
             if not steps:
                 return "unread"
-            row = next((s for s in steps if _nonfinite_row(s)), None)
-            if row is None:
+            whole = assembles(steps[0])
+            at = next((i for i, s in enumerate(steps) if _nonfinite_row(s, whole)), None)
+            if at is None:
                 return "finite"
-            whole = assembles(row)
+            row = steps[at]
             if whole and row.loss_scale is not None:
                 return "amp"
-            if whole:
-                # The reduce shares gradients across ranks, so a NaN gradient beside a finite
-                # loss says nothing of where it was born (every replica shows it): naming the
-                # rank whose report came first would blame by arrival order, and two
-                # collectors of an HA pair could page different ranks. Only a rank's own
-                # loss is its own; the assembled verdict, which sees every rank, names the rest.
-                row = next((s for s in steps if _loss_nonfinite(s)), None)
-                if row is None:
-                    return "shared"
+            if whole and not self._born_here(steps, at):
+                return "shared"
             # Not part of RulesEngine: a test double without it sees no early pages.
             observe_early = getattr(self._engine(), "observe_early", None)
             if observe_early is None:
@@ -210,6 +206,30 @@ class Pipeline:
             return "unread"
         self.dispatch(transitions)
         return "paged" if transitions else "no_page"
+
+    def _born_here(self, steps: Sequence[Step], at: int) -> bool:
+        """Whether row ``at`` of a batch from a job judged as a whole (its first bad row)
+        shows a NaN born on its own rank. The reduce shares gradients across ranks, so a
+        NaN gradient beside a finite loss says nothing of where it was born (every
+        replica shows it): naming the rank whose report came first would blame by
+        arrival order, and two collectors of an HA pair could page different ranks. A
+        rank's own loss is its own, but only right after a clean step of that rank: the
+        step after a shared NaN update has a NaN loss on every rank. So the row before
+        must be known clean: in this batch, or the rank's latest handled step (a flush's
+        first row). Otherwise the assembled verdict, which sees every rank, names it."""
+        row = steps[at]
+        if not _loss_nonfinite(row):
+            return False
+        if at > 0:
+            return True  # the rows before it in this batch are clean (it is the first bad one)
+        job = self.state.job(row.job)
+        rank = None if job is None else job.ranks.get(row.rank)
+        before = None if rank is None else rank.latest
+        return (
+            before is not None
+            and before.step == row.step - 1
+            and not _nonfinite_row(before, whole=True)
+        )
 
     def _record(self, result: Ingested) -> None:
         recorder = self.recorder
@@ -406,6 +426,10 @@ def _loss_nonfinite(step: Step) -> bool:
     return step.loss is not None and not math.isfinite(step.loss)
 
 
-def _nonfinite_row(step: Step) -> bool:
-    """A row whose own loss or layer norm is NaN/Inf (a total or flag alone is not enough)."""
-    return _loss_nonfinite(step) or bool(nonfinite_layers(step))
+def _nonfinite_row(step: Step, whole: bool = False) -> bool:
+    """A row whose own loss or layer norm is NaN/Inf (a total alone is not enough); in a job
+    judged as a whole (``whole``) also one whose rank flagged its gradients non-finite
+    (``grad_nonfinite``: a replica that sends no layers), where a bad row begins."""
+    if _loss_nonfinite(step) or nonfinite_layers(step):
+        return True
+    return whole and step.scalars.get(GRAD_NONFINITE_SCALAR, 0.0) > 0.5

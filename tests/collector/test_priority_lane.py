@@ -140,21 +140,45 @@ def test_a_flagged_nan_pages_before_its_step_is_assembled_and_only_once(
 def test_a_shared_nan_gradient_waits_for_the_assembled_verdict_to_name_its_rank(
     connect: Connect,
 ) -> None:
-    # DDP: rank 1's batch went NaN, the reduce spread NaN gradients to rank 0 too. Rank 0's
-    # report (finite loss) arrives first; paging it early would blame rank 0 by arrival order.
+    # DDP: rank 1's batch went NaN at step 4, the reduce spread NaN gradients to rank 0 too,
+    # and step 5's loss is NaN everywhere (the NaN update was applied on every rank). Rank 0's
+    # report arrives first: paging it early, at step 4 (finite loss) or at step 5 (its NaN
+    # loss), would blame rank 0 by arrival order (seen in the gloo test).
     with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
         r0, r1 = connect(server), connect(server)
         send = Sender(server)
 
         send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
         send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
-        send(r0, batch("ddp", 0, 2, 3, [clean(1)[0], [2.0, 0.1, NAN, NAN]], 1, flag=True))
+        after = [NAN, 0.1, NAN, NAN]
+        send(r0, batch("ddp", 0, 2, 3, [clean(1)[0], [2.0, 0.1, NAN, NAN], after], 1, flag=True))
         assert server.intake.lane.outcomes()["shared"] == 1
         assert receiver.bodies == [], "a shared NaN gradient must not page before assembly"
-        send(r1, batch("ddp", 1, 2, 3, [clean(1)[0], [NAN, 0.1, NAN, NAN]], 1, flag=True))
+        send(r1, batch("ddp", 1, 2, 3, [clean(1)[0], [NAN, 0.1, NAN, NAN], after], 1, flag=True))
         (page,) = firings(receiver.wait_for(lambda got: len(got) >= 1, timeout=10))
         assert (page["step"], page["rank"]) == (4, 1)  # where the loss went bad
         assert server.intake.lane.outcomes()["paged"] == 1  # rank 1's own NaN loss
+
+
+def test_a_flush_that_opens_on_a_nan_loss_pages_only_after_a_clean_step_of_its_rank(
+    connect: Connect,
+) -> None:
+    # A batch's first row has no row before it in the batch: the rank's latest handled step
+    # says whether the NaN loss was born there (a clean step before it) or is the NaN update
+    # the reduce shared coming back as loss (NaN gradients the step before).
+    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
+        r0, r1 = connect(server), connect(server)
+        send = Sender(server)
+        send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
+        send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
+        send(r0, batch("ddp", 0, 2, 3, [[2.0, 0.1, NAN, NAN]], 1, flag=True))
+        send(r0, batch("ddp", 0, 2, 4, [[NAN, 0.1, NAN, NAN]], 2, flag=True))
+        assert server.intake.lane.outcomes()["shared"] == 2
+        assert receiver.bodies == [], "rank 0's NaN loss follows its NaN gradients"
+        send(r1, batch("ddp", 1, 2, 3, [[NAN, 0.1, NAN, NAN]], 1, flag=True))
+        assert server.intake.lane.outcomes()["paged"] == 1  # after rank 1's clean step 2
+        (page,) = firings(receiver.wait_for(lambda got: len(got) >= 1, timeout=10))
+        assert (page["step"], page["rank"]) == (3, 1)
 
 
 def test_a_flag_on_finite_values_pages_nothing(connect: Connect) -> None:
