@@ -101,6 +101,20 @@ class Sender:
         assert self.server.wait_for_messages(self.sent, timeout=10)
 
 
+@contextmanager
+def ddp_pair(
+    connect: Connect,
+) -> Iterator[tuple[WebhookReceiver, Server, Sender, zmq.Socket, zmq.Socket]]:
+    """A two-rank job "ddp" judged as a whole, both ranks clean at steps 1-2 (handled);
+    yields the receiver, the server, the sender and rank 0's and rank 1's sockets."""
+    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
+        r0, r1 = connect(server), connect(server)
+        send = Sender(server)
+        send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
+        send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
+        yield receiver, server, send, r0, r1
+
+
 def test_a_flagged_nan_pages_before_its_step_is_assembled_and_only_once(
     connect: Connect,
 ) -> None:
@@ -144,12 +158,7 @@ def test_a_shared_nan_gradient_waits_for_the_assembled_verdict_to_name_its_rank(
     # and step 5's loss is NaN everywhere (the NaN update was applied on every rank). Rank 0's
     # report arrives first: paging it early, at step 4 (finite loss) or at step 5 (its NaN
     # loss), would blame rank 0 by arrival order (seen in the gloo test).
-    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
-        r0, r1 = connect(server), connect(server)
-        send = Sender(server)
-
-        send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
-        send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
+    with ddp_pair(connect) as (receiver, server, send, r0, r1):
         after = [NAN, 0.1, NAN, NAN]
         send(r0, batch("ddp", 0, 2, 3, [clean(1)[0], [2.0, 0.1, NAN, NAN], after], 1, flag=True))
         assert server.intake.lane.outcomes()["shared"] == 1
@@ -166,11 +175,7 @@ def test_a_flush_that_opens_on_a_nan_loss_pages_only_after_a_clean_step_of_its_r
     # A batch's first row has no row before it in the batch: the rank's latest handled step
     # says whether the NaN loss was born there (a clean step before it) or is the NaN update
     # the reduce shared coming back as loss (NaN gradients the step before).
-    with WebhookReceiver() as receiver, running(webhooks=[receiver.url]) as server:
-        r0, r1 = connect(server), connect(server)
-        send = Sender(server)
-        send(r0, batch("ddp", 0, 2, 1, clean(2), 0, schema=True))
-        send(r1, batch("ddp", 1, 2, 1, clean(2), 0, schema=True))
+    with ddp_pair(connect) as (receiver, server, send, r0, r1):
         send(r0, batch("ddp", 0, 2, 3, [[2.0, 0.1, NAN, NAN]], 1, flag=True))
         send(r0, batch("ddp", 0, 2, 4, [[NAN, 0.1, NAN, NAN]], 2, flag=True))
         assert server.intake.lane.outcomes()["shared"] == 2
