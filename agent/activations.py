@@ -294,6 +294,8 @@ class ActHooks:
             for target, first, frac in plan
         ]
         self._handles: list[Any] = []
+        # Whether the hooks are registered: read by the monitor on every step.
+        self.armed = False
 
     @classmethod
     def attach(
@@ -328,15 +330,12 @@ class ActHooks:
             found = found[:max_modules]
         return cls(found, device, on_error) if found else None
 
-    @property
-    def armed(self) -> bool:
-        return bool(self._handles)
-
     def arm(self) -> None:
         """Register the hooks for the next forward pass (a cadence step's)."""
         if self._handles:
             return
         fill_missing(self.values)  # a module that does not run stays MISSING
+        self.armed = True  # before registering: a failure halfway still gets disarmed
         for target, hook in self._hooks:
             if target.on_input:
                 self._handles.append(target.module.register_forward_pre_hook(hook))
@@ -346,6 +345,7 @@ class ActHooks:
     def disarm(self) -> None:
         while self._handles:
             self._handles.pop().remove()
+        self.armed = False
 
     def snapshot(self) -> torch.Tensor:
         """The statistics [mean, std(, share)] per module (device), queued, no sync: the

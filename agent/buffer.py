@@ -159,7 +159,11 @@ class StepBuffer:
         self._host.append(host_row)
         row = self._seg_start + len(self._steps)
         if row < self._rows_per_half:
-            self._select(row)
+            # _select(row), inline: this runs on every step
+            half = self._half
+            self.current = self._rows[half][row]
+            self.current_layers = self._layer_views[half][row]
+            self._current_cells = self._cells[half][row]
             return
         self.flush()
         self._switch_half()

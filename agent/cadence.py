@@ -30,6 +30,7 @@ from __future__ import annotations
 
 # Gap after a sample = steps since the origin // BACKOFF: samples grow ~25% apart.
 BACKOFF = 4
+_NEVER = float("inf")  # next_step while no sample is scheduled
 
 
 class Cadence:
@@ -44,46 +45,47 @@ class Cadence:
         self.every = stats_every
         self.early = early
         self._origin = 0  # the step the dense start counts from
-        self._next = 1 if early else stats_every
-        self._forced = False
+        # The next scheduled statistics step, and whether a force is pending (the
+        # monitor checks it again at the optimizer step). Plain attributes: the
+        # monitor reads both on every step and asks due() only when one says so.
+        self.next_step: float = (1 if early else stats_every) if stats_every else _NEVER
+        self.forced = False
 
     def due(self, step: int) -> bool:
-        """Whether ``step`` is a statistics step; advances the schedule past it."""
+        """Whether ``step`` is a statistics step; advances the schedule past it.
+
+        Never true for a step below ``next_step`` while no force is pending."""
         if not self.every:
+            self.next_step, self.forced = _NEVER, False  # switched off (or never on)
             return False
-        if self._forced:
-            self._forced = False
-            if step >= self._next:
+        if self.forced:
+            self.forced = False
+            if step >= self.next_step:
                 self._advance(step)
             return True
-        if step < self._next:
+        if step < self.next_step:
             return False
         self._advance(step)
         return True
 
     def force_next(self) -> None:
         """Make the next step asked about a statistics step (one bool store; cheap)."""
-        self._forced = True
-
-    @property
-    def forced(self) -> bool:
-        """A force is pending (the monitor checks it again at the optimizer step)."""
-        return self._forced
+        self.forced = True
 
     def take_forced(self) -> bool:
         """Consume a pending force for the step running now; True if there was one."""
-        forced, self._forced = self._forced, False
+        forced, self.forced = self.forced, False
         return forced
 
     def restart(self, step: int) -> None:
         """Sample densely again from ``step`` on (a data or task change before it)."""
         if self.early and self.every:
             self._origin = step - 1
-            self._next = min(self._next, step)
+            self.next_step = min(self.next_step, step)
 
     def _advance(self, step: int) -> None:
         if not self.early:
-            self._next = (step // self.every + 1) * self.every
+            self.next_step = (step // self.every + 1) * self.every
             return
         gap = min(self.every, max(1, (step - self._origin) // BACKOFF))
-        self._next = step + gap
+        self.next_step = step + gap

@@ -41,6 +41,7 @@ from gradwatch.agent.config import AgentConfig, SetupError
 from gradwatch.agent.items import Counters, EventItem
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader
+from gradwatch.agent.rowplan import RowPlan
 from gradwatch.agent.shipper import Shipper
 from gradwatch.agent.weightstats import WeightStats
 from gradwatch.agent.workqueue import WorkQueue
@@ -97,6 +98,8 @@ class Failsafe:
     _lr_columns: list[str]
     _columns: Columns
     _column_of: dict[str, str]
+    # The usual step's slots (agent/rowplan.py), None until a step made them.
+    _plan: RowPlan | None
     _work: WorkQueue
     _buffer: StepBuffer
     _shipper: Shipper

@@ -142,6 +142,10 @@ class Columns:
             self.dirty = True
         return slot
 
+    def slots(self, name: str) -> tuple[int, int]:
+        """``name``'s host and device slot, -1 for none; assigns nothing."""
+        return self._host.get(name, -1), self._dev.get(name, -1)
+
     def _add(self, name: str) -> None:
         if name not in self.names:
             self.names.append(name)

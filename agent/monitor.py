@@ -127,6 +127,7 @@ class Monitor(LayerSwitch):
         # The rates this step's update used, read in the pre-hook: loops (and Trainer
         # callbacks) often step the scheduler before log(), which would report the next.
         self._step_lrs = None
+        self._plan = None  # the usual step's slots (agent/rowplan.py), made by the first step
         self._in_hook = False  # torch iterates its hook dict while our pre-hook runs
         self._closed = False
         self._disabled = None if enabled else "switched off by watch(enabled=False)"
@@ -259,7 +260,8 @@ class Monitor(LayerSwitch):
         try:
             if step is not None:
                 self._renumber(step)
-            skipped, self._skip_open = float(self._skip_open), False
+            skipped = 1.0 if self._skip_open else 0.0
+            self._skip_open = False
             if not self._open:
                 # The pre-hook did not run since the last log: the optimizer step
                 # was skipped (AMP overflow), or there is no optimizer. The

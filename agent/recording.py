@@ -32,7 +32,6 @@ from __future__ import annotations
 import logging
 import numbers
 import queue
-import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -48,6 +47,7 @@ from gradwatch.agent.items import StatsItem
 from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rollback_exit import RollbackExit
+from gradwatch.agent.rowplan import RowPlan
 from gradwatch.agent.steps import user_step
 from gradwatch.agent.weightstats import Round, WeightStats
 from gradwatch.wire import columns as wc
@@ -75,17 +75,21 @@ class StepRecorder(RollbackExit):
             # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
             self._follow = Follower(self._reader.params, optimizer)
             self._hooks.append(register_optimizer_step_pre_hook(self._any_pre_hook))
-        began, ended = self._forward_began, self._forward_ended
-        if "torch._dynamo" in sys.modules:
-            # A compiled model would trace these clock reads into its graph (and
-            # break it there); disabled, they run eagerly at the graph's edge.
-            began, ended = torch.compiler.disable(began), torch.compiler.disable(ended)
+        # The phase clock. compile_safe: a model compiled after watch() traces these
+        # hooks, and they return before the clock read (which would be frozen into the
+        # graph). Not torch.compiler.disable: its wrapper switches dynamo's frame hook
+        # on every call (~15 us a step per hook in the loop) and changed nothing here,
+        # since the traced hook returns before calling it.
         # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
         # parameters, which waits for the slowest rank; that wait is not "data".
         self._hooks.append(
-            model.register_forward_pre_hook(Detached(began, compile_safe=True), prepend=True)
+            model.register_forward_pre_hook(
+                Detached(self._forward_began, compile_safe=True), prepend=True
+            )
         )
-        self._hooks.append(model.register_forward_hook(Detached(ended, compile_safe=True)))
+        self._hooks.append(
+            model.register_forward_hook(Detached(self._forward_ended, compile_safe=True))
+        )
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         # A rank that sends no layers sends no cadence statistics either: its
         # reporter's (same model, same update) stand for it.
@@ -229,6 +233,61 @@ class StepRecorder(RollbackExit):
             self._forward_t0 = None
 
     def _commit(self, scalars: dict[str, Scalar], skipped: float) -> None:
+        lrs, self._step_lrs = self._step_lrs, None
+        plan = self._plan
+        host_row = None
+        if plan is not None:  # the usual step: slots decided once (agent/rowplan.py)
+            host_row = plan.row(
+                scalars,
+                skipped,
+                lrs,
+                len(self._optimizer.param_groups),
+                self._began,
+                self._data_s,
+                self._forward_s,
+                self._buffer,
+            )
+        if host_row is None:
+            host_row = self._general_row(scalars, skipped, lrs)
+        buffer = self._buffer
+        self._step += 1
+        now = time.time()
+        buffer.commit(self._step, now, host_row)
+        self._began, self._data_s, self._forward_s = False, 0.0, 0.0
+        self._since = time.perf_counter()
+        self._counters.steps_logged += 1
+        if self._wstats is not None and (self._stats_now or self._wstats.waiting):
+            try:
+                self._cadence_work(now)
+            except Exception as exc:  # an optional statistic: the steps go on without it
+                self._wstats = None
+                self._cadence.every = 0
+                self.config = replace(self.config, stats_every=0)
+                if self._acts is not None:
+                    self._acts.disarm()
+                    self._acts = None
+                self._degrade(
+                    Notice(
+                        "cadence statistics (weight norms, update ratios, activations)",
+                        f"reading them failed: {type(exc).__name__}: {exc}",
+                        optional=True,
+                    )
+                )
+        cadence, step = self._cadence, self._step + 1
+        self._stats_now = (cadence.forced or step >= cadence.next_step) and cadence.due(step)
+        acts = self._acts
+        if acts is not None and (self._stats_now or acts.armed):
+            # Hooks live only for a cadence step's forward pass: armed now when
+            # the next step is one, removed here at its log().
+            acts.disarm()
+            if self._stats_now:
+                acts.arm()
+
+    def _general_row(
+        self, scalars: dict[str, Scalar], skipped: float, lrs: list[Any] | None
+    ) -> list[HostValue]:
+        """Any step's host row, device values copied into the open row, slots assigned
+        to new columns; then the plan for the next steps that log the same way."""
         dev: list[tuple[int, torch.Tensor]] = []
         columns = self._columns
         host: list[tuple[int, HostValue]] = [(columns.host_slot(wc.SKIPPED), skipped)]
@@ -243,9 +302,7 @@ class StepRecorder(RollbackExit):
         groups = [] if self._manual else self._optimizer.param_groups
         if len(groups) != len(self._lr_columns):
             self._lr_columns = [wc.lr(g) for g in range(len(groups))]
-        lrs = self._step_lrs if self._step_lrs is not None else [g["lr"] for g in groups]
-        self._step_lrs = None
-        if len(lrs) != len(groups):
+        if lrs is None or len(lrs) != len(groups):
             lrs = [g["lr"] for g in groups]  # param groups added between the step and log()
         for column, lr in zip(self._lr_columns, lrs, strict=True):
             if type(lr) is float:  # the usual rate: straight to its host slot
@@ -265,37 +322,23 @@ class StepRecorder(RollbackExit):
         host_row: list[HostValue] = [None] * columns.host_width
         for slot, cell_value in host:
             host_row[slot] = cell_value
-        self._step += 1
-        now = time.time()
-        buffer.commit(self._step, now, host_row)
-        self._began, self._data_s, self._forward_s = False, 0.0, 0.0
-        self._since = time.perf_counter()
-        self._counters.steps_logged += 1
-        if self._wstats is not None and (self._stats_now or self._wstats.busy):
-            try:
-                self._cadence_work(now)
-            except Exception as exc:  # an optional statistic: the steps go on without it
-                self._wstats = None
-                self._cadence.every = 0
-                self.config = replace(self.config, stats_every=0)
-                if self._acts is not None:
-                    self._acts.disarm()
-                    self._acts = None
-                self._degrade(
-                    Notice(
-                        "cadence statistics (weight norms, update ratios, activations)",
-                        f"reading them failed: {type(exc).__name__}: {exc}",
-                        optional=True,
-                    )
-                )
-        self._stats_now = self._cadence.due(self._step + 1)
-        acts = self._acts
-        if acts is not None and (self._stats_now or acts.armed):
-            # Hooks live only for a cadence step's forward pass: armed now when
-            # the next step is one, removed here at its log().
-            acts.disarm()
-            if self._stats_now:
-                acts.arm()
+        self._plan = (
+            None
+            if self._manual
+            else RowPlan.make(
+                columns,
+                tuple(scalars),
+                tuple(self._column_of[name] for name in scalars),
+                tuple(self._lr_columns),
+                self._phase_columns,
+                wc.SKIPPED,
+                wc.LOSS_SCALE,
+                self._scaler,
+                self._by_reference,
+                self._device,
+            )
+        )
+        return host_row
 
     def _cadence_work(self, now: float) -> None:
         """A cadence step measures what only it can see (activations of its forward,

@@ -117,6 +117,7 @@ class LayerSwitch(StepRecorder):
         self._columns, self._buffer = mode.columns, mode.buffer
         self._scratch, self._scales = mode.scratch, mode.scales
         self._nonfinite_slot = mode.nonfinite_slot
+        self._plan = None  # its slots are the other mode's columns'
 
     def _on_takeover(self, takeover: Takeover) -> None:
         """Shipper thread: decide whether this rank sends layers now; the loop applies it."""

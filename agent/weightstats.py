@@ -143,7 +143,9 @@ class WeightStats:
         self._partials = torch.zeros(self._n_slices, dtype=torch.float32, device=self._device)
         self._partial_views = [self._partials[a:b] for a, b in self._bounds]
         self._next_phase = 0
-        self._waiting: list[Round] = []
+        # The samples waiting for their weight norms (the monitor tests it on every
+        # step: an attribute, not the ``busy`` property, whose call costs more there).
+        self.waiting: list[Round] = []
 
     # ------------------------------------------------------------ plan
 
@@ -237,7 +239,7 @@ class WeightStats:
         """Forget a pending before-sample and the waiting samples (switching off)."""
         self._have_before = False
         self._views = None
-        self._waiting = []
+        self.waiting = []
 
     def _gather(self, into: torch.Tensor) -> list[torch.Tensor] | None:
         """Gather every sample into ``into`` (one ``cat``); called under ``no_grad``.
@@ -279,7 +281,7 @@ class WeightStats:
     @property
     def busy(self) -> bool:
         """Samples are waiting for their weight norms: read a phase at each step."""
-        return bool(self._waiting)
+        return bool(self.waiting)
 
     def begin(
         self, step: int, time: float, columns: tuple[str, ...], parts: list[torch.Tensor]
@@ -292,36 +294,36 @@ class WeightStats:
         (the dense early cadence) thus share reads, and no step reads more than
         one phase.
         """
-        self._waiting.append(Round(step, time, columns, parts, self.phases))
+        self.waiting.append(Round(step, time, columns, parts, self.phases))
         return self.advance()
 
     def advance(self) -> list[Round]:
         """Read the next phase if a sample waits; return the samples it completes."""
-        if not self._waiting:
+        if not self.waiting:
             return []
         with torch.no_grad():
             self._read_phase(self._next_phase)
         self._next_phase = (self._next_phase + 1) % self.phases
-        for waiting in self._waiting:
+        for waiting in self.waiting:
             waiting.left -= 1
         return self._complete()
 
     def finish(self) -> list[Round]:
         """Complete every waiting sample now (closing): one full rotation at once."""
-        if not self._waiting:
+        if not self.waiting:
             return []
         with torch.no_grad():
             for phase in range(self.phases):
                 self._read_phase(phase)
-        for waiting in self._waiting:
+        for waiting in self.waiting:
             waiting.left = 0
         return self._complete()
 
     def _complete(self) -> list[Round]:
-        done = [w for w in self._waiting if w.left <= 0]
+        done = [w for w in self.waiting if w.left <= 0]
         if not done:
             return []
-        self._waiting = [w for w in self._waiting if w.left > 0]
+        self.waiting = [w for w in self.waiting if w.left > 0]
         with torch.no_grad():
             norms = torch.zeros(len(self._counts), dtype=torch.float32, device=self._device)
             norms.index_add_(0, self._slice_layer, self._partials.square())
