@@ -22,7 +22,11 @@ from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.detector import Detector, Finding
 from gradwatch.rules.diagnosis import JobHistory, diagnose
 from gradwatch.rules.engine import Engine
-from gradwatch.rules.evals import EvalModeWiringDetector, GeneralizationGapDetector
+from gradwatch.rules.evals import (
+    EvalLossNonFiniteDetector,
+    EvalModeWiringDetector,
+    GeneralizationGapDetector,
+)
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule, parse_duration
 from gradwatch.rules.liveness import (
@@ -63,6 +67,7 @@ __all__ = [
     "EvalModeWiringDetector",
     "Finding",
     "FlatFromStartDetector",
+    "EvalLossNonFiniteDetector",
     "GeneralizationGapDetector",
     "GeometricGrowthDetector",
     "JobHistory",

@@ -48,7 +48,9 @@ class GeneralizationGapDetector:
     is judged on the material rise, ``few_rise`` over the best, with the
     training loss fallen to ``few_train_drop`` of its level at the best eval
     (the calibration corpus labels overfitting at 1.25x the best eval with
-    the training loss at half its level then). Train
+    the training loss at half its level then). ``noise_only`` keeps only the
+    noise bar (no verdict before ``noise_evals`` evals, no material rise): the
+    default pack's info rule beside its page. Train
     losses are context (``observe`` returns None): the verdict is taken on
     each eval. At every eval the training level is the median of the
     training losses since the previous eval (at least 5, at most the last
@@ -74,6 +76,7 @@ class GeneralizationGapDetector:
         patience: Annotated[int, Field(ge=1)] = 2,
         train_window: Annotated[int, Field(ge=1)] = 50,
         z: Annotated[float, Field(ge=0.0)] = 5.0,
+        noise_only: bool = False,
     ) -> None:
         self.min_evals, self.rise, self.patience, self.train_window = (
             min_evals,
@@ -83,6 +86,9 @@ class GeneralizationGapDetector:
         )
         self.few_rise, self.noise_evals, self.z = few_rise, noise_evals, z
         self.few_train_drop = few_train_drop
+        # Only the noise bar (rise + z x noise, from noise_evals evals on): the material rise
+        # and the few-evals judgement are left to another rule (an early notice beside a page).
+        self.noise_only = noise_only
         self._train: deque[float] = deque(maxlen=train_window)
         self._since_eval = 0  # training losses since the previous eval
         self._count = 0
@@ -140,7 +146,7 @@ class GeneralizationGapDetector:
         level = self._level()
         if level is not None:
             self._best_level = min(self._best_level, level)
-        if len(self._vals) > self.noise_evals and level is not None:
+        if len(self._vals) > self.noise_evals and level is not None and not self.noise_only:
             # ... plus LEVEL_Z standard errors of that median, so a flat but noisy level does
             # not cross it by chance over a long run.
             spread = LEVEL_Z * eval_noise(list(self._vals)) / math.sqrt(LEVEL_EVALS)
@@ -165,7 +171,7 @@ class GeneralizationGapDetector:
 
     def _limit(self, best: float) -> float:
         if len(self._vals) < self.noise_evals:
-            return best + self.few_rise * abs(best)
+            return math.inf if self.noise_only else best + self.few_rise * abs(best)
         return best + self.rise * abs(best) + self.z * eval_noise(list(self._vals))
 
     def _finding(self, loss: float, step: int, train: float | None, bar: float) -> Finding:
@@ -324,3 +330,37 @@ class EvalModeWiringDetector:
         return Finding(
             True, summary, {"modules": named, "count": len(modules), "eval_step": ev.step}
         )
+
+
+class EvalLossNonFiniteDetector:
+    """Active on an evaluation whose loss is NaN/Inf, until one is finite again.
+
+    A loss is finite by construction, on held-out data as on training data: a
+    non-finite eval loss means the evaluation overflowed (fp16 without a
+    scaler there), divided by an empty set, or the weights it read are no
+    longer finite. The training loss may stay finite meanwhile (evaluation
+    runs in another precision, on other inputs), so no training-side rule sees
+    it: seen on a held-out real log (every one of its 7 evals NaN, no alert).
+
+    Example::
+
+        EvalLossNonFiniteDetector().observe_eval(ev).active
+    """
+
+    @validated_params
+    def __init__(self) -> None:
+        self._first: int | None = None  # the step of the episode's first non-finite eval
+
+    def observe_eval(self, ev: Eval) -> Finding:
+        """Judge one evaluation; see the class docstring."""
+        if ev.loss is None or math.isfinite(ev.loss):
+            self._first = None
+            return INACTIVE
+        if self._first is None:
+            self._first = ev.step
+        summary = (
+            f"validation loss at step {ev.step} is {ev.loss} (non-finite since the eval at "
+            f"step {self._first}): the evaluation overflowed, averaged over nothing, or read "
+            "non-finite weights"
+        )
+        return Finding(True, summary, {"eval_loss": str(ev.loss), "since_step": self._first})

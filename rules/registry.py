@@ -25,6 +25,7 @@ from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.collapse import LrTooLowDetector, ZeroLossDetector
 from gradwatch.rules.detector import Detector
 from gradwatch.rules.evals import (
+    EvalLossNonFiniteDetector,
     EvalModeWiringDetector,
     GeneralizationGapDetector,
     ValTrainGapDetector,
@@ -133,6 +134,7 @@ register_detector("loss_spike", LossSpikeDetector)
 register_detector("rising_loss", RisingLossDetector)
 register_detector("generalization_gap", GeneralizationGapDetector)
 register_detector("eval_mode", EvalModeWiringDetector)
+register_detector("eval_nonfinite", EvalLossNonFiniteDetector)
 register_detector("val_train_gap", ValTrainGapDetector)
 register_detector("extreme_step", ExtremeStepDetector)
 register_detector("zero_loss", ZeroLossDetector)

@@ -6,6 +6,7 @@ import numpy as np
 
 from gradwatch.rules import Step
 from gradwatch.rules.evals import (
+    EvalLossNonFiniteDetector,
     EvalModeWiringDetector,
     GeneralizationGapDetector,
     ValTrainGapDetector,
@@ -177,3 +178,47 @@ def test_a_noisy_rise_without_the_training_loss_halving_waits_for_the_noise_bar(
     pairs = list(zip(fired, halved, strict=True))
     assert all(f is None or f >= h for f, h in pairs)
     assert any(f is None or f > h for f, h in pairs)
+
+
+def _smooth_rise(top: float) -> list[tuple[float, float]]:
+    # 20 smooth evals: val at its best (1.0) at eval 2, then up to `top` x the best by eval 10
+    # and flat there, while the training loss falls steadily by a quarter (never halves).
+    vals = [1.02, 1.0] + [1.0 + (top - 1.0) * min(k, 8) / 8 for k in range(1, 19)]
+    trains = [1.0 - 0.25 * k / 19 for k in range(20)]
+    return list(zip(trains, vals, strict=True))
+
+
+def test_a_small_smooth_rise_is_an_early_notice_not_a_page() -> None:
+    # The default pack pages (GeneralizationGap, rise 0.25) on a material rise and informs
+    # (ValidationLossRising: rise 0.05, noise_only) on one past the noise alone: a smooth
+    # +10% while training falls a quarter is the second, as on a real held-out log
+    # labelled healthy (docs/rules.md).
+    page = GeneralizationGapDetector(rise=0.25)
+    notice = GeneralizationGapDetector(rise=0.05, noise_only=True)
+    assert not any(evaluate(page, _smooth_rise(1.10)))
+    assert any(evaluate(notice, _smooth_rise(1.10)))
+    # The same shape at +60% pages.
+    assert any(evaluate(GeneralizationGapDetector(rise=0.25), _smooth_rise(1.60)))
+
+
+def test_noise_only_leaves_few_evals_and_the_material_rise_to_the_page() -> None:
+    # 5 evals (no noise estimate): a doubling with the training loss fallen tenfold is the
+    # page rule's; the noise-only rule says nothing before noise_evals evals.
+    points = [(1.0, 1.0), (0.5, 1.3), (0.3, 1.6), (0.1, 1.9), (0.1, 2.0)]
+    assert any(evaluate(GeneralizationGapDetector(rise=0.25), points))
+    assert not any(evaluate(GeneralizationGapDetector(noise_only=True), points))
+
+
+def test_a_non_finite_eval_loss_fires_until_an_eval_is_finite_again() -> None:
+    det = EvalLossNonFiniteDetector()
+    losses = [0.9, float("nan"), float("inf"), 0.8, float("nan")]
+    found = [
+        det.observe_eval(Eval(job="j", step=100 * (k + 1), time=0.0, loss=v))
+        for k, v in enumerate(losses)
+    ]
+    assert [f.active for f in found] == [False, True, True, False, True]
+    assert found[2].evidence["since_step"] == 200  # one episode from its first NaN eval
+    assert found[4].evidence["since_step"] == 500  # a new one after the finite eval
+    assert "step 300 is inf" in found[2].summary
+    # An eval without a loss says nothing.
+    assert not det.observe_eval(Eval(job="j", step=600, time=0.0, loss=None)).active

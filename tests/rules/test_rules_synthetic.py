@@ -24,7 +24,7 @@ EXPECTED = {
     "rising": ("LossRising", "lr_too_high", set()),
     "flat": ("LossFlatFromStart", "dead_pipeline", set()),
     "vanishing": ("GradientsVanished", "vanishing_gradients", set()),
-    "overfit": ("GeneralizationGap", "generalization_gap", set()),
+    "overfit": ("GeneralizationGap", "generalization_gap", {"ValidationLossRising"}),
     "saturation": ("ActivationsSaturated", "saturation", set()),
     "dead_relu": ("DeadReLUs", "dead_units", set()),
     "weight_runaway": ("WeightNormRunaway", "weight_runaway", set()),
