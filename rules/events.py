@@ -89,7 +89,7 @@ class ExtremeStepDetector:
         self,
         *,
         report: EventReport = "event",
-        window: Annotated[int, Field(ge=8)] = 128,
+        window: Annotated[int, Field(ge=8)] = 50,
         min_history: Annotated[int, Field(ge=4)] = 20,
         factor: Annotated[float, Field(gt=1.0)] = 100.0,
         over_max: Annotated[float, Field(ge=1.0)] = 10.0,
