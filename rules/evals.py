@@ -23,9 +23,9 @@ from typing import Annotated
 
 from pydantic import Field
 
-from gradwatch.rules.detector import INACTIVE, Finding, validated_params
+from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
 from gradwatch.rules.loss import finite_loss
-from gradwatch.rules.step import Eval, Step
+from gradwatch.rules.step import Eval, Step, nonfinite_layers
 
 # The evals' level: a median of 5 halves single-eval noise (1.2 / sqrt(5)) and still moves
 # within 3 evals of a real turn.
@@ -341,19 +341,34 @@ class EvalLossNonFiniteDetector:
     longer finite. The training loss may stay finite meanwhile (evaluation
     runs in another precision, on other inputs), so no training-side rule sees
     it: seen on a held-out real log (every one of its 7 evals NaN, no alert).
+    When the training side is non-finite too (its latest loss or gradient
+    norm; a GradScaler's overflow skip does not count), the eval only echoes
+    it: NonFiniteGradients owns that incident and says where it began, so this
+    stays quiet rather than page twice.
 
     Example::
 
-        EvalLossNonFiniteDetector().observe_eval(ev).active
+        det = EvalLossNonFiniteDetector()
+        det.observe(step)          # None: context only
+        det.observe_eval(ev).active
     """
 
     @validated_params
     def __init__(self) -> None:
         self._first: int | None = None  # the step of the episode's first non-finite eval
+        self._train_bad = False  # the latest training step was non-finite
+
+    def observe(self, step: Step) -> None:
+        """Remember whether the training side is finite; judged at the next eval."""
+        if is_amp_skip(step):
+            return
+        loss_bad = step.loss is not None and not math.isfinite(step.loss)
+        norm_bad = step.grad_norm is not None and not math.isfinite(step.grad_norm)
+        self._train_bad = loss_bad or norm_bad or bool(nonfinite_layers(step))
 
     def observe_eval(self, ev: Eval) -> Finding:
         """Judge one evaluation; see the class docstring."""
-        if ev.loss is None or math.isfinite(ev.loss):
+        if ev.loss is None or math.isfinite(ev.loss) or self._train_bad:
             self._first = None
             return INACTIVE
         if self._first is None:

@@ -14,7 +14,11 @@ from gradwatch.rules.evals import (
 from gradwatch.rules.step import Eval
 
 
-def train(det: GeneralizationGapDetector | ValTrainGapDetector, level: float, at: int) -> None:
+def train(
+    det: GeneralizationGapDetector | ValTrainGapDetector | EvalLossNonFiniteDetector,
+    level: float,
+    at: int,
+) -> None:
     for t in range(at - 50, at):
         assert det.observe(Step(job="j", step=t, time=0.0, loss=level)) is None  # context only
 
@@ -222,3 +226,13 @@ def test_a_non_finite_eval_loss_fires_until_an_eval_is_finite_again() -> None:
     assert "step 300 is inf" in found[2].summary
     # An eval without a loss says nothing.
     assert not det.observe_eval(Eval(job="j", step=600, time=0.0, loss=None)).active
+
+
+def test_a_non_finite_eval_after_non_finite_training_is_left_to_the_training_rule() -> None:
+    # Training went NaN first: the NaN eval only echoes it (NonFiniteGradients owns it).
+    det = EvalLossNonFiniteDetector()
+    train(det, float("nan"), 100)
+    assert not det.observe_eval(Eval(job="j", step=100, time=0.0, loss=float("nan"))).active
+    # Training finite again (a rollback), the eval still NaN: the evaluation's own problem.
+    train(det, 0.7, 200)
+    assert det.observe_eval(Eval(job="j", step=200, time=0.0, loss=float("nan"))).active
