@@ -141,13 +141,19 @@ class Engine:
             i for i, inputs in enumerate(self._inputs) if "observe_liveness" in inputs
         ]
         # Positions in _rank_rules of the rules observe_early() may fire: the non-finite
-        # detector without a ``for`` (a NaN is a one-step catastrophe, paged on arrival).
+        # detector without a ``for`` (a NaN is a one-step catastrophe, paged on arrival),
+        # notifying only. An early page runs ahead of messages that arrived before its
+        # batch; an action on the job (a rollback) must see them all first, above all
+        # the checkpoint reports it rolls back to (CI: a rollback refused for
+        # "no checkpoint" whose checkpoint event sat in the inbox), so such a rule pages
+        # when its batch is handled in turn.
         self._early_rules = [
             position
             for position, i in enumerate(self._rank_rules)
             if isinstance(self.rules[i].make_detector(), NonFiniteDetector)
             and self._alert_rules[i].for_seconds in (None, 0)
             and self._alert_rules[i].for_steps <= 1
+            and set(self.rules[i].actions) <= {"notify"}
         ]
         self._clock = clock
         self._ranks: dict[tuple[str, int | None], _RankState] = {}  # None: assembled records

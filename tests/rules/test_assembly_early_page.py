@@ -9,6 +9,7 @@ rank the assembly blames.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -128,6 +129,22 @@ groups:
     job.add(report(3, 0, loss=NAN))
     job.add(report(3, 1, loss=NAN))
     assert [t.current for t in job.transitions] == ["firing"]  # its `for` still counts
+
+
+def test_a_rule_that_acts_on_the_job_pages_in_turn_not_early() -> None:
+    # A rollback must see every message that arrived before the NaN's batch (the checkpoint
+    # report it rolls back to above all), so its rule never pages ahead of them: the
+    # default NaN rule, configured to roll back as operations.md shows.
+    rules = [
+        replace(r, actions=("notify", "rollback")) if r.detector == "nonfinite" else r
+        for r in load_default_rules()
+    ]
+    engine = Engine(rules, clock=Clock())
+    assert engine.observe_early(report(2, 1, loss=NAN), whole=False) == []
+    job = Job(engine)
+    job.add(report(2, 0, loss=NAN))
+    job.add(report(2, 1, loss=NAN))
+    assert job.numerical()[0][1] == "firing"  # in turn, as before
 
 
 def test_a_finite_report_or_an_incident_already_firing_pages_nothing() -> None:
