@@ -25,7 +25,8 @@ from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
 from gradwatch.rules.loss import finite_loss
-from gradwatch.rules.step import Eval, Step, nonfinite_layers
+from gradwatch.rules.nonfinite import NonFiniteDetector
+from gradwatch.rules.step import Eval, Step
 
 # The evals' level: a median of 5 halves single-eval noise (1.2 / sqrt(5)) and still moves
 # within 3 evals of a real turn.
@@ -356,15 +357,17 @@ class EvalLossNonFiniteDetector:
     @validated_params
     def __init__(self) -> None:
         self._first: int | None = None  # the step of the episode's first non-finite eval
+        # The training side as NonFiniteGradients judges it: its own detector, so the two
+        # rules agree on what "non-finite training" is.
+        self._training = NonFiniteDetector()
         self._train_bad = False  # the latest training step was non-finite
 
     def observe(self, step: Step) -> None:
         """Remember whether the training side is finite; judged at the next eval."""
         if is_amp_skip(step):
             return
-        loss_bad = step.loss is not None and not math.isfinite(step.loss)
-        norm_bad = step.grad_norm is not None and not math.isfinite(step.grad_norm)
-        self._train_bad = loss_bad or norm_bad or bool(nonfinite_layers(step))
+        found = self._training.observe(step)
+        self._train_bad = found is not None and found.active
 
     def observe_eval(self, ev: Eval) -> Finding:
         """Judge one evaluation; see the class docstring."""
