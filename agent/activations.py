@@ -330,13 +330,23 @@ class ActHooks:
             found = found[:max_modules]
         return cls(found, device, on_error) if found else None
 
-    def arm(self) -> None:
-        """Register the hooks for the next forward pass (a cadence step's)."""
+    def arm(self, phase: int = 0, phases: int = 1) -> None:
+        """Register the hooks of ``phase``'s modules for the next forward pass.
+
+        A cadence sample measured over ``phases`` steps (agent/weightstats.py)
+        hooks each module on one of them: module ``i`` of ``n`` on phase
+        ``i * phases // n``, so no forward pays every hook. Phase 0 starts a sample:
+        a module that does not run in it stays MISSING.
+        """
         if self._handles:
             return
-        fill_missing(self.values)  # a module that does not run stays MISSING
+        if phase == 0:
+            fill_missing(self.values)
         self.armed = True  # before registering: a failure halfway still gets disarmed
-        for target, hook in self._hooks:
+        n = len(self._hooks)
+        for i, (target, hook) in enumerate(self._hooks):
+            if i * phases // n != phase:
+                continue
             if target.on_input:
                 self._handles.append(target.module.register_forward_pre_hook(hook))
             else:
@@ -348,12 +358,10 @@ class ActHooks:
         self.armed = False
 
     def snapshot(self) -> torch.Tensor:
-        """The statistics [mean, std(, share)] per module (device), queued, no sync: the
-        values vector is reused at the next arm."""
+        """The statistics [mean, std(, share)] per module (device) measured since the
+        sample's phase 0, queued, no sync; the values start over as MISSING."""
         out = self.values.clone()
-        if not self._handles:
-            fill_missing(out)  # not armed for this step's forward: nothing was measured
-            return out
+        fill_missing(self.values)
         mean, square = out[self._mean_at], out[self._square_at]
         std = (square - mean * mean).clamp_min_(0.0).sqrt_()
         # A module that did not run keeps MISSING (its NaN bits), not a computed NaN.

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from gradwatch.agent.activations import hook_transient_bytes
 from gradwatch.agent.config import AgentConfig
-from gradwatch.agent.weightstats import MAX_PHASES, SAMPLE
+from gradwatch.agent.updateratios import SAMPLE
+from gradwatch.agent.weightstats import MAX_PHASES
 
 F32 = 4
 # Allocator rounding, 0-d results of the fused norms, views: a fixed allowance.

@@ -81,6 +81,7 @@ class Failsafe:
     _acts: ActHooks | None
     _cadence: Cadence
     _stats_now: bool
+    _spread_phase: int | None
     _wstats: WeightStats | None
     _pending: Rollback | None
     _command_ready: threading.Event

@@ -44,7 +44,7 @@ from gradwatch.agent.failsafe import describe, to_host_async
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached
 from gradwatch.agent.items import StatsItem
-from gradwatch.agent.layout import HostValue, Later
+from gradwatch.agent.layout import HostValue, Later, fill_missing
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rollback_exit import RollbackExit
 from gradwatch.agent.rowplan import RowPlan
@@ -112,9 +112,7 @@ class StepRecorder(RollbackExit):
         if self.config.stats_every and self._scratch is None:
             self._wstats = self._weight_stats()
         if self._wstats is not None:
-            self._stats_now = self._cadence.due(self._step + 1)
-            if self._acts is not None and self._stats_now:
-                self._acts.arm()  # the first step is a cadence step
+            self._next_sample(self._wstats)  # the first step may be a cadence step
 
     def _weight_stats(self) -> WeightStats | None:
         """Cadence weight statistics over the reader's parameters (after a recovery, the
@@ -186,10 +184,12 @@ class StepRecorder(RollbackExit):
             self._cadence.force_next()
         if self._cadence.take_forced():
             self._stats_now = True  # forced during this step: it is a cadence step
-        if self._stats_now and self.config.update_ratios and self._wstats is not None:
-            # A cadence step's update ratios; without an optimizer the after-gather comes
-            # a forward and backward pass later, so no views are kept for it.
-            self._wstats.sample_before(keep_views=not self._manual)
+        ws = self._wstats
+        if self._stats_now and self.config.update_ratios and ws is not None:
+            # A cadence step's update ratios, of the group its sample measures now;
+            # without an optimizer the after-gather comes a forward and backward pass
+            # later, so no views are kept for it.
+            ws.sample_before(keep_views=not self._manual, group=self._carried_phase())
 
     def _read_grads(self) -> None:
         """Read this step's gradient norms into the open row; after a failure caused by a
@@ -273,15 +273,8 @@ class StepRecorder(RollbackExit):
                         optional=True,
                     )
                 )
-        cadence, step = self._cadence, self._step + 1
-        self._stats_now = (cadence.forced or step >= cadence.next_step) and cadence.due(step)
-        acts = self._acts
-        if acts is not None and (self._stats_now or acts.armed):
-            # Hooks live only for a cadence step's forward pass: armed now when
-            # the next step is one, removed here at its log().
-            acts.disarm()
-            if self._stats_now:
-                acts.arm()
+        if self._wstats is not None:
+            self._next_sample(self._wstats)
 
     def _general_row(
         self, scalars: dict[str, Scalar], skipped: float, lrs: list[Any] | None
@@ -340,27 +333,69 @@ class StepRecorder(RollbackExit):
         )
         return host_row
 
+    def _next_sample(self, ws: WeightStats) -> None:
+        """Decide whether the next step carries cadence statistics, and which phase of a
+        spread sample; arm the activation hooks for its forward pass.
+
+        A sample is measured whole on its step where samples come close together
+        (the dense start, agent/cadence.py), and spread over its phases
+        (agent/weightstats.py) where the next is at least that many steps away: the
+        same statistics, while no step pays more than a share of them.
+        """
+        last = ws.waiting[-1] if ws.waiting else None
+        if last is not None and last.spread:
+            # The next step carries the next phase; the schedule waits until it is done.
+            self._stats_now, self._spread_phase = True, last.phase
+        else:
+            cadence, step = self._cadence, self._step + 1
+            self._stats_now = (cadence.forced or step >= cadence.next_step) and cadence.due(step)
+            far = self._stats_now and cadence.next_step - step >= ws.phases > 1
+            self._spread_phase = 0 if far else None
+        acts = self._acts
+        if acts is not None and (self._stats_now or acts.armed):
+            # Hooks live only for a cadence step's forward pass: armed now when
+            # the next step is one, removed here at its log().
+            acts.disarm()
+            if self._stats_now:
+                if self._spread_phase is None:
+                    acts.arm()
+                else:
+                    acts.arm(self._spread_phase, ws.phases)
+
+    def _carried_phase(self) -> int | None:
+        """The phase of the spread sample the running step carries; None for a sample
+        measured whole, or when its sample was dropped (a recovery, a takeover)."""
+        phase, ws = self._spread_phase, self._wstats
+        if phase and (ws is None or not ws.waiting or not ws.waiting[-1].spread):
+            return None
+        return phase
+
     def _cadence_work(self, now: float) -> None:
-        """A cadence step measures what only it can see (activations of its forward,
-        update ratios of its update); its weight norms are read a slice per step
-        (agent/weightstats.py), so no step pays them whole, and it ships once they are."""
+        """A cadence sample measures what only its steps can see (activations of their
+        forwards, update ratios of their updates) and the weight norms, read a slice per
+        step (agent/weightstats.py) so no step pays them whole; it ships when complete."""
         ws = self._wstats
         assert ws is not None
-        if not self._stats_now:
-            done = ws.advance()
-        else:
-            self._stats_now = False
+        stats, phase = self._stats_now, self._carried_phase()
+        self._stats_now = False
+        if stats and not phase:  # a sample starts at this step: whole, or phase 0
             columns: tuple[str, ...] = ()
-            parts: list[torch.Tensor] = []
             acts = self._acts
             if acts is not None:
                 columns = acts.columns
-                parts.append(acts.snapshot())
+            n_acts = len(columns)
             if self.config.update_ratios:
                 columns = (*columns, *self._ratio_columns)
-                parts.append(ws.ratios())
-            done = ws.begin(self._step, now, columns, parts)
-        for sample in done:
+            started = ws.begin(
+                self._step, now, columns, n_acts, self.config.update_ratios, phase == 0
+            )
+            if acts is not None and phase is None:
+                started.acts = acts.snapshot()  # before a later sample's hooks overwrite them
+        if stats:
+            current = ws.waiting[-1]
+            if current.ratios is not None:
+                ws.ratios(phase, out=current.ratios)
+        for sample in ws.advance():
             self._queue_stats(sample)
 
     def _queue_stats(self, done: Round) -> None:
@@ -369,8 +404,21 @@ class StepRecorder(RollbackExit):
         assert values is not None
         if self._scales is not None and self._scales.numel() == values.numel():
             values = values * self._scales
-        if done.parts:
-            values = torch.cat((*done.parts, values))
+        parts: list[torch.Tensor] = []
+        if done.acts is not None:
+            parts.append(done.acts)
+        elif done.n_acts:
+            acts = self._acts
+            if acts is not None and len(acts.columns) == done.n_acts:
+                parts.append(acts.snapshot())  # a spread sample's, measured over its phases
+            else:  # switched off during the sample (a hook failed)
+                missing = torch.empty(done.n_acts, device=values.device)
+                fill_missing(missing)
+                parts.append(missing)
+        if done.ratios is not None:
+            parts.append(done.ratios)
+        if parts:
+            values = torch.cat((*parts, values))
         values, ready = to_host_async(values)
         try:
             self._work.put_nowait(

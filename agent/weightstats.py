@@ -5,19 +5,8 @@ at once on one step: the weight norms (one read of every parameter) and the
 update ratios ``||dw|| / ||w||`` (a transient copy of every trainable
 parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
 
-* **Update ratios from a fixed sample.** At attach, each parameter gets a
-  fixed strided sample of 1/64 of its elements, at least 1,024 and at most
-  ``SAMPLE`` (4,096) (stride coprime to its
-  last dimension, so a sample walks across rows and columns; a random but
-  seeded offset). The optimizer step pre-hook of a cadence step gathers the
-  samples into one preallocated buffer (one ``cat``), ``log()`` gathers them
-  again after the update, and the ratio is ``||after - before|| / ||after||``
-  over the sample: an estimate of the exact ratio whose error shrinks as
-  ``1/sqrt(SAMPLE)`` for updates spread over the tensor (tests/agent/
-  test_agent_cost.py measures it). Extra memory: two buffers of at most
-  ``SAMPLE`` elements per tensor, whatever the model's size (3.1% of any tensor
-  of 64k elements or more). A tensor of 1,024 elements or fewer is sampled
-  whole, so its ratio is exact.
+* **Update ratios from a fixed sample** (agent/updateratios.py): at most
+  ``SAMPLE`` elements per tensor, whatever the model's size.
 * **Weight norms spread over steps.** The parameters' flattened element space
   is cut into at most ``MAX_PHASES`` ranges of about equal size (cutting
   through tensors); while a sample waits, one range is read per step, in
@@ -28,6 +17,11 @@ parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
   moved them (an update ratio of ~1e-3 per step), while no step pays more
   than ``1/MAX_PHASES`` of a full read. A model under ``MIN_PHASE_ELEMENTS``
   per phase is read in one step, exactly.
+* **The rest of a sample on the same steps.** The update ratios are measured
+  a group of layers per phase (``Round.phase``: the monitor passes it to
+  ``sample_before`` and ``ratios``), and the activation hooks a group of
+  modules per phase (agent/activations.py), so a sample's whole cost is
+  spread over its phases instead of landing on its first step.
 
 Nothing here reads a device value on the host. Views onto the parameters are
 made anew on each use: a loop (or FSDP) may swap a parameter's storage.
@@ -47,38 +41,34 @@ Example::
 from __future__ import annotations
 
 import math
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gradwatch.agent.gradients import GradReader, local
-from gradwatch.agent.layout import MISSING_I32, fill_missing
+from gradwatch.agent.layout import fill_missing
+from gradwatch.agent.updateratios import NARROW, SAMPLE, RatioSampler, flat_view, weights_of
 
-# Elements sampled per parameter for its update ratio (see the module docstring):
-# 1/SAMPLE_SHARE of it, at least MIN_SAMPLE (smaller tensors whole) and at most SAMPLE.
-SAMPLE = 4096
-MIN_SAMPLE = 1024
-SAMPLE_SHARE = 64
 # A round reads the weights over at most this many steps.
 MAX_PHASES = 8
 # Below this many elements per phase the per-step Python cost outweighs the read saved.
 MIN_PHASE_ELEMENTS = 1 << 17
-# Update ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
-_TINY = 1e-30
-_NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 @dataclass
 class Round:
-    """One cadence sample waiting for its weight norms: what was measured at its step."""
+    """One cadence sample, measured over its phases: what it has gathered so far."""
 
     step: int
     time: float
     columns: tuple[str, ...]
-    parts: list[torch.Tensor]
     left: int  # phases still to read before its norms are complete
+    n_acts: int = 0  # its first columns are activation statistics (agent/activations.py)
+    ratios: torch.Tensor | None = None  # per-layer update ratios, filled a group per phase
+    spread: bool = False  # measured a group per phase (else whole on its first step)
+    acts: torch.Tensor | None = None  # the activation statistics, once taken
+    phase: int = 0  # phases read so far: the group the next step measures
     norms: torch.Tensor | None = None  # the per-layer weight norms, once complete
 
 
@@ -95,49 +85,17 @@ class WeightStats:
     ) -> None:
         self._reader = reader
         self._device = reader.device
-        weights = self._weights()
-        rng = random.Random(seed)
-        # Per parameter: (offset, stride, count) of its sample, or None (no flat view).
-        self._samples: list[tuple[int, int, int] | None] = []
-        counts: list[int] = []
-        for w in weights:
-            spec = _sample_spec(w, sample, rng) if _flat(w) is not None else None
-            if spec is None and w.numel() > sample:
-                counts.append(0)  # an unusual memory layout: no ratio (MISSING), no copy
-            else:
-                spec = spec or (0, 1, w.numel())
-                counts.append(spec[2])
-            self._samples.append(spec if counts[-1] else None)
-        self._counts = counts
-        self.sample_elements = sum(counts)
-        self._unsampled = torch.tensor(
-            [
-                i
-                for i, (w, c) in enumerate(zip(weights, counts, strict=True))
-                if c == 0 and w.numel()
-            ],
-            dtype=torch.long,
-            device=self._device,
-        )
-        dtypes = {w.dtype for w in weights}
-        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
-        self._after = torch.empty_like(self._before)
-        # Each layer's part of both buffers, cut once: one fused norm reads them all.
-        self._parts = [*self._before.split(counts), *self._after.split(counts)]
-        self._any_unsampled = bool(self._unsampled.numel())
-        self._have_before = False
-        # The strided views of the pre-hook's gather and the parameters' data pointers then:
-        # read again by the after-gather of the same step (views cost ~3 us each to make),
-        # then dropped: held only across the optimizer step, never a forward pass.
-        self._views: list[torch.Tensor] | None = None
-        self._pointers: list[int] = []
+        weights = weights_of(reader)
         self._plan_phases(weights, max_phases, min_phase_elements)
+        # The update ratios, in as many groups as there are phases.
+        self.ratio = RatioSampler(reader, sample, groups=self.phases, seed=seed)
+        self.sample_elements = self.ratio.sample_elements
+        self._n_layers = len(weights)
         # float32/16 weights on the reader's device, not sharded: a phase's slices are
         # one strided view each and one fused norm (dtype or device changes make a
         # new WeightStats, agent/recovery.py).
         self._plain = not (reader.sharded or reader.multi_device) and all(
-            w.dtype in _NARROW and w.device == self._device for w in weights
+            w.dtype in NARROW and w.device == self._device for w in weights
         )
         # The latest norm of each slice (read in rotation) and the samples waiting on them.
         self._partials = torch.zeros(self._n_slices, dtype=torch.float32, device=self._device)
@@ -158,7 +116,7 @@ class WeightStats:
         room = target
         for i, w in enumerate(weights):
             n = w.numel()
-            if _flat(w) is None:
+            if flat_view(w) is None:
                 plan[-1].append((i, 0, None))
                 room -= n
             else:
@@ -191,90 +149,20 @@ class WeightStats:
 
     # ------------------------------------------------------------ update ratios
 
-    def sample_before(self, keep_views: bool = True) -> None:
-        """Gather each parameter's sample before the optimizer updates it (pre-hook).
+    def sample_before(self, keep_views: bool = True, group: int | None = None) -> None:
+        """Gather ``group``'s update-ratio samples (None: all) before the update;
+        see ``RatioSampler.sample_before``."""
+        self.ratio.sample_before(group, keep_views)
 
-        ``keep_views``: keep the gather's views for the after-update gather. Only when
-        that comes within the same step (the optimizer's pre-hook, then ``log()``): a
-        hand-written update (no optimizer) samples at the end of one ``log()`` and
-        after the next, and views held that long would keep storage the loop replaced
-        (``p.data = p.data - lr * p.grad``) alive through a forward and backward pass.
-        """
-        with torch.no_grad():
-            views = self._gather(self._before)
-        self._views = views if keep_views else None
-        if self._views is not None:
-            self._pointers = [p.data_ptr() for p in self._reader.params]
-        self._have_before = True
-
-    def ratios(self) -> torch.Tensor:
-        """Per-layer update ratio over the samples (after the update); MISSING without a
-        ``sample_before`` since the last call (the optimizer step was skipped)."""
-        n = len(self._counts)
-        out = torch.empty(n, dtype=torch.float32, device=self._device)
-        if not self._have_before:
-            fill_missing(out)
-            return out
-        self._have_before = False
-        views, self._views = self._views, None
-        with torch.no_grad():
-            if views is not None and [p.data_ptr() for p in self._reader.params] == self._pointers:
-                torch.cat(views, out=self._after)  # the same elements, after the update
-            else:
-                # No views kept, or a parameter got new storage during the step (an
-                # update written as p.data = ..., a cast): gather from the parameters now.
-                self._gather(self._after)
-            self._before.sub_(self._after)
-            # float64 weights (model.double()) cannot be normed into float32 directly:
-            # norm in their own dtype, then narrow the per-layer results.
-            dtype = torch.float32 if self._before.dtype in _NARROW else None
-            # ||moved|| of every layer, then ||after||: one fused read of both buffers.
-            both = torch.stack(torch._foreach_norm(self._parts, 2, dtype=dtype))
-            torch.div(both[:n], both[n:].clamp_min_(_TINY), out=out)
-            if self._any_unsampled:
-                out.view(torch.int32).index_fill_(0, self._unsampled, MISSING_I32)
-        return out
+    def ratios(self, group: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``group``'s update ratios (None: all) after the update; see
+        ``RatioSampler.ratios``."""
+        return self.ratio.ratios(group, out)
 
     def drop(self) -> None:
         """Forget a pending before-sample and the waiting samples (switching off)."""
-        self._have_before = False
-        self._views = None
+        self.ratio.drop()
         self.waiting = []
-
-    def _gather(self, into: torch.Tensor) -> list[torch.Tensor] | None:
-        """Gather every sample into ``into`` (one ``cat``); called under ``no_grad``.
-
-        Returns the views read when they are plain strided views of the parameters
-        (the usual case), which a second gather of the same step may reuse."""
-        reader = self._reader
-        if not (reader.sharded or reader.multi_device):
-            # One strided view per parameter, made anew (the storage may have been
-            # swapped) but in one call: on a cold cache each call costs microseconds.
-            views = []
-            for param, spec in zip(reader.params, self._samples, strict=True):
-                if spec is None:
-                    continue
-                if not param.is_contiguous():
-                    break  # channels_last and the like: the general path below
-                offset, stride, count = spec
-                views.append(param.as_strided((count,), (stride,), param.storage_offset() + offset))
-            else:
-                if views:
-                    torch.cat(views, out=into)
-                return views
-        views = []
-        for w, spec in zip(self._weights(), self._samples, strict=True):
-            if spec is None:
-                continue
-            offset, stride, count = spec
-            flat = _flat(w)
-            view = w if flat is None else flat[offset::stride][:count]
-            if view.device != self._device:
-                view = view.to(self._device, non_blocking=True)
-            views.append(view)
-        if views:
-            torch.cat(views, out=into)
-        return None
 
     # ------------------------------------------------------------ weight norms
 
@@ -284,18 +172,31 @@ class WeightStats:
         return bool(self.waiting)
 
     def begin(
-        self, step: int, time: float, columns: tuple[str, ...], parts: list[torch.Tensor]
-    ) -> list[Round]:
-        """Queue a cadence step's sample and read one phase; return the samples complete now.
+        self,
+        step: int,
+        time: float,
+        columns: tuple[str, ...],
+        n_acts: int,
+        ratios: bool,
+        spread: bool = False,
+    ) -> Round:
+        """Queue a cadence step's sample; ``advance`` then reads a phase per step.
 
         Phases are read in rotation into one vector of slice norms that every
         waiting sample shares: a sample is complete once a full rotation has
-        been read since its step. Samples closer together than ``phases`` steps
-        (the dense early cadence) thus share reads, and no step reads more than
-        one phase.
+        been read since its step, so samples closer together than ``phases``
+        steps share reads, and no step reads more than one phase. ``ratios``:
+        the sample carries update ratios (its ``ratios`` vector, MISSING until a
+        group's are measured); ``spread``: they and the activations are measured
+        a group per phase (the monitor starts no other sample until it is complete).
         """
-        self.waiting.append(Round(step, time, columns, parts, self.phases))
-        return self.advance()
+        vector = None
+        if ratios:
+            vector = torch.empty(self._n_layers, dtype=torch.float32, device=self._device)
+            fill_missing(vector)
+        started = Round(step, time, columns, self.phases, n_acts, vector, spread)
+        self.waiting.append(started)
+        return started
 
     def advance(self) -> list[Round]:
         """Read the next phase if a sample waits; return the samples it completes."""
@@ -306,6 +207,7 @@ class WeightStats:
         self._next_phase = (self._next_phase + 1) % self.phases
         for waiting in self.waiting:
             waiting.left -= 1
+            waiting.phase += 1
         return self._complete()
 
     def finish(self) -> list[Round]:
@@ -325,7 +227,7 @@ class WeightStats:
             return []
         self.waiting = [w for w in self.waiting if w.left > 0]
         with torch.no_grad():
-            norms = torch.zeros(len(self._counts), dtype=torch.float32, device=self._device)
+            norms = torch.zeros(self._n_layers, dtype=torch.float32, device=self._device)
             norms.index_add_(0, self._slice_layer, self._partials.square())
             norms.sqrt_()
         for sample in done:
@@ -357,10 +259,10 @@ class WeightStats:
             w: torch.Tensor = params[i]
             if self._reader.sharded:
                 w = local(w)
-            flat = None if stop is None else _flat(w)
+            flat = None if stop is None else flat_view(w)
             # The plan cuts only tensors that have a flat view (_plan_phases).
             slices.append(w if flat is None else flat[start:stop])
-        if any(t.dtype not in _NARROW or t.device != self._device for t in slices):
+        if any(t.dtype not in NARROW or t.device != self._device for t in slices):
             # float64, or model parallel: normed in their own precision and place,
             # then cast and moved: still no sync.
             norms = [
@@ -370,31 +272,3 @@ class WeightStats:
         else:
             norms = torch._foreach_norm(slices, 2, dtype=torch.float32)
         torch.stack(norms, out=self._partial_views[phase])
-
-    def _weights(self) -> list[torch.Tensor]:
-        return [local(p).detach() for p in self._reader.params]
-
-
-def _flat(w: torch.Tensor) -> torch.Tensor | None:
-    """A 1-D view of ``w``'s elements in memory order, or None when it has none."""
-    if w.is_contiguous():
-        return w.view(-1)
-    if w.dim() == 4 and w.is_contiguous(memory_format=torch.channels_last):
-        return w.permute(0, 2, 3, 1).reshape(-1)  # a view: that order is contiguous
-    return None
-
-
-def _sample_spec(w: torch.Tensor, sample: int, rng: random.Random) -> tuple[int, int, int]:
-    """(offset, stride, count) of a strided sample: a 1/SAMPLE_SHARE share of ``w``,
-    at least MIN_SAMPLE elements (fewer: the whole tensor) and at most ``sample``."""
-    n = w.numel()
-    sample = min(sample, max(MIN_SAMPLE, n // SAMPLE_SHARE))
-    if n <= sample:
-        return 0, 1, n
-    stride = n // sample
-    row = w.shape[-1] if w.dim() > 1 else 1
-    while math.gcd(stride, row) > 1:
-        stride += 1  # coprime to the row length: the sample visits every column
-    offset = rng.randrange(stride)
-    count = min(sample, (n - 1 - offset) // stride + 1)
-    return offset, stride, count

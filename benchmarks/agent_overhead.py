@@ -27,7 +27,8 @@ steadier than step times on a busy machine) as p50 / p99 / max / mean, and
 its ratio to the fused read timed the same way in the same run, both in wall
 time and in the training thread's own CPU time (``time.thread_time``: what
 it executed, without the time the OS gave other processes); the agent's
-CPU time per kind of step (plain, flush, cadence, weight-norm slice); then
+CPU time per kind of step (plain, flush, cadence, a spread sample's later phase,
+weight-norm slice); then
 the agent's extra memory: what ``watch()`` keeps allocated plus the peak of
 what its calls allocate over a run of cadence steps (torch profiler, CPU
 tensors; ``torch.cuda.max_memory_allocated`` on CUDA, see
@@ -261,6 +262,8 @@ def make_step(
         kind = variant
         if mon is not None:
             cadence = mon._stats_now or mon._cadence.forced
+            # A later phase of a sample spread over several steps (agent/weightstats.py).
+            phase = mon._stats_now and bool(mon._spread_phase)
             slicing = mon._wstats is not None and mon._wstats.busy
         opt.step()
         if bare is not None:
@@ -268,7 +271,17 @@ def make_step(
         if mon is not None:
             mon.log(loss=loss)
             flushed = not mon._buffer._steps  # a flush hands the open segment over
-            kind = "cadence" if cadence else "flush" if flushed else "slice" if slicing else "plain"
+            kind = (
+                "phase"
+                if phase
+                else "cadence"
+                if cadence
+                else "flush"
+                if flushed
+                else "slice"
+                if slicing
+                else "plain"
+            )
         elif variant == "naive":
             sink[:] = [p.grad.norm().item() for p in params]
             sink.append(loss.item())

@@ -62,7 +62,12 @@ import gradwatch
 from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
 
-VARIANTS = ("baseline", "agent", "read", "naive")
+# agent: the default schedule (the dense start of a run, from its 21st step);
+# agent_s50: the schedule of the rest of a run (early_stats=False, a sample every 50).
+VARIANTS = ("baseline", "agent", "agent_s50", "read", "naive")
+# The sync check's second window: samples far enough apart to be spread over their
+# phases (agent/weightstats.py), one step of a sample on most steps.
+SPARSE = {"stats_every": 10, "early_stats": False}
 
 
 # ---------------------------------------------------------------- workloads
@@ -162,16 +167,31 @@ for _name in (
 class Runner:
     """One model copy, one variant, one precision; ``step()`` runs a training step."""
 
-    def __init__(self, work: Workload, variant: str, amp: bool, endpoint: str, device: str) -> None:
+    def __init__(
+        self,
+        work: Workload,
+        variant: str,
+        amp: bool,
+        endpoint: str,
+        device: str,
+        schedule: dict[str, Any] | None = None,
+    ) -> None:
         self.model = copy.deepcopy(work.model)
         self.opt = work.make_opt(self.model)
         self.work, self.variant, self.amp, self.device = work, variant, amp, device
         self.scaler = torch.amp.GradScaler(device) if amp else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.mon = None
-        if variant == "agent":
+        if variant.startswith("agent"):
+            if schedule is None:
+                schedule = {"early_stats": variant == "agent"}
             self.mon = gradwatch.watch(
-                self.model, self.opt, job=f"sync-{work.name}", endpoint=endpoint, scaler=self.scaler
+                self.model,
+                self.opt,
+                job=f"sync-{work.name}",
+                endpoint=endpoint,
+                scaler=self.scaler,
+                **schedule,
             )
         self.sink: list[float] = []
         self.row = torch.empty(len(self.params), dtype=torch.float32, device=device)
@@ -233,10 +253,14 @@ def loop_itself_syncs(work: Workload, amp: bool, endpoint: str, device: str) -> 
         torch.cuda.set_sync_debug_mode("default")
 
 
-def sync_check(work: Workload, amp: bool, endpoint: str, device: str, steps: int) -> bool:
-    label = f"{work.name}/{'amp-fp16' if amp else 'fp32'}"
+def sync_check(
+    work: Workload, amp: bool, endpoint: str, device: str, steps: int, sparse: bool = False
+) -> bool:
+    """``sparse``: samples every 10 steps, each spread over its phases; else the dense
+    early cadence (a whole sample on each of the window's first 8 steps)."""
+    label = f"{work.name}/{'amp-fp16' if amp else 'fp32'}/{'spread' if sparse else 'dense'}"
     scoped = loop_itself_syncs(work, amp, endpoint, device)
-    runner = Runner(work, "agent", amp, endpoint, device)
+    runner = Runner(work, "agent", amp, endpoint, device, SPARSE if sparse else None)
     for i in range(20):  # warm-up: allocator, cuBLAS handles, pinned host buffers
         runner.step(overflow=amp and i == 10)
     if device == "cuda":
@@ -251,7 +275,8 @@ def sync_check(work: Workload, amp: bool, endpoint: str, device: str, steps: int
         if device == "cuda" and not scoped:
             torch.cuda.set_sync_debug_mode("error")
         _SCOPED.on = device == "cuda" and scoped
-        runner.mon.data_changed("sync check")  # dense cadence again, inside the window
+        if not sparse:
+            runner.mon.data_changed("sync check")  # dense cadence again, inside the window
         for i in range(steps):
             runner.step(overflow=amp and i % 7 == 3)
         runner.mon.checkpoint_saved(runner.mon.step, "ckpt/check.pt")
@@ -264,8 +289,10 @@ def sync_check(work: Workload, amp: bool, endpoint: str, device: str, steps: int
             torch.cuda.set_sync_debug_mode("default")
     stats = runner.mon.stats
     ok = error is None and pinned and stats.disabled is None and stats.steps_logged == steps + 20
+    wstats = runner.mon._wstats
+    phases = wstats.phases if wstats is not None else 0
     print(
-        f"  {'PASS' if ok else 'FAIL'}  {label:<22} error mode on: {scope}; "
+        f"  {'PASS' if ok else 'FAIL'}  {label:<29} error mode on: {scope}; {phases} phases; "
         f"{stats.steps_logged} steps logged, {stats.steps_sent} sent, "
         f"{stats.steps_dropped} dropped"
     )
@@ -397,7 +424,8 @@ def main() -> int:
         print("\nsync check (torch.cuda.set_sync_debug_mode('error')):")
         for work in works:
             for amp in precisions:
-                ok &= sync_check(work, amp, endpoint, device, max(steps // 2, 30))
+                for sparse in (False, True):
+                    ok &= sync_check(work, amp, endpoint, device, max(steps // 2, 30), sparse)
         print("\nmemory (fp32, the first steps from watch(): the dense early cadence):")
         for work in works:  # on CPU the profiler records every op: fewer steps
             memory(work, endpoint, device, steps=40 if device == "cuda" else 10)

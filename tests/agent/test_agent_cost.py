@@ -9,7 +9,8 @@ from torch import nn
 import gradwatch
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.gradients import GradReader
-from gradwatch.agent.weightstats import MIN_SAMPLE, WeightStats
+from gradwatch.agent.updateratios import MIN_SAMPLE
+from gradwatch.agent.weightstats import WeightStats
 
 # The sampled update ratio is within this relative error of the exact one ...
 RATIO_TOLERANCE = 0.10
@@ -158,11 +159,13 @@ def test_weight_norms_read_over_several_phases_equal_the_exact_norms() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     ws = WeightStats(GradReader.attach(model, opt), max_phases=5, min_phase_elements=1000)
     assert ws.phases == 5
-    done = ws.begin(1, 0.0, (), [])
+    ws.begin(1, 0.0, (), 0, False)
+    done = ws.advance()
     steps = 1
     while not done:
-        later = ws.begin(steps + 1, 0.0, (), []) if steps == 2 else ws.advance()
-        done = later
+        if steps == 2:
+            ws.begin(3, 0.0, (), 0, False)
+        done = ws.advance()
         steps += 1
     assert steps == 5  # one phase per step, each a fifth of the elements or less
     assert [d.step for d in done] == [1] and ws.busy  # step 3's sample waits on

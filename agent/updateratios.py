@@ -1,0 +1,264 @@
+"""Update ratios ``||dw|| / ||w||`` from a fixed sample of each parameter, a group per step.
+
+At attach, each parameter gets a fixed strided sample of 1/64 of its elements,
+at least 1,024 and at most ``SAMPLE`` (4,096) (stride coprime to its last
+dimension, so a sample walks across rows and columns; a random but seeded
+offset). Before the optimizer updates the parameters the samples are gathered
+into one preallocated buffer (one ``cat``), after it again, and the ratio is
+``||after - before|| / ||after||`` over the sample: an estimate of the exact
+ratio whose error shrinks as ``1/sqrt(SAMPLE)`` for updates spread over the
+tensor (tests/agent/test_agent_cost.py measures it). Extra memory: two buffers
+of at most ``SAMPLE`` elements per tensor, whatever the model's size (3.1% of
+any tensor of 64k elements or more). A tensor of 1,024 elements or fewer is
+sampled whole, so its ratio is exact.
+
+The parameters are cut into ``groups`` consecutive runs of about equal sample
+size, so a cadence sample can measure one group per step over as many steps as
+its weight norms take (agent/weightstats.py): no step pays the gathers of the
+whole model. A group's ratio is still one step's update, before and after.
+
+Nothing here reads a device value on the host.
+
+Example::
+
+    >>> import torch
+    >>> from gradwatch.agent.gradients import GradReader
+    >>> from gradwatch.agent.updateratios import RatioSampler
+    >>> model = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> rs = RatioSampler(GradReader.attach(model, opt), groups=2)
+    >>> rs.sample_elements, rs.layers_of(0), rs.layers_of(1)  # tiny: sampled whole
+    (10, (0, 1), (1, 2))
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from gradwatch.agent.gradients import GradReader, local
+from gradwatch.agent.layout import MISSING_I32, fill_missing
+
+# Elements sampled per parameter (see the module docstring): 1/SAMPLE_SHARE of it,
+# at least MIN_SAMPLE (smaller tensors whole) and at most SAMPLE.
+SAMPLE = 4096
+MIN_SAMPLE = 1024
+SAMPLE_SHARE = 64
+# Ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
+_TINY = 1e-30
+NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+
+
+class RatioSampler:
+    """The fixed samples of one model's trainable parameters and their groups (training
+    thread): ``sample_before(group)`` before the update, ``ratios(group)`` after it."""
+
+    def __init__(
+        self, reader: GradReader, sample: int = SAMPLE, groups: int = 1, seed: int = 0
+    ) -> None:
+        self._reader = reader
+        self._device = reader.device
+        weights = weights_of(reader)
+        rng = random.Random(seed)
+        # Per parameter: (offset, stride, count) of its sample, or None (no flat view).
+        self._samples: list[tuple[int, int, int] | None] = []
+        counts: list[int] = []
+        for w in weights:
+            spec = _sample_spec(w, sample, rng) if flat_view(w) is not None else None
+            if spec is None and w.numel() > sample:
+                counts.append(0)  # an unusual memory layout: no ratio (MISSING), no copy
+            else:
+                spec = spec or (0, 1, w.numel())
+                counts.append(spec[2])
+            self._samples.append(spec if counts[-1] else None)
+        self._counts = counts
+        self.sample_elements = sum(counts)
+        # MISSING for tensors that have elements but no sample (unusual layouts).
+        self._unsampled = [
+            i for i, (w, c) in enumerate(zip(weights, counts, strict=True)) if not c and w.numel()
+        ]
+        dtypes = {w.dtype for w in weights}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
+        self._after = torch.empty_like(self._before)
+        # Each layer's part of both buffers, cut once: one fused norm reads a group's.
+        self._parts_before = self._before.split(counts)
+        self._parts_after = self._after.split(counts)
+        # The groups, then one more that is every layer (group None).
+        self._groups = [*_cut(counts, max(1, groups)), (0, len(counts))]
+        starts = [sum(counts[:first]) for first, _ in self._groups]
+        # Each group's element range in the sample buffers.
+        self._spans = [
+            (a, a + sum(counts[first:stop]))
+            for a, (first, stop) in zip(starts, self._groups, strict=True)
+        ]
+        self._have_before: int | None = None  # the group sampled before the update
+        # The strided views of the before-gather and the parameters' data pointers then:
+        # read again by the after-gather of the same step (views cost ~3 us each to make),
+        # then dropped: held only across the optimizer step, never a forward pass.
+        self._views: list[torch.Tensor] | None = None
+        self._pointers: list[int] = []
+
+    @property
+    def groups(self) -> int:
+        return len(self._groups) - 1
+
+    def layers_of(self, group: int | None) -> tuple[int, int]:
+        """The [first, stop) layer indices of ``group`` (None: every layer)."""
+        return self._groups[-1 if group is None else group]
+
+    def sample_before(self, group: int | None = None, keep_views: bool = True) -> None:
+        """Gather ``group``'s samples (None: every layer's) before the optimizer updates
+        them.
+
+        ``keep_views``: keep the gather's views for the after-update gather. Only when
+        that comes within the same step (the optimizer's pre-hook, then ``log()``): a
+        hand-written update (no optimizer) samples at the end of one ``log()`` and
+        after the next, and views held that long would keep storage the loop replaced
+        (``p.data = p.data - lr * p.grad``) alive through a forward and backward pass.
+        """
+        group = self.groups if group is None else group
+        first, stop = self._groups[group]
+        with torch.no_grad():
+            views = self._gather(self._before, group)
+        self._views = views if keep_views else None
+        if self._views is not None:
+            self._pointers = [p.data_ptr() for p in self._reader.params[first:stop]]
+        self._have_before = group
+
+    def ratios(self, group: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``group``'s update ratios (None: every layer's) written into its layers' slots
+        of ``out`` (a new per-layer vector, MISSING elsewhere, when None); MISSING there
+        without a ``sample_before(group)`` since the last call (the optimizer step was
+        skipped)."""
+        n = len(self._counts)
+        if out is None:
+            out = torch.empty(n, dtype=torch.float32, device=self._device)
+            fill_missing(out)
+        group = self.groups if group is None else group
+        first, stop = self._groups[group]
+        if first == stop:
+            return out
+        mine = out[first:stop]
+        if self._have_before != group:
+            fill_missing(mine)
+            return out
+        self._have_before = None
+        views, self._views = self._views, None
+        params = self._reader.params[first:stop]
+        with torch.no_grad():
+            a, b = self._spans[group]
+            after = self._after[a:b]
+            if views is not None and [p.data_ptr() for p in params] == self._pointers:
+                if views:
+                    torch.cat(views, out=after)  # the same elements, after the update
+            else:
+                # No views kept, or a parameter got new storage during the step (an
+                # update written as p.data = ..., a cast): gather from the parameters now.
+                self._gather(self._after, group)
+            self._before[a:b].sub_(after)
+            # float64 weights (model.double()) cannot be normed into float32 directly:
+            # norm in their own dtype, then narrow the per-layer results.
+            dtype = torch.float32 if self._before.dtype in NARROW else None
+            # ||moved|| of every layer of the group, then ||after||: one fused read.
+            parts = [*self._parts_before[first:stop], *self._parts_after[first:stop]]
+            both = torch.stack(torch._foreach_norm(parts, 2, dtype=dtype))
+            m = stop - first
+            torch.div(both[:m], both[m:].clamp_min_(_TINY), out=mine)
+            for i in self._unsampled:
+                if first <= i < stop:
+                    mine[i - first : i - first + 1].view(torch.int32).fill_(MISSING_I32)
+        return out
+
+    def drop(self) -> None:
+        """Forget a pending before-sample (switching off)."""
+        self._have_before = None
+        self._views = None
+
+    def _gather(self, into: torch.Tensor, group: int) -> list[torch.Tensor] | None:
+        """Gather ``group``'s samples into its part of ``into`` (one ``cat``); called
+        under ``no_grad``.
+
+        Returns the views read when they are plain strided views of the parameters
+        (the usual case), which a second gather of the same step may reuse."""
+        reader = self._reader
+        first, stop = self._groups[group]
+        a, b = self._spans[group]
+        target = into[a:b]
+        samples = self._samples[first:stop]
+        if not (reader.sharded or reader.multi_device):
+            # One strided view per parameter, made anew (the storage may have been
+            # swapped) but in one call: on a cold cache each call costs microseconds.
+            views = []
+            for param, spec in zip(reader.params[first:stop], samples, strict=True):
+                if spec is None:
+                    continue
+                if not param.is_contiguous():
+                    break  # channels_last and the like: the general path below
+                offset, stride, count = spec
+                views.append(param.as_strided((count,), (stride,), param.storage_offset() + offset))
+            else:
+                if views:
+                    torch.cat(views, out=target)
+                return views
+        views = []
+        for w, spec in zip(weights_of(reader)[first:stop], samples, strict=True):
+            if spec is None:
+                continue
+            offset, stride, count = spec
+            flat = flat_view(w)
+            view = w if flat is None else flat[offset::stride][:count]
+            if view.device != self._device:
+                view = view.to(self._device, non_blocking=True)
+            views.append(view)
+        if views:
+            torch.cat(views, out=target)
+        return None
+
+
+def weights_of(reader: GradReader) -> list[torch.Tensor]:
+    """The reader's parameters as plain local tensors (a shard's own part)."""
+    return [local(p).detach() for p in reader.params]
+
+
+def flat_view(w: torch.Tensor) -> torch.Tensor | None:
+    """A 1-D view of ``w``'s elements in memory order, or None when it has none."""
+    if w.is_contiguous():
+        return w.view(-1)
+    if w.dim() == 4 and w.is_contiguous(memory_format=torch.channels_last):
+        return w.permute(0, 2, 3, 1).reshape(-1)  # a view: that order is contiguous
+    return None
+
+
+def _cut(counts: list[int], groups: int) -> list[tuple[int, int]]:
+    """``groups`` consecutive [first, stop) runs of layers of about equal sample size
+    (a run may be empty when there are fewer layers than groups)."""
+    total, n = sum(counts), len(counts)
+    cuts, acc, g = [0], 0, 1
+    for i, c in enumerate(counts):
+        while g < groups and i > cuts[-1] and acc >= total * g / groups:
+            cuts.append(i)
+            g += 1
+        acc += c
+    while len(cuts) < groups:
+        cuts.append(n)
+    cuts.append(n)
+    return list(zip(cuts, cuts[1:], strict=False))
+
+
+def _sample_spec(w: torch.Tensor, sample: int, rng: random.Random) -> tuple[int, int, int]:
+    """(offset, stride, count) of a strided sample: a 1/SAMPLE_SHARE share of ``w``,
+    at least MIN_SAMPLE elements (fewer: the whole tensor) and at most ``sample``."""
+    n = w.numel()
+    sample = min(sample, max(MIN_SAMPLE, n // SAMPLE_SHARE))
+    if n <= sample:
+        return 0, 1, n
+    stride = n // sample
+    row = w.shape[-1] if w.dim() > 1 else 1
+    while math.gcd(stride, row) > 1:
+        stride += 1  # coprime to the row length: the sample visits every column
+    offset = rng.randrange(stride)
+    count = min(sample, (n - 1 - offset) // stride + 1)
+    return offset, stride, count

@@ -1,0 +1,178 @@
+"""A cadence sample's work spread over its phases (agent/weightstats.py): no step pays it whole.
+
+A model whose weight norms are read over several steps also has its update
+ratios measured a group of layers per step and its activation modules hooked a
+few per step; the sample ships complete once its phases are done.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gradwatch
+from gradwatch.agent import activations, updateratios
+from gradwatch.agent.gradients import GradReader
+from gradwatch.agent.layout import MISSING_I32, fill_missing
+from gradwatch.agent.updateratios import RatioSampler
+from gradwatch.agent.weightstats import Round
+
+
+def _missing(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) == MISSING_I32
+
+
+def test_a_groups_ratios_equal_the_whole_models_on_the_same_update() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 200), nn.Linear(200, 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    reader = GradReader.attach(model, opt)
+    whole, grouped = RatioSampler(reader), RatioSampler(reader, groups=3)
+    spans = [grouped.layers_of(g) for g in range(3)]
+    assert spans[0][0] == 0 and spans[-1][1] == 6 and all(a < b for a, b in spans)
+    assert all(spans[g][1] == spans[g + 1][0] for g in range(2))  # consecutive, no gaps
+    out = torch.empty(6)
+    fill_missing(out)
+    for g in range(3):
+        opt.zero_grad()
+        model(torch.randn(32, 64)).square().mean().backward()
+        whole.sample_before()
+        grouped.sample_before(g)
+        opt.step()
+        reference = whole.ratios()
+        grouped.ratios(g, out=out)
+        first, stop = spans[g]
+        assert torch.equal(out[first:stop], reference[first:stop])
+        assert _missing(out[stop:]).all()  # later groups not measured yet
+    assert not _missing(out).any() and (out > 0).all()
+    # No before-gather of group 1 since its last ratios: its slots are MISSING.
+    grouped.sample_before(0)
+    opt.step()
+    assert _missing(grouped.ratios(1))[spans[1][0] : spans[1][1]].all()
+
+
+def _gelu_mlp() -> nn.Sequential:
+    # 8 weight tensors of ~262k elements: weight norms in 8 phases, and 3 GELUs.
+    layers: list[nn.Module] = []
+    for i in range(4):
+        layers.append(nn.Linear(512, 512))
+        if i < 3:
+            layers.append(nn.GELU())
+    return nn.Sequential(*layers)
+
+
+@pytest.mark.parametrize("early", [False, True], ids=["sparse", "dense start"])
+def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, early: bool) -> None:
+    torch.manual_seed(0)
+    model = _gelu_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="spread",
+        endpoint="tcp://127.0.0.1:1",
+        stats_every=8,
+        early_stats=early,
+    )
+    assert mon._wstats is not None and mon._wstats.phases == 8
+
+    hooked: list[int] = []  # activation hooks run per step
+    groups: list[int | None | str] = []  # update-ratio groups gathered per step
+    measure, before = activations._measure, updateratios.RatioSampler.sample_before
+
+    def count_hook(*args: Any) -> None:
+        hooked[-1] += 1
+        measure(*args)
+
+    def count_group(self: RatioSampler, group: int | None = None, keep_views: bool = True) -> None:
+        groups[-1] = "all" if group is None else group
+        before(self, group, keep_views)
+
+    monkeypatch.setattr(activations, "_measure", count_hook)
+    monkeypatch.setattr(updateratios.RatioSampler, "sample_before", count_group)
+    acts = mon._acts
+    assert acts is not None and len(acts.columns) == 3 * 3
+    snapshot, snapshots = acts.snapshot, []
+
+    def keep_snapshot() -> torch.Tensor:
+        snapshots.append(snapshot())
+        return snapshots[-1]
+
+    monkeypatch.setattr(acts, "snapshot", keep_snapshot)
+    shipped: list[Round] = []
+    original = mon._queue_stats
+
+    def record(done: Round) -> None:  # what would be shipped, without a collector
+        original(done)
+        shipped.append(done)
+
+    mon._queue_stats = record  # type: ignore[method-assign]
+    for _ in range(23):
+        hooked.append(0)
+        groups.append(None)
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    if early:
+        # Samples on steps 1-8 come one step apart: each is measured whole on its
+        # own step (weight norms still a phase per step, shared).
+        assert groups[:8] == ["all"] * 8 and hooked[:8] == [3] * 8
+        assert [done.step for done in shipped][:8] == list(range(1, 9))
+        assert len(snapshots) >= 8
+    else:
+        # Steps 8-15 carry the step-8 sample's phases, 16-23 the next one's.
+        assert [done.step for done in shipped] == [8, 16]
+        assert groups == [None] * 7 + list(range(8)) * 2  # one group of layers per step
+        assert max(hooked) == 1 and sum(hooked) == 2 * 3  # each module once per sample
+        assert len(snapshots) == 2
+    mon.close()
+    for done in shipped:
+        assert done.ratios is not None and not _missing(done.ratios).any()
+        assert (done.ratios > 0).all()
+        assert done.norms is not None and not _missing(done.norms).any()
+    for snap in snapshots[:2]:
+        assert not _missing(snap).any()  # every module measured, on its phase
+
+
+@pytest.mark.parametrize("manual", [False, True], ids=["optimizer", "hand-written update"])
+def test_a_spread_sample_reports_every_layers_ratio(manual: bool) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(400, 400), nn.Linear(400, 400))  # 3 phases
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    mon = gradwatch.watch(
+        model,
+        None if manual else opt,
+        job="spread",
+        endpoint="tcp://127.0.0.1:1",
+        stats_every=4,
+        early_stats=False,
+    )
+    assert mon._wstats is not None and mon._wstats.phases == 3
+    shipped: list[Round] = []
+    original = mon._queue_stats
+
+    def record(done: Round) -> None:
+        shipped.append(done)
+        original(done)
+
+    mon._queue_stats = record  # type: ignore[method-assign]
+    for _ in range(11):
+        opt.zero_grad()
+        model(torch.randn(8, 400)).square().mean().backward()
+        if manual:
+            with torch.no_grad():
+                for p in model.parameters():
+                    assert p.grad is not None
+                    p.sub_(0.05 * p.grad)
+        else:
+            opt.step()
+        mon.log(loss=1.0)
+    mon.close()
+    assert [done.step for done in shipped] == [4, 8]  # steps 4-6 and 8-10
+    for done in shipped:
+        assert done.ratios is not None and not _missing(done.ratios).any()
+        assert (done.ratios > 0).all() and (done.ratios < 1).all()
