@@ -83,18 +83,17 @@ class RatioSampler:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
         self._after = torch.empty_like(self._before)
-        # Each layer's part of both buffers, cut once: one fused norm reads a group's.
-        self._parts_before = self._before.split(counts)
-        self._parts_after = self._after.split(counts)
-        # The groups, then one more that is every layer (group None).
-        self._groups = [*_cut(counts, max(1, groups)), (0, len(counts))]
-        starts = [sum(counts[:first]) for first, _ in self._groups]
-        # Each group's element range in the sample buffers.
-        self._spans = [
-            (a, a + sum(counts[first:stop]))
-            for a, (first, stop) in zip(starts, self._groups, strict=True)
+        # The groups, then one more that is every layer (group None), each cut once
+        # into the views its calls use (each view made per call costs microseconds).
+        plain = not (reader.sharded or reader.multi_device)
+        self._groups = [
+            _Group(first, stop, counts, self._before, self._after, reader.params, plain)
+            for first, stop in [*_cut(counts, max(1, groups)), (0, len(counts))]
         ]
-        self._have_before: int | None = None  # the group sampled before the update
+        for group in self._groups:
+            group.samples = self._samples[group.first : group.stop]
+            group.unsampled = [i - group.first for i in self._unsampled if group.has(i)]
+        self._have_before: _Group | None = None  # the group sampled before the update
         # The strided views of the before-gather and the parameters' data pointers then:
         # read again by the after-gather of the same step (views cost ~3 us each to make),
         # then dropped: held only across the optimizer step, never a forward pass.
@@ -107,7 +106,8 @@ class RatioSampler:
 
     def layers_of(self, group: int | None) -> tuple[int, int]:
         """The [first, stop) layer indices of ``group`` (None: every layer)."""
-        return self._groups[-1 if group is None else group]
+        g = self._groups[-1 if group is None else group]
+        return g.first, g.stop
 
     def sample_before(self, group: int | None = None, keep_views: bool = True) -> None:
         """Gather ``group``'s samples (None: every layer's) before the optimizer updates
@@ -119,57 +119,50 @@ class RatioSampler:
         after the next, and views held that long would keep storage the loop replaced
         (``p.data = p.data - lr * p.grad``) alive through a forward and backward pass.
         """
-        group = self.groups if group is None else group
-        first, stop = self._groups[group]
+        g = self._groups[-1 if group is None else group]
         with torch.no_grad():
-            views = self._gather(self._before, group)
+            views = self._gather(g.before, g)
         self._views = views if keep_views else None
         if self._views is not None:
-            self._pointers = [p.data_ptr() for p in self._reader.params[first:stop]]
-        self._have_before = group
+            self._pointers = [p.data_ptr() for p in g.params]
+        self._have_before = g
 
     def ratios(self, group: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``group``'s update ratios (None: every layer's) written into its layers' slots
         of ``out`` (a new per-layer vector, MISSING elsewhere, when None); MISSING there
         without a ``sample_before(group)`` since the last call (the optimizer step was
         skipped)."""
-        n = len(self._counts)
         if out is None:
-            out = torch.empty(n, dtype=torch.float32, device=self._device)
+            out = torch.empty(len(self._counts), dtype=torch.float32, device=self._device)
             fill_missing(out)
-        group = self.groups if group is None else group
-        first, stop = self._groups[group]
-        if first == stop:
+        g = self._groups[-1 if group is None else group]
+        if g.first == g.stop:
             return out
-        mine = out[first:stop]
-        if self._have_before != group:
+        mine = out[g.first : g.stop]
+        if self._have_before is not g:
             fill_missing(mine)
             return out
         self._have_before = None
         views, self._views = self._views, None
-        params = self._reader.params[first:stop]
         with torch.no_grad():
-            a, b = self._spans[group]
-            after = self._after[a:b]
-            if views is not None and [p.data_ptr() for p in params] == self._pointers:
+            if views is not None and [p.data_ptr() for p in g.params] == self._pointers:
                 if views:
-                    torch.cat(views, out=after)  # the same elements, after the update
+                    torch.cat(views, out=g.after)  # the same elements, after the update
             else:
                 # No views kept, or a parameter got new storage during the step (an
                 # update written as p.data = ..., a cast): gather from the parameters now.
-                self._gather(self._after, group)
-            self._before[a:b].sub_(after)
+                self._gather(g.after, g)
+            g.before.sub_(g.after)
             # float64 weights (model.double()) cannot be normed into float32 directly:
             # norm in their own dtype, then narrow the per-layer results.
-            dtype = torch.float32 if self._before.dtype in NARROW else None
             # ||moved|| of every layer of the group, then ||after||: one fused read.
-            parts = [*self._parts_before[first:stop], *self._parts_after[first:stop]]
-            both = torch.stack(torch._foreach_norm(parts, 2, dtype=dtype))
-            m = stop - first
-            torch.div(both[:m], both[m:].clamp_min_(_TINY), out=mine)
-            for i in self._unsampled:
-                if first <= i < stop:
-                    mine[i - first : i - first + 1].view(torch.int32).fill_(MISSING_I32)
+            if self._before.dtype in NARROW:
+                torch.stack(torch._foreach_norm(g.parts, 2, dtype=torch.float32), out=g.norms)
+            else:
+                g.norms.copy_(torch.stack(torch._foreach_norm(g.parts, 2)))
+            torch.div(g.moved, g.weight.clamp_min_(_TINY), out=mine)
+            for i in g.unsampled:
+                mine[i : i + 1].view(torch.int32).fill_(MISSING_I32)
         return out
 
     def drop(self) -> None:
@@ -177,22 +170,17 @@ class RatioSampler:
         self._have_before = None
         self._views = None
 
-    def _gather(self, into: torch.Tensor, group: int) -> list[torch.Tensor] | None:
-        """Gather ``group``'s samples into its part of ``into`` (one ``cat``); called
-        under ``no_grad``.
+    def _gather(self, into: torch.Tensor, g: _Group) -> list[torch.Tensor] | None:
+        """Gather group ``g``'s samples into ``into`` (its part of a sample buffer, one
+        ``cat``); called under ``no_grad``.
 
         Returns the views read when they are plain strided views of the parameters
         (the usual case), which a second gather of the same step may reuse."""
-        reader = self._reader
-        first, stop = self._groups[group]
-        a, b = self._spans[group]
-        target = into[a:b]
-        samples = self._samples[first:stop]
-        if not (reader.sharded or reader.multi_device):
+        if g.plain:
             # One strided view per parameter, made anew (the storage may have been
             # swapped) but in one call: on a cold cache each call costs microseconds.
             views = []
-            for param, spec in zip(reader.params[first:stop], samples, strict=True):
+            for param, spec in zip(g.params, g.samples, strict=True):
                 if spec is None:
                     continue
                 if not param.is_contiguous():
@@ -201,10 +189,10 @@ class RatioSampler:
                 views.append(param.as_strided((count,), (stride,), param.storage_offset() + offset))
             else:
                 if views:
-                    torch.cat(views, out=target)
+                    torch.cat(views, out=into)
                 return views
         views = []
-        for w, spec in zip(weights_of(reader)[first:stop], samples, strict=True):
+        for w, spec in zip(weights_of(self._reader)[g.first : g.stop], g.samples, strict=True):
             if spec is None:
                 continue
             offset, stride, count = spec
@@ -214,8 +202,38 @@ class RatioSampler:
                 view = view.to(self._device, non_blocking=True)
             views.append(view)
         if views:
-            torch.cat(views, out=target)
+            torch.cat(views, out=into)
         return None
+
+
+class _Group:
+    """Layers [first, stop) and the views of the sample buffers their calls use."""
+
+    def __init__(
+        self,
+        first: int,
+        stop: int,
+        counts: list[int],
+        before: torch.Tensor,
+        after: torch.Tensor,
+        params: tuple[torch.nn.Parameter, ...],
+        plain: bool,
+    ) -> None:
+        self.first, self.stop, self.plain = first, stop, plain
+        self.params = params[first:stop]
+        a = sum(counts[:first])
+        b = a + sum(counts[first:stop])
+        self.before, self.after = before[a:b], after[a:b]
+        mine = counts[first:stop]
+        self.parts = [*self.before.split(mine), *self.after.split(mine)]
+        m = stop - first
+        self.norms = torch.empty(2 * m, dtype=torch.float32, device=before.device)
+        self.moved, self.weight = self.norms[:m], self.norms[m:]
+        self.samples: list[tuple[int, int, int] | None] = []
+        self.unsampled: list[int] = []  # positions in the group with no sample: MISSING
+
+    def has(self, layer: int) -> bool:
+        return self.first <= layer < self.stop
 
 
 def weights_of(reader: GradReader) -> list[torch.Tensor]:

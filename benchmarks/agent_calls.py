@@ -12,6 +12,7 @@ statistics on, so the first steps are cadence steps.
 
     python benchmarks/agent_calls.py --workload transformer --steps 40
     python benchmarks/agent_calls.py --workload mlp6x256 --steps 600
+    python benchmarks/agent_calls.py --workload transformer --steps 40 --stats-every 10 --no-early
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workload", choices=tuple(WORKLOADS), default="transformer")
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--stats-every", type=int, default=50)
+    ap.add_argument(
+        "--no-early",
+        action="store_true",
+        help="early_stats=False: samples every --stats-every steps, spread over their phases",
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -76,7 +83,14 @@ def main() -> None:
         _wrap(cls, name)
     work = WORKLOADS[args.workload]("cpu")
     model, opt = work.model, work.make_opt(work.model)
-    mon = gradwatch.watch(model, opt, job="calls", endpoint="tcp://127.0.0.1:1")
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="calls",
+        endpoint="tcp://127.0.0.1:1",
+        stats_every=args.stats_every,
+        early_stats=not args.no_early,
+    )
     for _ in range(args.steps):
         x, y = work.batch()
         loss = work.loss(model(x), y)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
@@ -31,20 +32,22 @@ def allocated(fn: Callable[[], Any]) -> tuple[Any, int, int]:
     return result, peak, live
 
 
-def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps() -> None:
+@pytest.mark.parametrize("spread", [False, True], ids=["dense start", "spread samples"])
+def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps(spread: bool) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(1024, 1024) for _ in range(8)))  # 8.4M parameters
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    # Dense start: a whole sample on each of steps 1-8, then every 2 steps. Spread: a
+    # sample every 8 steps, measured over its 8 phases (agent/weightstats.py).
+    schedule = {"stats_every": 8, "early_stats": False} if spread else {"stats_every": 2}
     mon, _, persistent = allocated(
-        lambda: gradwatch.watch(model, opt, job="mem", endpoint="tcp://127.0.0.1:1", stats_every=2)
+        lambda: gradwatch.watch(model, opt, job="mem", endpoint="tcp://127.0.0.1:1", **schedule)
     )
     budget = memory_budget(len(list(model.parameters())), mon.config)
     assert budget.total < 0.05 * 4 * n_params  # the budget itself is a small share
+    assert mon._wstats is not None and mon._wstats.phases == 8
     peak = 0
-    phases = mon._wstats.phases if mon._wstats is not None else 0
-    assert phases == 8  # a sample is measured over 8 steps (agent/weightstats.py)
-    # Early cadence: each of these steps carries a phase of a sample (two, complete).
     for _ in range(16):
         model(torch.randn(16, 1024)).square().mean().backward()
 
@@ -56,7 +59,9 @@ def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps() -> N
         peak = max(peak, step_peak)
         opt.zero_grad(set_to_none=True)
     mon.close()
-    assert mon.stats.disabled is None and mon.stats.stats_sent + mon.stats.stats_dropped == 2
+    # Dense: samples at steps 1-8, 10, 12, 14, 16; spread: at 8 (steps 8-15) and 16.
+    assert mon.stats.disabled is None
+    assert mon.stats.stats_sent + mon.stats.stats_dropped == (2 if spread else 12)
     assert persistent + peak <= budget.total, (persistent, peak, budget)
 
 
