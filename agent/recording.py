@@ -273,8 +273,16 @@ class StepRecorder(RollbackExit):
                         optional=True,
                     )
                 )
-        if self._wstats is not None:
-            self._next_sample(self._wstats)
+        ws, cadence, acts = self._wstats, self._cadence, self._acts
+        # Most steps: no sample in progress, none due, no hooks to remove; nothing to
+        # decide (each call costs microseconds on this cold cache).
+        if ws is not None and (
+            ws.waiting
+            or cadence.forced
+            or self._step + 1 >= cadence.next_step
+            or (acts is not None and acts.armed)
+        ):
+            self._next_sample(ws)
 
     def _general_row(
         self, scalars: dict[str, Scalar], skipped: float, lrs: list[Any] | None

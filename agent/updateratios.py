@@ -192,7 +192,8 @@ class RatioSampler:
                     torch.cat(views, out=into)
                 return views
         views = []
-        for w, spec in zip(weights_of(self._reader)[g.first : g.stop], g.samples, strict=True):
+        for p, spec in zip(g.params, g.samples, strict=True):
+            w = local(p).detach()
             if spec is None:
                 continue
             offset, stride, count = spec
