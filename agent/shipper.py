@@ -78,6 +78,10 @@ _STOP = object()
 # With a command socket, the thread looks at it at least this often.
 COMMAND_POLL_S = 0.1
 FIRST_BEAT_RETRY_S = 0.05  # until the first heartbeat gets through
+# How long a send may wait for room in a full pipe to a peer that was taking messages
+# (agent/destinations.py): long enough for a starved I/O thread to get a core, short
+# enough that a stuck collector costs the shipper little.
+FULL_PIPE_WAIT_S = 0.05
 
 
 class Shipper:
@@ -270,10 +274,19 @@ class Shipper:
 
     def _send(self, frames: list[bytes]) -> bool:
         """Send to every collector; True if at least one took it."""
+        wait = self._wait_s()
         sent = False
         for dest in self._dests:
-            sent = dest.send(frames) or sent
+            sent = dest.send(frames, wait) or sent
         return sent
+
+    def _wait_s(self) -> float:
+        """How long a send may wait for room in a full pipe: closing, until the close
+        deadline (the last steps are what shows how a run ended); running, briefly
+        (agent/destinations.py)."""
+        if math.isfinite(self._deadline):
+            return max(0.0, self._deadline - time.monotonic())
+        return FULL_PIPE_WAIT_S
 
     def _ship_batch(self, item: FlushItem) -> None:
         stale = [0]
@@ -345,13 +358,14 @@ class Shipper:
             nonfinite=nonfinite,
         )
         encoded: dict[bool, list[bytes]] = {}  # with / without the schema, made once each
+        wait = self._wait_s()
         sent = False
         for dest in self._dests:
             last = dest.schema_sent.get(schema.id)
             attach = last is None or now - last >= cfg.schema_every_s
             if attach not in encoded:
                 encoded[attach] = encode_batch(replace(batch, schema=schema) if attach else batch)
-            if dest.send(encoded[attach]):
+            if dest.send(encoded[attach], wait):
                 sent = True
                 if attach:
                     dest.schema_sent[schema.id] = now
