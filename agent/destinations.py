@@ -12,8 +12,10 @@ every message goes to each.
 alike). Each destination keeps its own connection state: whether its peer may
 not know a schema yet (a collector that restarted, or one that came up later),
 and whether a refusal was logged. A destination that is down does not hold the
-other back: every send is non-blocking, and a message counts as sent when at
-least one collector took it. With CurveZMQ, every collector of the pair must
+other back: a send never blocks on a peer that is down (one that stops taking
+messages costs one wait of ``FULL_PIPE_WAIT_S``, agent/shipper.py, then none until
+a send goes through), and a message counts as sent when at least one collector
+took it. With CurveZMQ, every collector of the pair must
 serve the same server key (``GRADWATCH_CURVE_SERVER_KEY``): the agent has one.
 
 The addresses are split and checked (at most ``MAX_ENDPOINTS``) by
