@@ -281,11 +281,12 @@ class Shipper:
         return sent
 
     def _wait_s(self) -> float:
-        """How long a send may wait for room in a full pipe: closing, until the close
-        deadline (the last steps are what shows how a run ended); running, briefly
-        (agent/destinations.py)."""
+        """How long a send may wait for room in a full pipe: closing, half the time left
+        before the close deadline (the last steps are what shows how a run ended; the
+        other half is the linger that lets the other peer of an HA pair, or this one,
+        take what is queued); running, briefly (agent/destinations.py)."""
         if math.isfinite(self._deadline):
-            return max(0.0, self._deadline - time.monotonic())
+            return max(0.0, self._deadline - time.monotonic()) / 2
         return FULL_PIPE_WAIT_S
 
     def _ship_batch(self, item: FlushItem) -> None:
