@@ -99,6 +99,9 @@ logger = logging.getLogger(__name__)
 
 # Hooked modules at most (the first in model order); the rest are not measured.
 MAX_ACT_MODULES = 256
+# A sample spread over steps hooks the modules in at most this many groups, one per
+# step (agent/spreadplan.py): a model of 100 modules pays ~7 hooks on each of 16 steps.
+MAX_HOOK_GROUPS = 16
 # Outputs larger than this are measured on a strided sample of about this size. A
 # share estimated from 8,192 values has a standard error under 0.6% (p = 0.5), against
 # thresholds of 0.5-0.9 over healthy floors of 0.02 or less (rules/default.yaml), and a
@@ -297,6 +300,11 @@ class ActHooks:
         # Whether the hooks are registered: read by the monitor on every step.
         self.armed = False
 
+    @property
+    def groups(self) -> int:
+        """How many groups ``arm`` cuts the modules into for a spread sample."""
+        return min(MAX_HOOK_GROUPS, len(self._hooks))
+
     @classmethod
     def attach(
         cls,
@@ -330,27 +338,34 @@ class ActHooks:
             found = found[:max_modules]
         return cls(found, device, on_error) if found else None
 
-    def arm(self, phase: int = 0, phases: int = 1) -> None:
-        """Register the hooks of ``phase``'s modules for the next forward pass.
+    def arm(self, groups: tuple[int, int] | None = None, of: int = 1, start: bool = True) -> None:
+        """Register the hooks of some modules for the next forward pass.
 
-        A cadence sample measured over ``phases`` steps (agent/weightstats.py)
-        hooks each module on one of them: module ``i`` of ``n`` on phase
-        ``i * phases // n``, so no forward pays every hook. Phase 0 starts a sample:
-        a module that does not run in it stays MISSING.
+        A cadence sample spread over several steps (agent/spreadplan.py) hooks
+        each module on one of them: the modules are cut into ``of`` groups
+        (module ``i`` of ``n`` in group ``i * of // n``) and this step hooks
+        groups [a, b) = ``groups`` (None: every module), so no forward pays every
+        hook. ``start``: the step starts a sample, whose modules that do not run
+        stay MISSING.
         """
         if self._handles:
             return
-        if phase == 0:
+        if start:
             fill_missing(self.values)
         self.armed = True  # before registering: a failure halfway still gets disarmed
         n = len(self._hooks)
+        first, stop = groups if groups is not None else (0, of)
         for i, (target, hook) in enumerate(self._hooks):
-            if i * phases // n != phase:
+            if not first <= i * of // n < stop:
                 continue
             if target.on_input:
                 self._handles.append(target.module.register_forward_pre_hook(hook))
             else:
                 self._handles.append(target.module.register_forward_hook(hook))
+
+    def reset(self) -> None:
+        """Start a sample whose first step hooks nothing: every module MISSING until it runs."""
+        fill_missing(self.values)
 
     def disarm(self) -> None:
         while self._handles:

@@ -43,6 +43,7 @@ from gradwatch.agent.layout import Columns
 from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader
 from gradwatch.agent.rowplan import RowPlan
 from gradwatch.agent.shipper import Shipper
+from gradwatch.agent.spreadplan import Part
 from gradwatch.agent.weightstats import WeightStats
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire.messages import CLOSED_NOTE, DEGRADED
@@ -82,6 +83,7 @@ class Failsafe:
     _cadence: Cadence
     _stats_now: bool
     _spread_phase: int | None
+    _parts: tuple[Part, ...]
     _wstats: WeightStats | None
     _pending: Rollback | None
     _command_ready: threading.Event

@@ -141,7 +141,9 @@ class Monitor(LayerSwitch):
         # running one does, and its weight statistics (agent/weightstats.py).
         self._cadence = Cadence(config.stats_every, config.early_stats)
         self._stats_now = False
-        self._spread_phase = None  # the phase of a spread sample the running step carries
+        # The part of a spread sample the running step carries, and that sample's plan.
+        self._spread_phase = None
+        self._parts = ()
         self._wstats = None
         # Set by the shipper thread (one attribute store), taken by the training thread.
         self._pending = None

@@ -48,6 +48,7 @@ from gradwatch.agent.layout import HostValue, Later, fill_missing
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rollback_exit import RollbackExit
 from gradwatch.agent.rowplan import RowPlan
+from gradwatch.agent.spreadplan import Part, plan
 from gradwatch.agent.steps import user_step
 from gradwatch.agent.weightstats import Round, WeightStats
 from gradwatch.wire import columns as wc
@@ -112,7 +113,11 @@ class StepRecorder(RollbackExit):
         if self.config.stats_every and self._scratch is None:
             self._wstats = self._weight_stats()
         if self._wstats is not None:
-            self._next_sample(self._wstats)  # the first step may be a cadence step
+            acts, ws = self._acts, self._wstats
+            # The plan of a sample a full gap from the next, made here and not on a
+            # training step (agent/spreadplan.py: cached by gap).
+            plan(self.config.stats_every, ws.slices, ws.ratio.groups, acts.groups if acts else 0)
+            self._next_sample(ws)  # the first step may be a cadence step
 
     def _weight_stats(self) -> WeightStats | None:
         """Cadence weight statistics over the reader's parameters (after a recovery, the
@@ -186,10 +191,14 @@ class StepRecorder(RollbackExit):
             self._stats_now = True  # forced during this step: it is a cadence step
         ws = self._wstats
         if self._stats_now and self.config.update_ratios and ws is not None:
-            # A cadence step's update ratios, of the group its sample measures now;
-            # without an optimizer the after-gather comes a forward and backward pass
-            # later, so no views are kept for it.
-            ws.sample_before(keep_views=not self._manual, group=self._carried_phase())
+            # A cadence step's update ratios, of the groups its part measures (every
+            # layer for a sample measured whole); without an optimizer the after-gather
+            # comes a forward and backward pass later, so no views are kept for it.
+            part = self._carried_part()
+            if part is None or part.ratios is not None:
+                ws.sample_before(
+                    keep_views=not self._manual, group=None if part is None else part.ratios
+                )
 
     def _read_grads(self) -> None:
         """Read this step's gradient norms into the open row; after a failure caused by a
@@ -342,51 +351,65 @@ class StepRecorder(RollbackExit):
         return host_row
 
     def _next_sample(self, ws: WeightStats) -> None:
-        """Decide whether the next step carries cadence statistics, and which phase of a
-        spread sample; arm the activation hooks for its forward pass.
+        """Decide whether the next step carries cadence statistics, and which part of a
+        spread sample; arm the activation hooks it measures for its forward pass.
 
         A sample is measured whole on its step where samples come close together
-        (the dense start, agent/cadence.py), and spread over its phases
-        (agent/weightstats.py) where the next is at least that many steps away: the
-        same statistics, while no step pays more than a share of them.
+        (the dense start, agent/cadence.py), and spread a unit of work per step
+        (agent/spreadplan.py) where the next is at least ``ws.phases`` steps away:
+        the same statistics, while no step pays more than its share of them.
         """
         last = ws.waiting[-1] if ws.waiting else None
-        if last is not None and last.spread:
-            # The next step carries the next phase; the schedule waits until it is done.
+        if last is not None and last.spread and last.phase < len(last.parts):
+            # The next step carries the next part; the schedule waits until it ships.
             self._stats_now, self._spread_phase = True, last.phase
         else:
             cadence, step = self._cadence, self._step + 1
             self._stats_now = (cadence.forced or step >= cadence.next_step) and cadence.due(step)
-            far = self._stats_now and cadence.next_step - step >= ws.phases > 1
-            self._spread_phase = 0 if far else None
+            gap = cadence.next_step - step
+            if self._stats_now and gap >= ws.phases > 1:
+                acts = self._acts
+                hooks = acts.groups if acts is not None else 0
+                self._parts = plan(int(min(gap, 1 << 20)), ws.slices, ws.ratio.groups, hooks)
+                self._spread_phase = 0
+            else:
+                self._spread_phase = None
         acts = self._acts
         if acts is not None and (self._stats_now or acts.armed):
             # Hooks live only for a cadence step's forward pass: armed now when
             # the next step is one, removed here at its log().
             acts.disarm()
             if self._stats_now:
-                if self._spread_phase is None:
+                index = self._spread_phase
+                if index is None:
                     acts.arm()
                 else:
-                    acts.arm(self._spread_phase, ws.phases)
+                    hooks_of = self._parts[index].hooks
+                    if hooks_of is not None:
+                        acts.arm(hooks_of, acts.groups, start=index == 0)
+                    elif index == 0:
+                        acts.reset()
 
-    def _carried_phase(self) -> int | None:
-        """The phase of the spread sample the running step carries; None for a sample
+    def _carried_part(self) -> Part | None:
+        """The part of the spread sample the running step carries; None for a sample
         measured whole, or when its sample was dropped (a recovery, a takeover)."""
-        phase, ws = self._spread_phase, self._wstats
-        if phase and (ws is None or not ws.waiting or not ws.waiting[-1].spread):
+        index, ws = self._spread_phase, self._wstats
+        if index is None or ws is None:
             return None
-        return phase
+        if index and (not ws.waiting or not ws.waiting[-1].spread):
+            return None
+        return self._parts[index]
 
     def _cadence_work(self, now: float) -> None:
         """A cadence sample measures what only its steps can see (activations of their
-        forwards, update ratios of their updates) and the weight norms, read a slice per
-        step (agent/weightstats.py) so no step pays them whole; it ships when complete."""
+        forwards, update ratios of their updates) and the weight norms, read a phase
+        per step (agent/weightstats.py); a spread sample does a part of that per step
+        (agent/spreadplan.py) and ships at its last, a whole one once its norms are."""
         ws = self._wstats
         assert ws is not None
-        stats, phase = self._stats_now, self._carried_phase()
+        stats, part = self._stats_now, self._carried_part()
         self._stats_now = False
-        if stats and not phase:  # a sample starts at this step: whole, or phase 0
+        if stats and (part is None or self._spread_phase == 0):  # a sample starts here
             columns: tuple[str, ...] = ()
             acts = self._acts
             if acts is not None:
@@ -395,16 +418,32 @@ class StepRecorder(RollbackExit):
             if self.config.update_ratios:
                 columns = (*columns, *self._ratio_columns)
             started = ws.begin(
-                self._step, now, columns, n_acts, self.config.update_ratios, phase == 0
+                self._step,
+                now,
+                columns,
+                n_acts,
+                self.config.update_ratios,
+                () if part is None else self._parts,
             )
-            if acts is not None and phase is None:
+            if acts is not None and part is None:
                 started.acts = acts.snapshot()  # before a later sample's hooks overwrite them
-        if stats:
-            current = ws.waiting[-1]
-            if current.ratios is not None:
-                ws.ratios(phase, out=current.ratios)
-        for sample in ws.advance():
+        current = ws.waiting[-1] if stats and ws.waiting else None
+        if current is not None and current.ratios is not None:
+            if part is None:
+                ws.ratios(None, out=current.ratios)
+            elif part.ratios is not None:
+                ws.after(part.ratios)  # the arithmetic waits for the ratio_finish part
+        for sample in ws.advance(0 if part is None else part.weights):
             self._queue_stats(sample)
+        if part is None or current is None:
+            return
+        current.phase += 1
+        if part.ratio_finish is not None and current.ratios is not None:
+            ws.finish_ratios(current.ratios, part.ratio_finish)
+        if part.snapshot and self._acts is not None and len(self._acts.columns) == current.n_acts:
+            current.acts = self._acts.snapshot()
+        if part.ship:
+            self._queue_stats(ws.take(current))
 
     def _queue_stats(self, done: Round) -> None:
         """Queue a complete sample's statistics without waiting for them."""

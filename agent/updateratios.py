@@ -46,9 +46,17 @@ from gradwatch.agent.layout import MISSING_I32, fill_missing
 SAMPLE = 4096
 MIN_SAMPLE = 1024
 SAMPLE_SHARE = 64
+# Layer groups (a spread sample gathers one per step, agent/spreadplan.py): about this
+# many sampled elements each, at most MAX_GROUPS. A strided gather from a tensor the
+# step left out of cache costs ~10 ns an element on CPU (benchmarks/agent_calls.py):
+# ~80 us a group, against ~190 us for an eighth of the GPT benchmark's samples.
+GROUP_ELEMENTS = 2048
+MAX_GROUPS = 32
 # Ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
 _TINY = 1e-30
 NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
+# A group of layers (int), a run [a, b) of consecutive groups, or None: every layer.
+Span = int | tuple[int, int] | None
 
 
 class RatioSampler:
@@ -56,7 +64,7 @@ class RatioSampler:
     thread): ``sample_before(group)`` before the update, ``ratios(group)`` after it."""
 
     def __init__(
-        self, reader: GradReader, sample: int = SAMPLE, groups: int = 1, seed: int = 0
+        self, reader: GradReader, sample: int = SAMPLE, groups: int | None = 1, seed: int = 0
     ) -> None:
         self._reader = reader
         self._device = reader.device
@@ -83,17 +91,19 @@ class RatioSampler:
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
         self._after = torch.empty_like(self._before)
-        # The groups, then one more that is every layer (group None), each cut once
-        # into the views its calls use (each view made per call costs microseconds).
-        plain = not (reader.sharded or reader.multi_device)
-        self._groups = [
-            _Group(first, stop, counts, self._before, self._after, reader.params, plain)
-            for first, stop in [*_cut(counts, max(1, groups)), (0, len(counts))]
-        ]
-        for group in self._groups:
-            group.samples = self._samples[group.first : group.stop]
-            group.unsampled = [i - group.first for i in self._unsampled if group.has(i)]
+        # The groups' layer runs; a run of consecutive groups (a span, one group, or
+        # every layer: None) is cut once into the views its calls use (each view made
+        # per call costs microseconds), when first used.
+        self._plain = not (reader.sharded or reader.multi_device)
+        if groups is None:  # sized by sample: see GROUP_ELEMENTS
+            groups = min(MAX_GROUPS, len(counts), -(-self.sample_elements // GROUP_ELEMENTS))
+        self._cuts = _cut(counts, max(1, groups))
+        self._spans: dict[tuple[int, int], _Group] = {}
+        for g in range(len(self._cuts)):  # each ~0.1 ms to make: not on a training step
+            self._span(g)
+        self._span(None)
         self._have_before: _Group | None = None  # the group sampled before the update
+        self._gathered: list[_Group] = []  # gathered after their update, for finish()
         # The strided views of the before-gather and the parameters' data pointers then:
         # read again by the after-gather of the same step (views cost ~3 us each to make),
         # then dropped: held only across the optimizer step, never a forward pass.
@@ -102,16 +112,41 @@ class RatioSampler:
 
     @property
     def groups(self) -> int:
-        return len(self._groups) - 1
+        return len(self._cuts)
 
-    def layers_of(self, group: int | None) -> tuple[int, int]:
+    def layers_of(self, group: Span) -> tuple[int, int]:
         """The [first, stop) layer indices of ``group`` (None: every layer)."""
-        g = self._groups[-1 if group is None else group]
+        g = self._span(group)
         return g.first, g.stop
 
-    def sample_before(self, group: int | None = None, keep_views: bool = True) -> None:
-        """Gather ``group``'s samples (None: every layer's) before the optimizer updates
-        them.
+    def _span(self, group: Span) -> _Group:
+        """The layers of ``group``: one group (int), a run [a, b) of groups, or None (all)."""
+        if group is None:
+            key = (0, len(self._cuts))
+        elif isinstance(group, int):
+            key = (group, group + 1)
+        else:
+            key = group
+        g = self._spans.get(key)
+        if g is None:
+            first, stop = self._cuts[key[0]][0], self._cuts[key[1] - 1][1]
+            g = _Group(
+                first,
+                stop,
+                self._counts,
+                self._before,
+                self._after,
+                self._reader.params,
+                self._plain,
+            )
+            g.samples = self._samples[first:stop]
+            g.unsampled = [i - first for i in self._unsampled if g.has(i)]
+            self._spans[key] = g
+        return g
+
+    def sample_before(self, group: Span = None, keep_views: bool = True) -> None:
+        """Gather ``group``'s samples (a group, a run [a, b) of groups, or None: every
+        layer's) before the optimizer updates them.
 
         ``keep_views``: keep the gather's views for the after-update gather. Only when
         that comes within the same step (the optimizer's pre-hook, then ``log()``): a
@@ -119,7 +154,7 @@ class RatioSampler:
         after the next, and views held that long would keep storage the loop replaced
         (``p.data = p.data - lr * p.grad``) alive through a forward and backward pass.
         """
-        g = self._groups[-1 if group is None else group]
+        g = self._span(group)
         with torch.no_grad():
             views = self._gather(g.before, g)
         self._views = views if keep_views else None
@@ -127,21 +162,57 @@ class RatioSampler:
             self._pointers = [p.data_ptr() for p in g.params]
         self._have_before = g
 
-    def ratios(self, group: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``group``'s update ratios (None: every layer's) written into its layers' slots
+    def ratios(self, group: Span = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``group``'s update ratios (as in ``sample_before``) written into its layers' slots
         of ``out`` (a new per-layer vector, MISSING elsewhere, when None); MISSING there
         without a ``sample_before(group)`` since the last call (the optimizer step was
         skipped)."""
         if out is None:
             out = torch.empty(len(self._counts), dtype=torch.float32, device=self._device)
             fill_missing(out)
-        g = self._groups[-1 if group is None else group]
+        g = self._span(group)
         if g.first == g.stop:
             return out
         mine = out[g.first : g.stop]
-        if self._have_before is not g:
+        if not self._gather_after(g):
             fill_missing(mine)
             return out
+        with torch.no_grad():
+            self._arithmetic(g, mine)
+        return out
+
+    def after(self, group: Span) -> None:
+        """Gather ``group``'s samples after the update and leave them for ``finish``:
+        a spread sample's step pays the gather only (agent/spreadplan.py)."""
+        g = self._span(group)
+        if g.first != g.stop and self._gather_after(g):
+            self._gathered.append(g)
+
+    def finish(self, out: torch.Tensor, groups: Span = None) -> None:
+        """The update ratios of ``groups`` (None: all) into ``out`` in one pass over
+        their sample buffers, from what ``after`` gathered; at the last layer, MISSING
+        for the layers of every group it did not gather (a skipped optimizer step)."""
+        span = self._span(groups)
+        if span.first == span.stop:
+            return
+        with torch.no_grad():
+            self._arithmetic(span, out[span.first : span.stop])
+        if span.stop != len(self._counts):
+            return
+        done, self._gathered = self._gathered, []  # the sample's last pass
+        if sum(g.stop - g.first for g in done) != len(self._counts):  # rare: a skipped step
+            measured = [False] * len(self._counts)
+            for g in done:
+                measured[g.first : g.stop] = [True] * (g.stop - g.first)
+            for i, seen in enumerate(measured):
+                if not seen:
+                    out[i : i + 1].view(torch.int32).fill_(MISSING_I32)
+
+    def _gather_after(self, g: _Group) -> bool:
+        """Gather ``g``'s samples after the update into its ``after`` buffer; False (nothing
+        gathered) without a ``sample_before(g)`` since the last call."""
+        if self._have_before is not g:
+            return False
         self._have_before = None
         views, self._views = self._views, None
         with torch.no_grad():
@@ -152,22 +223,26 @@ class RatioSampler:
                 # No views kept, or a parameter got new storage during the step (an
                 # update written as p.data = ..., a cast): gather from the parameters now.
                 self._gather(g.after, g)
-            g.before.sub_(g.after)
-            # float64 weights (model.double()) cannot be normed into float32 directly:
-            # norm in their own dtype, then narrow the per-layer results.
-            # ||moved|| of every layer of the group, then ||after||: one fused read.
-            if self._before.dtype in NARROW:
-                torch.stack(torch._foreach_norm(g.parts, 2, dtype=torch.float32), out=g.norms)
-            else:
-                g.norms.copy_(torch.stack(torch._foreach_norm(g.parts, 2)))
-            torch.div(g.moved, g.weight.clamp_min_(_TINY), out=mine)
-            for i in g.unsampled:
-                mine[i : i + 1].view(torch.int32).fill_(MISSING_I32)
-        return out
+        return True
+
+    def _arithmetic(self, g: _Group, mine: torch.Tensor) -> None:
+        """``||after - before|| / ||after||`` of ``g``'s layers into ``mine`` (no_grad)."""
+        g.before.sub_(g.after)
+        # float64 weights (model.double()) cannot be normed into float32 directly:
+        # norm in their own dtype, then narrow the per-layer results.
+        # ||moved|| of every layer of the group, then ||after||: one fused read.
+        if self._before.dtype in NARROW:
+            torch.stack(torch._foreach_norm(g.parts, 2, dtype=torch.float32), out=g.norms)
+        else:
+            g.norms.copy_(torch.stack(torch._foreach_norm(g.parts, 2)))
+        torch.div(g.moved, g.weight.clamp_min_(_TINY), out=mine)
+        for i in g.unsampled:
+            mine[i : i + 1].view(torch.int32).fill_(MISSING_I32)
 
     def drop(self) -> None:
-        """Forget a pending before-sample (switching off)."""
+        """Forget a pending before-sample and what ``after`` gathered (switching off)."""
         self._have_before = None
+        self._gathered = []
         self._views = None
 
     def _gather(self, into: torch.Tensor, g: _Group) -> list[torch.Tensor] | None:

@@ -48,12 +48,25 @@ import torch
 
 from gradwatch.agent.gradients import GradReader, local
 from gradwatch.agent.layout import fill_missing
-from gradwatch.agent.updateratios import NARROW, SAMPLE, RatioSampler, flat_view, weights_of
+from gradwatch.agent.spreadplan import Part
+from gradwatch.agent.updateratios import (
+    NARROW,
+    SAMPLE,
+    RatioSampler,
+    Span,
+    flat_view,
+    weights_of,
+)
 
 # A round reads the weights over at most this many steps.
 MAX_PHASES = 8
 # Below this many elements per phase the per-step Python cost outweighs the read saved.
 MIN_PHASE_ELEMENTS = 1 << 17
+# A spread sample reads them in finer slices, one per step: each phase is cut into
+# slices of at least MIN_SLICE_ELEMENTS, MAX_SLICES in all. On the GPT benchmark a
+# phase (463k elements) is ~0.25 ms of a step's thread CPU, a slice half that.
+MAX_SLICES = 16
+MIN_SLICE_ELEMENTS = 1 << 16
 
 
 @dataclass
@@ -63,13 +76,14 @@ class Round:
     step: int
     time: float
     columns: tuple[str, ...]
-    left: int  # phases still to read before its norms are complete
+    left: int  # slices still to read before its norms are complete
     n_acts: int = 0  # its first columns are activation statistics (agent/activations.py)
     ratios: torch.Tensor | None = None  # per-layer update ratios, filled a group per phase
-    spread: bool = False  # measured a group per phase (else whole on its first step)
+    spread: bool = False  # measured a part per step (else whole on its first step)
     acts: torch.Tensor | None = None  # the activation statistics, once taken
-    phase: int = 0  # phases read so far: the group the next step measures
+    phase: int = 0  # steps since it began: the part the next step measures, when spread
     norms: torch.Tensor | None = None  # the per-layer weight norms, once complete
+    parts: tuple[Part, ...] = ()  # a spread sample's steps (agent/spreadplan.py)
 
 
 class WeightStats:
@@ -82,13 +96,14 @@ class WeightStats:
         max_phases: int = MAX_PHASES,
         min_phase_elements: int = MIN_PHASE_ELEMENTS,
         seed: int = 0,
+        max_slices: int = MAX_SLICES,
     ) -> None:
         self._reader = reader
         self._device = reader.device
         weights = weights_of(reader)
-        self._plan_phases(weights, max_phases, min_phase_elements)
-        # The update ratios, in as many groups as there are phases.
-        self.ratio = RatioSampler(reader, sample, groups=self.phases, seed=seed)
+        self._plan_phases(weights, max_phases, min_phase_elements, max_slices)
+        # The update ratios, in groups of about RATIO_GROUP_ELEMENTS sampled elements.
+        self.ratio = RatioSampler(reader, sample, groups=None, seed=seed)
         self.sample_elements = self.ratio.sample_elements
         self._n_layers = len(weights)
         # float32/16 weights on the reader's device, not sharded: a phase's slices are
@@ -99,19 +114,26 @@ class WeightStats:
         )
         # The latest norm of each slice (read in rotation) and the samples waiting on them.
         self._partials = torch.zeros(self._n_slices, dtype=torch.float32, device=self._device)
-        self._partial_views = [self._partials[a:b] for a, b in self._bounds]
-        self._next_phase = 0
+        self._next_slice = 0
+        self._runs: dict[tuple[int, int], tuple[list[tuple[int, int, int | None]], torch.Tensor]]
+        self._runs = {}
         # The samples waiting for their weight norms (the monitor tests it on every
         # step: an attribute, not the ``busy`` property, whose call costs more there).
         self.waiting: list[Round] = []
 
     # ------------------------------------------------------------ plan
 
-    def _plan_phases(self, weights: list[torch.Tensor], max_phases: int, minimum: int) -> None:
+    def _plan_phases(
+        self, weights: list[torch.Tensor], max_phases: int, minimum: int, max_slices: int
+    ) -> None:
+        """Cut the elements into ``slices`` of about equal size, ``per_phase`` to a phase."""
         total = sum(w.numel() for w in weights)
         self.phases = max(1, min(max_phases, math.ceil(total / minimum)))
-        target = math.ceil(total / self.phases) if total else 1
-        # Each phase: (param index, start, stop) slices; stop None = the whole tensor.
+        fine = min(max_slices, math.ceil(total / MIN_SLICE_ELEMENTS))
+        self.per_phase = max(1, fine // self.phases)
+        count = self.phases * self.per_phase
+        target = math.ceil(total / count) if total else 1
+        # Each slice: (param index, start, stop) pieces; stop None = the whole tensor.
         plan: list[list[tuple[int, int, int | None]]] = [[]]
         room = target
         for i, w in enumerate(weights):
@@ -121,7 +143,7 @@ class WeightStats:
                 room -= n
             else:
                 start = 0
-                while n - start > room and len(plan) < self.phases:
+                while n - start > room and len(plan) < count:
                     if room > 0:
                         plan[-1].append((i, start, start + room))
                         start += room
@@ -130,34 +152,48 @@ class WeightStats:
                 plan[-1].append((i, start, n))
                 room -= n - start
         self._plan = [p for p in plan if p]
-        self.phases = len(self._plan)
-        layer_of = [i for phase in self._plan for i, _, _ in phase]
+        self.slices = len(self._plan)
+        if self.slices < count:  # tensors that cannot be cut: fewer slices
+            self.per_phase = max(1, self.slices // self.phases)
+            self.phases = -(-self.slices // self.per_phase)
+        layer_of = [i for piece in self._plan for i, _, _ in piece]
         self._slice_layer = torch.tensor(layer_of, dtype=torch.long, device=self._device)
         self._n_slices = len(layer_of)
         bounds, at = [], 0
-        for phase in self._plan:
-            bounds.append((at, at + len(phase)))
-            at += len(phase)
+        for piece in self._plan:
+            bounds.append((at, at + len(piece)))
+            at += len(piece)
         self._bounds = bounds
+        sizes = [
+            sum((b if b is not None else weights[i].numel()) - a for i, a, b in piece)
+            for piece in self._plan
+        ]
         self.largest_phase = max(
-            (
-                sum((b if b is not None else weights[i].numel()) - a for i, a, b in p)
-                for p in self._plan
-            ),
+            (sum(sizes[k : k + self.per_phase]) for k in range(0, len(sizes), self.per_phase)),
             default=0,
         )
 
     # ------------------------------------------------------------ update ratios
 
-    def sample_before(self, keep_views: bool = True, group: int | None = None) -> None:
+    def sample_before(self, keep_views: bool = True, group: Span = None) -> None:
         """Gather ``group``'s update-ratio samples (None: all) before the update;
         see ``RatioSampler.sample_before``."""
         self.ratio.sample_before(group, keep_views)
 
-    def ratios(self, group: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    def ratios(self, group: Span = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """``group``'s update ratios (None: all) after the update; see
         ``RatioSampler.ratios``."""
         return self.ratio.ratios(group, out)
+
+    def after(self, group: Span) -> None:
+        """Gather ``group``'s ratio samples after the update, for ``finish_ratios``; see
+        ``RatioSampler.after``."""
+        self.ratio.after(group)
+
+    def finish_ratios(self, out: torch.Tensor, groups: Span = None) -> None:
+        """The ratios of ``groups`` from what ``after`` gathered, into ``out``; see
+        ``RatioSampler.finish``."""
+        self.ratio.finish(out, groups)
 
     def drop(self) -> None:
         """Forget a pending before-sample and the waiting samples (switching off)."""
@@ -178,69 +214,111 @@ class WeightStats:
         columns: tuple[str, ...],
         n_acts: int,
         ratios: bool,
-        spread: bool = False,
+        parts: tuple[Part, ...] = (),
     ) -> Round:
-        """Queue a cadence step's sample; ``advance`` then reads a phase per step.
+        """Queue a cadence step's sample; ``advance`` then reads its weight norms.
 
         Phases are read in rotation into one vector of slice norms that every
-        waiting sample shares: a sample is complete once a full rotation has
-        been read since its step, so samples closer together than ``phases``
-        steps share reads, and no step reads more than one phase. ``ratios``:
-        the sample carries update ratios (its ``ratios`` vector, MISSING until a
-        group's are measured); ``spread``: they and the activations are measured
-        a group per phase (the monitor starts no other sample until it is complete).
+        waiting sample shares: a sample's norms are complete once a full rotation
+        has been read since its step, so samples closer together than ``phases``
+        steps share reads. ``ratios``: the sample carries update ratios (its
+        ``ratios`` vector, MISSING until a group's are measured). ``parts``: it is
+        spread over those steps (agent/spreadplan.py; the monitor starts no other
+        sample until it is shipped), and leaves ``waiting`` by ``take``, not by
+        ``advance``; else it is measured whole on its step and its weight norms
+        read a phase per step.
         """
         vector = None
         if ratios:
             vector = torch.empty(self._n_layers, dtype=torch.float32, device=self._device)
             fill_missing(vector)
-        started = Round(step, time, columns, self.phases, n_acts, vector, spread)
+        started = Round(step, time, columns, self.slices, n_acts, vector, bool(parts))
+        started.parts = parts
         self.waiting.append(started)
         return started
 
-    def advance(self) -> list[Round]:
-        """Read the next phase if a sample waits; return the samples it completes."""
+    def advance(self, reads: int = 0) -> list[Round]:
+        """Read ``reads`` slices, at least a phase's while a sample measured whole
+        waits; return the whole samples this completes (a spread one's norms are set)."""
         if not self.waiting:
             return []
-        with torch.no_grad():
-            self._read_phase(self._next_phase)
-        self._next_phase = (self._next_phase + 1) % self.phases
-        for waiting in self.waiting:
-            waiting.left -= 1
-            waiting.phase += 1
+        if reads < self.per_phase and any(not w.spread for w in self.waiting):
+            reads = self.per_phase
+        if not reads:
+            return []
+        self._read(reads)
         return self._complete()
+
+    def take(self, sample: Round) -> Round:
+        """Remove a spread ``sample`` from ``waiting``, its weight norms complete (the
+        slices it still lacks read now: only where its parts were cut short)."""
+        if sample.left > 0 or sample.norms is None:
+            self._read(max(0, sample.left))
+            with torch.no_grad():
+                sample.norms = self._norms()
+        self.waiting = [w for w in self.waiting if w is not sample]
+        return sample
 
     def finish(self) -> list[Round]:
         """Complete every waiting sample now (closing): one full rotation at once."""
         if not self.waiting:
             return []
-        with torch.no_grad():
-            for phase in range(self.phases):
-                self._read_phase(phase)
         for waiting in self.waiting:
-            waiting.left = 0
+            if waiting.spread and waiting.ratios is not None:
+                self.ratio.finish(waiting.ratios)  # the groups its parts gathered so far
+            waiting.spread, waiting.norms = False, None  # returned below, parts left or not
+        self._read(self.slices)
         return self._complete()
 
+    def _read(self, count: int) -> None:
+        """Read the next ``count`` slices of the rotation (consecutive ones in one call)."""
+        with torch.no_grad():
+            left = count
+            while left > 0:
+                n = min(left, self.slices - self._next_slice)
+                self._read_slices(self._next_slice, n)
+                self._next_slice = (self._next_slice + n) % self.slices
+                left -= n
+        for waiting in self.waiting:
+            waiting.left -= count
+
     def _complete(self) -> list[Round]:
-        done = [w for w in self.waiting if w.left <= 0]
+        """Set the norms of the samples a full rotation has completed; remove and return
+        those measured whole (a spread sample leaves by ``take``)."""
+        done = [w for w in self.waiting if w.left <= 0 and w.norms is None]
         if not done:
             return []
-        self.waiting = [w for w in self.waiting if w.left > 0]
         with torch.no_grad():
-            norms = torch.zeros(self._n_layers, dtype=torch.float32, device=self._device)
-            norms.index_add_(0, self._slice_layer, self._partials.square())
-            norms.sqrt_()
+            norms = self._norms()
         for sample in done:
             sample.norms = norms
-        return done
+        whole = [w for w in done if not w.spread]
+        if whole:
+            self.waiting = [w for w in self.waiting if w.spread or w.norms is None]
+        return whole
 
-    def _read_phase(self, phase: int) -> None:
+    def _norms(self) -> torch.Tensor:
+        """Each layer's weight norm: the root of its slices' summed squares (no_grad)."""
+        norms = torch.zeros(self._n_layers, dtype=torch.float32, device=self._device)
+        norms.index_add_(0, self._slice_layer, self._partials.square())
+        return norms.sqrt_()
+
+    def _read_slices(self, first: int, n: int) -> None:
+        """The norms of slices [first, first + n) into their partials (no_grad)."""
         params = self._reader.params
+        # A run's pieces and the partials it fills, made once per run (each costs
+        # microseconds on a cold cache); a run is a slice or a phase's slices.
+        run = self._runs.get((first, n))
+        if run is None:
+            pieces = [piece for part in self._plan[first : first + n] for piece in part]
+            into = self._partials[self._bounds[first][0] : self._bounds[first + n - 1][1]]
+            run = self._runs[first, n] = (pieces, into)
+        pieces, into = run
         norms: Sequence[torch.Tensor]
         if self._plain:
             # Each call on a cold cache costs microseconds: one view per slice.
             views: list[torch.Tensor] = []
-            for i, start, stop in self._plan[phase]:
+            for i, start, stop in pieces:
                 param = params[i]
                 if stop is None:
                     views.append(param)
@@ -252,10 +330,10 @@ class WeightStats:
                     break  # channels_last: the general path below
             else:
                 norms = torch._foreach_norm(views, 2, dtype=torch.float32)
-                torch.stack(norms, out=self._partial_views[phase])
+                torch.stack(norms, out=into)
                 return
         slices = []
-        for i, start, stop in self._plan[phase]:
+        for i, start, stop in pieces:
             w: torch.Tensor = params[i]
             if self._reader.sharded:
                 w = local(w)
@@ -271,4 +349,4 @@ class WeightStats:
             ]
         else:
             norms = torch._foreach_norm(slices, 2, dtype=torch.float32)
-        torch.stack(norms, out=self._partial_views[phase])
+        torch.stack(norms, out=into)

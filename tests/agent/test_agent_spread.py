@@ -124,9 +124,14 @@ def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, ear
         assert [done.step for done in shipped][:8] == list(range(1, 9))
         assert len(snapshots) >= 8
     else:
-        # Steps 8-15 carry the step-8 sample's phases, 16-23 the next one's.
+        # Steps 8-15 carry the step-8 sample's parts, 16-23 the next one's: fewer steps
+        # than units (8 weight phases, a ratio group per layer, 3 hook groups), so each
+        # kind is spread over the 8 steps, none twice on a step (agent/spreadplan.py).
         assert [done.step for done in shipped] == [8, 16]
-        assert groups == [None] * 7 + list(range(8)) * 2  # one group of layers per step
+        assert mon._wstats.ratio.groups == 8
+        assert groups[:7] == [None] * 7
+        for run in (groups[7:15], groups[15:23]):
+            assert run == [(g, g + 1) for g in range(8)]
         assert max(hooked) == 1 and sum(hooked) == 2 * 3  # each module once per sample
         assert len(snapshots) == 2
     mon.close()
