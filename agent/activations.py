@@ -3,9 +3,11 @@
 :class:`ActHooks` finds the model's nonlinearity modules once (the first
 ``MAX_ACT_MODULES`` in model order) and registers forward hooks on them only
 for the forward pass of a cadence step (``arm``), removing them at the next
-``Monitor.log`` (``disarm``): every other step pays nothing. Each hook writes,
-on the device and without a sync, the output's mean and (population) std from
-a float32 sum and sum of squares, plus one share per family (``ActStats.kind``):
+``Monitor.log`` (``disarm``): every other step pays nothing. Each hook copies,
+on the device and without a sync, a strided sample of the output into its row
+of one buffer; when the sample ships, the shipper thread works out from a host
+copy (agent/actstats.py) the output's mean and (population) std, plus one share
+per family (``ActStats.kind``):
 
 ========  ==========================================  ===========================================
 kind      modules                                     share
@@ -52,13 +54,14 @@ unit (every query position, for attention rows) instead of a fixed subset. If th
 runs more than once in that window (gradient accumulation, an eval forward),
 the last call wins.
 
-Memory: a hook holds no reference to the output after it returns, and what it
-allocates while it runs is bounded by the sample, never the output's size: at
-most ``HOOK_BYTES_PER_SAMPLED`` bytes per sampled element (the sample, its
-float32 copy, the comparison masks, and for an output that is neither
-contiguous nor a permutation of a dense tensor the index vectors that gather
-it), i.e. ``hook_transient_bytes()``: 328 KB for an elementwise activation; a
-softmax, sampled by whole rows, 2.5 MiB plus 40 bytes per element of one row.
+Memory: the buffer holds a row of ``SAMPLE`` float32 values (32 KiB) per
+hooked module other than a softmax. A hook holds no reference to the output
+after it returns, and what it allocates while it runs is bounded by the
+sample, never the output's size: at most ``HOOK_BYTES_PER_SAMPLED`` bytes per
+sampled element (for an output that is neither contiguous nor a permutation of
+a dense tensor the index vectors that gather it; a softmax's float32 copy and
+masks), i.e. ``hook_transient_bytes()``: 328 KB for an elementwise activation;
+a softmax, sampled by whole rows, 2.5 MiB plus 40 bytes per element of one row.
 Released before the next hooked module runs.
 
 Hooks would make ``torch.compile`` recompile, so a compiled model gets no
@@ -81,7 +84,6 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-import math
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -91,8 +93,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.agent.actstats import ActCopy, ActLayout, missing_buffer
 from gradwatch.agent.hooks import Detached
-from gradwatch.agent.layout import MISSING_I32, fill_missing
+from gradwatch.agent.hostpart import host_copy
 from gradwatch.wire import columns as wc
 
 logger = logging.getLogger(__name__)
@@ -116,15 +119,6 @@ ROW_SAMPLE = 1 << 16
 # int64 index vectors (24), the sample in its own dtype (8 for float64), its float32
 # copy (4) and two bool masks (2); 38, rounded up. Checked in tests/agent/test_agent_act.py.
 HOOK_BYTES_PER_SAMPLED = 40
-# Tanh |y| above this, or Sigmoid y within this of 0 or 1, counts as saturated.
-TANH_SATURATED = 0.99
-SIGMOID_MARGIN = 0.01
-# GELU and SiLU are "dead" below these inputs, i.e. for outputs in (f(cut), 0]:
-# the slope there is under ~1.2% of the linear regime's (see the module docstring).
-GELU_DEAD_INPUT = -3.0
-SILU_DEAD_INPUT = -6.0
-GELU_DEAD_OUTPUT = GELU_DEAD_INPUT * 0.5 * (1.0 + math.erf(GELU_DEAD_INPUT / math.sqrt(2.0)))
-SILU_DEAD_OUTPUT = SILU_DEAD_INPUT / (1.0 + math.exp(-SILU_DEAD_INPUT))
 # An attention row whose largest probability is above this attends to one position.
 SOFTMAX_SATURATED = 0.99
 # The families a name in ``activation_modules`` may give (ActStats.kind).
@@ -132,9 +126,11 @@ KINDS = ("relu", "relu6", "tanh", "sigmoid", "gelu", "silu", "softmax")
 INPUT_SUFFIX = ":input"
 
 _COMPILED_PREFIX = "_orig_mod."
-# One module's slots in the values vector: all of them, its mean, its mean of squares
-# (a std once snapshot() ran) and its share (None for a family without one).
+# A softmax's slots in the values vector: all of them, its mean, its mean of squares
+# (a std once finished, agent/actstats.py) and its share of one-hot rows.
 _Cells = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+# Any other module's row of the sample buffer and its length cell.
+_Row = tuple[torch.Tensor, torch.Tensor]
 # Hugging Face and other libraries write their own activation classes (GELUActivation,
 # NewGELUActivation, PytorchGELUTanh, SiLUActivation...): recognised by class name.
 # The names of gated blocks (SwiGLU, GeGLU) do not match: their output is a product.
@@ -268,17 +264,27 @@ class ActHooks:
                 columns.append(wc.act(target.name, target.kind, frac))
             plan.append((target, first, frac is not None))
         self.columns = tuple(columns)
-        # While armed: per module [mean, mean of squares(, share)], written in place by its
-        # hook; snapshot() turns every mean of squares into a std at once (fewer tensor
-        # operations per hook: each costs microseconds on the cold cache of a forward pass).
-        self.values = torch.empty(len(columns), dtype=torch.float32, device=device)
-        fill_missing(self.values)
-        firsts = [first for _, first, _ in plan]
-        self._mean_at = torch.tensor(firsts, dtype=torch.long, device=device)
-        self._square_at = self._mean_at + 1
+        # One device buffer (agent/actstats.py): the statistic cells (a softmax's,
+        # written by its hook), then a length and a row per sampled module, which its
+        # hook copies its sample into. The arithmetic is done on the host when the
+        # sample ships: each tensor operation in a forward pass costs microseconds.
+        sampled = [(t, first, frac) for t, first, frac in plan if t.kind != "softmax"]
+        self._layout = ActLayout(
+            len(columns),
+            [(first, first + 2 if frac else None, t.kind) for t, first, frac in sampled],
+            [first for t, first, _ in plan if t.kind == "softmax"],
+            SAMPLE,
+            device,
+        )
+        self._host_layout = self._layout.on_host()
+        self._buf = torch.empty(self._layout.size, dtype=torch.float32, device=device)
+        missing_buffer(self._buf, self._layout)
+        self.values = self._buf[: len(columns)]
+        lengths = self._buf[len(columns) : len(columns) + len(sampled)]
+        rows = self._buf[len(columns) + len(sampled) :].view(len(sampled), SAMPLE)
+        row_of = {id(t): r for r, (t, _, _) in enumerate(sampled)}
         # Each module's hook, made once (arm() only registers them), writing into views
-        # made once: (the module's slots, its mean, its mean of squares, its share).
-        # Detached: a model pickled or copied while armed carries an inert hook.
+        # made once. Detached: a model pickled or copied while armed carries an inert hook.
         self._hooks = [
             (
                 target,
@@ -290,7 +296,9 @@ class ActHooks:
                             self.values[first],
                             self.values[first + 1],
                             self.values[first + 2] if frac else None,
-                        ),
+                        )
+                        if target.kind == "softmax"
+                        else (rows[row_of[id(target)]], lengths[row_of[id(target)]]),
                     )
                 ),
             )
@@ -351,7 +359,7 @@ class ActHooks:
         if self._handles:
             return
         if start:
-            fill_missing(self.values)
+            missing_buffer(self._buf, self._layout)
         self.armed = True  # before registering: a failure halfway still gets disarmed
         n = len(self._hooks)
         first, stop = groups if groups is not None else (0, of)
@@ -365,26 +373,24 @@ class ActHooks:
 
     def reset(self) -> None:
         """Start a sample whose first step hooks nothing: every module MISSING until it runs."""
-        fill_missing(self.values)
+        missing_buffer(self._buf, self._layout)
 
     def disarm(self) -> None:
         while self._handles:
             self._handles.pop().remove()
         self.armed = False
 
-    def snapshot(self) -> torch.Tensor:
-        """The statistics [mean, std(, share)] per module (device) measured since the
-        sample's phase 0, queued, no sync; the values start over as MISSING."""
-        out = self.values.clone()
-        fill_missing(self.values)
-        mean, square = out[self._mean_at], out[self._square_at]
-        std = (square - mean * mean).clamp_min_(0.0).sqrt_()
-        # A module that did not run keeps MISSING (its NaN bits), not a computed NaN.
-        ran = out.view(torch.int32)[self._square_at] != MISSING_I32
-        out[self._square_at] = torch.where(ran, std, square)
-        return out
+    def stats(self) -> torch.Tensor:
+        """The statistics [mean, std(, share)] per module measured since the sample
+        began, worked out here on the device (no sync): a sample measured whole."""
+        return self._layout.finish(self._buf)
 
-    def _hook(self, target: _Target, cells: _Cells) -> Callable[..., None]:
+    def export(self) -> ActCopy:
+        """A host copy of what the hooks measured since the sample began (queued, no
+        sync); the shipper thread works the statistics out (``ActCopy.values``)."""
+        return ActCopy(self._host_layout, host_copy(self._buf))
+
+    def _hook(self, target: _Target, cells: _Cells | _Row) -> Callable[..., None]:
         kind, on_input = target.kind, target.on_input
         dim = getattr(target.module, "dim", None) if kind == "softmax" and not on_input else -1
 
@@ -395,10 +401,10 @@ class ActHooks:
                     return
                 with torch.no_grad():
                     y = y.detach()
-                    if kind == "softmax":
+                    if len(cells) == 4:  # a softmax: measured by whole rows here
                         _measure_rows(y, dim, cells)
                     else:
-                        _measure(y, kind, cells)
+                        _measure(y, cells)
             except Exception as exc:  # never raise into the user's forward pass
                 self.disarm()
                 if self._on_error is not None:
@@ -407,26 +413,14 @@ class ActHooks:
         return hook
 
 
-def _measure(y: torch.Tensor, kind: str, cells: _Cells) -> None:
-    """Write [mean, mean of squares(, share)] of ``y`` into the module's ``cells``; no sync."""
-    span, mean, square, share = cells
-    # One strided read into a contiguous float32 vector (SAMPLE x 4 bytes, in L1/L2),
-    # which the reductions below then share: reading the strided view once per
-    # reduction touched a cache line per element each time (~20% of the hook in a loop).
-    x = _sample(y).float().contiguous()
-    torch.sum(x, 0, out=mean)
-    torch.dot(x, x, out=square)
-    if share is not None:
-        if kind in ("relu", "relu6"):
-            hits = x == 0
-        elif kind == "tanh":
-            hits = x.abs() > TANH_SATURATED
-        elif kind == "sigmoid":
-            hits = (x < SIGMOID_MARGIN) | (x > 1.0 - SIGMOID_MARGIN)
-        else:  # gelu, silu: the flat negative tail
-            hits = (x > (GELU_DEAD_OUTPUT if kind == "gelu" else SILU_DEAD_OUTPUT)) & (x <= 0.0)
-        torch.sum(hits, 0, dtype=torch.float32, out=share)
-    span.div_(x.numel())  # sums to means; numel is shape metadata: no sync
+def _measure(y: torch.Tensor, row: _Row) -> None:
+    """Copy a strided sample of ``y`` into the module's row and write its length; no
+    sync, no arithmetic (agent/actstats.py does it on the host)."""
+    values, length = row
+    x = _sample(y)
+    n = x.numel()
+    values[:n].copy_(x)  # one strided read, cast to float32
+    length.fill_(n)  # numel is shape metadata: no sync
 
 
 def hook_transient_bytes(row_width: int = 0) -> int:

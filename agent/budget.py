@@ -11,16 +11,18 @@ Example::
     >>> from gradwatch.agent.budget import memory_budget
     >>> from gradwatch.agent.config import AgentConfig
     >>> b = memory_budget(300, AgentConfig(job="doc", rank=0, world=1), elem_bytes=2)
-    >>> b.samples, b.total < 8 * 2**20
-    (4915200, True)
+    >>> b.samples, b.copies, b.total < 12 * 2**20
+    (4915200, 4915200, True)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradwatch.agent.activations import SAMPLE as ACT_SAMPLE
 from gradwatch.agent.activations import hook_transient_bytes
 from gradwatch.agent.config import AgentConfig
+from gradwatch.agent.items import MAX_STATS_IN_FLIGHT
 from gradwatch.agent.updateratios import SAMPLE
 from gradwatch.agent.weightstats import MAX_PHASES
 
@@ -41,11 +43,22 @@ class Budget:
     # (one hook runs at a time and frees them when it returns); 0 without activations
     hooks: int = 0
     slack: int = SLACK
+    act_rows: int = 0  # device: the hooks' sample rows (a row per hooked module)
+    # host (pinned under CUDA): spread samples queued for the shipper, each with a copy
+    # of the update-ratio samples and of the hooks' buffer (agent/hostpart.py)
+    copies: int = 0
 
     @property
     def total(self) -> int:
         return (
-            self.step_buffer + self.host_pool + self.samples + self.stats + self.hooks + self.slack
+            self.step_buffer
+            + self.host_pool
+            + self.samples
+            + self.stats
+            + self.hooks
+            + self.slack
+            + self.act_rows
+            + self.copies
         )
 
 
@@ -68,10 +81,15 @@ def memory_budget(
     # norms (at most one slice per tensor and phase boundary).
     vector = (act_columns + 2 * n_layers + n_layers + MAX_PHASES) * F32
     queued = config.pool_size + config.max_pending_events
+    samples = 2 * n_layers * sample * elem_bytes
+    # A module has 2 columns at least: at most act_columns // 2 rows of ACT_SAMPLE.
+    act_buffer = (act_columns + act_columns // 2 * (ACT_SAMPLE + 1)) * F32
     return Budget(
         step_buffer=2 * row_bytes,
         host_pool=(config.pool_size + 1) * row_bytes,
-        samples=2 * n_layers * sample * elem_bytes,
+        samples=samples,
         stats=(queued + 3) * vector,
         hooks=hook_transient_bytes(act_row_width) if act_columns else 0,
+        act_rows=act_buffer,
+        copies=MAX_STATS_IN_FLIGHT * ((samples if config.update_ratios else 0) + act_buffer),
     )

@@ -38,7 +38,7 @@ from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus
 from gradwatch.agent.commands import Rollback
 from gradwatch.agent.config import AgentConfig, SetupError
-from gradwatch.agent.items import Counters, EventItem
+from gradwatch.agent.items import Counters, EventItem, StatsItem
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader
 from gradwatch.agent.rowplan import RowPlan
@@ -84,6 +84,7 @@ class Failsafe:
     _stats_now: bool
     _spread_phase: int | None
     _parts: tuple[Part, ...]
+    _stats_out: list[StatsItem]
     _wstats: WeightStats | None
     _pending: Rollback | None
     _command_ready: threading.Event

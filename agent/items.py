@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gradwatch.agent.hostpart import HostPart
 from gradwatch.agent.layout import HostValue, Layout
 from gradwatch.wire.census import Census
 
@@ -90,7 +91,13 @@ class Reincarnate:
     incarnation: str
 
 
-@dataclass(frozen=True, slots=True)
+# Spread cadence samples queued for the shipper at most: each holds host copies of
+# what it gathered (agent/hostpart.py; the memory budget counts them, agent/budget.py).
+# They come at least 8 steps apart, and the shipper takes one within ~20 ms.
+MAX_STATS_IN_FLIGHT = 1
+
+
+@dataclass(slots=True)
 class StatsItem:
     """Cadence statistics of one step.
 
@@ -105,3 +112,7 @@ class StatsItem:
     ready: Any = None
     columns: tuple[str, ...] = ()
     census: Census | None = None  # sent in the batch header (contract C2)
+    # The cells before the weight norms (activations, update ratios), worked out on the
+    # shipper thread from host copies (agent/hostpart.py), in column order.
+    parts: tuple[HostPart, ...] = ()
+    shipped: bool = False  # set by the shipper once sent or dropped (one store)

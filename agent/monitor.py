@@ -144,6 +144,7 @@ class Monitor(LayerSwitch):
         # The part of a spread sample the running step carries, and that sample's plan.
         self._spread_phase = None
         self._parts = ()
+        self._stats_out = []  # cadence samples queued, until the shipper marks them shipped
         self._wstats = None
         # Set by the shipper thread (one attribute store), taken by the training thread.
         self._pending = None

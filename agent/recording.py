@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import numbers
-import queue
 import time
 from dataclasses import replace
 from typing import Any
@@ -40,17 +39,16 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradwatch.agent.activations import ActHooks, is_compiled
-from gradwatch.agent.failsafe import describe, to_host_async
+from gradwatch.agent.failsafe import describe
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached
-from gradwatch.agent.items import StatsItem
-from gradwatch.agent.layout import HostValue, Later, fill_missing
+from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
-from gradwatch.agent.rollback_exit import RollbackExit
 from gradwatch.agent.rowplan import RowPlan
-from gradwatch.agent.spreadplan import Part, plan
+from gradwatch.agent.sampling import Sampler
+from gradwatch.agent.spreadplan import plan
 from gradwatch.agent.steps import user_step
-from gradwatch.agent.weightstats import Round, WeightStats
+from gradwatch.agent.weightstats import WeightStats
 from gradwatch.wire import columns as wc
 
 logger = logging.getLogger(__name__)
@@ -60,7 +58,7 @@ Scalar = torch.Tensor | float | int
 _NUMBERS = (float, int, bool)
 
 
-class StepRecorder(RollbackExit):
+class StepRecorder(Sampler):
     """The hooks and the per-step recording of a Monitor; see the module docstring."""
 
     def _attach(self, model: torch.nn.Module, optimizer: Any) -> None:
@@ -349,139 +347,6 @@ class StepRecorder(RollbackExit):
             )
         )
         return host_row
-
-    def _next_sample(self, ws: WeightStats) -> None:
-        """Decide whether the next step carries cadence statistics, and which part of a
-        spread sample; arm the activation hooks it measures for its forward pass.
-
-        A sample is measured whole on its step where samples come close together
-        (the dense start, agent/cadence.py), and spread a unit of work per step
-        (agent/spreadplan.py) where the next is at least ``ws.phases`` steps away:
-        the same statistics, while no step pays more than its share of them.
-        """
-        last = ws.waiting[-1] if ws.waiting else None
-        if last is not None and last.spread and last.phase < len(last.parts):
-            # The next step carries the next part; the schedule waits until it ships.
-            self._stats_now, self._spread_phase = True, last.phase
-        else:
-            cadence, step = self._cadence, self._step + 1
-            self._stats_now = (cadence.forced or step >= cadence.next_step) and cadence.due(step)
-            gap = cadence.next_step - step
-            if self._stats_now and gap >= ws.phases > 1:
-                acts = self._acts
-                hooks = acts.groups if acts is not None else 0
-                self._parts = plan(int(min(gap, 1 << 20)), ws.slices, ws.ratio.groups, hooks)
-                self._spread_phase = 0
-            else:
-                self._spread_phase = None
-        acts = self._acts
-        if acts is not None and (self._stats_now or acts.armed):
-            # Hooks live only for a cadence step's forward pass: armed now when
-            # the next step is one, removed here at its log().
-            acts.disarm()
-            if self._stats_now:
-                index = self._spread_phase
-                if index is None:
-                    acts.arm()
-                else:
-                    hooks_of = self._parts[index].hooks
-                    if hooks_of is not None:
-                        acts.arm(hooks_of, acts.groups, start=index == 0)
-                    elif index == 0:
-                        acts.reset()
-
-    def _carried_part(self) -> Part | None:
-        """The part of the spread sample the running step carries; None for a sample
-        measured whole, or when its sample was dropped (a recovery, a takeover)."""
-        index, ws = self._spread_phase, self._wstats
-        if index is None or ws is None:
-            return None
-        if index and (not ws.waiting or not ws.waiting[-1].spread):
-            return None
-        return self._parts[index]
-
-    def _cadence_work(self, now: float) -> None:
-        """A cadence sample measures what only its steps can see (activations of their
-        forwards, update ratios of their updates) and the weight norms, read a phase
-        per step (agent/weightstats.py); a spread sample does a part of that per step
-        (agent/spreadplan.py) and ships at its last, a whole one once its norms are."""
-        ws = self._wstats
-        assert ws is not None
-        stats, part = self._stats_now, self._carried_part()
-        self._stats_now = False
-        if stats and (part is None or self._spread_phase == 0):  # a sample starts here
-            columns: tuple[str, ...] = ()
-            acts = self._acts
-            if acts is not None:
-                columns = acts.columns
-            n_acts = len(columns)
-            if self.config.update_ratios:
-                columns = (*columns, *self._ratio_columns)
-            started = ws.begin(
-                self._step,
-                now,
-                columns,
-                n_acts,
-                self.config.update_ratios,
-                () if part is None else self._parts,
-            )
-            if acts is not None and part is None:
-                started.acts = acts.snapshot()  # before a later sample's hooks overwrite them
-        current = ws.waiting[-1] if stats and ws.waiting else None
-        if current is not None and current.ratios is not None:
-            if part is None:
-                ws.ratios(None, out=current.ratios)
-            elif part.ratios is not None:
-                ws.after(part.ratios)  # the arithmetic waits for the ratio_finish part
-        for sample in ws.advance(0 if part is None else part.weights):
-            self._queue_stats(sample)
-        if part is None or current is None:
-            return
-        current.phase += 1
-        if part.ratio_finish is not None and current.ratios is not None:
-            ws.finish_ratios(current.ratios, part.ratio_finish)
-        if part.snapshot and self._acts is not None and len(self._acts.columns) == current.n_acts:
-            current.acts = self._acts.snapshot()
-        if part.ship:
-            self._queue_stats(ws.take(current))
-
-    def _queue_stats(self, done: Round) -> None:
-        """Queue a complete sample's statistics without waiting for them."""
-        values = done.norms
-        assert values is not None
-        if self._scales is not None and self._scales.numel() == values.numel():
-            values = values * self._scales
-        parts: list[torch.Tensor] = []
-        if done.acts is not None:
-            parts.append(done.acts)
-        elif done.n_acts:
-            acts = self._acts
-            if acts is not None and len(acts.columns) == done.n_acts:
-                parts.append(acts.snapshot())  # a spread sample's, measured over its phases
-            else:  # switched off during the sample (a hook failed)
-                missing = torch.empty(done.n_acts, device=values.device)
-                fill_missing(missing)
-                parts.append(missing)
-        if done.ratios is not None:
-            parts.append(done.ratios)
-        if parts:
-            values = torch.cat((*parts, values))
-        values, ready = to_host_async(values)
-        try:
-            self._work.put_nowait(
-                StatsItem(
-                    done.step,
-                    done.time,
-                    self._reader.names,
-                    values,
-                    ready,
-                    done.columns,
-                    self._census.take(),
-                )
-            )
-        except queue.Full:
-            with self._counters.lock:
-                self._counters.stats_dropped += 1
 
     def _route(
         self,

@@ -49,6 +49,7 @@ import zmq
 from gradwatch.agent.commands import CommandReceiver, Rollback
 from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys, split_endpoints
 from gradwatch.agent.destinations import Destination
+from gradwatch.agent.hostpart import HostPart, MissingPart
 from gradwatch.agent.items import (
     BufferPool,
     Counters,
@@ -152,6 +153,7 @@ class Shipper:
             except ValueError as exc:  # a rollback feature problem never stops monitoring
                 logger.error("gradwatch: %s; rollback commands are off for this run", exc)
         self._stale_logged = False
+        self._part_failed = False  # a cadence statistic could not be worked out (logged once)
         self._seq = 0  # batches of any schema sent by this incarnation
         self._stats_schema: Schema | None = None
         self._deadline = math.inf
@@ -314,9 +316,18 @@ class Shipper:
             counters.steps_dropped_send += item.rows
 
     def _ship_stats(self, item: StatsItem) -> None:
+        try:
+            self._send_stats(item)
+        finally:
+            item.shipped = True  # the training thread may queue another (MAX_STATS_IN_FLIGHT)
+
+    def _send_stats(self, item: StatsItem) -> None:
         if item.ready is not None:
             item.ready.synchronize()  # this thread may wait; training never does
         values = item.values.cpu()
+        if item.parts:
+            # The activation and update-ratio cells, worked out here from host copies.
+            values = torch.cat([*(self._part_values(part) for part in item.parts), values])
         schema = self._stats_schema
         columns = (wc.WEIGHT_NORMS, *item.columns)
         if schema is None or schema.layers != item.layers or schema.columns != columns:
@@ -328,6 +339,22 @@ class Shipper:
         else:
             with self._counters.lock:
                 self._counters.stats_dropped += 1
+
+    def _part_values(self, part: HostPart) -> torch.Tensor:
+        """A part's cells; MISSING (and one warning) when working them out fails."""
+        try:
+            return part.values()
+        except Exception as exc:  # an optional statistic: the sample ships without it
+            if not self._part_failed:
+                self._part_failed = True
+                logger.warning(
+                    "gradwatch: working out cadence statistics (%s) failed: %s: %s; "
+                    "they are sent as not measured. Please report it with your torch version",
+                    type(part).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
+            return MissingPart(part.width).values()
 
     def _send_batch(
         self,

@@ -13,11 +13,13 @@ any tensor of 64k elements or more). A tensor of 1,024 elements or fewer is
 sampled whole, so its ratio is exact.
 
 The parameters are cut into ``groups`` consecutive runs of about equal sample
-size, so a cadence sample can measure one group per step over as many steps as
-its weight norms take (agent/weightstats.py): no step pays the gathers of the
-whole model. A group's ratio is still one step's update, before and after.
+size (``GROUP_ELEMENTS``), so a spread cadence sample can gather one group per
+step (agent/spreadplan.py): no step pays the gathers of the whole model. A
+group's ratio is still one step's update, before and after. The training
+thread only gathers: ``export`` queues a host copy of both buffers and the
+shipper thread works the ratios out (``RatioCopy.values``, agent/hostpart.py).
 
-Nothing here reads a device value on the host.
+Nothing here reads a device value on the host on the training thread.
 
 Example::
 
@@ -39,7 +41,8 @@ import random
 import torch
 
 from gradwatch.agent.gradients import GradReader, local
-from gradwatch.agent.layout import MISSING_I32, fill_missing
+from gradwatch.agent.hostpart import HostCopy, host_copy
+from gradwatch.agent.layout import MISSING_I32
 
 # Elements sampled per parameter (see the module docstring): 1/SAMPLE_SHARE of it,
 # at least MIN_SAMPLE (smaller tensors whole) and at most SAMPLE.
@@ -61,7 +64,8 @@ Span = int | tuple[int, int] | None
 
 class RatioSampler:
     """The fixed samples of one model's trainable parameters and their groups (training
-    thread): ``sample_before(group)`` before the update, ``ratios(group)`` after it."""
+    thread): ``sample_before(group)`` before the update, ``after(group)`` after it,
+    ``export()`` once a sample's groups are gathered."""
 
     def __init__(
         self, reader: GradReader, sample: int = SAMPLE, groups: int | None = 1, seed: int = 0
@@ -89,8 +93,9 @@ class RatioSampler:
         ]
         dtypes = {w.dtype for w in weights}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        self._before = torch.empty(self.sample_elements, dtype=dtype, device=self._device)
-        self._after = torch.empty_like(self._before)
+        # Before and after the update, in one buffer: export() copies it in one call.
+        self._pair = torch.empty(2, self.sample_elements, dtype=dtype, device=self._device)
+        self._before, self._after = self._pair[0], self._pair[1]
         # The groups' layer runs; a run of consecutive groups (a span, one group, or
         # every layer: None) is cut once into the views its calls use (each view made
         # per call costs microseconds), when first used.
@@ -103,7 +108,8 @@ class RatioSampler:
             self._span(g)
         self._span(None)
         self._have_before: _Group | None = None  # the group sampled before the update
-        self._gathered: list[_Group] = []  # gathered after their update, for finish()
+        # The layer runs gathered after their update since the last export().
+        self._gathered: list[tuple[int, int]] = []
         # The strided views of the before-gather and the parameters' data pointers then:
         # read again by the after-gather of the same step (views cost ~3 us each to make),
         # then dropped: held only across the optimizer step, never a forward pass.
@@ -140,7 +146,6 @@ class RatioSampler:
                 self._plain,
             )
             g.samples = self._samples[first:stop]
-            g.unsampled = [i - first for i in self._unsampled if g.has(i)]
             self._spans[key] = g
         return g
 
@@ -162,51 +167,33 @@ class RatioSampler:
             self._pointers = [p.data_ptr() for p in g.params]
         self._have_before = g
 
-    def ratios(self, group: Span = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``group``'s update ratios (as in ``sample_before``) written into its layers' slots
-        of ``out`` (a new per-layer vector, MISSING elsewhere, when None); MISSING there
-        without a ``sample_before(group)`` since the last call (the optimizer step was
-        skipped)."""
-        if out is None:
-            out = torch.empty(len(self._counts), dtype=torch.float32, device=self._device)
-            fill_missing(out)
-        g = self._span(group)
-        if g.first == g.stop:
-            return out
-        mine = out[g.first : g.stop]
-        if not self._gather_after(g):
-            fill_missing(mine)
-            return out
-        with torch.no_grad():
-            self._arithmetic(g, mine)
-        return out
+    def ratios(self, group: Span = None) -> torch.Tensor:
+        """``after(group)`` then ``compute()``: every layer's ratio now, MISSING outside
+        ``group`` or without a ``sample_before(group)`` since the last call."""
+        self.after(group)
+        return self.compute()
 
-    def after(self, group: Span) -> None:
-        """Gather ``group``'s samples after the update and leave them for ``finish``:
-        a spread sample's step pays the gather only (agent/spreadplan.py)."""
+    def compute(self) -> torch.Tensor:
+        """The ratios from what ``after`` gathered since the last ``compute``/``export``,
+        worked out here on the device (no sync): a sample measured whole, whose
+        buffers the next step's sample overwrites."""
+        gathered, self._gathered = self._gathered, []
+        return ratio_values(self._pair, self._counts, self._unsampled, gathered)
+
+    def after(self, group: Span = None) -> None:
+        """Gather ``group``'s samples after the update; nothing without a
+        ``sample_before(group)`` since the last call (the optimizer step was skipped),
+        and its layers stay MISSING."""
         g = self._span(group)
         if g.first != g.stop and self._gather_after(g):
-            self._gathered.append(g)
+            self._gathered.append((g.first, g.stop))
 
-    def finish(self, out: torch.Tensor, groups: Span = None) -> None:
-        """The update ratios of ``groups`` (None: all) into ``out`` in one pass over
-        their sample buffers, from what ``after`` gathered; at the last layer, MISSING
-        for the layers of every group it did not gather (a skipped optimizer step)."""
-        span = self._span(groups)
-        if span.first == span.stop:
-            return
-        with torch.no_grad():
-            self._arithmetic(span, out[span.first : span.stop])
-        if span.stop != len(self._counts):
-            return
-        done, self._gathered = self._gathered, []  # the sample's last pass
-        if sum(g.stop - g.first for g in done) != len(self._counts):  # rare: a skipped step
-            measured = [False] * len(self._counts)
-            for g in done:
-                measured[g.first : g.stop] = [True] * (g.stop - g.first)
-            for i, seen in enumerate(measured):
-                if not seen:
-                    out[i : i + 1].view(torch.int32).fill_(MISSING_I32)
+    def export(self) -> RatioCopy:
+        """A host copy of the samples (queued, no sync) and which layers ``after``
+        gathered since the last export; the ratios are worked out on the shipper
+        thread (``RatioCopy.values``, agent/hostpart.py)."""
+        gathered, self._gathered = self._gathered, []
+        return RatioCopy(host_copy(self._pair), self._counts, self._unsampled, gathered)
 
     def _gather_after(self, g: _Group) -> bool:
         """Gather ``g``'s samples after the update into its ``after`` buffer; False (nothing
@@ -224,20 +211,6 @@ class RatioSampler:
                 # update written as p.data = ..., a cast): gather from the parameters now.
                 self._gather(g.after, g)
         return True
-
-    def _arithmetic(self, g: _Group, mine: torch.Tensor) -> None:
-        """``||after - before|| / ||after||`` of ``g``'s layers into ``mine`` (no_grad)."""
-        g.before.sub_(g.after)
-        # float64 weights (model.double()) cannot be normed into float32 directly:
-        # norm in their own dtype, then narrow the per-layer results.
-        # ||moved|| of every layer of the group, then ||after||: one fused read.
-        if self._before.dtype in NARROW:
-            torch.stack(torch._foreach_norm(g.parts, 2, dtype=torch.float32), out=g.norms)
-        else:
-            g.norms.copy_(torch.stack(torch._foreach_norm(g.parts, 2)))
-        torch.div(g.moved, g.weight.clamp_min_(_TINY), out=mine)
-        for i in g.unsampled:
-            mine[i : i + 1].view(torch.int32).fill_(MISSING_I32)
 
     def drop(self) -> None:
         """Forget a pending before-sample and what ``after`` gathered (switching off)."""
@@ -282,6 +255,53 @@ class RatioSampler:
         return None
 
 
+class RatioCopy:
+    """One sample's update-ratio samples on their way to the host; ``values()`` (the
+    shipper thread) works the ratios out there (``ratio_values``)."""
+
+    def __init__(
+        self,
+        pair: HostCopy,
+        counts: list[int],
+        unsampled: list[int],
+        gathered: list[tuple[int, int]],
+    ) -> None:
+        self._pair, self._counts = pair, counts
+        self._unsampled, self._gathered = unsampled, gathered
+        self.width = len(counts)
+
+    def values(self) -> torch.Tensor:
+        return ratio_values(self._pair.wait(), self._counts, self._unsampled, self._gathered)
+
+
+def ratio_values(
+    pair: torch.Tensor,
+    counts: list[int],
+    unsampled: list[int],
+    gathered: list[tuple[int, int]],
+) -> torch.Tensor:
+    """Per layer ``||after - before|| / ||after||`` over its sample (``pair``: before,
+    after; ``counts``: each layer's sample length), float32 on ``pair``'s device, no
+    sync; MISSING for ``unsampled`` layers and those outside the ``gathered`` runs."""
+    with torch.no_grad():
+        if pair.dtype in NARROW:
+            pair = pair.float()  # float64 (model.double()) stays in its own precision
+        moved = (pair[0] - pair[1]).split(counts)
+        norms = torch.stack(torch._foreach_norm([*moved, *pair[1].split(counts)], 2)).float()
+        n = len(counts)
+        out = norms[:n] / norms[n:].clamp_min(_TINY)
+        measured = [False] * n
+        for first, stop in gathered:
+            measured[first:stop] = [True] * (stop - first)
+        for i in unsampled:
+            measured[i] = False
+        if not all(measured):
+            for i, seen in enumerate(measured):
+                if not seen:
+                    out[i : i + 1].view(torch.int32).fill_(MISSING_I32)
+    return out
+
+
 class _Group:
     """Layers [first, stop) and the views of the sample buffers their calls use."""
 
@@ -300,16 +320,7 @@ class _Group:
         a = sum(counts[:first])
         b = a + sum(counts[first:stop])
         self.before, self.after = before[a:b], after[a:b]
-        mine = counts[first:stop]
-        self.parts = [*self.before.split(mine), *self.after.split(mine)]
-        m = stop - first
-        self.norms = torch.empty(2 * m, dtype=torch.float32, device=before.device)
-        self.moved, self.weight = self.norms[:m], self.norms[m:]
         self.samples: list[tuple[int, int, int] | None] = []
-        self.unsampled: list[int] = []  # positions in the group with no sample: MISSING
-
-    def has(self, layer: int) -> bool:
-        return self.first <= layer < self.stop
 
 
 def weights_of(reader: GradReader) -> list[torch.Tensor]:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from gradwatch.agent.gradients import GradReader, local
-from gradwatch.agent.layout import fill_missing
+from gradwatch.agent.hostpart import HostPart
 from gradwatch.agent.spreadplan import Part
 from gradwatch.agent.updateratios import (
     NARROW,
@@ -78,9 +78,12 @@ class Round:
     columns: tuple[str, ...]
     left: int  # slices still to read before its norms are complete
     n_acts: int = 0  # its first columns are activation statistics (agent/activations.py)
-    ratios: torch.Tensor | None = None  # per-layer update ratios, filled a group per phase
+    ratios: bool = False  # it carries update ratios
     spread: bool = False  # measured a part per step (else whole on its first step)
-    acts: torch.Tensor | None = None  # the activation statistics, once taken
+    # Its activation statistics and update ratios, once taken: device vectors (measured
+    # whole) or host copies the shipper works out (spread, agent/hostpart.py).
+    acts: torch.Tensor | HostPart | None = None
+    ratio_values: torch.Tensor | HostPart | None = None
     phase: int = 0  # steps since it began: the part the next step measures, when spread
     norms: torch.Tensor | None = None  # the per-layer weight norms, once complete
     parts: tuple[Part, ...] = ()  # a spread sample's steps (agent/spreadplan.py)
@@ -180,20 +183,9 @@ class WeightStats:
         see ``RatioSampler.sample_before``."""
         self.ratio.sample_before(group, keep_views)
 
-    def ratios(self, group: Span = None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``group``'s update ratios (None: all) after the update; see
-        ``RatioSampler.ratios``."""
-        return self.ratio.ratios(group, out)
-
-    def after(self, group: Span) -> None:
-        """Gather ``group``'s ratio samples after the update, for ``finish_ratios``; see
-        ``RatioSampler.after``."""
+    def after(self, group: Span = None) -> None:
+        """Gather ``group``'s ratio samples after the update; see ``RatioSampler.after``."""
         self.ratio.after(group)
-
-    def finish_ratios(self, out: torch.Tensor, groups: Span = None) -> None:
-        """The ratios of ``groups`` from what ``after`` gathered, into ``out``; see
-        ``RatioSampler.finish``."""
-        self.ratio.finish(out, groups)
 
     def drop(self) -> None:
         """Forget a pending before-sample and the waiting samples (switching off)."""
@@ -222,17 +214,13 @@ class WeightStats:
         waiting sample shares: a sample's norms are complete once a full rotation
         has been read since its step, so samples closer together than ``phases``
         steps share reads. ``ratios``: the sample carries update ratios (its
-        ``ratios`` vector, MISSING until a group's are measured). ``parts``: it is
+        ``ratio_values``, once taken). ``parts``: it is
         spread over those steps (agent/spreadplan.py; the monitor starts no other
         sample until it is shipped), and leaves ``waiting`` by ``take``, not by
         ``advance``; else it is measured whole on its step and its weight norms
         read a phase per step.
         """
-        vector = None
-        if ratios:
-            vector = torch.empty(self._n_layers, dtype=torch.float32, device=self._device)
-            fill_missing(vector)
-        started = Round(step, time, columns, self.slices, n_acts, vector, bool(parts))
+        started = Round(step, time, columns, self.slices, n_acts, ratios, bool(parts))
         started.parts = parts
         self.waiting.append(started)
         return started
@@ -264,8 +252,8 @@ class WeightStats:
         if not self.waiting:
             return []
         for waiting in self.waiting:
-            if waiting.spread and waiting.ratios is not None:
-                self.ratio.finish(waiting.ratios)  # the groups its parts gathered so far
+            if waiting.spread and waiting.ratios:
+                waiting.ratio_values = self.ratio.export()  # the groups gathered so far
             waiting.spread, waiting.norms = False, None  # returned below, parts left or not
         self._read(self.slices)
         return self._complete()

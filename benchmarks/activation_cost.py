@@ -93,7 +93,7 @@ def stepper(model: nn.Module, hooks: ActHooks | None) -> Callable[[], None]:
         opt.step()
         opt.zero_grad(set_to_none=True)
         if hooks is not None:
-            hooks.snapshot()
+            hooks.export()  # what a spread sample's training thread pays; the rest ships
             hooks.disarm()
 
     return step
@@ -156,11 +156,13 @@ def kernel_times(repeats: int) -> dict[str, float]:
     hidden = torch.randn(8, 128, 1024)
     probs = torch.softmax(torch.randn(8, 4, 128, 128), dim=-1)
     values = torch.empty(3)
-    cells = (values, values[0], values[1], values[2])  # one module's slots (as ActHooks makes them)
+    cells = (values, values[0], values[1], values[2])  # a softmax's slots (as ActHooks makes them)
+    row = (torch.empty(activations.SAMPLE), torch.empty(()))  # any other module's row
+    relu = torch.relu(hidden)
     calls = {
-        "relu": lambda: _measure(torch.relu(hidden), "relu", cells),
-        "gelu": lambda: _measure(hidden, "gelu", cells),
-        "silu": lambda: _measure(hidden, "silu", cells),
+        "relu": lambda: _measure(relu, row),
+        "gelu": lambda: _measure(hidden, row),
+        "silu": lambda: _measure(hidden, row),
         "softmax": lambda: _measure_rows(probs, -1, cells),
     }
     out = {}

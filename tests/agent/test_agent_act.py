@@ -141,9 +141,9 @@ def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
     calls: list[int] = []
     original = activations._measure
 
-    def counting(y, kind, cells):
+    def counting(y, row):
         calls.append(step_now[0])
-        original(y, kind, cells)
+        original(y, row)
 
     monkeypatch.setattr(activations, "_measure", counting)
     step_now = [0]

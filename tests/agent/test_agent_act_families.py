@@ -12,12 +12,8 @@ import zmq
 from torch import nn
 
 import gradwatch
-from gradwatch.agent.activations import (
-    GELU_DEAD_INPUT,
-    SILU_DEAD_INPUT,
-    ActHooks,
-    _kind,
-)
+from gradwatch.agent.activations import ActHooks, _kind
+from gradwatch.agent.actstats import GELU_DEAD_INPUT, SILU_DEAD_INPUT
 from gradwatch.collector.ingest import Ingest
 from gradwatch.rules.step import Stats
 from gradwatch.wire import Batch, Heartbeat, decode, encode
@@ -33,7 +29,7 @@ def measured(model: nn.Module, x: torch.Tensor, **kw) -> dict[str, tuple[float, 
     hooks.arm()
     with torch.no_grad():
         model(x)
-    values = hooks.snapshot().tolist()
+    values = hooks.export().values().tolist()
     hooks.disarm()
     out: dict[str, list[float]] = {}
     for column, value in zip(hooks.columns, values, strict=True):
@@ -222,7 +218,7 @@ def test_the_new_families_make_no_syncing_call(monkeypatch: pytest.MonkeyPatch) 
     assert hooks is not None
     hooks.arm()
     model(torch.randn(16, 8)).sum().backward()
-    hooks.snapshot()
+    hooks.export().values()
     hooks.disarm()
     assert found.calls == []
     assert len(hooks.columns) == 4 * 3  # gelu, silu, fc2 input, softmax: each mean, std, share

@@ -112,7 +112,7 @@ def test_sampled_update_ratio_is_close_to_the_exact_one_holding_a_small_share(ma
         before = [p.detach().clone() for p in model.parameters()]
         ws.sample_before()
         opt.step()
-        sampled = ws.ratios().tolist()
+        sampled = ws.ratio.ratios().tolist()
         exact = _exact_ratios(before, model)
         for p, s, e in zip(model.parameters(), sampled, exact, strict=True):
             if p.numel() <= MIN_SAMPLE:
@@ -126,7 +126,7 @@ def test_sampled_update_ratio_is_close_to_the_exact_one_holding_a_small_share(ma
 def test_a_skipped_update_gives_missing_ratios_not_zero() -> None:
     model = nn.Linear(3, 2)
     ws = WeightStats(GradReader.attach(model, torch.optim.SGD(model.parameters(), lr=0.1)))
-    out = ws.ratios()  # no sample_before: the optimizer step did not run
+    out = ws.ratio.ratios()  # no sample_before: the optimizer step did not run
     assert out.isnan().all()
 
 
@@ -146,7 +146,7 @@ def test_a_parameter_given_new_storage_during_the_step_still_gets_its_ratio() ->
                     p.data = p.data - 0.1 * p.grad  # a hand-written update: new storage
                 else:
                     p.sub_(0.1 * p.grad)
-        return ws.ratios()
+        return ws.ratio.ratios()
 
     in_place, replaced = ratios(False), ratios(True)
     assert not in_place.isnan().any() and (in_place > 0).all()

@@ -67,6 +67,9 @@ def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps(spread
 
 def test_a_7b_model_of_300_tensors_is_budgeted_a_few_megabytes() -> None:
     cfg = AgentConfig(job="mem", rank=0, world=1)
-    # A full parameter copy of 7B bf16 parameters was 14 GB at every cadence step.
-    assert memory_budget(300, cfg, elem_bytes=2).total < 8 * 2**20
+    # A full parameter copy of 7B bf16 parameters was 14 GB at every cadence step. Now:
+    # the update-ratio samples (4.7 MiB on the device) and one host copy of them on its
+    # way to the shipper (agent/hostpart.py), with the rest under a megabyte.
+    budget = memory_budget(300, cfg, elem_bytes=2)
+    assert budget.copies == budget.samples and budget.total < 12 * 2**20
     assert memory_budget(300, cfg).total > memory_budget(30, cfg).total

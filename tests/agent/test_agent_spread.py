@@ -16,6 +16,7 @@ from torch import nn
 import gradwatch
 from gradwatch.agent import activations, updateratios
 from gradwatch.agent.gradients import GradReader
+from gradwatch.agent.hostpart import HostPart
 from gradwatch.agent.layout import MISSING_I32, fill_missing
 from gradwatch.agent.updateratios import RatioSampler
 from gradwatch.agent.weightstats import Round
@@ -23,6 +24,12 @@ from gradwatch.agent.weightstats import Round
 
 def _missing(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) == MISSING_I32
+
+
+def _values(part: torch.Tensor | HostPart | None) -> torch.Tensor:
+    """A sample's statistic: a device vector (measured whole) or a host copy's values."""
+    assert part is not None
+    return part if isinstance(part, torch.Tensor) else part.values()
 
 
 def test_a_groups_ratios_equal_the_whole_models_on_the_same_update() -> None:
@@ -34,8 +41,8 @@ def test_a_groups_ratios_equal_the_whole_models_on_the_same_update() -> None:
     spans = [grouped.layers_of(g) for g in range(3)]
     assert spans[0][0] == 0 and spans[-1][1] == 6 and all(a < b for a, b in spans)
     assert all(spans[g][1] == spans[g + 1][0] for g in range(2))  # consecutive, no gaps
-    out = torch.empty(6)
-    fill_missing(out)
+    seen = torch.empty(6)
+    fill_missing(seen)
     for g in range(3):
         opt.zero_grad()
         model(torch.randn(32, 64)).square().mean().backward()
@@ -43,11 +50,12 @@ def test_a_groups_ratios_equal_the_whole_models_on_the_same_update() -> None:
         grouped.sample_before(g)
         opt.step()
         reference = whole.ratios()
-        grouped.ratios(g, out=out)
+        mine = grouped.ratios(g)  # after(g), then export: only group g is measured
         first, stop = spans[g]
-        assert torch.equal(out[first:stop], reference[first:stop])
-        assert _missing(out[stop:]).all()  # later groups not measured yet
-    assert not _missing(out).any() and (out > 0).all()
+        assert torch.equal(mine[first:stop], reference[first:stop])
+        assert _missing(mine[:first]).all() and _missing(mine[stop:]).all()
+        seen[first:stop] = mine[first:stop]
+    assert not _missing(seen).any() and (seen > 0).all()
     # No before-gather of group 1 since its last ratios: its slots are MISSING.
     grouped.sample_before(0)
     opt.step()
@@ -95,13 +103,19 @@ def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, ear
     monkeypatch.setattr(updateratios.RatioSampler, "sample_before", count_group)
     acts = mon._acts
     assert acts is not None and len(acts.columns) == 3 * 3
-    snapshot, snapshots = acts.snapshot, []
+    export, stats, snapshots = acts.export, acts.stats, []
 
-    def keep_snapshot() -> torch.Tensor:
-        snapshots.append(snapshot())
+    def keep_export() -> Any:  # a spread sample's: a host copy
+        copy = export()
+        snapshots.append(copy.values())
+        return copy
+
+    def keep_stats() -> torch.Tensor:  # a whole sample's: on the device
+        snapshots.append(stats())
         return snapshots[-1]
 
-    monkeypatch.setattr(acts, "snapshot", keep_snapshot)
+    monkeypatch.setattr(acts, "export", keep_export)
+    monkeypatch.setattr(acts, "stats", keep_stats)
     shipped: list[Round] = []
     original = mon._queue_stats
 
@@ -136,8 +150,8 @@ def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, ear
         assert len(snapshots) == 2
     mon.close()
     for done in shipped:
-        assert done.ratios is not None and not _missing(done.ratios).any()
-        assert (done.ratios > 0).all()
+        ratios = _values(done.ratio_values)
+        assert not _missing(ratios).any() and (ratios > 0).all()
         assert done.norms is not None and not _missing(done.norms).any()
     for snap in snapshots[:2]:
         assert not _missing(snap).any()  # every module measured, on its phase
@@ -179,5 +193,6 @@ def test_a_spread_sample_reports_every_layers_ratio(manual: bool) -> None:
     mon.close()
     assert [done.step for done in shipped] == [4, 8]  # steps 4-6 and 8-10
     for done in shipped:
-        assert done.ratios is not None and not _missing(done.ratios).any()
-        assert (done.ratios > 0).all() and (done.ratios < 1).all()
+        ratios = _values(done.ratio_values)
+        assert not _missing(ratios).any()
+        assert (ratios > 0).all() and (ratios < 1).all()
