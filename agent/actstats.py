@@ -44,6 +44,11 @@ GELU_DEAD_INPUT = -3.0
 SILU_DEAD_INPUT = -6.0
 GELU_DEAD_OUTPUT = GELU_DEAD_INPUT * 0.5 * (1.0 + math.erf(GELU_DEAD_INPUT / math.sqrt(2.0)))
 SILU_DEAD_OUTPUT = SILU_DEAD_INPUT / (1.0 + math.exp(-SILU_DEAD_INPUT))
+# The shipper thread works on at most this many elements per tensor operation: under
+# torch's parallel grain (32,768), so none opens an OpenMP team from the agent's own
+# thread (a team per thread stays in the process; it made an unrelated test's timing
+# fail in the suite, tests/security/test_security_http_bounds.py).
+SERIAL_ELEMENTS = 1 << 14
 
 
 def hits(kind: str, x: torch.Tensor) -> torch.Tensor:
@@ -77,25 +82,15 @@ class ActLayout:
     ) -> None:
         """``rows``: per sampled module, (its mean's cell, its share's cell or None,
         its family); ``softmax``: the mean's cell of each softmax module; ``device``:
-        where the buffers it finishes live (the host by default)."""
+        where the buffers it finishes live (None: a host copy, finished on the shipper
+        thread a few rows at a time, see SERIAL_ELEMENTS)."""
         self._args = (width, rows, softmax, sample)
         self.width, self.sample, self.n_rows = width, sample, len(rows)
         self.size = width + self.n_rows * (1 + sample)
-        self._mean_at = torch.tensor([m for m, _, _ in rows], dtype=torch.long, device=device)
-        self._std_at = self._mean_at + 1
-        # Per family with a share: its rows and their share cells.
-        by_kind: dict[str, tuple[list[int], list[int]]] = {}
-        for r, (_, share, kind) in enumerate(rows):
-            if share is not None:
-                by_kind.setdefault(kind, ([], []))[0].append(r)
-                by_kind[kind][1].append(share)
-        self._shares = [
-            (
-                kind,
-                torch.tensor(rs, dtype=torch.long, device=device),
-                torch.tensor(at, dtype=torch.long, device=device),
-            )
-            for kind, (rs, at) in by_kind.items()
+        per_pass = max(1, self.n_rows if device is not None else SERIAL_ELEMENTS // sample)
+        self._passes = [
+            _Pass(first, rows[first : first + per_pass], device)
+            for first in range(0, self.n_rows, per_pass)
         ]
         self._soft_mean_at = torch.tensor(softmax, dtype=torch.long, device=device)
         self._soft_square_at = self._soft_mean_at + 1
@@ -103,9 +98,7 @@ class ActLayout:
         self.device = self._positions.device
 
     def on_host(self) -> ActLayout:
-        """The same layout for a host copy of the buffer (itself on CPU)."""
-        if self.device.type == "cpu":
-            return self
+        """The same layout for a host copy of the buffer."""
         return ActLayout(*self._args)
 
     def finish(self, buf: torch.Tensor) -> torch.Tensor:
@@ -117,23 +110,57 @@ class ActLayout:
             std = (square - mean * mean).clamp_min_(0.0).sqrt_()
             ran = square.view(torch.int32) != MISSING_I32  # MISSING, not a computed NaN
             out[self._soft_square_at] = torch.where(ran, std, square)
-        if not self.n_rows:
-            return out
         lengths = buf[self.width : self.width + self.n_rows]
         rows = buf[self.width + self.n_rows :].view(self.n_rows, self.sample)
-        valid = self._positions < lengths[:, None]
+        for part in self._passes:
+            part.finish(rows, lengths, self._positions, out)
+        return out
+
+
+class _Pass:
+    """A run of consecutive rows finished together, and where their statistics go."""
+
+    def __init__(
+        self, first: int, rows: list[tuple[int, int | None, str]], device: torch.device | None
+    ) -> None:
+        self.first, self.stop = first, first + len(rows)
+        self.mean_at = torch.tensor([m for m, _, _ in rows], dtype=torch.long, device=device)
+        self.std_at = self.mean_at + 1
+        # Per family with a share: its rows (within the run) and their share cells.
+        by_kind: dict[str, tuple[list[int], list[int]]] = {}
+        for r, (_, share, kind) in enumerate(rows):
+            if share is not None:
+                by_kind.setdefault(kind, ([], []))[0].append(r)
+                by_kind[kind][1].append(share)
+        self.shares = [
+            (
+                kind,
+                torch.tensor(rs, dtype=torch.long, device=device),
+                torch.tensor(at, dtype=torch.long, device=device),
+            )
+            for kind, (rs, at) in by_kind.items()
+        ]
+
+    def finish(
+        self,
+        all_rows: torch.Tensor,
+        all_lengths: torch.Tensor,
+        positions: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        rows, lengths = all_rows[self.first : self.stop], all_lengths[self.first : self.stop]
+        valid = positions < lengths[:, None]
         x = torch.where(valid, rows, 0.0)
         n = lengths.clamp_min(1.0)
         mean = x.sum(1) / n
         std = ((x * x).sum(1) / n - mean * mean).clamp_min_(0.0).sqrt_()
         ran = lengths > 0
-        out[self._mean_at] = torch.where(ran, mean, out[self._mean_at])
-        out[self._std_at] = torch.where(ran, std, out[self._std_at])
-        for kind, at_rows, share_at in self._shares:
+        out[self.mean_at] = torch.where(ran, mean, out[self.mean_at])
+        out[self.std_at] = torch.where(ran, std, out[self.std_at])
+        for kind, at_rows, share_at in self.shares:
             counted = (hits(kind, rows[at_rows]) & valid[at_rows]).sum(1, dtype=torch.float32)
             share = counted / n[at_rows]
             out[share_at] = torch.where(ran[at_rows], share, out[share_at])
-        return out
 
 
 class ActCopy:

@@ -284,10 +284,14 @@ def ratio_values(
     after; ``counts``: each layer's sample length), float32 on ``pair``'s device, no
     sync; MISSING for ``unsampled`` layers and those outside the ``gathered`` runs."""
     with torch.no_grad():
+        # A layer at a time (at most SAMPLE elements each): on the shipper thread no
+        # operation is large enough to open an OpenMP team (agent/actstats.py).
+        after = list(pair[1].split(counts))
+        parts = [*torch._foreach_sub(list(pair[0].split(counts)), after), *after]
         if pair.dtype in NARROW:
-            pair = pair.float()  # float64 (model.double()) stays in its own precision
-        moved = (pair[0] - pair[1]).split(counts)
-        norms = torch.stack(torch._foreach_norm([*moved, *pair[1].split(counts)], 2)).float()
+            norms = torch.stack(torch._foreach_norm(parts, 2, dtype=torch.float32))
+        else:  # float64 (model.double()): normed in its own precision, then narrowed
+            norms = torch.stack(torch._foreach_norm(parts, 2)).float()
         n = len(counts)
         out = norms[:n] / norms[n:].clamp_min(_TINY)
         measured = [False] * n

@@ -8,20 +8,21 @@ parameter: ~14 GB for a 7B bf16 model, on every rank under DDP).
 * **Update ratios from a fixed sample** (agent/updateratios.py): at most
   ``SAMPLE`` elements per tensor, whatever the model's size.
 * **Weight norms spread over steps.** The parameters' flattened element space
-  is cut into at most ``MAX_PHASES`` ranges of about equal size (cutting
-  through tensors); while a sample waits, one range is read per step, in
-  rotation, and a sample ships once a full rotation was read since its step;
-  the per-layer norm is the root of the summed squared partial norms. The
-  norms of a large model therefore mix the weights of up
-  to ``MAX_PHASES`` consecutive steps: off by at most what those updates
-  moved them (an update ratio of ~1e-3 per step), while no step pays more
-  than ``1/MAX_PHASES`` of a full read. A model under ``MIN_PHASE_ELEMENTS``
-  per phase is read in one step, exactly.
-* **The rest of a sample on the same steps.** The update ratios are measured
-  a group of layers per phase (``Round.phase``: the monitor passes it to
-  ``sample_before`` and ``ratios``), and the activation hooks a group of
-  modules per phase (agent/activations.py), so a sample's whole cost is
-  spread over its phases instead of landing on its first step.
+  is cut into ``slices`` (at most ``MAX_SLICES``, of at least
+  ``MIN_SLICE_ELEMENTS``) of about equal size, cutting through tensors, and
+  the slices into at most ``MAX_PHASES`` phases of ``per_phase`` slices. While
+  a sample measured whole waits, a phase is read per step, in rotation, and
+  it ships once a full rotation was read since its step; a spread sample reads
+  one slice on each of the steps its plan gives (agent/spreadplan.py). The
+  per-layer norm is the root of the summed squared partial norms, so the
+  norms of a large model mix the weights of the steps a rotation took: off by
+  at most what those updates moved them (an update ratio of ~1e-3 per step),
+  while no step pays more than a phase of a full read. A model under
+  ``MIN_PHASE_ELEMENTS`` per phase is read in one step, exactly.
+* **The rest of a sample on other steps.** A spread sample gathers the update
+  ratios a group of layers per step and hooks a group of activation modules
+  per step (agent/sampling.py drives it), so its whole cost is spread instead
+  of landing on its first step.
 
 Nothing here reads a device value on the host. Views onto the parameters are
 made anew on each use: a loop (or FSDP) may swap a parameter's storage.

@@ -49,8 +49,9 @@ def test_a_groups_ratios_equal_the_whole_models_on_the_same_update() -> None:
         whole.sample_before()
         grouped.sample_before(g)
         opt.step()
-        reference = whole.ratios()
-        mine = grouped.ratios(g)  # after(g), then export: only group g is measured
+        reference = whole.ratios()  # worked out on the device
+        grouped.after(g)
+        mine = grouped.export().values()  # a host copy, worked out as the shipper does
         first, stop = spans[g]
         assert torch.equal(mine[first:stop], reference[first:stop])
         assert _missing(mine[:first]).all() and _missing(mine[stop:]).all()
@@ -196,3 +197,22 @@ def test_a_spread_sample_reports_every_layers_ratio(manual: bool) -> None:
         ratios = _values(done.ratio_values)
         assert not _missing(ratios).any()
         assert (ratios > 0).all() and (ratios < 1).all()
+
+
+def test_statistics_worked_out_on_the_host_equal_those_worked_out_on_the_device() -> None:
+    # A spread sample ships host copies the shipper works out (agent/hostpart.py); a
+    # whole one works them out on the device. Same formulas: the same numbers.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 300),
+        nn.Tanh(), nn.Linear(300, 10), nn.Softmax(dim=-1),
+    )  # fmt: skip
+    hooks = activations.ActHooks.attach(model, torch.device("cpu"), on_error=None)
+    assert hooks is not None and hooks.groups == 4
+    hooks.arm()
+    with torch.no_grad():
+        model(torch.randn(256, 64) * 3)
+    hooks.disarm()
+    device, host = hooks.stats(), hooks.export().values()
+    assert not _missing(device).any()
+    assert torch.allclose(device, host, rtol=1e-6, atol=1e-7)
