@@ -114,7 +114,11 @@ class StepRecorder(Sampler):
             acts, ws = self._acts, self._wstats
             # The plan of a sample a full gap from the next, made here and not on a
             # training step (agent/spreadplan.py: cached by gap).
-            plan(self.config.stats_every, ws.slices, ws.ratio.groups, acts.groups if acts else 0)
+            ws.prepare(
+                plan(
+                    self.config.stats_every, ws.slices, ws.ratio.groups, acts.groups if acts else 0
+                )
+            )
             self._next_sample(ws)  # the first step may be a cadence step
 
     def _weight_stats(self) -> WeightStats | None:

@@ -3,7 +3,7 @@
 ``agent_overhead.py`` times the agent as a whole; this script wraps each of its
 internal calls (the optimizer pre-hook and its gradient read, ``log()`` and its
 commit, the forward hooks, the update-ratio gathers and ratios, the weight-norm
-phases, the activation snapshot) with ``time.thread_time_ns`` and prints, per
+slices, the host copies a spread sample ships) with ``time.thread_time_ns`` and prints, per
 call, how often it ran and its median, largest and total CPU time. The calls
 run where the loop puts them (after a backward pass, on a cold cache), which is
 why they cost several times what they cost alone. Nested calls are counted in
@@ -28,7 +28,7 @@ import torch
 from agent_overhead import WORKLOADS  # benchmarks/ is on sys.path when run as a script
 
 import gradwatch
-from gradwatch.agent import activations, hooks, recording, weightstats
+from gradwatch.agent import activations, hooks, recording, sampling, updateratios, weightstats
 from gradwatch.agent.monitor import Monitor
 
 _TIMES: dict[str, list[float]] = collections.defaultdict(list)
@@ -39,16 +39,20 @@ CALLS: list[tuple[type, str]] = [
     (recording.StepRecorder, "_read_grads"),
     (Monitor, "log"),
     (recording.StepRecorder, "_commit"),
-    (recording.StepRecorder, "_queue_stats"),
+    (sampling.Sampler, "_cadence_work"),
+    (sampling.Sampler, "_queue_stats"),
     (Monitor, "_forward_began"),
     (Monitor, "_forward_ended"),
     (hooks.Detached, "__call__"),
     (weightstats.WeightStats, "sample_before"),
-    (weightstats.WeightStats, "ratios"),
+    (weightstats.WeightStats, "after"),
     (weightstats.WeightStats, "begin"),
     (weightstats.WeightStats, "advance"),
+    (updateratios.RatioSampler, "compute"),
+    (updateratios.RatioSampler, "export"),
     (activations.ActHooks, "arm"),
-    (activations.ActHooks, "snapshot"),
+    (activations.ActHooks, "stats"),
+    (activations.ActHooks, "export"),
 ]
 
 
