@@ -77,3 +77,13 @@ class MissingPart:
         out = torch.empty(self.width, dtype=torch.float32)
         fill_missing(out)
         return out
+
+
+class DevicePart:
+    """A vector worked out on the device, shipped beside host parts (queued, no sync)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._copy, self.width = host_copy(t), t.numel()
+
+    def values(self) -> torch.Tensor:
+        return self._copy.wait()

@@ -18,7 +18,7 @@ import queue
 import torch
 
 from gradwatch.agent.failsafe import to_host_async
-from gradwatch.agent.hostpart import HostPart, MissingPart
+from gradwatch.agent.hostpart import DevicePart, HostPart, MissingPart
 from gradwatch.agent.items import MAX_STATS_IN_FLIGHT, StatsItem
 from gradwatch.agent.layout import fill_missing
 from gradwatch.agent.rollback_exit import RollbackExit
@@ -120,11 +120,12 @@ class Sampler(RollbackExit):
         if part is None or current is None:
             return
         current.phase += 1
-        if part.ship:
+        if part.copy:  # the hooks and gathers are done: copied before the next sample's
             if acts is not None and len(acts.columns) == current.n_acts:
                 current.acts = acts.export()
             if current.ratios:
                 current.ratio_values = ws.ratio.export()
+        if part.ship:
             self._queue_stats(ws.take(current))
 
     def _queue_stats(self, done: Round) -> None:
@@ -137,6 +138,10 @@ class Sampler(RollbackExit):
         if self._scales is not None and self._scales.numel() == values.numel():
             values = values * self._scales
         parts: list[torch.Tensor | HostPart] = []
+        acts = self._acts
+        if done.n_acts and done.acts is None and acts is not None:
+            if len(acts.columns) == done.n_acts:  # a spread sample cut short (closing)
+                done.acts = acts.export() if done.parts else acts.stats()
         if done.n_acts:
             # None: switched off during the sample (a hook failed).
             parts.append(done.acts if done.acts is not None else MissingPart(done.n_acts))
@@ -144,19 +149,23 @@ class Sampler(RollbackExit):
             ratios = done.ratio_values
             parts.append(ratios if ratios is not None else MissingPart(len(self._ratio_columns)))
         host: tuple[HostPart, ...] = ()
-        if any(isinstance(p, torch.Tensor) for p in parts):  # measured whole
-            for i, p in enumerate(parts):
-                if isinstance(p, MissingPart):
-                    parts[i] = missing = torch.empty(p.width, device=values.device)
-                    fill_missing(missing)
-            values = torch.cat((*parts, values))  # type: ignore[arg-type]  # all tensors now
-        elif parts:  # spread: host copies
+        if all(isinstance(p, torch.Tensor | MissingPart) for p in parts):  # measured whole
+            tensors: list[torch.Tensor] = []
+            for p in parts:
+                if isinstance(p, torch.Tensor):
+                    tensors.append(p)
+                else:
+                    tensors.append(torch.empty(p.width, device=values.device))
+                    fill_missing(tensors[-1])
+            if tensors:
+                values = torch.cat((*tensors, values))
+        else:  # spread: host copies (a device vector among them: cut short at close)
             self._stats_out = [item for item in self._stats_out if not item.shipped]
             if len(self._stats_out) >= MAX_STATS_IN_FLIGHT:
                 with self._counters.lock:
                     self._counters.stats_dropped += 1
                 return
-            host = tuple(p for p in parts if not isinstance(p, torch.Tensor))
+            host = tuple(DevicePart(p) if isinstance(p, torch.Tensor) else p for p in parts)
         values, ready = to_host_async(values)
         item = StatsItem(
             done.step,

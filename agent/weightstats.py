@@ -262,7 +262,7 @@ class WeightStats:
         if not self.waiting:
             return []
         for waiting in self.waiting:
-            if waiting.spread and waiting.ratios:
+            if waiting.spread and waiting.ratios and waiting.ratio_values is None:
                 waiting.ratio_values = self.ratio.export()  # the groups gathered so far
             waiting.spread, waiting.norms = False, None  # returned below, parts left or not
         self._read(self.slices)

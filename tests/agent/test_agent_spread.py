@@ -216,3 +216,42 @@ def test_statistics_worked_out_on_the_host_equal_those_worked_out_on_the_device(
     device, host = hooks.stats(), hooks.export().values()
     assert not _missing(device).any()
     assert torch.allclose(device, host, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("extra", [3, -2], ids=["mid-sample", "after its copies"])
+def test_a_spread_sample_cut_short_by_close_ships_what_it_measured(extra: int) -> None:
+    torch.manual_seed(0)
+    model = _gelu_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(
+        model, opt, job="spread", endpoint="tcp://127.0.0.1:1", stats_every=40, early_stats=False
+    )
+    shipped: list[Round] = []
+    original = mon._queue_stats
+
+    def record(done: Round) -> None:
+        shipped.append(done)
+        original(done)
+
+    mon._queue_stats = record  # type: ignore[method-assign]
+    parts = None
+    steps = 40 + extra if extra > 0 else 0
+    for step in range(1, 200):
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+        if step == 40:
+            parts = mon._parts
+            steps = steps or 40 + len(parts) + extra  # two steps before its ship
+        if steps and step >= steps:
+            break
+    assert parts and not shipped  # the sample at step 40 is still being measured
+    mon.close()
+    (done,) = shipped
+    ratios, acts = _values(done.ratio_values), _values(done.acts)
+    if extra > 0:  # three steps in: some groups and modules measured, the rest MISSING
+        assert _missing(ratios).any() and not _missing(ratios).all()
+    else:  # every group and module measured before the copies were made
+        assert not _missing(ratios).any() and not _missing(acts).any()
+    assert done.norms is not None and not _missing(done.norms).any()
