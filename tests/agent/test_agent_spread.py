@@ -26,6 +26,19 @@ def _missing(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32) == MISSING_I32
 
 
+def _recording(mon: Any) -> list[Round]:
+    """The samples ``mon`` queues from now on (what would be shipped, without a collector)."""
+    shipped: list[Round] = []
+    original = mon._queue_stats
+
+    def record(done: Round) -> None:
+        shipped.append(done)
+        original(done)
+
+    mon._queue_stats = record
+    return shipped
+
+
 def _values(part: torch.Tensor | HostPart | None) -> torch.Tensor:
     """A sample's statistic: a device vector (measured whole) or a host copy's values."""
     assert part is not None
@@ -117,14 +130,7 @@ def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, ear
 
     monkeypatch.setattr(acts, "export", keep_export)
     monkeypatch.setattr(acts, "stats", keep_stats)
-    shipped: list[Round] = []
-    original = mon._queue_stats
-
-    def record(done: Round) -> None:  # what would be shipped, without a collector
-        original(done)
-        shipped.append(done)
-
-    mon._queue_stats = record  # type: ignore[method-assign]
+    shipped = _recording(mon)
     for _ in range(23):
         hooked.append(0)
         groups.append(None)
@@ -172,14 +178,7 @@ def test_a_spread_sample_reports_every_layers_ratio(manual: bool) -> None:
         early_stats=False,
     )
     assert mon._wstats is not None and mon._wstats.phases == 3
-    shipped: list[Round] = []
-    original = mon._queue_stats
-
-    def record(done: Round) -> None:
-        shipped.append(done)
-        original(done)
-
-    mon._queue_stats = record  # type: ignore[method-assign]
+    shipped = _recording(mon)
     for _ in range(11):
         opt.zero_grad()
         model(torch.randn(8, 400)).square().mean().backward()
@@ -226,14 +225,7 @@ def test_a_spread_sample_cut_short_by_close_ships_what_it_measured(extra: int) -
     mon = gradwatch.watch(
         model, opt, job="spread", endpoint="tcp://127.0.0.1:1", stats_every=40, early_stats=False
     )
-    shipped: list[Round] = []
-    original = mon._queue_stats
-
-    def record(done: Round) -> None:
-        shipped.append(done)
-        original(done)
-
-    mon._queue_stats = record  # type: ignore[method-assign]
+    shipped = _recording(mon)
     parts = None
     steps = 40 + extra if extra > 0 else 0
     for step in range(1, 200):
