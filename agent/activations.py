@@ -93,6 +93,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradwatch.agent.actsample import SAMPLE, offsets, sample_of, storage_view, stride
 from gradwatch.agent.actstats import ActCopy, ActLayout, missing_buffer
 from gradwatch.agent.hooks import Detached
 from gradwatch.agent.hostpart import host_copy
@@ -105,12 +106,6 @@ MAX_ACT_MODULES = 256
 # A sample spread over steps hooks the modules in at most this many groups, one per
 # step (agent/spreadplan.py): a model of 100 modules pays ~7 hooks on each of 16 steps.
 MAX_HOOK_GROUPS = 16
-# Outputs larger than this are measured on a strided sample of about this size. A
-# share estimated from 8,192 values has a standard error under 0.6% (p = 0.5), against
-# thresholds of 0.5-0.9 over healthy floors of 0.02 or less (rules/default.yaml), and a
-# hook on the GPT benchmark's (8, 128, 1024) GELU output costs ~134 us of CPU instead
-# of ~388 us at 65,536 (it was that until 2026-12-03; benchmarks/activation_cost.py).
-SAMPLE = 1 << 13
 # A softmax is sampled by whole rows, and its share counts rows: about this many
 # elements of them (512 rows of 128), so the share of one-hot rows keeps a standard
 # error near 2% instead of the 6% of 64 rows.
@@ -417,7 +412,7 @@ def _measure(y: torch.Tensor, row: _Row) -> None:
     """Copy a strided sample of ``y`` into the module's row and write its length; no
     sync, no arithmetic (agent/actstats.py does it on the host)."""
     values, length = row
-    x = _sample(y)
+    x = sample_of(y)
     n = x.numel()
     values[:n].copy_(x)  # one strided read, cast to float32
     length.fill_(n)  # numel is shape metadata: no sync
@@ -433,62 +428,6 @@ def hook_transient_bytes(row_width: int = 0) -> int:
     return HOOK_BYTES_PER_SAMPLED * (ROW_SAMPLE + 1 + row_width)
 
 
-def _stride(n: int, sample: int = SAMPLE) -> int:
-    """An odd step that samples about ``sample`` of ``n`` elements (or rows)."""
-    step = -(-n // sample)
-    return step + 1 - step % 2
-
-
-def _sample(y: torch.Tensor) -> torch.Tensor:
-    """Every ``_stride(n)``-th element of ``y`` in its flat (row-major) order, as a 1-D tensor.
-
-    Never a copy of the whole output, where ``reshape(-1)`` of a non-contiguous output
-    copied all of it (an activation-sized temporary per hooked module: 4 MiB for a
-    4 MiB transposed output). A contiguous ``y`` gives a strided view; a dense one in
-    another dimension order (transposed, channels-last) is read in its memory order, also
-    a view (the same evenly strided sample, in another order); any other (a slice) gathers
-    the elements by index: index temporaries of a few times the sample, never the output.
-    """
-    n = y.numel()
-    if n <= SAMPLE:
-        return y.reshape(-1)  # at most SAMPLE elements copied
-    step = _stride(n)
-    if not y.is_contiguous():
-        order = sorted(range(y.dim()), key=lambda d: y.stride(d), reverse=True)
-        dense = y.permute(order)
-        if not dense.is_contiguous():
-            return _gather(y, n, step)
-        y = dense
-    return y.view(-1)[::step]
-
-
-def _gather(y: torch.Tensor, n: int, step: int) -> torch.Tensor:
-    """Flat positions 0, step, 2 * step, ... < n of a non-dense ``y``, read at their storage
-    offsets: three index vectors of the sample's length whatever ``y``'s rank (indexing by
-    ``unravel_index`` held one per dimension and more: 7 MiB for a 7-d slice)."""
-    return _storage(y).index_select(0, _offsets(y.shape, y.stride(), n, step, y.device))
-
-
-def _offsets(
-    shape: tuple[int, ...], strides: tuple[int, ...], n: int, step: int, device: torch.device
-) -> torch.Tensor:
-    """Storage offsets (from the tensor's own) of flat positions 0, step, ... < n of ``shape``."""
-    idx = torch.arange(0, n, step, device=device)
-    offset = torch.zeros_like(idx)
-    part = torch.empty_like(idx)
-    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
-        torch.remainder(idx, size, out=part)
-        offset.add_(part, alpha=stride)
-        idx.div_(size, rounding_mode="floor")
-    return offset
-
-
-def _storage(y: torch.Tensor) -> torch.Tensor:
-    """A 1-D view of the storage ``y`` spans, from its first element (no copy)."""
-    span = sum((size - 1) * stride for size, stride in zip(y.shape, y.stride(), strict=True))
-    return y.as_strided((span + 1,), (1,))  # keeps y's storage offset
-
-
 def _measure_rows(y: torch.Tensor, dim: int | None, cells: _Cells) -> None:
     """Write [mean, mean of squares, share of rows with max > SOFTMAX_SATURATED] over whole
     softmax rows into ``cells``; no sync."""
@@ -499,16 +438,16 @@ def _measure_rows(y: torch.Tensor, dim: int | None, cells: _Cells) -> None:
     width = rows.shape[-1]
     n = rows.numel()
     if n > ROW_SAMPLE and rows.dim() > 1:
-        # Every _stride(n)-th row, gathered by index when the rows are not contiguous
+        # Every stride(n)-th row, gathered by index when the rows are not contiguous
         # (``dim`` not the last, or a strided output): no copy of the whole output.
-        step = _stride(n, ROW_SAMPLE)
+        step = stride(n, ROW_SAMPLE)
         if rows.is_contiguous():
             rows = rows.view(-1, width)[::step]
         else:
-            starts = _offsets(rows.shape[:-1], rows.stride()[:-1], n // width, step, rows.device)
+            starts = offsets(rows.shape[:-1], rows.stride()[:-1], n // width, step, rows.device)
             cols = torch.arange(width, device=rows.device) * rows.stride(-1)
             at = (starts[:, None] + cols).view(-1)
-            rows = _storage(rows).index_select(0, at).view(-1, width)
+            rows = storage_view(rows).index_select(0, at).view(-1, width)
     x = rows.reshape(-1, width).float()  # the sample's rows (one whole row at least)
     flat = x.reshape(-1)
     torch.sum(flat, 0, out=mean)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradwatch.agent.activations import SAMPLE as ACT_SAMPLE
 from gradwatch.agent.activations import hook_transient_bytes
+from gradwatch.agent.actsample import SAMPLE as ACT_SAMPLE
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.items import MAX_STATS_IN_FLIGHT
 from gradwatch.agent.updateratios import SAMPLE

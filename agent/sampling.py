@@ -85,8 +85,9 @@ class Sampler(RollbackExit):
         forwards, update ratios of their updates) and the weight norms, read a slice
         per step (agent/weightstats.py); a spread sample does a part of that per step
         (agent/spreadplan.py) and ships at its last, a whole one once its norms are.
-        What the hooks and gathers collected leaves as host copies (agent/hostpart.py):
-        the arithmetic is the shipper thread's."""
+        A whole sample's ratios and activation statistics are worked out on the device at
+        its step; a spread one's leave as host copies for the shipper thread to work
+        out (agent/hostpart.py)."""
         ws = self._wstats
         assert ws is not None
         stats, part = self._stats_now, self._carried_part()
