@@ -49,10 +49,11 @@ from gradwatch.agent.layout import MISSING_I32
 SAMPLE = 4096
 MIN_SAMPLE = 1024
 SAMPLE_SHARE = 64
-# Layer groups (a spread sample gathers one per step, agent/spreadplan.py): about this
-# many sampled elements each, at most MAX_GROUPS. A strided gather from a tensor the
-# step left out of cache costs ~10 ns an element on CPU (benchmarks/agent_calls.py):
-# ~80 us a group, against ~190 us for an eighth of the GPT benchmark's samples.
+# Layer groups (a spread sample gathers one or a few per step, agent/spreadplan.py):
+# about this many sampled elements each, at most MAX_GROUPS. In the GPT benchmark's
+# loop a unit of two such groups gathers in ~160 us before the update and ~125 us
+# after it (benchmarks/agent_calls.py); an eighth of its samples, the unit before
+# 2026-12-05, took ~190 us and ~260 us with the arithmetic.
 GROUP_ELEMENTS = 2048
 MAX_GROUPS = 32
 # Ratios divide by max(||w||, this): an all-zero parameter does not give NaN.

@@ -64,8 +64,10 @@ MAX_PHASES = 8
 # Below this many elements per phase the per-step Python cost outweighs the read saved.
 MIN_PHASE_ELEMENTS = 1 << 17
 # A spread sample reads them in finer slices, one per step: each phase is cut into
-# slices of at least MIN_SLICE_ELEMENTS, MAX_SLICES in all. On the GPT benchmark a
-# phase (463k elements) is ~0.25 ms of a step's thread CPU, a slice half that.
+# slices of at least MIN_SLICE_ELEMENTS, MAX_SLICES in all. On the GPT benchmark, in
+# its loop, a phase (463k elements) took 0.24-0.26 ms of thread CPU and a slice takes
+# 0.22-0.23 ms (benchmarks/agent_calls.py): most of either is fixed cost on the cold
+# cache a backward pass leaves, so slices finer than 16 would add steps, not save time.
 MAX_SLICES = 16
 MIN_SLICE_ELEMENTS = 1 << 16
 
@@ -106,7 +108,7 @@ class WeightStats:
         self._device = reader.device
         weights = weights_of(reader)
         self._plan_phases(weights, max_phases, min_phase_elements, max_slices)
-        # The update ratios, in groups of about RATIO_GROUP_ELEMENTS sampled elements.
+        # The update ratios, in groups of about GROUP_ELEMENTS sampled elements.
         self.ratio = RatioSampler(reader, sample, groups=None, seed=seed)
         self.sample_elements = self.ratio.sample_elements
         self._n_layers = len(weights)
