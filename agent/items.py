@@ -91,9 +91,10 @@ class Reincarnate:
     incarnation: str
 
 
-# Spread cadence samples queued for the shipper at most: each holds host copies of
-# what it gathered (agent/hostpart.py; the memory budget counts them, agent/budget.py).
-# They come at least 8 steps apart, and the shipper takes one within ~20 ms.
+# Spread cadence samples with host copies queued for the shipper at most (each holds
+# copies of what it gathered, agent/hostpart.py; the memory budget counts them). While
+# the shipper has not taken them (it looks every 20 ms; a fast loop's samples come
+# sooner), the next sample is worked out on the device instead (agent/sampling.py).
 MAX_STATS_IN_FLIGHT = 1
 
 

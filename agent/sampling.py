@@ -121,19 +121,25 @@ class Sampler(RollbackExit):
         if part is None or current is None:
             return
         current.phase += 1
-        if part.copy:  # the hooks and gathers are done: copied before the next sample's
+        if part.copy:  # the hooks and gathers are done: taken before the next sample's
+            # Host copies for the shipper to work out, unless it has not yet taken the last
+            # sample's (a fast loop): then worked out here, on the device, as for a sample
+            # measured whole; that bounds the copies held (MAX_STATS_IN_FLIGHT) and drops
+            # nothing.
+            self._stats_out = [item for item in self._stats_out if not item.shipped]
+            here = len(self._stats_out) >= MAX_STATS_IN_FLIGHT
             if acts is not None and len(acts.columns) == current.n_acts:
-                current.acts = acts.export()
+                current.acts = acts.stats() if here else acts.export()
             if current.ratios:
-                current.ratio_values = ws.ratio.export()
+                current.ratio_values = ws.ratio.compute() if here else ws.ratio.export()
         if part.ship:
             self._queue_stats(ws.take(current))
 
     def _queue_stats(self, done: Round) -> None:
         """Queue a complete sample's statistics without waiting for them: device vectors
         in one host copy with the weight norms, host copies (a spread sample's) for the
-        shipper to work out. While ``MAX_STATS_IN_FLIGHT`` samples with host copies wait
-        for the shipper, another is dropped (and counted): that bounds their memory."""
+        shipper to work out. The copy step keeps at most ``MAX_STATS_IN_FLIGHT`` samples
+        with host copies queued; one more would be dropped here (and counted)."""
         values = done.norms
         assert values is not None
         if self._scales is not None and self._scales.numel() == values.numel():
@@ -142,7 +148,7 @@ class Sampler(RollbackExit):
         acts = self._acts
         if done.n_acts and done.acts is None and acts is not None:
             if len(acts.columns) == done.n_acts:  # a spread sample cut short (closing)
-                done.acts = acts.export() if done.parts else acts.stats()
+                done.acts = acts.stats()
         if done.n_acts:
             # None: switched off during the sample (a hook failed).
             parts.append(done.acts if done.acts is not None else MissingPart(done.n_acts))

@@ -265,7 +265,7 @@ class WeightStats:
             return []
         for waiting in self.waiting:
             if waiting.spread and waiting.ratios and waiting.ratio_values is None:
-                waiting.ratio_values = self.ratio.export()  # the groups gathered so far
+                waiting.ratio_values = self.ratio.compute()  # the groups gathered so far
             waiting.spread, waiting.norms = False, None  # returned below, parts left or not
         self._read(self.slices)
         return self._complete()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -245,3 +246,45 @@ def test_update_ratios_ship_on_cadence_steps_and_are_opt_out(pull) -> None:
     assert (mon.stats.stats_sent, mon.stats.stats_dropped) == (1, 0)
     (s,) = received_stats(sock, 1)
     assert s.update_ratios is None and s.weight_norms is not None
+
+
+def test_a_spread_sample_ships_its_statistics_worked_out_by_the_shipper(pull) -> None:
+    # A model of 2.1M elements is read in 8 phases, so a sample 12 steps from the next
+    # is spread over them (agent/spreadplan.py) and ships host copies that the shipper
+    # thread works out (agent/hostpart.py): what arrives over the wire is complete.
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 1024),
+        nn.Tanh(), nn.Linear(1024, 1),
+    )  # fmt: skip
+    with torch.no_grad():
+        model[0].bias.fill_(-100.0)  # every ReLU unit dead
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    mon = gradwatch.watch(
+        model, opt, job="act", endpoint=endpoint, stats_every=12, early_stats=False
+    )
+    assert mon._wstats is not None and mon._wstats.phases > 1
+    for _ in range(35):  # samples at 12 and 24, each done within its 12 steps
+        model(torch.randn(64, 8)).square().mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    assert mon._parts and mon._parts[-1].ship  # the samples were spread
+    mon.close()
+    assert mon.stats.stats_sent == 2 and mon.stats.stats_dropped == 0
+    stats = received_stats(sock, 2)
+    assert [s.step for s in stats] == [12, 24]
+    for s in stats:
+        by_module = {a.module: a for a in s.act}
+        assert by_module["1"].zero_frac == pytest.approx(1.0)
+        assert by_module["3"].zero_frac is not None and 0.0 <= by_module["3"].zero_frac < 0.5
+        assert by_module["5"].sat_frac is not None and by_module["5"].std > 0.0
+        assert s.update_ratios is not None and s.weight_norms is not None
+        assert np.isfinite(s.weight_norms).all() and (s.weight_norms > 0).all()
+        # Dead ReLUs pass no gradient back, and the next weight sees only zeros: no
+        # update to 0.weight, 0.bias, 2.weight (ratio 0); every later one measured,
+        # positive and small (lr 1e-3).
+        assert np.isfinite(s.update_ratios).all() and (s.update_ratios[:3] == 0).all()
+        assert (s.update_ratios[3:] > 0).all()
+        assert (s.update_ratios < 0.1).all()

@@ -7,6 +7,7 @@ few per step; the sample ships complete once its phases are done.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -247,3 +248,31 @@ def test_a_spread_sample_cut_short_by_close_ships_what_it_measured(extra: int) -
     else:  # every group and module measured before the copies were made
         assert not _missing(ratios).any() and not _missing(acts).any()
     assert done.norms is not None and not _missing(done.norms).any()
+
+
+def test_while_the_shipper_holds_the_last_copies_the_next_sample_is_worked_out_here(
+    pull,
+) -> None:
+    # MAX_STATS_IN_FLIGHT bounds the host copies held: a sample whose copy step comes
+    # before the shipper took the last sample's is worked out on the device instead,
+    # complete, and nothing is dropped.
+    torch.manual_seed(0)
+    model = _gelu_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(
+        model, opt, job="spread", endpoint=pull[1], stats_every=8, early_stats=False
+    )
+    shipped = _recording(mon)
+    unshipped = SimpleNamespace(shipped=False)  # the last sample, not yet taken
+    for step in range(1, 16):
+        if step == 14:  # the step-8 sample's copy step
+            mon._stats_out = [unshipped]  # type: ignore[list-item]
+        model(torch.randn(8, 512)).square().mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    (done,) = shipped
+    assert isinstance(done.acts, torch.Tensor) and isinstance(done.ratio_values, torch.Tensor)
+    assert not _missing(done.acts).any() and not _missing(done.ratio_values).any()
+    mon.close()
+    assert mon.stats.stats_sent == 1 and mon.stats.stats_dropped == 0  # sent, not dropped
