@@ -38,6 +38,7 @@ from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus
 from gradwatch.agent.commands import Rollback
 from gradwatch.agent.config import AgentConfig, SetupError
+from gradwatch.agent.hostpart import pinned_copy
 from gradwatch.agent.items import Counters, EventItem, StatsItem
 from gradwatch.agent.layout import Columns
 from gradwatch.agent.recovery import Follower, Notice, NoticeBoard, Reader
@@ -284,8 +285,4 @@ def to_host_async(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event 
     """
     if values.device.type != "cuda":
         return values, None
-    host = torch.empty(values.shape, dtype=torch.float32, pin_memory=True)
-    host.copy_(values, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
+    return pinned_copy(values, torch.float32)

@@ -55,16 +55,22 @@ class HostCopy:
         return self._host
 
 
+def pinned_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Any]:
+    """Queue a copy of CUDA ``t`` into pinned host memory (as ``dtype``, its own by
+    default), without waiting; return it and the event to wait on before reading it."""
+    host = torch.empty(t.shape, dtype=dtype or t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 def host_copy(t: torch.Tensor) -> HostCopy:
     """Copy ``t`` to the host without a sync: a clone on CPU (the buffer is reused by
     the next sample), pinned memory and an event under CUDA."""
     if t.device.type != "cuda":
         return HostCopy(t.clone())
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return HostCopy(host, ready)
+    return HostCopy(*pinned_copy(t))
 
 
 class MissingPart:

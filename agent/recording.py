@@ -46,7 +46,6 @@ from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rowplan import RowPlan
 from gradwatch.agent.sampling import Sampler
-from gradwatch.agent.spreadplan import plan
 from gradwatch.agent.steps import user_step
 from gradwatch.agent.weightstats import WeightStats
 from gradwatch.wire import columns as wc
@@ -111,15 +110,10 @@ class StepRecorder(Sampler):
         if self.config.stats_every and self._scratch is None:
             self._wstats = self._weight_stats()
         if self._wstats is not None:
-            acts, ws = self._acts, self._wstats
-            # The plan of a sample a full gap from the next, made here and not on a
-            # training step (agent/spreadplan.py: cached by gap).
-            ws.prepare(
-                plan(
-                    self.config.stats_every, ws.slices, ws.ratio.groups, acts.groups if acts else 0
-                )
-            )
-            self._next_sample(ws)  # the first step may be a cadence step
+            # The plan of a sample a full gap from the next and its views, made here
+            # and not on a training step (agent/spreadplan.py: cached by gap).
+            self._wstats.prepare(self._spread_plan(self._wstats, self.config.stats_every))
+            self._next_sample(self._wstats)  # the first step may be a cadence step
 
     def _weight_stats(self) -> WeightStats | None:
         """Cadence weight statistics over the reader's parameters (after a recovery, the

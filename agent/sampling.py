@@ -48,9 +48,7 @@ class Sampler(RollbackExit):
             self._stats_now = (cadence.forced or step >= cadence.next_step) and cadence.due(step)
             gap = cadence.next_step - step
             if self._stats_now and gap >= ws.phases > 1:
-                acts = self._acts
-                hooks = acts.groups if acts is not None else 0
-                self._parts = plan(int(min(gap, 1 << 20)), ws.slices, ws.ratio.groups, hooks)
+                self._parts = self._spread_plan(ws, int(min(gap, 1 << 20)))
                 self._spread_phase = 0
             else:
                 self._spread_phase = None
@@ -69,6 +67,11 @@ class Sampler(RollbackExit):
                         acts.arm(hooks_of, acts.groups, start=index == 0)
                     elif index == 0:
                         acts.reset()
+
+    def _spread_plan(self, ws: WeightStats, steps: int) -> tuple[Part, ...]:
+        """The parts of a sample spread over at most ``steps`` steps (cached by gap)."""
+        acts = self._acts
+        return plan(steps, ws.slices, ws.ratio.groups, acts.groups if acts is not None else 0)
 
     def _carried_part(self) -> Part | None:
         """The part of the spread sample the running step carries; None for a sample
@@ -138,8 +141,8 @@ class Sampler(RollbackExit):
     def _queue_stats(self, done: Round) -> None:
         """Queue a complete sample's statistics without waiting for them: device vectors
         in one host copy with the weight norms, host copies (a spread sample's) for the
-        shipper to work out. The copy step keeps at most ``MAX_STATS_IN_FLIGHT`` samples
-        with host copies queued; one more would be dropped here (and counted)."""
+        shipper to work out (at most ``MAX_STATS_IN_FLIGHT`` of those: the copy step
+        works a sample out on the device instead while that many are queued)."""
         values = done.norms
         assert values is not None
         if self._scales is not None and self._scales.numel() == values.numel():
@@ -167,11 +170,6 @@ class Sampler(RollbackExit):
             if tensors:
                 values = torch.cat((*tensors, values))
         else:  # spread: host copies (a device vector among them: cut short at close)
-            self._stats_out = [item for item in self._stats_out if not item.shipped]
-            if len(self._stats_out) >= MAX_STATS_IN_FLIGHT:
-                with self._counters.lock:
-                    self._counters.stats_dropped += 1
-                return
             host = tuple(DevicePart(p) if isinstance(p, torch.Tensor) else p for p in parts)
         values, ready = to_host_async(values)
         item = StatsItem(

@@ -137,17 +137,16 @@ class RatioSampler:
         g = self._spans.get(key)
         if g is None:
             first, stop = self._cuts[key[0]][0], self._cuts[key[1] - 1][1]
-            g = _Group(
+            g = self._spans[key] = _Group(
                 first,
                 stop,
                 self._counts,
                 self._before,
                 self._after,
                 self._reader.params,
+                self._samples[first:stop],
                 self._plain,
             )
-            g.samples = self._samples[first:stop]
-            self._spans[key] = g
         return g
 
     def sample_before(self, group: Span = None, keep_views: bool = True) -> None:
@@ -318,6 +317,7 @@ class _Group:
         before: torch.Tensor,
         after: torch.Tensor,
         params: tuple[torch.nn.Parameter, ...],
+        samples: list[tuple[int, int, int] | None],
         plain: bool,
     ) -> None:
         self.first, self.stop, self.plain = first, stop, plain
@@ -325,7 +325,7 @@ class _Group:
         a = sum(counts[:first])
         b = a + sum(counts[first:stop])
         self.before, self.after = before[a:b], after[a:b]
-        self.samples: list[tuple[int, int, int] | None] = []
+        self.samples = samples  # each layer's (offset, stride, count), None: no sample
 
 
 def weights_of(reader: GradReader) -> list[torch.Tensor]:
