@@ -130,8 +130,8 @@ CHECKS: Mapping[str, tuple[str, ...]] = MappingProxyType(
         ),
         "dead_units": (
             "lower the learning rate",
-            "check initialisation and biases of the ReLU layers",
-            "consider leaky ReLU/GELU",
+            "check initialisation and biases of the layers feeding the dead units",
+            "consider an activation with a slope below zero (leaky ReLU)",
         ),
         "loss_scale_collapse": ("find the op that overflows in fp16 (keep it in fp32)",),
         "weight_runaway": ("add weight decay", "lower the learning rate"),
@@ -178,8 +178,9 @@ def diagnose(
     (its summary): a diagnosis never contradicts the alert it explains. The
     seed's tree over the loss and grad norms (``tree``) adds what it finds
     when that is something else, and precursors add a likely earlier cause.
-    Checks run from the most specific: the rule's own, then the earlier
-    cause's, then the class's generic ones.
+    Checks run from the most specific: the one the alert's evidence names as
+    its ``lead_check`` (what the detector measured), the rule's own, then the
+    earlier cause's, then the class's generic ones.
     """
     tree, reason, evidence = _verdict(history)
     verdict = alert.category if alert.category in VERDICTS else tree
@@ -198,7 +199,10 @@ def diagnose(
         summary += f"; the seed's tree agrees ({reason})"
     elif tree != "none":
         summary += f"; the seed's tree also reads {VERDICTS[tree]} ({reason})"
-    checks: list[str] = list(rule_checks)
+    # A detector that measured which lever applies names it first (evidence "lead_check":
+    # WeightNormRunaway under updates far above the healthy band leads with the lr).
+    lead = alert.evidence.get("lead_check")
+    checks: list[str] = ([lead] if isinstance(lead, str) and lead else []) + list(rule_checks)
     if cause is not None:
         first = cause["chain"][0]
         summary += (

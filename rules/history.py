@@ -41,11 +41,23 @@ SATURATED = (
     0.5  # share of tanh/sigmoid outputs pinned near the bounds (smdebug threshold_layer 50%)
 )
 DEAD = 0.9  # share of exact-zero ReLU outputs (healthy nets have ~50%)
-DEAD_TAIL = 0.5  # share of GELU/SiLU outputs in the flat negative tail (healthy ~0.1%)
+# Share of GELU/SiLU outputs in the flat negative tail, as DeadGELUs' threshold
+# (rules/default.yaml): healthy nanoGPT <= 0.018, lr x100 0.80; a layer of tiny
+# pre-activations (nanoGPT init x0.01) reads 0.50-0.52 at its first steps, which at 0.5
+# was named the earlier cause of that run's alerts, with "lower the learning rate".
+DEAD_TAIL = 0.7
 EPISODE_GAP = 200  # steps a precursor may pause before a new episode starts
 SMALL_INIT_STEPS = (
     20  # a first weight sample this early describes the init (WeightsStartedTooSmall)
 )
+# As WeightsStartedTooSmall's ``wake`` (rules/default.yaml): weights grown 10x are a small
+# init only if the grad norm also rose 3x from its first 3 steps (init x0.01 on nanoGPT:
+# 0.10 -> ~0.5-2); lr x100 starts at the healthy ~5 and falls to ~0.4 while its weights
+# grow x12, and named "initialisation too small" that run's real cause was contradicted.
+WAKE = 3.0
+# UpdateRatioTooLarge's ``high`` (rules/default.yaml, calibrated on nanoGPT: healthy peak
+# 0.0056, lr x100 0.022-0.056): weights growing under updates this large grow by the lr.
+LARGE_UPDATE = 0.03
 
 
 @dataclass(slots=True)
@@ -136,6 +148,7 @@ class JobHistory:
 
     def observe_stats(self, stats: Stats) -> None:
         """Take one cadence sample into account: activations, weight norms, update ratios."""
+        update = self._update_ratio(stats)
         for act in stats.act:
             if (
                 act.sat_frac is not None
@@ -179,8 +192,9 @@ class JobHistory:
                     self._first_weight, self._first_weight_step = total, stats.step
                 elif self._first_weight > 0 and total >= 10 * self._first_weight:
                     grown = total / self._first_weight
-                    if self._first_weight_step <= SMALL_INIT_STEPS:
-                        # Grown 10x from the init itself: weights waking up from a too-small init.
+                    if self._first_weight_step <= SMALL_INIT_STEPS and self._grads_woke():
+                        # Grown 10x from the init itself, the gradients with them: weights
+                        # waking up from a too-small init.
                         self._mark(
                             "small_init",
                             "vanishing_gradients",
@@ -190,6 +204,17 @@ class JobHistory:
                             f"{self._first_weight_step}"
                             " (initialisation too small)",
                         )
+                    elif update is not None and update >= LARGE_UPDATE:
+                        # Moved by percents every step: the step size grows them, and the
+                        # weight-runaway class would lead with weight decay.
+                        self._mark(
+                            "weight_growth",
+                            "update_ratio",
+                            stats.step,
+                            grown,
+                            f"total weight norm ×{grown:.0f} its first value under updates of "
+                            f"{update:.2g} of the weights per step (healthy ~1e-3)",
+                        )
                     else:
                         self._mark(
                             "weight_growth",
@@ -198,24 +223,35 @@ class JobHistory:
                             grown,
                             f"total weight norm ×{grown:.0f} its first value",
                         )
-        if stats.update_ratios is not None:
-            r = np.asarray(stats.update_ratios, dtype=np.float64)
-            finite = np.isfinite(r)
-            # As UpdateRatioTooLarge measures it (weighted by weight norm): a median over layers
-            # reads a tiny-init model's small layers as "updates too large".
-            value = (
-                UpdateRatioDetector.global_ratio(r, finite, stats.weight_norms)
-                if finite.any()
-                else 0.0
+        if update is not None and update > 0.1:
+            self._mark(
+                "update_ratio_high",
+                "update_ratio",
+                stats.step,
+                update,
+                f"‖Δw‖/‖w‖ {update:.3g} over the model (healthy ~1e-3)",
             )
-            if value > 0.1:
-                self._mark(
-                    "update_ratio_high",
-                    "update_ratio",
-                    stats.step,
-                    value,
-                    f"‖Δw‖/‖w‖ {value:.3g} over the model (healthy ~1e-3)",
-                )
+
+    @staticmethod
+    def _update_ratio(stats: Stats) -> float | None:
+        """‖Δw‖/‖w‖ over the model as UpdateRatioTooLarge measures it; None if not measured."""
+        if stats.update_ratios is None:
+            return None
+        r = np.asarray(stats.update_ratios, dtype=np.float64)
+        finite = np.isfinite(r)
+        # Weighted by weight norm: a median over layers reads a tiny-init model's small
+        # layers as "updates too large".
+        return (
+            UpdateRatioDetector.global_ratio(r, finite, stats.weight_norms) if finite.any() else 0.0
+        )
+
+    def _grads_woke(self) -> bool:
+        """The grad norm rose ``WAKE`` times from its first 3 steps; True when never measured."""
+        first = self._early_norms[:3]
+        if len(first) < 3 or not self.norms:
+            return True  # weights without grad norms (imported statistics): judge them alone
+        recent = statistics.median(n for _, n in list(self.norms)[-20:])
+        return recent >= WAKE * statistics.median(first)
 
     def _matrices(self, layers: tuple[str, ...], size: int) -> np.ndarray:
         """Mask of the weight matrices among ``layers`` (every layer when none is known as one)."""

@@ -69,7 +69,9 @@ class WeightRunawayDetector:
         min_r2: Annotated[float, Field(ge=0.0, le=1.0)] = 0.95,
         min_recent: Annotated[float, Field(ge=0.0)] = 0.8,
         min_span: Annotated[int, Field(ge=0)] = 0,
+        large_update: Annotated[float, Field(gt=0.0)] = 0.03,
     ) -> None:
+        self.large_update = large_update
         self.window, self.min_growth, self.min_r2, self.min_recent = (
             window,
             min_growth,
@@ -82,6 +84,8 @@ class WeightRunawayDetector:
         self._steps: deque[int] = deque(maxlen=keep)
         self._logs: deque[float] = deque(maxlen=keep)
         self._layers: deque[np.ndarray] = deque(maxlen=keep)
+        # Each sample's ‖Δw‖/‖w‖ over the model (NaN: not measured), to say what drives a runaway.
+        self._ratios: deque[float] = deque(maxlen=keep)
         self._names: tuple[str, ...] = ()
 
     def observe_stats(self, stats: Stats) -> Finding | None:
@@ -99,10 +103,12 @@ class WeightRunawayDetector:
             self._steps.clear()
             self._logs.clear()
             self._layers.clear()
+            self._ratios.clear()
             self._names = stats.layers
         self._steps.append(stats.step)
         self._logs.append(math.log(total))
         self._layers.append(norms)
+        self._ratios.append(_model_ratio(stats, norms))
         n = self._window_size()
         return self._judge(total, n) if n else INACTIVE
 
@@ -147,7 +153,7 @@ class WeightRunawayDetector:
             f"samples (×{per_sample:.3f} per sample, steps {steps[0]}–{steps[-1]}); "
             f"fastest layer {layer!r} ×{float(ratios[top]):.2f}"
         )
-        evidence = {
+        evidence: dict[str, object] = {
             "weight_norm": total,
             "growth": growth,
             "factor_per_sample": per_sample,
@@ -156,7 +162,30 @@ class WeightRunawayDetector:
             "fastest_layer": layer,
             "fastest_layer_growth": float(ratios[top]),
         }
+        measured = [r for r in list(self._ratios)[-n:] if math.isfinite(r)]
+        if measured:
+            update = float(np.median(measured))
+            evidence["update_ratio"] = update
+            if update >= self.large_update:
+                # Weight decay cannot hold weights that each step moves by percents: the
+                # step size is the lever (nanoGPT lr x100 read "weight decay" first here).
+                summary += (
+                    f"; each update moves the weights by {update:.3g} of their norm (median "
+                    "over the window; healthy ~1e-3): steps this large drive the growth"
+                )
+                evidence["lead_check"] = "lower the learning rate"
         return Finding(True, summary, evidence)
+
+
+def _model_ratio(stats: Stats, norms: np.ndarray) -> float:
+    """The sample's ‖Δw‖/‖w‖ over the model as UpdateRatioTooLarge reads it; NaN if unmeasured."""
+    if stats.update_ratios is None:
+        return math.nan
+    r = np.asarray(stats.update_ratios, dtype=np.float64)
+    finite = np.isfinite(r)
+    if r.shape != norms.shape or not finite.any():
+        return math.nan
+    return UpdateRatioDetector.global_ratio(r, finite, norms)
 
 
 class SmallInitDetector:

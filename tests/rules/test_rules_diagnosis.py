@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 
 from gradwatch.rules import Alert, Engine, Step, load_default_rules
@@ -128,3 +129,69 @@ def test_an_old_precursor_that_ended_long_ago_is_not_the_cause() -> None:
         history.observe_step(Step(job="j", step=t, time=0.0, loss=1.0))
     assert "activation_saturation" in history.precursors
     assert diagnose(history, alert(step=1999))["earlier_cause"] is None
+
+
+def grown_weights(grad_norms: list[float], update: float) -> JobHistory:
+    """Weights growing x12 from step 1 over 150 steps, under the given grad norms and updates."""
+    history = JobHistory()
+    layers = ("a.weight", "b.weight", "c.weight")
+    for t in range(1, 151):
+        history.observe_step(Step(job="j", step=t, time=0.0, loss=3.0, grad_norm=grad_norms[t - 1]))
+        if t == 1 or t % 10 == 0:
+            total = 1.0 + 11.0 * t / 150
+            history.observe_stats(
+                Stats(
+                    job="j",
+                    step=t,
+                    time=0.0,
+                    layers=layers,
+                    weight_norms=np.full(3, total / math.sqrt(3)),
+                    update_ratios=np.full(3, update),
+                )
+            )
+    return history
+
+
+def test_weights_grown_by_a_high_lr_are_not_called_a_small_init() -> None:
+    # nanoGPT lr x100: the weights grew x12 while the grad norm fell from a healthy ~5 to
+    # ~0.4 and every update moved the weights by ~4%; the UpdateRatioTooLarge alert named
+    # "initialisation too small" as its earlier cause, and its checks led with weight decay.
+    falling = [5.0] * 10 + [0.4] * 140
+    history = grown_weights(falling, update=0.04)
+    assert "small_init" not in history.precursors
+    growth = history.precursors["weight_growth"]
+    assert growth.category == "update_ratio" and "updates of 0.04" in growth.detail
+    d = diagnose(history, alert("loss_spike", step=150))
+    assert "initialisation too small" not in d["summary"]
+    assert "lower the learning rate" in d["next_checks"]
+    assert "add weight decay" not in d["next_checks"]
+    # The same growth under healthy-sized updates is a weight-runaway sign (regularization).
+    quiet = grown_weights(falling, update=1e-3).precursors["weight_growth"]
+    assert quiet.category == "weight_runaway"
+
+
+def test_weights_and_gradients_waking_together_are_a_small_init() -> None:
+    # init x0.01 on nanoGPT: grad norm 0.10 at the start, ~0.5-2 once the weights woke.
+    waking = [0.1] * 10 + [1.0] * 140
+    history = grown_weights(waking, update=0.2)
+    assert history.precursors["small_init"].category == "vanishing_gradients"
+    assert "weight_growth" not in history.precursors
+
+
+def test_tiny_gelu_inputs_are_not_named_dead_units() -> None:
+    # nanoGPT init x0.01: tiny pre-activations put half the GELU outputs just below zero
+    # (0.50-0.52); named the earlier cause, they added "lower the learning rate" to a
+    # WeightsStartedTooSmall alert whose own advice says not to.
+    def history_at(tail: float) -> JobHistory:
+        history = JobHistory()
+        for t in range(1, 40):
+            act = (ActStats("h.0.mlp.gelu", "gelu", 0.0, 0.01, zero_frac=tail),)
+            history.observe_stats(Stats(job="j", step=t, time=0.0, act=act))
+            history.observe_step(Step(job="j", step=t, time=0.0, loss=3.0))
+        return history
+
+    assert (
+        diagnose(history_at(0.52), alert("vanishing_gradients", step=39))["earlier_cause"] is None
+    )
+    dead = diagnose(history_at(0.8), alert("vanishing_gradients", step=39))["earlier_cause"]
+    assert dead is not None and dead["signal"] == "dead_units"  # lr x100 reaches 0.80

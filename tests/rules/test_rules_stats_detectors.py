@@ -101,6 +101,35 @@ def test_geometric_weight_growth_fires() -> None:
     assert found.evidence["growth"] >= 2.0
 
 
+def runaway_with_updates(ratio: float | None) -> dict[str, object]:
+    """The evidence of a geometric runaway whose every sample had update ratios ``ratio``."""
+    det = WeightRunawayDetector()
+    found = None
+    for k in range(13):
+        total = 10.0 * 1.15**k
+        ratios = None if ratio is None else [ratio, math.inf, ratio, ratio]
+        found = det.observe_stats(
+            stats(50 * (k + 1), weights=[total, 0.0, total / 10, 0.01], ratios=ratios)
+        )
+    assert found is not None and found.active
+    return dict(found.evidence) | {"summary": found.summary}
+
+
+def test_runaway_under_large_updates_leads_with_the_learning_rate() -> None:
+    # nanoGPT lr x100: weights grew x3.4 while every update moved them by ~4% of their norm,
+    # and the alert's first check was "weight decay".
+    large = runaway_with_updates(0.04)
+    assert large["lead_check"] == "lower the learning rate"
+    assert large["update_ratio"] == pytest.approx(0.04, rel=1e-6)
+    assert "steps this large drive the growth" in str(large["summary"])
+    # Updates in the healthy band (~1e-3): the rule's own order (regularization first).
+    small = runaway_with_updates(1e-3)
+    assert "lead_check" not in small and small["update_ratio"] == pytest.approx(1e-3, rel=1e-6)
+    # No update ratios measured: nothing claimed about them.
+    none = runaway_with_updates(None)
+    assert "lead_check" not in none and "update_ratio" not in none
+
+
 def test_diffusive_and_saturating_growth_do_not_fire() -> None:
     # sqrt(t) (random walk, no weight decay) from an init of 10, and a warm-up that levels off.
     assert not any(
