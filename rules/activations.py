@@ -32,6 +32,7 @@ from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.step import ActStats, Stats
 
 RELEASE = 0.9  # a reported module is released below this share of the threshold
+_SMOOTH = frozenset({"gelu", "silu"})  # dead share = the flat negative tail, not exact zeros
 
 
 class _ShareDetector:
@@ -145,3 +146,10 @@ class DeadUnitsDetector(_ShareDetector):
         max_named: Annotated[int, Field(ge=1)] = 10,
     ) -> None:
         super().__init__(threshold, samples, kinds, max_named)
+        # A GELU/SiLU is never exactly zero: its dead share is the flat negative tail, and a
+        # summary saying "exact-zero outputs" of one contradicted the number it showed.
+        smooth = {k for k in self.kinds if k in _SMOOTH}
+        if smooth and smooth == set(self.kinds):
+            self.what = "outputs in the flat negative tail (slope ~1% of linear)"
+        elif smooth:
+            self.what = "dead outputs (ReLU: exact zeros; GELU/SiLU: the flat negative tail)"

@@ -406,6 +406,20 @@ def test_a_share_hovering_at_the_threshold_is_one_incident() -> None:
     assert active == [False, True, True, True, True, True, False, False]
 
 
+def test_dead_gelus_are_described_as_their_tail_not_exact_zeros() -> None:
+    # minGPT adder, lr x100: "exact-zero outputs at or above 70%" of a GELU, which has none.
+    def summary(kind: str, kinds: tuple[str, ...]) -> str:
+        det = DeadUnitsDetector(threshold=0.7, samples=1, kinds=kinds)
+        found = det.observe_stats(stats(1, act=[ActStats("m", kind, 0.0, 1.0, zero_frac=0.8)]))
+        assert found is not None and found.active
+        return found.summary
+
+    assert "flat negative tail" in summary("gelu", ("gelu", "silu"))
+    assert "exact-zero" not in summary("gelu", ("gelu", "silu"))
+    assert "exact-zero outputs" in summary("relu", ("relu", "relu6"))
+    assert "GELU/SiLU: the flat negative tail" in summary("relu", ("relu", "gelu"))
+
+
 def small_run(loss_at, ratio: float = 3e-6, first: int = 1, lr_at=lambda t: 1e-3) -> list[bool]:
     """The default UpdatesTooSmall params over 200 steps, a cadence sample every 10."""
     det = UpdateRatioDetector(
