@@ -50,6 +50,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,21 @@ CPU_LINE = [
     "--dropout=0.0",
     "--gradient_accumulation_steps=2",
 ]
+# What fits a learning rate far too high. Seed Stage 4 adds weight runaway ("an
+# exploding-gradient regime the optimizer partially absorbed") and dead units ("a learning
+# rate that pushed units into a dead regime").
+LR_TOO_HIGH = (
+    "exploding_gradients",
+    "lr_too_high",
+    "loss_spike",
+    "numerical",
+    "update_ratio",
+    "weight_runaway",
+    "dead_units",
+)
 ACCEPT: dict[str, tuple[str, ...]] = {
     "healthy": (),
-    "lr_x100": ("exploding_gradients", "lr_too_high", "loss_spike", "numerical", "update_ratio"),
+    "lr_x100": LR_TOO_HIGH,
     "init_x0.01": ("vanishing_gradients", "dead_pipeline", "update_ratio", "lr_too_low"),
     "no_step": ("dead_pipeline", "update_ratio"),
 }
@@ -281,16 +294,14 @@ def run_variant(
     data.mkdir(parents=True, exist_ok=True)
     for name in ("train.bin", "val.bin", "meta.pkl"):
         shutil.copy(work / "dataset" / name, data / name)
-    job = f"nanogpt-{variant}"
-    proc, endpoint = start_collector(work, traces)
-    try:
+
+    def write(endpoint: str) -> list[str]:
+        job = f"nanogpt-{variant}"
         (vdir / "train.py").write_text(
             patch_train((nanogpt / "train.py").read_text(), job, endpoint, variant, user_step)
         )
         (vdir / "model.py").write_text(patch_model((nanogpt / "model.py").read_text(), variant))
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        cmd = [
-            sys.executable,
+        return [
             "train.py",
             "config/train_shakespeare_char.py",
             *CPU_LINE,
@@ -298,13 +309,35 @@ def run_variant(
             f"--lr_decay_iters={iters}",
             *variant_args(variant),
         ]
+
+    return run_recorded(work, traces, f"nanogpt-{variant}", vdir, write, {})
+
+
+def run_recorded(
+    work: Path,
+    traces: Path,
+    job: str,
+    vdir: Path,
+    write: Callable[[str], list[str]],
+    env: dict[str, str],
+) -> Path:
+    """Run one training script in ``vdir`` under a fresh recording collector; return its trace.
+
+    ``write(endpoint)`` writes the patched script and returns its arguments.
+    """
+    proc, endpoint = start_collector(work, traces)
+    try:
+        cmd = [sys.executable, *write(endpoint)]
+        full = dict(
+            os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env
+        )
         started = time.monotonic()
         with open(vdir / "train.log", "wb") as log:
             rc = subprocess.run(
-                cmd, cwd=vdir, env=env, stdout=log, stderr=subprocess.STDOUT
+                cmd, cwd=vdir, env=full, stdout=log, stderr=subprocess.STDOUT
             ).returncode
         print(
-            f"[{variant}] train.py exit {rc} after {time.monotonic() - started:.0f} s "
+            f"[{job}] {cmd[1]} exit {rc} after {time.monotonic() - started:.0f} s "
             f"(log {vdir / 'train.log'})",
             file=sys.stderr,
         )
@@ -340,9 +373,15 @@ def replay(trace: Path, rules: Path | None) -> list[dict[str, Any]]:
     return [r["alert"] for r in rows if r["transition"] == "firing"]
 
 
-def score(variant: str, alerts: list[dict[str, Any]]) -> Scored:
+def score(
+    variant: str,
+    alerts: list[dict[str, Any]],
+    accepts: dict[str, tuple[str, ...]] = ACCEPT,
+    helpful: dict[str, tuple[str, ...]] = HELPFUL,
+) -> Scored:
+    """The variant's verdict: its fitting categories ``accepts``, its helpful advice ``helpful``."""
     s = Scored(variant, alerts)
-    accept = ACCEPT.get(variant, ())
+    accept = accepts.get(variant, ())
     if not accept:
         n = len(s.paging)
         s.verdict = "PASS: no page" if n == 0 else f"FAIL: {n} false page(s)"
@@ -351,15 +390,15 @@ def score(variant: str, alerts: list[dict[str, Any]]) -> Scored:
     if hits:
         first = hits[0]
         s.verdict = f"CAUGHT by {first['rule']} [{first['category']}] at step {first['step']}"
-        helpful = [a for a in hits if _helps(variant, a)]
+        useful = [a for a in hits if _helps(helpful.get(variant, ()), a)]
         s.verdict += (
             "; helpful advice "
             + (
                 "first"
-                if helpful[:1] == [first]
-                else f"from {helpful[0]['rule']} at step {helpful[0]['step']}"
+                if useful[:1] == [first]
+                else f"from {useful[0]['rule']} at step {useful[0]['step']}"
             )
-            if helpful
+            if useful
             else "; no alert's first checks would help"
         )
     else:
@@ -367,9 +406,9 @@ def score(variant: str, alerts: list[dict[str, Any]]) -> Scored:
     return s
 
 
-def _helps(variant: str, a: dict[str, Any]) -> bool:
+def _helps(words: tuple[str, ...], a: dict[str, Any]) -> bool:
     checks = list((a.get("diagnosis") or {}).get("next_checks") or [])[:3]
-    return any(w in c.lower() for c in checks for w in HELPFUL.get(variant, ()))
+    return any(w in c.lower() for c in checks for w in words)
 
 
 def _first_check(a: dict[str, Any]) -> str:
@@ -402,15 +441,21 @@ def table(results: list[Scored], max_rows: int = 12) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def trial_args(
+    doc: str,
+    checkout: str,
+    variants: dict[str, tuple[str, ...]],
+    iters: int,
+    argv: list[str] | None,
+) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
+    """A trial's command line (its checkout positional named ``checkout``) and its variants."""
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("nanogpt", nargs="?", type=Path, help="a nanoGPT checkout (train.py, model.py)")
-    p.add_argument(
-        "--variants", default=",".join(ACCEPT), help="comma-separated, of " + ",".join(ACCEPT)
-    )
-    p.add_argument("--iters", type=int, default=ITERS)
+    p.add_argument(checkout, nargs="?", type=Path, help=f"a {checkout} checkout")
+    names = ",".join(variants)
+    p.add_argument("--variants", default=names, help="comma-separated, of " + names)
+    p.add_argument("--iters", type=int, default=iters)
     p.add_argument("--keep", type=Path, help="keep traces and train logs in this folder")
     p.add_argument(
         "--replay-only",
@@ -421,10 +466,36 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", type=Path, help="rule file for replay (default: the packaged one)")
     p.add_argument("--json", action="store_true", help="print every firing alert as JSON too")
     args = p.parse_args(argv)
-    variants = [v for v in args.variants.split(",") if v]
-    unknown = set(variants) - set(ACCEPT)
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = set(chosen) - set(variants)
     if unknown:
-        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(ACCEPT)}")
+        p.error(f"unknown variant(s) {sorted(unknown)}; choose from {list(variants)}")
+    return p, args, chosen
+
+
+def report(
+    traces: Path,
+    prefix: str,
+    variants: list[str],
+    args: argparse.Namespace,
+    accepts: dict[str, tuple[str, ...]] = ACCEPT,
+    helpful: dict[str, tuple[str, ...]] = HELPFUL,
+) -> None:
+    """Replay each variant's trace with the current rules; print the table (and JSON)."""
+    results = []
+    for v in variants:
+        trace = traces / f"{prefix}-{v}.jsonl"
+        if not trace.exists():
+            print(f"[{v}] no trace at {trace}; skipped", file=sys.stderr)
+            continue
+        results.append(score(v, replay(trace, args.rules), accepts, helpful))
+    print(table(results))
+    if args.json:
+        print(json.dumps({r.variant: r.alerts for r in results}, indent=1, default=str))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, args, variants = trial_args(__doc__ or "", "nanogpt", ACCEPT, ITERS, argv)
     if args.replay_only is None and args.nanogpt is None:
         p.error("give a nanoGPT checkout, or --replay-only DIR")
 
@@ -455,16 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         for v in variants:
             run_variant(args.nanogpt, work, traces, v, args.iters, user_step)
-    results = []
-    for v in variants:
-        trace = traces / f"nanogpt-{v}.jsonl"
-        if not trace.exists():
-            print(f"[{v}] no trace at {trace}; skipped", file=sys.stderr)
-            continue
-        results.append(score(v, replay(trace, args.rules)))
-    print(table(results))
-    if args.json:
-        print(json.dumps({r.variant: r.alerts for r in results}, indent=1, default=str))
+    report(traces, "nanogpt", variants, args)
     return 0
 
 
