@@ -443,16 +443,17 @@ def table(results: list[Scored], max_rows: int = 12) -> str:
 
 def trial_args(
     doc: str,
-    checkout: str,
+    checkout: str | None,
     variants: dict[str, tuple[str, ...]],
     iters: int,
     argv: list[str] | None,
 ) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
-    """A trial's command line (its checkout positional named ``checkout``) and its variants."""
+    """A trial's command line (a checkout positional named ``checkout``, if any), its variants."""
     p = argparse.ArgumentParser(
         description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument(checkout, nargs="?", type=Path, help=f"a {checkout} checkout")
+    if checkout is not None:
+        p.add_argument(checkout, nargs="?", type=Path, help=f"a {checkout} checkout")
     names = ",".join(variants)
     p.add_argument("--variants", default=names, help="comma-separated, of " + names)
     p.add_argument("--iters", type=int, default=iters)

@@ -32,6 +32,7 @@ from gradwatch.rules.evals import (
 )
 from gradwatch.rules.events import ExtremeStepDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
+from gradwatch.rules.inflation import WeightInflationDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
 from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
 from gradwatch.rules.modelstate import (
@@ -145,6 +146,7 @@ register_detector("weight_runaway", WeightRunawayDetector)
 register_detector("update_ratio", UpdateRatioDetector)
 register_detector("lagging_layers", LaggingLayersDetector)
 register_detector("small_init", SmallInitDetector)
+register_detector("weight_inflation", WeightInflationDetector)
 register_detector("loss_scale", LossScaleCollapseDetector)
 register_detector("frozen_mid_run", FrozenMidRunDetector)
 register_detector("train_in_eval_mode", TrainingInEvalModeDetector)

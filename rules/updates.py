@@ -35,7 +35,7 @@ from gradwatch.rules.step import Stats, Step
 
 # "Since the start" only for a run seen from (near) its first step, as LossFlatFromStart's
 # max_first_step: a resumed converged run is flat and moves little, and is healthy.
-_FIRST_STEP_MAX = 10
+FIRST_STEP_MAX = 10  # a first loss after this step is no run's start (a resume)
 
 
 Direction = Literal["high", "low", "small", "partial"]
@@ -155,7 +155,7 @@ class UpdateRatioDetector:
         """True unless the latest losses sit within ``min_progress`` of the run's first ones."""
         if len(self._start) < 10 or len(self._losses) < 10:
             return True  # too few losses to say it did not learn
-        if self._start_step is None or self._start_step > _FIRST_STEP_MAX:
+        if self._start_step is None or self._start_step > FIRST_STEP_MAX:
             return True  # first seen mid-way (a resume, a restarted collector): not its start
         recent = [v for _, v in list(self._losses)[-max(3, len(self._losses) // 5) :]]
         return float(np.median(recent)) <= (1.0 - self.min_progress) * float(np.median(self._start))

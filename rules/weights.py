@@ -31,6 +31,7 @@ from gradwatch.rules.updates import Direction, LaggingLayersDetector, UpdateRati
 
 __all__ = [
     "Direction",
+    "finite_weight_norms",
     "LaggingLayersDetector",
     "SmallInitDetector",
     "UpdateRatioDetector",
@@ -90,11 +91,9 @@ class WeightRunawayDetector:
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no weight norms."""
-        if stats.weight_norms is None:
+        norms = finite_weight_norms(stats)
+        if norms is None:
             return None
-        norms = np.asarray(stats.weight_norms, dtype=np.float64)
-        if norms.size == 0 or not np.isfinite(norms).all():
-            return None  # non-finite weights are the non-finite rule's
         total = math.sqrt(float(np.dot(norms, norms)))
         if total <= 0.0:
             return None
@@ -175,6 +174,15 @@ class WeightRunawayDetector:
                 )
                 evidence["lead_check"] = "lower the learning rate"
         return Finding(True, summary, evidence)
+
+
+def finite_weight_norms(stats: Stats) -> np.ndarray | None:
+    """The sample's weight norms as float64; None when absent, empty or not all finite
+    (non-finite weights are the non-finite rule's)."""
+    if stats.weight_norms is None:
+        return None
+    norms = np.asarray(stats.weight_norms, dtype=np.float64)
+    return norms if norms.size and np.isfinite(norms).all() else None
 
 
 def _model_ratio(stats: Stats, norms: np.ndarray) -> float:

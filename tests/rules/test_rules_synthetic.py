@@ -42,8 +42,8 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     covered = {rule for rule, _, _ in EXPECTED.values()}
     # Gradient-norm rules are exercised in test_rules_engine and test_rules_gpt_signals; the
     # census rules and GradientsAllZero in test_rules_gradient_faults; liveness in
-    # test_rules_liveness and test_rules_straggler; UpdatesTooSmall in test_rules_stats_detectors.
-    # Checked here: the signal groups.
+    # test_rules_liveness and test_rules_straggler; UpdatesTooSmall in test_rules_stats_detectors;
+    # WeightsInflatingLossStalled in test_rules_inflation. Checked here: the signal groups.
     elsewhere = {
         "GradientNormGrowingGeometrically",
         "LayerGradNormRatioVanishing",
@@ -56,6 +56,7 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
         "WeightsStartedTooSmall",
         "ParametersNotInOptimizer",
         "UpdatesTooSmall",
+        "WeightsInflatingLossStalled",
     }
     groups = {"numerical", "gradients", "activations", "weights", "model", "mixed-precision"}
     assert {r.name for r in RULES if r.group in groups} <= covered | elsewhere

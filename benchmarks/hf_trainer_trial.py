@@ -1,0 +1,121 @@
+"""A trial through the Hugging Face Trainer: a small GPT-2 trained from scratch.
+
+The model is ``GPT2LMHeadModel`` built from a config (4 layers, d 128, 4 heads, vocab 256:
+bytes; no download), trained on the nanoGPT trial's local text (about 600 KB of
+licences and standard-library sources, blocks of 64 bytes) by a plain ``Trainer``
+with ``GradwatchCallback`` (README "Frameworks"): AdamW at the Trainer's defaults
+(no weight decay, linear decay), lr 5e-4, 50 warm-up steps, batch 16, 800 steps,
+CPU. Each variant runs under a real ``gradwatch collector --record`` subprocess and
+its trace is replayed and scored as ``nanogpt_trial.py`` does. Needs the ``[hf]``
+extra (transformers), as the dev install has.
+
+Variants: ``healthy``; ``lr_x4`` (2e-3: a high but working rate, a healthy control:
+it ends with a lower eval loss than the default); ``lr_x20`` (1e-2); ``lr_x100``
+(5e-2).
+
+    OMP_NUM_THREADS=1 python benchmarks/hf_trainer_trial.py --keep /tmp/trials/hf1
+    python benchmarks/hf_trainer_trial.py --replay-only /tmp/trials/hf1
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from nanogpt_trial import LR_TOO_HIGH, report, run_recorded, trial_args
+
+ITERS = 800
+ACCEPT: dict[str, tuple[str, ...]] = {
+    "healthy": (),
+    "lr_x4": (),
+    "lr_x20": LR_TOO_HIGH,
+    "lr_x100": LR_TOO_HIGH,
+}
+HELPFUL: dict[str, tuple[str, ...]] = {"lr_x20": ("learning rate",), "lr_x100": ("learning rate",)}
+LR = 5e-4
+
+# The training script, written into the trial's work dir; {…} are filled per variant.
+SCRIPT = """\
+import sys
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+from gradwatch.integrations.transformers import GradwatchCallback
+sys.path.insert(0, {benchmarks!r})
+from nanogpt_trial import local_text
+
+torch.manual_seed(0)
+data = torch.tensor(list(local_text(600_000).encode("ascii", "ignore")), dtype=torch.long)
+BLOCK = 64
+n = (len(data) - 1) // BLOCK
+
+
+class Blocks(torch.utils.data.Dataset):
+    def __init__(self, lo, hi):
+        self.lo, self.hi = lo, hi
+
+    def __len__(self):
+        return self.hi - self.lo
+
+    def __getitem__(self, i):
+        x = data[(self.lo + i) * BLOCK : (self.lo + i + 1) * BLOCK]
+        return {{"input_ids": x, "labels": x.clone()}}
+
+
+cut = int(n * 0.9)
+config = GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=128, n_layer=4, n_head=4,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+args = TrainingArguments({out!r}, max_steps={iters}, per_device_train_batch_size=16,
+                         learning_rate={lr!r}, warmup_steps=50, logging_steps=50,
+                         eval_strategy="steps", eval_steps=200, save_strategy="no",
+                         report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Blocks(0, cut),
+                  eval_dataset=Blocks(cut, cut + 64),
+                  callbacks=[GradwatchCallback(job={job!r}, endpoint={endpoint!r})])
+trainer.train()
+print("final eval_loss", trainer.evaluate()["eval_loss"])
+"""
+
+
+def rate(variant: str) -> float:
+    return LR * (float(variant.split("_x")[1]) if variant.startswith("lr_x") else 1.0)
+
+
+def run_variant(work: Path, traces: Path, variant: str, iters: int) -> Path:
+    vdir = work / variant
+    vdir.mkdir(parents=True, exist_ok=True)
+    job = f"hf-{variant}"
+
+    def write(endpoint: str) -> list[str]:
+        (vdir / "train.py").write_text(
+            SCRIPT.format(
+                benchmarks=str(Path(__file__).resolve().parent),
+                out=str(vdir / "out"),
+                iters=iters,
+                lr=rate(variant),
+                job=job,
+                endpoint=endpoint,
+            )
+        )
+        return ["train.py"]
+
+    return run_recorded(work, traces, job, vdir, write, {})
+
+
+def main(argv: list[str] | None = None) -> int:
+    _, args, variants = trial_args(__doc__ or "", None, ACCEPT, ITERS, argv)
+    if args.replay_only is not None:
+        traces = args.replay_only
+    else:
+        work = Path(tempfile.mkdtemp(prefix="hf-trial-"))
+        traces = args.keep or work / "traces"
+        traces.mkdir(parents=True, exist_ok=True)
+        print(f"work dir {work}; gradwatch step = the Trainer's global_step", file=sys.stderr)
+        for v in variants:
+            run_variant(work, traces, v, args.iters)
+    report(traces, "hf", variants, args, ACCEPT, HELPFUL)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Weights inflating while the loss stalls: updates too large for the weights (lr too high).
+
+An invariant of healthy training: the weights stay steady. A run from a
+standard init changes the total norm of its weight matrices by a small factor
+(at most x1.49 in any 200 steps, and x2.06 over 1,500, across the nanoGPT,
+minGPT and Hugging Face GPT-2 trials in ``benchmarks/``, the last one also at
+4x its default lr), whatever its learning rate schedule. With the learning
+rate ~100x too high, each update moves the weights by percents of their norm;
+the norm inflates x5.7-x14.7 within the first 200 steps while the loss sits
+on a plateau far above where the healthy run goes (nanoGPT, minGPT's adder and a GPT-2 under the HF
+Trainer all did; the last one raised no alert before this rule: its update
+ratio was above UpdateRatioTooLarge's 0.03 only while its loss still fell).
+
+Two other shapes grow the weights fast and are told apart here:
+
+* a too-small init "waking up" (WeightsStartedTooSmall): its gradients grow
+  with its weights, at some point ``wake`` times their first steps' (nanoGPT
+  init x0.01: the median of 20 steps reached x13.7 by step 23); with the lr
+  too high they fall (at most x0.48 in the three trials, healthy x0.56);
+* fast healthy learning: the loss falls while the weights grow; and once it has
+  converged its loss is flat, far below where it began (a least-squares control
+  grew its small init x3.7 in 20 steps while its loss fell 41 -> 0.002), so a
+  stall counts only at ``above_start`` of the run's first losses or more (the
+  three lr x100 runs stall at 0.57-0.7 of theirs).
+
+Memory: a bounded deque of weight totals and one of losses.
+
+Example::
+
+    det = WeightInflationDetector(growth=3.0, within=200)
+    det.observe(step); det.observe_stats(stats).evidence["growth"]
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Annotated
+
+import numpy as np
+from pydantic import Field
+
+from gradwatch.rules.detector import INACTIVE, Finding, validated_params
+from gradwatch.rules.growth import total_grad_norm
+from gradwatch.rules.roles import roles_of
+from gradwatch.rules.step import Stats, Step
+from gradwatch.rules.updates import FIRST_STEP_MAX
+from gradwatch.rules.weights import finite_weight_norms
+
+__all__ = ["WeightInflationDetector"]
+
+
+class WeightInflationDetector:
+    """Active while the weight matrices' norm grew ``growth`` times within ``within`` steps,
+    the loss fell less than ``min_progress`` over the latest ``span`` steps and still sits
+    at ``above_start`` of the run's first losses or more, and the gradients never woke up
+    (module docstring).
+
+    Once active, the incident holds while the weights stay ``growth`` times above the
+    base it was measured from and the loss stays stalled: a run whose lr is far too high
+    is one incident, however slowly its weights grow afterwards.
+    """
+
+    @validated_params
+    def __init__(
+        self,
+        *,
+        growth: Annotated[float, Field(gt=1.0)] = 3.0,
+        within: Annotated[int, Field(ge=1)] = 200,
+        span: Annotated[int, Field(ge=10, le=1000)] = 100,  # the loss deque holds 1,024 steps
+        min_progress: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1,
+        wake: Annotated[float, Field(ge=1.0)] = 3.0,
+        above_start: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.25,
+    ) -> None:
+        self.growth, self.within, self.span = growth, within, span
+        self.min_progress, self.wake, self.above_start = min_progress, wake, above_start
+        # The run's first 10 losses (from a step <= FIRST_STEP_MAX): where a stall sits.
+        self._start: list[float] = []
+        self._totals: deque[tuple[int, float]] = deque(maxlen=256)
+        self._losses: deque[tuple[int, float]] = deque(maxlen=1024)
+        self._first_grads: list[float] = []
+        self._grads: deque[float] = deque(maxlen=20)
+        self._woken = False  # the gradients once rose `wake` times their first steps'
+        self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        self._layers: tuple[str, ...] = ()
+        self._base: tuple[int, float] | None = None  # (step, total) an active incident grew from
+
+    def observe(self, step: Step) -> None:
+        """Keep the losses, the roles the agent sent, and the first and latest grad norms."""
+        if step.layer_roles:
+            self._sent = (step.layers, step.layer_roles)
+        if step.loss is not None and math.isfinite(step.loss):
+            self._losses.append((step.step, step.loss))
+            if len(self._start) < 10 and (self._start or step.step <= FIRST_STEP_MAX):
+                self._start.append(step.loss)
+        norm = total_grad_norm(step)
+        if norm is not None and math.isfinite(norm) and norm > 0.0:
+            if len(self._first_grads) < 3:
+                self._first_grads.append(norm)
+            self._grads.append(norm)
+            if not self._woken and len(self._first_grads) == 3 and len(self._grads) >= 10:
+                # Ever, not now: waking gradients rise, then fall back as the loss falls
+                # (nanoGPT init x0.01: x13.7 its first steps' by step 23, x1.8 by step 151;
+                # lr x100 and healthy runs: <= x1.07 at any time).
+                first = float(np.median(self._first_grads))
+                self._woken = float(np.median(self._grads)) >= self.wake * first
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Judge one cadence sample; None when it carries no usable weight norms."""
+        total = self._total(stats)
+        if total is None:
+            return None
+        now = stats.step
+        self._totals.append((now, total))
+        if self._base is None:
+            inside = [(s, t) for s, t in self._totals if now - s <= self.within]
+            base = min(inside, key=lambda item: item[1])
+            if base[1] <= 0.0 or total < self.growth * base[1]:
+                return INACTIVE
+        else:
+            base = self._base
+            if total < self.growth * base[1]:
+                self._base = None  # the weights came back down: the incident is over
+                return INACTIVE
+        stalled = self._stalled(now)
+        if stalled is None or self._woken:
+            self._base = None
+            return INACTIVE
+        self._base = base
+        return self._finding(stats, total, base, stalled)
+
+    def _total(self, stats: Stats) -> float | None:
+        """The weight matrices' total norm (every layer where none is known as a matrix)."""
+        norms = finite_weight_norms(stats)
+        if norms is None:
+            return None
+        if stats.layers != self._layers or len(stats.layers) != norms.size:
+            self._totals.clear()  # another layout: old totals compare to nothing
+            self._layers, self._base = stats.layers, None
+        mask = np.ones(norms.size, dtype=bool)
+        if len(stats.layers) == norms.size:
+            roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
+            matrices = np.array([r == "weight" for r in roles], dtype=bool)
+            if matrices.any():
+                mask = matrices  # norm gains start at 1 and barely move; embeddings are tied
+        return math.sqrt(float(np.dot(norms[mask], norms[mask])))
+
+    def _stalled(self, now: int) -> tuple[float, float, int] | None:
+        """(first, last, from_step) of a loss that fell less than ``min_progress`` over the
+        latest ``span`` steps; None while it fell more, or too few losses tell."""
+        inside = [(s, v) for s, v in self._losses if now - self.span <= s <= now]
+        if len(inside) < 10 or inside[-1][0] - inside[0][0] < 0.8 * self.span:
+            return None  # no loss series over the span: the weights alone page nobody
+        fifth = max(3, len(inside) // 5)
+        first = float(np.median([v for _, v in inside[:fifth]]))
+        last = float(np.median([v for _, v in inside[-fifth:]]))
+        if last <= (1.0 - self.min_progress) * first:
+            return None
+        if len(self._start) < 10 or last < self.above_start * float(np.median(self._start)):
+            # Converged to a floor (or the start unknown: joined mid-run), not stuck on a
+            # plateau near where it began.
+            return None
+        return first, last, inside[0][0]
+
+    def _finding(
+        self, stats: Stats, total: float, base: tuple[int, float], stalled: tuple[float, float, int]
+    ) -> Finding:
+        grown = total / base[1]
+        first, last, since = stalled
+        summary = (
+            f"weights inflating while the loss stalls: the weight matrices' total norm grew "
+            f"×{grown:.3g} from {base[1]:.4g} at step {base[0]} to {total:.4g} at step "
+            f"{stats.step} (healthy runs: ≤ ×1.5 in any 200 steps), while the loss went from "
+            f"{first:.4g} to {last:.4g} since step {since}; updates too large for the weights: "
+            "learning rate too high?"
+        )
+        evidence = {
+            "growth": grown,
+            "base_step": base[0],
+            "base_weight_norm": base[1],
+            "weight_norm": total,
+            "loss_first": first,
+            "loss_last": last,
+            "loss_since_step": since,
+            "grad_norm_first": float(np.median(self._first_grads)) if self._first_grads else None,
+            "grad_norm_recent": float(np.median(self._grads)) if self._grads else None,
+        }
+        return Finding(True, summary, evidence)

@@ -1,0 +1,117 @@
+"""WeightsInflatingLossStalled: weights inflating while the loss stalls (lr far too high)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from gradwatch.rules import Engine, Step, load_default_rules
+from gradwatch.rules.inflation import WeightInflationDetector
+from gradwatch.rules.step import Stats
+
+LAYERS = ("a.weight", "b.weight", "c.weight")
+
+
+def run(
+    weight_at: Callable[[int], float],
+    loss_at: Callable[[int], float],
+    grad_at: Callable[[int], float],
+    steps: int = 400,
+    first: int = 1,
+) -> list[tuple[int, bool]]:
+    """Feed a detector every step and a cadence sample every 10; (step, active) per sample."""
+    det = WeightInflationDetector()
+    out = []
+    for t in range(first, first + steps):
+        det.observe(Step(job="j", step=t, time=0.0, loss=loss_at(t), grad_norm=grad_at(t)))
+        if t == first or t % 10 == 0:
+            norms = np.full(3, weight_at(t) / math.sqrt(3))
+            found = det.observe_stats(
+                Stats(job="j", step=t, time=0.0, layers=LAYERS, weight_norms=norms)
+            )
+            assert found is not None
+            out.append((t, found.active))
+    return out
+
+
+def first_active(samples: list[tuple[int, bool]]) -> int | None:
+    return next((t for t, active in samples if active), None)
+
+
+# The lr x100 shape of the nanoGPT, minGPT and HF GPT-2 trials: weights x10 within ~120
+# steps, the loss down from 4.4 to a plateau at 3.2 by step 20, grad norms falling from 5.
+def inflating(t: int) -> float:
+    return 15.0 * min(10.0, 1.0 + t / 12.0)
+
+
+def plateau(t: int) -> float:
+    return 3.2 + 1.2 * math.exp(-t / 5.0) + 0.02 * math.sin(t)
+
+
+def falling_grads(t: int) -> float:
+    return 5.0 if t <= 5 else 0.4
+
+
+def test_weights_inflating_over_a_stalled_loss_fire_within_the_window() -> None:
+    samples = run(inflating, plateau, falling_grads)
+    start = first_active(samples)
+    assert start is not None and start <= 130
+    # One incident: it holds while the weights stay up and the loss stays stalled.
+    assert all(active for t, active in samples if t >= start)
+
+
+def test_the_same_growth_while_the_loss_falls_is_fast_learning() -> None:
+    assert first_active(run(inflating, lambda t: 4.4 * 0.99**t, falling_grads)) is None
+
+
+def test_a_converged_run_is_flat_far_below_its_start() -> None:
+    # The fault suite's least-squares control: a small init grown x3.7 in 20 steps, the
+    # loss from 41 to its noise floor 0.002.
+    def weights(t: int) -> float:
+        return 1.66 + 4.4 * (1 - math.exp(-(t - 1) / 5.0))
+
+    def loss(t: int) -> float:
+        return 41.0 * math.exp(-t / 2.0) + 0.002 + 0.0005 * math.sin(t)
+
+    assert first_active(run(weights, loss, lambda t: 16.0 * math.exp(-t / 5.0) + 0.1)) is None
+
+
+def test_a_small_init_waking_up_is_not_a_high_lr() -> None:
+    # nanoGPT init x0.01: grads 0.22 at the start, x13.7 by step 23, back to ~0.4-1 later.
+    def grads(t: int) -> float:
+        return 0.22 if t <= 5 else 3.0 if t <= 40 else 0.5
+
+    assert first_active(run(lambda t: 0.19 * min(40.0, 1.0 + t / 4.0), plateau, grads)) is None
+
+
+def test_healthy_weight_growth_does_not_fire_over_a_plateau() -> None:
+    # Healthy: <= x1.24 in any 200 steps, however long the loss sits still.
+    assert first_active(run(lambda t: 14.0 * (1.0 + t / 2000.0), plateau, falling_grads)) is None
+
+
+def test_a_run_joined_mid_way_has_no_start_to_compare() -> None:
+    samples = run(
+        lambda t: inflating(t - 500), lambda t: plateau(t - 500), falling_grads, first=501
+    )
+    assert first_active(samples) is None
+
+
+def test_the_default_rule_pages_as_lr_too_high() -> None:
+    engine = Engine(load_default_rules(), clock=lambda: 0.0)
+    fired = []
+    for t in range(1, 300):
+        fired += engine.observe(
+            Step(job="j", step=t, time=0.0, loss=plateau(t), grad_norm=falling_grads(t))
+        )
+        if t == 1 or t % 10 == 0:
+            norms = np.full(3, inflating(t) / math.sqrt(3))
+            fired += engine.observe_stats(
+                Stats(job="j", step=t, time=0.0, layers=LAYERS, weight_norms=norms)
+            )
+    alert = next(f.alert for f in fired if f.alert.rule == "WeightsInflatingLossStalled")
+    assert alert.category == "lr_too_high" and alert.severity == "warning"
+    assert alert.evidence["growth"] >= 3.0 and alert.evidence["loss_last"] > 3.0
+    assert alert.diagnosis is not None
+    assert alert.diagnosis["next_checks"][0].startswith("lower the learning rate")
