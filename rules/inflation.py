@@ -49,6 +49,9 @@ from gradwatch.rules.weights import finite_weight_norms
 
 __all__ = ["WeightInflationDetector"]
 
+# A cadence sample: its step, the weight matrices' total norm, and each matrix's norm.
+_Sample = tuple[int, float, np.ndarray]
+
 
 class WeightInflationDetector:
     """Active while the weight matrices' norm grew ``growth`` times within ``within`` steps,
@@ -76,14 +79,14 @@ class WeightInflationDetector:
         self.min_progress, self.wake, self.above_start = min_progress, wake, above_start
         # The run's first 10 losses (from a step <= FIRST_STEP_MAX): where a stall sits.
         self._start: list[float] = []
-        self._totals: deque[tuple[int, float]] = deque(maxlen=256)
+        self._totals: deque[_Sample] = deque(maxlen=256)
         self._losses: deque[tuple[int, float]] = deque(maxlen=1024)
         self._first_grads: list[float] = []
         self._grads: deque[float] = deque(maxlen=20)
         self._woken = False  # the gradients once rose `wake` times their first steps'
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._layers: tuple[str, ...] = ()
-        self._base: tuple[int, float] | None = None  # (step, total) an active incident grew from
+        self._base: _Sample | None = None  # the sample an active incident grew from
 
     def observe(self, step: Step) -> None:
         """Keep the losses, the roles the agent sent, and the first and latest grad norms."""
@@ -107,21 +110,18 @@ class WeightInflationDetector:
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable weight norms."""
-        total = self._total(stats)
-        if total is None:
+        matrices = self._matrices(stats)
+        if matrices is None:
             return None
-        now = stats.step
-        self._totals.append((now, total))
-        if self._base is None:
-            inside = [(s, t) for s, t in self._totals if now - s <= self.within]
+        now, total = stats.step, math.sqrt(float(np.dot(matrices, matrices)))
+        self._totals.append((now, total, matrices))
+        base = self._base
+        if base is None:
+            inside = [item for item in self._totals if now - item[0] <= self.within]
             base = min(inside, key=lambda item: item[1])
-            if base[1] <= 0.0 or total < self.growth * base[1]:
-                return INACTIVE
-        else:
-            base = self._base
-            if total < self.growth * base[1]:
-                self._base = None  # the weights came back down: the incident is over
-                return INACTIVE
+        if not self._inflated(base, total, matrices):
+            self._base = None  # never grown, or come back down: no incident
+            return INACTIVE
         stalled = self._stalled(now)
         if stalled is None or self._woken:
             self._base = None
@@ -129,21 +129,38 @@ class WeightInflationDetector:
         self._base = base
         return self._finding(stats, total, base, stalled)
 
-    def _total(self, stats: Stats) -> float | None:
-        """The weight matrices' total norm (every layer where none is known as a matrix)."""
+    def _inflated(self, base: _Sample, total: float, matrices: np.ndarray) -> bool:
+        """Grown ``growth`` times from ``base``: the total, and three in four weight matrices.
+
+        Not the total alone: zero-initialised matrices (LoRA's B, half of a LoRA model's
+        matrices; a fresh head) can grow it on their own. With the lr too high nearly every
+        matrix inflates: the lower quartile of their growth was x3.5-x9.0 where the total
+        grew x3.7-x14.7. Matrices that start below a tenth of the median one (B after one
+        step) are left out.
+        """
+        if base[1] <= 0.0 or total < self.growth * base[1]:
+            return False
+        first = base[2]
+        kept = first >= 0.1 * float(np.median(first))
+        growths = matrices[kept] / first[kept]
+        return bool(kept.any()) and float(np.percentile(growths, 25)) >= self.growth
+
+    def _matrices(self, stats: Stats) -> np.ndarray | None:
+        """The weight matrices' norms (every layer where none is known as a matrix)."""
         norms = finite_weight_norms(stats)
         if norms is None:
             return None
         if stats.layers != self._layers or len(stats.layers) != norms.size:
             self._totals.clear()  # another layout: old totals compare to nothing
             self._layers, self._base = stats.layers, None
-        mask = np.ones(norms.size, dtype=bool)
         if len(stats.layers) == norms.size:
             roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
             matrices = np.array([r == "weight" for r in roles], dtype=bool)
             if matrices.any():
-                mask = matrices  # norm gains start at 1 and barely move; embeddings are tied
-        return math.sqrt(float(np.dot(norms[mask], norms[mask])))
+                # Norm gains start at 1 and barely move; embeddings are tied.
+                kept: np.ndarray = norms[matrices]
+                return kept
+        return norms
 
     def _stalled(self, now: int) -> tuple[float, float, int] | None:
         """(first, last, from_step) of a loss that fell less than ``min_progress`` over the
@@ -163,7 +180,7 @@ class WeightInflationDetector:
         return first, last, inside[0][0]
 
     def _finding(
-        self, stats: Stats, total: float, base: tuple[int, float], stalled: tuple[float, float, int]
+        self, stats: Stats, total: float, base: _Sample, stalled: tuple[float, float, int]
     ) -> Finding:
         grown = total / base[1]
         first, last, since = stalled

@@ -91,6 +91,25 @@ def test_healthy_weight_growth_does_not_fire_over_a_plateau() -> None:
     assert first_active(run(lambda t: 14.0 * (1.0 + t / 2000.0), plateau, falling_grads)) is None
 
 
+def test_zero_initialised_matrices_growing_alone_are_not_inflation() -> None:
+    # LoRA: A random (norm 1.6), B zero-initialised and learning; B's growth alone can triple
+    # the total while every matrix that started with a real norm stays put.
+    det = WeightInflationDetector()
+    layers = tuple(f"l{i}.lora_{ab}.weight" for i in range(4) for ab in ("A", "B"))
+    fired = []
+    for t in range(1, 301):
+        det.observe(Step(job="j", step=t, time=0.0, loss=plateau(t), grad_norm=falling_grads(t)))
+        if t == 1 or t % 10 == 0:
+            b = 0.04 * t  # 0.04 after one step, 8.0 by step 200: the total grows x5
+            norms = np.array([1.6, b] * 4)
+            found = det.observe_stats(
+                Stats(job="j", step=t, time=0.0, layers=layers, weight_norms=norms)
+            )
+            assert found is not None
+            fired.append(found.active)
+    assert not any(fired)
+
+
 def test_a_run_joined_mid_way_has_no_start_to_compare() -> None:
     samples = run(
         lambda t: inflating(t - 500), lambda t: plateau(t - 500), falling_grads, first=501
