@@ -9,9 +9,10 @@ CPU. Each variant runs under a real ``gradwatch collector --record`` subprocess 
 its trace is replayed and scored as ``nanogpt_trial.py`` does. Needs the ``[hf]``
 extra (transformers), as the dev install has.
 
-Variants: ``healthy``; ``lr_x4`` (2e-3: a high but working rate, a healthy control:
-it ends with a lower eval loss than the default); ``lr_x20`` (1e-2); ``lr_x100``
-(5e-2).
+Variants: ``healthy``; ``bf16_accum4`` (healthy: bf16 autocast, batch 4 with 4
+accumulation steps, the same 16 sequences a step); ``lr_x4`` (2e-3: a high but
+working rate, a healthy control: it ends with a lower eval loss than the
+default); ``lr_x20`` (1e-2); ``lr_x100`` (5e-2).
 
     OMP_NUM_THREADS=1 python benchmarks/hf_trainer_trial.py --keep /tmp/trials/hf1
     python benchmarks/hf_trainer_trial.py --replay-only /tmp/trials/hf1
@@ -28,6 +29,7 @@ from nanogpt_trial import LR_TOO_HIGH, report, run_recorded, trial_args
 ITERS = 800
 ACCEPT: dict[str, tuple[str, ...]] = {
     "healthy": (),
+    "bf16_accum4": (),
     "lr_x4": (),
     "lr_x20": LR_TOO_HIGH,
     "lr_x100": LR_TOO_HIGH,
@@ -65,7 +67,8 @@ class Blocks(torch.utils.data.Dataset):
 cut = int(n * 0.9)
 config = GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=128, n_layer=4, n_head=4,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-args = TrainingArguments({out!r}, max_steps={iters}, per_device_train_batch_size=16,
+args = TrainingArguments({out!r}, max_steps={iters}, per_device_train_batch_size={batch},
+                         gradient_accumulation_steps={accum}, bf16={bf16},
                          learning_rate={lr!r}, warmup_steps=50, logging_steps=50,
                          eval_strategy="steps", eval_steps=200, save_strategy="no",
                          report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
@@ -93,6 +96,9 @@ def run_variant(work: Path, traces: Path, variant: str, iters: int) -> Path:
                 out=str(vdir / "out"),
                 iters=iters,
                 lr=rate(variant),
+                batch=4 if variant == "bf16_accum4" else 16,
+                accum=4 if variant == "bf16_accum4" else 1,
+                bf16=variant == "bf16_accum4",
                 job=job,
                 endpoint=endpoint,
             )
