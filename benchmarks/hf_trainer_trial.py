@@ -37,12 +37,11 @@ ACCEPT: dict[str, tuple[str, ...]] = {
 HELPFUL: dict[str, tuple[str, ...]] = {"lr_x20": ("learning rate",), "lr_x100": ("learning rate",)}
 LR = 5e-4
 
-# The training script, written into the trial's work dir; {…} are filled per variant.
-SCRIPT = """\
+# What every trial script starts with: the text as bytes in blocks of 64, split 90/10.
+DATA = """\
 import sys
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
-from gradwatch.integrations.transformers import GradwatchCallback
+from transformers import GPT2Config, GPT2LMHeadModel
 sys.path.insert(0, {benchmarks!r})
 from nanogpt_trial import local_text
 
@@ -50,6 +49,17 @@ torch.manual_seed(0)
 data = torch.tensor(list(local_text(600_000).encode("ascii", "ignore")), dtype=torch.long)
 BLOCK = 64
 n = (len(data) - 1) // BLOCK
+cut = int(n * 0.9)
+GPT2 = GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=128, n_layer=4, n_head=4,
+                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+"""
+
+# The training script, written into the trial's work dir; {…} are filled per variant.
+SCRIPT = (
+    DATA
+    + """\
+from transformers import Trainer, TrainingArguments
+from gradwatch.integrations.transformers import GradwatchCallback
 
 
 class Blocks(torch.utils.data.Dataset):
@@ -64,63 +74,71 @@ class Blocks(torch.utils.data.Dataset):
         return {{"input_ids": x, "labels": x.clone()}}
 
 
-cut = int(n * 0.9)
-config = GPT2Config(vocab_size=256, n_positions=BLOCK, n_embd=128, n_layer=4, n_head=4,
-                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 args = TrainingArguments({out!r}, max_steps={iters}, per_device_train_batch_size={batch},
                          gradient_accumulation_steps={accum}, bf16={bf16},
                          learning_rate={lr!r}, warmup_steps=50, logging_steps=50,
                          eval_strategy="steps", eval_steps=200, save_strategy="no",
                          report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
-trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Blocks(0, cut),
+trainer = Trainer(model=GPT2LMHeadModel(GPT2), args=args, train_dataset=Blocks(0, cut),
                   eval_dataset=Blocks(cut, cut + 64),
                   callbacks=[GradwatchCallback(job={job!r}, endpoint={endpoint!r})])
 trainer.train()
 print("final eval_loss", trainer.evaluate()["eval_loss"])
 """
+)
 
 
 def rate(variant: str) -> float:
     return LR * (float(variant.split("_x")[1]) if variant.startswith("lr_x") else 1.0)
 
 
-def run_variant(work: Path, traces: Path, variant: str, iters: int) -> Path:
-    vdir = work / variant
-    vdir.mkdir(parents=True, exist_ok=True)
-    job = f"hf-{variant}"
-
-    def write(endpoint: str) -> list[str]:
-        (vdir / "train.py").write_text(
-            SCRIPT.format(
-                benchmarks=str(Path(__file__).resolve().parent),
-                out=str(vdir / "out"),
-                iters=iters,
-                lr=rate(variant),
-                batch=4 if variant == "bf16_accum4" else 16,
-                accum=4 if variant == "bf16_accum4" else 1,
-                bf16=variant == "bf16_accum4",
-                job=job,
-                endpoint=endpoint,
-            )
-        )
-        return ["train.py"]
-
-    return run_recorded(work, traces, job, vdir, write, {})
+def fill(script: str, variant: str, vdir: Path, iters: int, job: str, endpoint: str) -> str:
+    """``script`` with the variant's settings filled in (keys it does not use are ignored)."""
+    return script.format(
+        benchmarks=str(Path(__file__).resolve().parent),
+        out=str(vdir / "out"),
+        iters=iters,
+        lr=rate(variant),
+        batch=4 if variant == "bf16_accum4" else 16,
+        accum=4 if variant == "bf16_accum4" else 1,
+        bf16=variant == "bf16_accum4",
+        job=job,
+        endpoint=endpoint,
+    )
 
 
-def main(argv: list[str] | None = None) -> int:
-    _, args, variants = trial_args(__doc__ or "", None, ACCEPT, ITERS, argv)
+def run_trial(
+    doc: str,
+    prefix: str,
+    script: str,
+    accepts: dict[str, tuple[str, ...]],
+    argv: list[str] | None,
+) -> int:
+    """Train each chosen variant of ``script`` under a recording collector, then score."""
+    _, args, variants = trial_args(doc, None, accepts, ITERS, argv)
     if args.replay_only is not None:
         traces = args.replay_only
     else:
-        work = Path(tempfile.mkdtemp(prefix="hf-trial-"))
+        work = Path(tempfile.mkdtemp(prefix=f"{prefix}-trial-"))
         traces = args.keep or work / "traces"
         traces.mkdir(parents=True, exist_ok=True)
-        print(f"work dir {work}; gradwatch step = the Trainer's global_step", file=sys.stderr)
+        print(f"work dir {work}; gradwatch step = the trainer's global step", file=sys.stderr)
         for v in variants:
-            run_variant(work, traces, v, args.iters)
-    report(traces, "hf", variants, args, ACCEPT, HELPFUL)
+            vdir = work / v
+            vdir.mkdir(parents=True, exist_ok=True)
+            job = f"{prefix}-{v}"
+
+            def write(endpoint: str, v: str = v, vdir: Path = vdir, job: str = job) -> list[str]:
+                (vdir / "train.py").write_text(fill(script, v, vdir, args.iters, job, endpoint))
+                return ["train.py"]
+
+            run_recorded(work, traces, job, vdir, write, {})
+    report(traces, prefix, variants, args, accepts, HELPFUL)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_trial(__doc__ or "", "hf", SCRIPT, ACCEPT, argv)
 
 
 if __name__ == "__main__":

@@ -101,13 +101,15 @@ def test_geometric_weight_growth_fires() -> None:
     assert found.evidence["growth"] >= 2.0
 
 
-def runaway_with_updates(ratio: float | None) -> dict[str, object]:
-    """The evidence of a geometric runaway whose every sample had update ratios ``ratio``."""
+def runaway_with_updates(ratio: float | None, early: float | None = None) -> dict[str, object]:
+    """The evidence of a geometric runaway whose samples had update ratios ``ratio`` (the
+    first 7 of 13: ``early``, when given)."""
     det = WeightRunawayDetector()
     found = None
     for k in range(13):
         total = 10.0 * 1.15**k
-        ratios = None if ratio is None else [ratio, math.inf, ratio, ratio]
+        r = early if early is not None and k < 7 else ratio
+        ratios = None if r is None else [r, math.inf, r, r]
         found = det.observe_stats(
             stats(50 * (k + 1), weights=[total, 0.0, total / 10, 0.01], ratios=ratios)
         )
@@ -128,6 +130,10 @@ def test_runaway_under_large_updates_leads_with_the_learning_rate() -> None:
     # No update ratios measured: nothing claimed about them.
     none = runaway_with_updates(None)
     assert "lead_check" not in none and "update_ratio" not in none
+    # What drives the growth now: the newest half of the window (Lightning's one-cycle warm-up
+    # at lr x100 read 0.013-0.018 first, 0.027-0.045 on its newest samples).
+    assert runaway_with_updates(0.04, early=0.01)["lead_check"] == "lower the learning rate"
+    assert "lead_check" not in runaway_with_updates(0.01, early=0.04)
 
 
 def test_diffusive_and_saturating_growth_do_not_fire() -> None:
