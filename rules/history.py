@@ -51,10 +51,12 @@ SMALL_INIT_STEPS = (
     20  # a first weight sample this early describes the init (WeightsStartedTooSmall)
 )
 # As WeightsStartedTooSmall's ``wake`` (rules/default.yaml): weights grown 10x are a small
-# init only if the grad norm also rose 3x from its first 3 steps (init x0.01 on nanoGPT:
-# 0.10 -> ~0.5-2); lr x100 starts at the healthy ~5 and falls to ~0.4 while its weights
-# grow x12, and named "initialisation too small" that run's real cause was contradicted.
+# init only if the grad norm also rose 3x from its first 3 steps at some point within the
+# first WAKE_STEPS steps (nanoGPT init x0.01: x13.7 by step 23). nanoGPT lr x100 starts at
+# the healthy ~5 and falls to ~0.4 while its weights grow x12: calling that
+# "initialisation too small" contradicted its real cause. A rise later is no init's.
 WAKE = 3.0
+WAKE_STEPS = 200
 # UpdateRatioTooLarge's ``high`` (rules/default.yaml, calibrated on nanoGPT: healthy peak
 # 0.0056, lr x100 0.022-0.056): weights growing under updates this large grow by the lr.
 LARGE_UPDATE = 0.03
@@ -102,6 +104,8 @@ class JobHistory:
         self.weight_norms: deque[tuple[int, float]] = deque(maxlen=stats)
         self.precursors: dict[str, Precursor] = {}
         self._early_norms: list[float] = []
+        self._norms_from: int | None = None  # the step of the first grad norm
+        self._woken = False  # the grad norm woke up (WAKE) early in the run
         self._early_first: list[float] = []
         self._first_weight: float | None = None
         self._first_weight_step = 0
@@ -246,12 +250,10 @@ class JobHistory:
         )
 
     def _grads_woke(self) -> bool:
-        """The grad norm rose ``WAKE`` times from its first 3 steps; True when never measured."""
-        first = self._early_norms[:3]
-        if len(first) < 3 or not self.norms:
+        """The grad norm woke up (see WAKE); True when none was measured."""
+        if len(self._early_norms) < 3 or not self.norms:
             return True  # weights without grad norms (imported statistics): judge them alone
-        recent = statistics.median(n for _, n in list(self.norms)[-20:])
-        return recent >= WAKE * statistics.median(first)
+        return self._woken
 
     def _matrices(self, layers: tuple[str, ...], size: int) -> np.ndarray:
         """Mask of the weight matrices among ``layers`` (every layer when none is known as one)."""
@@ -274,6 +276,16 @@ class JobHistory:
 
     def _observe_norm(self, step: int, norm: float) -> None:
         self.norms.append((step, norm))
+        if self._norms_from is None:
+            self._norms_from = step
+        if (
+            not self._woken
+            and len(self._early_norms) >= 3
+            and len(self.norms) >= 10
+            and step - self._norms_from <= WAKE_STEPS
+        ):
+            recent = statistics.median(n for _, n in list(self.norms)[-20:])
+            self._woken = recent >= WAKE * statistics.median(self._early_norms[:3])
         if len(self._early_norms) < 10:
             self._early_norms.append(norm)
             return

@@ -42,6 +42,7 @@ from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.growth import total_grad_norm
+from gradwatch.rules.history import WAKE_STEPS
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
 from gradwatch.rules.updates import FIRST_STEP_MAX
@@ -84,6 +85,7 @@ class WeightInflationDetector:
         self._first_grads: list[float] = []
         self._grads: deque[float] = deque(maxlen=20)
         self._woken = False  # the gradients once rose `wake` times their first steps'
+        self._grads_from: int | None = None  # the step of the first grad norm
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._layers: tuple[str, ...] = ()
         self._base: _Sample | None = None  # the sample an active incident grew from
@@ -101,10 +103,18 @@ class WeightInflationDetector:
             if len(self._first_grads) < 3:
                 self._first_grads.append(norm)
             self._grads.append(norm)
-            if not self._woken and len(self._first_grads) == 3 and len(self._grads) >= 10:
-                # Ever, not now: waking gradients rise, then fall back as the loss falls
-                # (nanoGPT init x0.01: x13.7 its first steps' by step 23, x1.8 by step 151;
-                # lr x100 and healthy runs: <= x1.07 at any time).
+            if self._grads_from is None:
+                self._grads_from = step.step
+            if (
+                not self._woken
+                and len(self._first_grads) == 3
+                and len(self._grads) >= 10
+                and step.step - self._grads_from <= WAKE_STEPS
+            ):
+                # Ever (early), not now: waking gradients rise, then fall back as the loss
+                # falls (nanoGPT init x0.01: x13.7 its first steps' by step 23, x1.8 by step
+                # 151; lr x100 and healthy runs: <= x1.07 at any time). A rise after
+                # WAKE_STEPS is no init waking (an explosion mid-run is other rules').
                 first = float(np.median(self._first_grads))
                 self._woken = float(np.median(self._grads)) >= self.wake * first
 

@@ -134,3 +134,14 @@ def test_the_default_rule_pages_as_lr_too_high() -> None:
     assert alert.evidence["growth"] >= 3.0 and alert.evidence["loss_last"] > 3.0
     assert alert.diagnosis is not None
     assert alert.diagnosis["next_checks"][0].startswith("lower the learning rate")
+
+
+def test_a_gradient_rise_late_in_the_run_is_no_init_waking_up() -> None:
+    # Only a rise early in the run (WAKE_STEPS) marks a small init; a burst of large
+    # gradients at steps 250-290 must not switch the rule off for the rest of the run.
+    def grads(t: int) -> float:
+        return 20.0 if 250 <= t < 290 else falling_grads(t)
+
+    samples = run(lambda t: 15.0 if t < 300 else inflating(t - 300), plateau, grads, steps=600)
+    start = first_active(samples)
+    assert start is not None and 300 < start <= 450
