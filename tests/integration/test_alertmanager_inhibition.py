@@ -153,3 +153,30 @@ def test_the_collectors_own_nan_alert_mutes_the_prometheus_backup_for_that_job_o
             ("GradwatchNonFiniteGradients", "run-43"): "active",
         },
     )
+
+
+def _collector_alert(rule: str, category: str, job: str) -> dict[str, str]:
+    """The labels the collector's Alertmanager sink sets on one of its alerts."""
+    alert = dict(NAN_ALERT, rule=rule, severity="warning", category=category, job=job)
+    labels: dict[str, str] = alertmanager_alert(alert, now=time.time(), valid_for=300.0)["labels"]
+    return labels
+
+
+def test_inflating_weights_over_a_stalled_loss_mute_that_jobs_weight_runaway(
+    alertmanager: Running,
+) -> None:
+    # nanoGPT at lr x100 raised both at step 121: one cause, one page.
+    _post(
+        alertmanager,
+        _collector_alert("WeightsInflatingLossStalled", "lr_too_high", "run-42"),
+        _collector_alert("WeightNormRunaway", "weight_runaway", "run-42"),
+        _collector_alert("WeightNormRunaway", "weight_runaway", "run-43"),
+    )
+    _assert_states(
+        alertmanager,
+        {
+            ("WeightsInflatingLossStalled", "run-42"): "active",
+            ("WeightNormRunaway", "run-42"): "suppressed",
+            ("WeightNormRunaway", "run-43"): "active",
+        },
+    )
