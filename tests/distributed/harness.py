@@ -82,8 +82,13 @@ class Launch:
         for rank in range(len(self.procs)):
             path = self.out_dir / f"rank{rank}.stderr"
             text = path.read_text(errors="replace") if path.exists() else "(no stderr file)"
+            # A worker writes rank{r}.done after destroy_process_group: with it, a crash came
+            # at interpreter exit, after the job's work (gloo's threads at teardown have been
+            # seen to abort there: "terminate called without an active exception").
+            done = (self.out_dir / f"rank{rank}.done").exists()
             parts.append(
-                f"--- rank {rank} stderr (last {STDERR_TAIL_CHARS} chars) ---\n"
+                f"--- rank {rank} stderr (last {STDERR_TAIL_CHARS} chars; "
+                f"{'finished its work: rank.done written' if done else 'no rank.done'}) ---\n"
                 f"{text[-STDERR_TAIL_CHARS:]}"
             )
         return "\n".join(parts)
