@@ -113,9 +113,10 @@ def run_trial(
     script: str,
     accepts: dict[str, tuple[str, ...]],
     argv: list[str] | None,
+    iters: int = ITERS,
 ) -> int:
     """Train each chosen variant of ``script`` under a recording collector, then score."""
-    _, args, variants = trial_args(doc, None, accepts, ITERS, argv)
+    _, args, variants = trial_args(doc, None, accepts, iters, argv)
     if args.replay_only is not None:
         traces = args.replay_only
     else:

@@ -220,6 +220,26 @@ class UpdateRatioDetector:
         return Finding(True, summary, evidence)
 
 
+# A weight matrix whose norm is below this share of the median matrix's has no update
+# ratio to compare: LoRA's zero-initialised B reads 0.008 of the median after one step
+# (and ‖Δw‖/‖w‖ ~0.2, its update over almost nothing), which made the A matrices "lag
+# 30x" at step 2 of a healthy LoRA fine-tune. Healthy full models: the smallest weight
+# matrix is >= 0.22 of the median (nanoGPT, minGPT, the HF GPT-2 and the fault suite).
+SIZED_SHARE = 0.1
+
+
+def _sized(weight_norms: np.ndarray | None, weight: np.ndarray) -> np.ndarray:
+    """The layers whose weight norm is at least SIZED_SHARE of the median weight matrix's
+    (all of them when the sample carries no weight norms)."""
+    if weight_norms is None:
+        return np.ones_like(weight)
+    norms = np.asarray(weight_norms, dtype=np.float64)
+    if norms.shape != weight.shape or not weight.any():
+        return np.ones_like(weight)
+    with np.errstate(invalid="ignore"):
+        return np.asarray(norms >= SIZED_SHARE * float(np.median(norms[weight])), dtype=bool)
+
+
 class LaggingLayersDetector:
     """Active while some weight matrices update ``factor`` times slower than the model's fast ones.
 
@@ -232,7 +252,8 @@ class LaggingLayersDetector:
     median is a lagging layer itself. Healthy spreads are narrow (at most 4.9x
     between the fastest and the slowest weight matrix on the nanoGPT-
     architecture trial). Layers below ``low`` are frozen (LayersFrozen's) and
-    left out.
+    left out, and so are matrices far smaller than the median one
+    (``SIZED_SHARE``: a zero-initialised LoRA B).
 
     Example::
 
@@ -270,6 +291,7 @@ class LaggingLayersDetector:
         weight = (
             np.array([r == "weight" for r in roles]) & np.isfinite(ratios) & (ratios >= self.low)
         )
+        weight &= _sized(stats.weight_norms, weight)
         if int(weight.sum()) < self.min_layers:
             return None
         logs = np.log10(ratios[weight])

@@ -276,6 +276,38 @@ def test_lagging_layers_quiet_on_a_healthy_spread_and_frozen_layers() -> None:
     assert det.observe_stats(Stats(job="j", step=1, time=0.0, layers=DEEP)) is None
 
 
+def test_a_lora_fine_tunes_fresh_b_matrices_are_no_reference_for_lagging() -> None:
+    # A healthy LoRA fine-tune (lr 2e-4) paged LayersLagging at step 2: its zero-initialised
+    # B matrices, 0.008 of the A matrices' norm after one step, read ‖Δw‖/‖w‖ ~0.2, and
+    # every A "lagged" 30x behind them. Measured numbers from that run.
+    from gradwatch.rules.weights import LaggingLayersDetector
+
+    layers = tuple(
+        f"h.{i}.attn.{m}.lora_{ab}" for i in range(4) for m in ("c_attn", "c_proj") for ab in "AB"
+    )
+
+    def verdicts(b_norm: float) -> list[bool]:
+        det = LaggingLayersDetector(factor=30.0)
+        out = []
+        for k in range(1, 5):
+            stats = Stats(
+                job="j",
+                step=k,
+                time=0.0,
+                layers=layers,
+                update_ratios=np.array([0.00268, 0.235] * 8),
+                weight_norms=np.array([1.6, b_norm] * 8),
+            )
+            found = det.observe_stats(stats)
+            assert found is not None
+            out.append(found.active)
+        return out
+
+    assert not any(verdicts(0.0127))
+    # The same ratios between matrices of comparable size are a real lag.
+    assert verdicts(0.9)[-1]
+
+
 def test_dead_gelu_and_silu_units_through_the_default_rule() -> None:
     from gradwatch.rules import Engine, load_default_rules
 
