@@ -24,6 +24,7 @@ the fit window, where the run has such a history).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from typing import Annotated
 
@@ -42,6 +43,59 @@ def total_grad_norm(step: Step) -> float | None:
         return None
     norms = np.asarray(step.layer_norms, dtype=np.float64)
     return math.sqrt(float(np.dot(norms, norms)))
+
+
+class GradWake:
+    """Whether a run's gradients woke up, as a too-small init's do: the median of the
+    latest 20 grad norms reached ``wake`` times the median of the first 3, at some point
+    within ``within`` steps of the first (waking gradients rise, then fall back as the
+    loss falls: nanoGPT init x0.01 reached x13.7 by step 23, x1.8 by step 151; lr x100
+    and healthy runs stay <= x1.07). A rise later in a run is no init's (an explosion
+    mid-run is other rules'). Non-finite and zero norms are skipped.
+
+    Example::
+
+        wake = GradWake()
+        wake.observe(step.step, total_grad_norm(step))
+        wake.woken
+    """
+
+    def __init__(self, wake: float = 3.0, within: int = 200) -> None:
+        self.wake, self.within = wake, within
+        self.woken = False
+        self._first: list[float] = []
+        self._latest: deque[float] = deque(maxlen=20)
+        self._from: int | None = None  # the step of the first norm
+
+    @property
+    def measured(self) -> bool:
+        """Whether the first 3 norms are known (a run's stream may carry none)."""
+        return len(self._first) == 3
+
+    @property
+    def first(self) -> float | None:
+        """The median of the first 3 norms (of those seen so far); None before any."""
+        return float(statistics.median(self._first)) if self._first else None
+
+    @property
+    def recent(self) -> float | None:
+        """The median of the latest 20 norms; None before any."""
+        return float(statistics.median(self._latest)) if self._latest else None
+
+    def observe(self, step: int, norm: float | None) -> None:
+        """Take one step's total grad norm into account."""
+        if norm is None or not math.isfinite(norm) or norm <= 0.0:
+            return
+        if self._from is None:
+            self._from = step
+        if len(self._first) < 3:
+            self._first.append(norm)
+        self._latest.append(norm)
+        if not self.woken and self.measured and len(self._latest) >= 10:
+            if step - self._from <= self.within:
+                # statistics.median: on 20 floats, every step of every rank, far cheaper.
+                first = statistics.median(self._first)
+                self.woken = statistics.median(self._latest) >= self.wake * first
 
 
 def fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:

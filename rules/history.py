@@ -29,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from gradwatch.rules.detector import is_amp_skip
-from gradwatch.rules.growth import total_grad_norm
+from gradwatch.rules.growth import GradWake, total_grad_norm
 from gradwatch.rules.ratio import LayerEnds
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Eval, Stats, Step
-from gradwatch.rules.updates import UpdateRatioDetector
+from gradwatch.rules.updates import model_update_ratio
 
 LARGE_NORM = 1.0  # nanoGPT's grad_clip and HF Trainer's max_grad_norm default
 RATIO_LIMIT = 2.0  # seed Stage 3: two orders of magnitude between first and last layers
@@ -104,8 +104,7 @@ class JobHistory:
         self.weight_norms: deque[tuple[int, float]] = deque(maxlen=stats)
         self.precursors: dict[str, Precursor] = {}
         self._early_norms: list[float] = []
-        self._norms_from: int | None = None  # the step of the first grad norm
-        self._woken = False  # the grad norm woke up (WAKE) early in the run
+        self._wake = GradWake(WAKE, WAKE_STEPS)  # a small init's gradients waking up
         self._early_first: list[float] = []
         self._first_weight: float | None = None
         self._first_weight_step = 0
@@ -152,7 +151,7 @@ class JobHistory:
 
     def observe_stats(self, stats: Stats) -> None:
         """Take one cadence sample into account: activations, weight norms, update ratios."""
-        update = self._update_ratio(stats)
+        update = model_update_ratio(stats)
         for act in stats.act:
             if (
                 act.sat_frac is not None
@@ -236,24 +235,9 @@ class JobHistory:
                 f"‖Δw‖/‖w‖ {update:.3g} over the model (healthy ~1e-3)",
             )
 
-    @staticmethod
-    def _update_ratio(stats: Stats) -> float | None:
-        """‖Δw‖/‖w‖ over the model as UpdateRatioTooLarge measures it; None if not measured."""
-        if stats.update_ratios is None:
-            return None
-        r = np.asarray(stats.update_ratios, dtype=np.float64)
-        finite = np.isfinite(r)
-        # Weighted by weight norm: a median over layers reads a tiny-init model's small
-        # layers as "updates too large".
-        return (
-            UpdateRatioDetector.global_ratio(r, finite, stats.weight_norms) if finite.any() else 0.0
-        )
-
     def _grads_woke(self) -> bool:
-        """The grad norm woke up (see WAKE); True when none was measured."""
-        if len(self._early_norms) < 3 or not self.norms:
-            return True  # weights without grad norms (imported statistics): judge them alone
-        return self._woken
+        """The grad norm woke up early in the run (GradWake); True when none was measured."""
+        return not self._wake.measured or self._wake.woken
 
     def _matrices(self, layers: tuple[str, ...], size: int) -> np.ndarray:
         """Mask of the weight matrices among ``layers`` (every layer when none is known as one)."""
@@ -276,16 +260,7 @@ class JobHistory:
 
     def _observe_norm(self, step: int, norm: float) -> None:
         self.norms.append((step, norm))
-        if self._norms_from is None:
-            self._norms_from = step
-        if (
-            not self._woken
-            and len(self._early_norms) >= 3
-            and len(self.norms) >= 10
-            and step - self._norms_from <= WAKE_STEPS
-        ):
-            recent = statistics.median(n for _, n in list(self.norms)[-20:])
-            self._woken = recent >= WAKE * statistics.median(self._early_norms[:3])
+        self._wake.observe(step, norm)
         if len(self._early_norms) < 10:
             self._early_norms.append(norm)
             return

@@ -34,7 +34,6 @@ Example::
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from typing import Annotated
 
@@ -42,11 +41,11 @@ import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
-from gradwatch.rules.growth import total_grad_norm
+from gradwatch.rules.growth import GradWake, total_grad_norm
 from gradwatch.rules.history import WAKE_STEPS
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
-from gradwatch.rules.updates import FIRST_STEP_MAX
+from gradwatch.rules.updates import FIRST_STEP_MAX, loss_ends
 from gradwatch.rules.weights import finite_weight_norms
 
 __all__ = ["WeightInflationDetector"]
@@ -83,10 +82,7 @@ class WeightInflationDetector:
         self._start: list[float] = []
         self._totals: deque[_Sample] = deque(maxlen=256)
         self._losses: deque[tuple[int, float]] = deque(maxlen=1024)
-        self._first_grads: list[float] = []
-        self._grads: deque[float] = deque(maxlen=20)
-        self._woken = False  # the gradients once rose `wake` times their first steps'
-        self._grads_from: int | None = None  # the step of the first grad norm
+        self._wake = GradWake(wake, WAKE_STEPS)  # a small init's gradients waking up
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._layers: tuple[str, ...] = ()
         self._base: _Sample | None = None  # the sample an active incident grew from
@@ -99,26 +95,7 @@ class WeightInflationDetector:
             self._losses.append((step.step, step.loss))
             if len(self._start) < 10 and (self._start or step.step <= FIRST_STEP_MAX):
                 self._start.append(step.loss)
-        norm = total_grad_norm(step)
-        if norm is not None and math.isfinite(norm) and norm > 0.0:
-            if len(self._first_grads) < 3:
-                self._first_grads.append(norm)
-            self._grads.append(norm)
-            if self._grads_from is None:
-                self._grads_from = step.step
-            if (
-                not self._woken
-                and len(self._first_grads) == 3
-                and len(self._grads) >= 10
-                and step.step - self._grads_from <= WAKE_STEPS
-            ):
-                # Ever (early), not now: waking gradients rise, then fall back as the loss
-                # falls (nanoGPT init x0.01: x13.7 its first steps' by step 23, x1.8 by step
-                # 151; lr x100 and healthy runs: <= x1.07 at any time). A rise after
-                # WAKE_STEPS is no init waking (an explosion mid-run is other rules').
-                # statistics.median: on 20 floats, every step of every rank, far cheaper.
-                first = statistics.median(self._first_grads)
-                self._woken = statistics.median(self._grads) >= self.wake * first
+        self._wake.observe(step.step, total_grad_norm(step))
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable weight norms."""
@@ -135,7 +112,7 @@ class WeightInflationDetector:
             self._base = None  # never grown, or come back down: no incident
             return INACTIVE
         stalled = self._stalled(now)
-        if stalled is None or self._woken:
+        if stalled is None or self._wake.woken:
             self._base = None
             return INACTIVE
         self._base = base
@@ -177,19 +154,17 @@ class WeightInflationDetector:
     def _stalled(self, now: int) -> tuple[float, float, int] | None:
         """(first, last, from_step) of a loss that fell less than ``min_progress`` over the
         latest ``span`` steps; None while it fell more, or too few losses tell."""
-        inside = [(s, v) for s, v in self._losses if now - self.span <= s <= now]
-        if len(inside) < 10 or inside[-1][0] - inside[0][0] < 0.8 * self.span:
+        ends = loss_ends(self._losses, now - self.span, now)
+        if ends is None or ends.last_step - ends.first_step < 0.8 * self.span:
             return None  # no loss series over the span: the weights alone page nobody
-        fifth = max(3, len(inside) // 5)
-        first = float(np.median([v for _, v in inside[:fifth]]))
-        last = float(np.median([v for _, v in inside[-fifth:]]))
+        first, last = ends.first, ends.last
         if last <= (1.0 - self.min_progress) * first:
             return None
         if len(self._start) < 10 or last < self.above_start * float(np.median(self._start)):
             # Converged to a floor (or the start unknown: joined mid-run), not stuck on a
             # plateau near where it began.
             return None
-        return first, last, inside[0][0]
+        return first, last, ends.first_step
 
     def _finding(
         self, stats: Stats, total: float, base: _Sample, stalled: tuple[float, float, int]
@@ -211,7 +186,7 @@ class WeightInflationDetector:
             "loss_first": first,
             "loss_last": last,
             "loss_since_step": since,
-            "grad_norm_first": float(np.median(self._first_grads)) if self._first_grads else None,
-            "grad_norm_recent": float(np.median(self._grads)) if self._grads else None,
+            "grad_norm_first": self._wake.first,
+            "grad_norm_recent": self._wake.recent,
         }
         return Finding(True, summary, evidence)

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Annotated, Literal
+from collections.abc import Iterable
+from typing import Annotated, Literal, NamedTuple
 
 import numpy as np
 from pydantic import Field
@@ -143,13 +144,10 @@ class UpdateRatioDetector:
         """True when the loss fell ``min_progress`` from the start to the end of [start, end]."""
         if not self.min_progress:
             return False
-        inside = [(s, v) for s, v in self._losses if start <= s <= end]
-        if len(inside) < 10:
+        ends = loss_ends(self._losses, start, end)
+        if ends is None:
             return False  # too few losses to tell: judge on the updates alone
-        fifth = max(3, len(inside) // 5)
-        first = float(np.median([v for _, v in inside[:fifth]]))
-        last = float(np.median([v for _, v in inside[-fifth:]]))
-        return last <= (1.0 - self.min_progress) * first
+        return ends.last <= (1.0 - self.min_progress) * ends.first
 
     def _learned(self) -> bool:
         """True unless the latest losses sit within ``min_progress`` of the run's first ones."""
@@ -218,6 +216,40 @@ class UpdateRatioDetector:
             "step": stats.step,
         }
         return Finding(True, summary, evidence)
+
+
+class LossEnds(NamedTuple):
+    """Where the losses of a stretch of steps began and ended."""
+
+    first: float  # median of the first fifth (at least 3 losses)
+    last: float  # median of the last fifth
+    first_step: int
+    last_step: int
+
+
+def loss_ends(losses: Iterable[tuple[int, float]], start: int, end: int) -> LossEnds | None:
+    """The medians of the first and last fifths of the (step, loss) pairs in [start, end];
+    None with fewer than 10 (too few to tell a trend from noise)."""
+    inside = [(s, v) for s, v in losses if start <= s <= end]
+    if len(inside) < 10:
+        return None
+    fifth = max(3, len(inside) // 5)
+    first = float(np.median([v for _, v in inside[:fifth]]))
+    last = float(np.median([v for _, v in inside[-fifth:]]))
+    return LossEnds(first, last, inside[0][0], inside[-1][0])
+
+
+def model_update_ratio(stats: Stats) -> float | None:
+    """‖Δw‖/‖w‖ over the model as UpdateRatioTooLarge reads it (weighted by weight norm: a
+    median over layers reads a tiny-init model's small layers as "updates too large");
+    None when the sample carries no finite update ratio."""
+    if stats.update_ratios is None:
+        return None
+    ratios = np.asarray(stats.update_ratios, dtype=np.float64)
+    finite = np.isfinite(ratios)
+    if not finite.any():
+        return None
+    return UpdateRatioDetector.global_ratio(ratios, finite, stats.weight_norms)
 
 
 # A weight matrix whose norm is below this share of the median matrix's has no update

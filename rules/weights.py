@@ -27,7 +27,12 @@ from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.growth import fit_line, total_grad_norm
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
-from gradwatch.rules.updates import Direction, LaggingLayersDetector, UpdateRatioDetector
+from gradwatch.rules.updates import (
+    Direction,
+    LaggingLayersDetector,
+    UpdateRatioDetector,
+    model_update_ratio,
+)
 
 __all__ = [
     "Direction",
@@ -190,14 +195,11 @@ def finite_weight_norms(stats: Stats) -> np.ndarray | None:
 
 
 def _model_ratio(stats: Stats, norms: np.ndarray) -> float:
-    """The sample's ‖Δw‖/‖w‖ over the model as UpdateRatioTooLarge reads it; NaN if unmeasured."""
-    if stats.update_ratios is None:
+    """The sample's ‖Δw‖/‖w‖ over the model (updates.model_update_ratio); NaN if unmeasured."""
+    if stats.update_ratios is None or np.shape(stats.update_ratios) != norms.shape:
         return math.nan
-    r = np.asarray(stats.update_ratios, dtype=np.float64)
-    finite = np.isfinite(r)
-    if r.shape != norms.shape or not finite.any():
-        return math.nan
-    return UpdateRatioDetector.global_ratio(r, finite, norms)
+    ratio = model_update_ratio(stats)
+    return math.nan if ratio is None else ratio
 
 
 class SmallInitDetector:
