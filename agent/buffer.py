@@ -130,6 +130,7 @@ class StepBuffer:
         self._steps: list[int] = []
         self._times: list[float] = []
         self._host: list[list[HostValue]] = []
+        self._norms: list[tuple[torch.Tensor, ...] | None] = []
         self._select(0)
 
     def _host_buffer(self) -> torch.Tensor:
@@ -152,11 +153,22 @@ class StepBuffer:
             view = self._current_cells[slot] = self.current[slot]
         return view
 
-    def commit(self, step: int, when: float, host_row: list[HostValue]) -> None:
-        """Close the current row; ship the half when it is full."""
+    def commit(
+        self,
+        step: int,
+        when: float,
+        host_row: list[HostValue],
+        norms: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
+        """Close the current row; ship the half when it is full.
+
+        ``norms``: the row's gradient norms when they were read but not written into
+        it (a CPU buffer only: they are final, and the shipper stacks them).
+        """
         self._steps.append(step)
         self._times.append(when)
         self._host.append(host_row)
+        self._norms.append(norms)
         row = self._seg_start + len(self._steps)
         if row < self._rows_per_half:
             # _select(row), inline: this runs on every step
@@ -199,7 +211,7 @@ class StepBuffer:
             self._counters.steps_dropped_agent += n
         self._seg_start += n
         # New lists: the old ones now belong to the shipper.
-        self._steps, self._times, self._host = [], [], []
+        self._steps, self._times, self._host, self._norms = [], [], [], []
 
     def _stage(self, rows: torch.Tensor, n: int) -> FlushItem | None:
         if not (self._cuda or self._on_host):
@@ -215,6 +227,7 @@ class StepBuffer:
                 self._steps,
                 self._times,
                 self._host,
+                self._norms,
             )
         try:
             buf = self.pool.get_nowait()
@@ -233,7 +246,16 @@ class StepBuffer:
         else:
             host.copy_(rows)
         return FlushItem(
-            buf, n, self._width, ready, None, self.layout, self._steps, self._times, self._host
+            buf,
+            n,
+            self._width,
+            ready,
+            None,
+            self.layout,
+            self._steps,
+            self._times,
+            self._host,
+            self._norms,
         )
 
     def _enqueue(self, item: FlushItem) -> bool:

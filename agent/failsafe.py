@@ -120,6 +120,8 @@ class Failsafe:
     _scratch: torch.Tensor | None
     _nonfinite_slot: int
     _scales: torch.Tensor | None
+    # This step's gradient norms, read but not yet in the row (CPU: the shipper stacks them).
+    _norms: tuple[torch.Tensor, ...] | None
     _ratio_columns: tuple[str, ...]
 
     def _event(

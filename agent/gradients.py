@@ -98,21 +98,33 @@ class GradReader:
         ``row`` has exactly ``len(names)`` elements (the layer part of a
         buffer row, sliced once by the caller).
         """
+        norms = self.norms() if self.plain else None
+        if norms is not None:
+            torch.stack(norms, out=row)
+            return
+        self._write_norms([p.grad for p in self.params], row)
+
+    def norms(self) -> tuple[torch.Tensor, ...] | None:
+        """The fused read's per-layer norms as 0-d float32 tensors, not yet in a row.
+
+        None when this step needs the general path of :meth:`read_into` (the reader
+        is not plain, or a parameter has no gradient this step). On a CPU the norms
+        are final when this returns, so a caller may stack them later, elsewhere.
+        """
+        if not self.plain:
+            return None
         grads = [p.grad for p in self.params]
-        if self.plain:
-            # The usual case, on every step: what a bare fused read does, and one
-            # test. foreach_norm refuses a None (no gradient this step) with a
-            # TypeError before it does any work; the general path reads those as 0.
-            try:
-                # A None is caught below (the TypeError), so the list is typed as it comes.
-                norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # type: ignore[arg-type]
-            except TypeError:
-                if not any(g is None for g in grads):
-                    raise
-            else:
-                torch.stack(norms, out=row)
-                return
-        self._write_norms(grads, row)
+        # The usual case, on every step: what a bare fused read does, and one
+        # test. foreach_norm refuses a None (no gradient this step) with a
+        # TypeError before it does any work; the general path reads those as 0.
+        try:
+            # A None is caught below (the TypeError), so the list is typed as it comes.
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float32)  # type: ignore[arg-type]
+        except TypeError:
+            if not any(g is None for g in grads):
+                raise
+            return None
+        return norms
 
     def read_weights_into(self, row: torch.Tensor) -> None:
         """Write each parameter's own L2 norm (of this rank's shard) into ``row``; no sync."""

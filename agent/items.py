@@ -70,6 +70,8 @@ class FlushItem:
     steps: list[int]
     times: list[float]
     host_rows: list[list[HostValue]]
+    # Per row, gradient norms read but not yet written into it (CPU), else None.
+    norms: list[tuple[torch.Tensor, ...] | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

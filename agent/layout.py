@@ -239,3 +239,27 @@ def le_bytes(t: torch.Tensor) -> bytes:
         swapped.byteswap()
         return swapped.tobytes()
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
+def fill_norms(
+    rows: torch.Tensor, norms: Sequence[tuple[torch.Tensor, ...] | None], n_layers: int
+) -> None:
+    """Write the gradient norms the training thread read but did not stack (CPU: they
+    are final once read) into their rows' layer cells: two tensor operations a batch.
+
+    A read of another length (none in practice: the reader and the layout change
+    together, through a flush) leaves its row's cells MISSING rather than misaligned.
+    """
+    index: list[int] = []
+    picked: list[torch.Tensor] = []
+    for i, row in enumerate(norms):
+        if row is not None and len(row) == n_layers:
+            index.append(i)
+            picked.extend(row)
+    if not index:
+        return
+    flat = torch.stack(picked).view(len(index), n_layers)
+    if len(index) == rows.shape[0]:
+        rows[:, :n_layers].copy_(flat)
+    else:
+        rows[index, :n_layers] = flat

@@ -186,6 +186,7 @@ class Monitor(LayerSwitch):
         # Later). Not on CUDA: a CUDA graph replay rewrites its outputs in place
         # without a version bump, and a read there must wait for the device.
         self._by_reference = self._device.type == "cpu"
+        self._norms = None  # and its gradient norms the same way (agent/recording.py)
         self.incarnation = secrets.token_hex(8)
         # Step phases (host clock), for stragglers and hangs: whether a training
         # forward began since the last log(), when that log() ended, and the
@@ -299,6 +300,7 @@ class Monitor(LayerSwitch):
         try:
             self._read_grads()
             if unscale is not None:
+                self._settle_norms()
                 self._buffer.current_layers.div_(unscale)
             self._step_lrs = [group["lr"] for group in self._optimizer.param_groups]
             if not self._open:

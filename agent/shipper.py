@@ -58,7 +58,7 @@ from gradwatch.agent.items import (
     Reincarnate,
     StatsItem,
 )
-from gradwatch.agent.layout import MISSING_I32, MISSING_LE, le_bytes, merge_rows
+from gradwatch.agent.layout import MISSING_I32, MISSING_LE, fill_norms, le_bytes, merge_rows
 from gradwatch.agent.takeover_command import Takeover
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import (
@@ -407,7 +407,10 @@ class Shipper:
         if item.device_copy is not None:
             return item.device_copy.cpu()
         assert item.buf is not None
-        return item.buf[: item.rows * item.width].view(item.rows, item.width)
+        rows = item.buf[: item.rows * item.width].view(item.rows, item.width)
+        if item.norms is not None:
+            fill_norms(rows, item.norms, item.layout.n_layers)
+        return rows
 
     def _report_note(self, step: int, fields: dict[str, Any]) -> None:
         self._ship_event(EventItem("note", step, fields))  # e.g. a refused rollback

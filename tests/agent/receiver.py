@@ -9,10 +9,25 @@ from dataclasses import dataclass, field
 import zmq
 
 import gradwatch
+from gradwatch.agent import AgentConfig
 from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
 from gradwatch.wire import columns as wc
 
 WAIT_S = 10.0
+
+
+def batch_config(job: str, endpoint: str, **overrides: object) -> AgentConfig:
+    """A rank-0 agent flushing every 4 steps, with host buffers for every batch of a short
+    run (the agent drops rather than wait when a busy machine starves the shipper, and
+    the tests using this are about values, not that policy), and no early statistics."""
+    settings: dict[str, object] = {
+        "flush_every": 4,
+        "heartbeat_every": 0.05,
+        "pool_size": 16,
+        "early_stats": False,
+    }
+    settings.update(overrides)
+    return AgentConfig(job=job, rank=0, world=1, endpoint=endpoint, **settings)  # type: ignore[arg-type]  # the overrides are AgentConfig fields
 
 
 @dataclass

@@ -100,10 +100,12 @@ def test_encoder_failure_switches_off_once_without_raising(caplog, monkeypatch):
 
 
 def test_hook_failure_switches_off_once_and_removes_the_hook(caplog, monkeypatch):
-    def broken(self: object, row: torch.Tensor) -> None:
+    def broken(self: object, *row: torch.Tensor) -> None:
         raise IndexError("no such row")
 
     monkeypatch.setattr(gradients_module.GradReader, "read_into", broken)
+    # The CPU read's own entry (the norms stacked later, on the shipper) breaks too.
+    monkeypatch.setattr(gradients_module.GradReader, "norms", broken)
     model, opt = tiny()
     mon = gradwatch.watch(model, opt, job="hook", endpoint=free_endpoint())
     train(model, opt, mon, 20)
@@ -118,10 +120,12 @@ def test_hook_failure_switches_off_once_and_removes_the_hook(caplog, monkeypatch
 def test_hook_failure_never_raises_into_the_loop_when_another_hook_follows(caplog, monkeypatch):
     # torch iterates its pre-hook dict while ours runs: removing our entry there would
     # raise "OrderedDict mutated during iteration" into optimizer.step().
-    def broken(self: object, row: torch.Tensor) -> None:
+    def broken(self: object, *row: torch.Tensor) -> None:
         raise IndexError("no such row")
 
     monkeypatch.setattr(gradients_module.GradReader, "read_into", broken)
+    # The CPU read's own entry (the norms stacked later, on the shipper) breaks too.
+    monkeypatch.setattr(gradients_module.GradReader, "norms", broken)
     model, opt = tiny()
     mon = gradwatch.watch(model, opt, job="hook", endpoint=free_endpoint())
     later: list[int] = []

@@ -11,11 +11,10 @@ import zmq
 from torch import nn
 
 import gradwatch
-from gradwatch.agent import AgentConfig
 from gradwatch.agent.monitor import Monitor
 from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
 from gradwatch.wire import columns as wc
-from tests.agent.receiver import rebind
+from tests.agent.receiver import batch_config, rebind
 
 WAIT_MS = 5000
 
@@ -89,20 +88,7 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    # Enough host buffers for every batch of the run: the agent drops rather
-    # than wait when the shipper thread is starved (a busy CI machine), and
-    # this test is about values, not about that policy.
-    config = AgentConfig(
-        job="wire",
-        rank=0,
-        world=1,
-        endpoint=endpoint,
-        flush_every=4,
-        heartbeat_every=0.05,
-        pool_size=16,
-        early_stats=False,
-    )
-    mon = Monitor(model, opt, config)
+    mon = Monitor(model, opt, batch_config("wire", endpoint))
     wait_connected(sock)
     trainable = [p for n, p in model.named_parameters() if p.requires_grad]
     expected: dict[int, tuple[list[float], float, float]] = {}
@@ -170,6 +156,42 @@ def test_batches_match_directly_computed_norms_and_scalars(pull):
     assert by_kind["checkpoint"].fields == {"path": "ckpt/24.pt"}
     assert by_kind["checkpoint"].step == 24
     assert mon.stats.steps_sent == n_steps
+
+
+def test_norms_read_on_cpu_and_stacked_by_the_shipper_arrive_exact(pull):
+    # On CPU the pre-hook keeps the fused read's norms and the shipper writes them into
+    # their rows (agent/layout.py: fill_norms). A step where a layer has no gradient
+    # takes the stacked path, so a batch mixes both; a new column mid-batch flushes early.
+    sock, endpoint = pull
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+    head = nn.Linear(3, 2)  # gets a gradient on some steps only
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1)
+    both = nn.Sequential(model, head)
+    mon = Monitor(both, opt, batch_config("deferred", endpoint))
+    wait_connected(sock)
+    n_steps = 14
+    expected: dict[int, list[float]] = {}
+    deferred: list[bool] = []
+    for step in range(1, n_steps + 1):
+        out = model(torch.randn(5, 6))
+        with_head = step % 3 != 0
+        loss = (head(out) if with_head else out).pow(2).mean()
+        loss.backward()
+        expected[step] = [
+            0.0 if p.grad is None else torch.linalg.vector_norm(p.grad).item()
+            for p in both.parameters()
+        ]
+        opt.step()
+        deferred.append(mon._norms is not None)
+        mon.log(loss=loss, **({"late": 1.0} if step >= 6 else {}))
+        opt.zero_grad(set_to_none=True)
+    mon.close()
+    assert deferred == [step % 3 != 0 for step in range(1, n_steps + 1)]
+    table = rows(collect(sock, n_steps)[0])
+    assert sorted(table) == list(range(1, n_steps + 1))
+    for step, (_, layers) in table.items():
+        assert layers == pytest.approx(expected[step], rel=1e-5, abs=1e-7), step
 
 
 def test_unmeasured_cells_are_missing_not_zero(pull):

@@ -15,11 +15,11 @@ import torch
 import zmq
 from torch import nn
 
-from gradwatch.agent import AgentConfig
 from gradwatch.agent.monitor import Monitor
 from gradwatch.agent.shipper import has_nonfinite
 from gradwatch.wire import MISSING_BITS, Batch, decode
 from gradwatch.wire import columns as wc
+from tests.agent.receiver import batch_config
 
 WAIT_MS = 5000
 MISSING = struct.pack("<I", MISSING_BITS)
@@ -56,18 +56,7 @@ def test_the_shipper_flags_only_the_batch_with_a_nonfinite_row(pull) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    config = AgentConfig(
-        job="hint",
-        rank=0,
-        world=1,
-        endpoint=endpoint,
-        flush_every=4,
-        heartbeat_every=0.05,
-        pool_size=16,
-        early_stats=False,
-        stats_every=0,
-    )
-    mon = Monitor(model, opt, config)
+    mon = Monitor(model, opt, batch_config("hint", endpoint, stats_every=0))
     assert sock.poll(WAIT_MS)
     poisoned = 6  # in the second batch (steps 5-8)
     for step in range(1, 13):
