@@ -127,6 +127,10 @@ class AlertmanagerChannel:
 class AlertmanagerSink(OutboxSink):
     """An :class:`OutboxSink` that also re-posts its firing alerts every ``resend_interval``."""
 
+    # Alertmanager applies the rules' inhibits itself (its inhibit_rules), and notifies a
+    # muted alert once its source resolves: it gets every transition (collector/inhibition.py).
+    inhibits_itself = True
+
     def __init__(
         self,
         url: str,

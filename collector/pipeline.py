@@ -32,6 +32,7 @@ from typing import Any
 from gradwatch.collector.actions import Actions
 from gradwatch.collector.config import CollectorConfig
 from gradwatch.collector.ingest import Frames, Ingest, Ingested
+from gradwatch.collector.inhibition import Inhibition
 from gradwatch.collector.limits import Admission
 from gradwatch.collector.recorder import TraceRecorder
 from gradwatch.collector.sinks import Sink
@@ -77,6 +78,8 @@ class Pipeline:
         self.recorder = recorder
         self.admission = admission
         self.engine: RulesEngine | None = None
+        # Which alerts direct sinks do not page (the rules' inhibits); set with the engine.
+        self.inhibition = Inhibition(())
         self.engine_lock = threading.Lock()
         self.actions: Actions | None = None
         # Batches without layers of multi-rank jobs go through as columns
@@ -391,7 +394,8 @@ class Pipeline:
 
     def dispatch(self, transitions: Iterable[Any]) -> None:
         """Annotate, record, act on and deliver each alert transition."""
-        for transition in transitions:
+        inhibition = self.inhibition
+        for transition in inhibition.order(transitions):
             if self.actions is not None:
                 transition = self.actions.annotate(transition)  # last_good_checkpoint
             alert = transition.alert
@@ -407,7 +411,10 @@ class Pipeline:
             self.state.record_transition(transition)
             if self.actions is not None:
                 self.actions.on_transition(transition)  # after recording; never raises
+            muted = inhibition.muted(transition)  # collector/inhibition.py
             for sink in self.sinks:
+                if muted and not getattr(sink, "inhibits_itself", False):
+                    continue
                 try:
                     sink.notify(transition)
                 except Exception:

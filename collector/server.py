@@ -54,6 +54,7 @@ from gradwatch.collector.config import CollectorConfig, CollectorError
 from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Ingest
+from gradwatch.collector.inhibition import Inhibition, InhibitionMetrics
 from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pipeline import Pipeline
@@ -166,6 +167,7 @@ class Server:
         if self.pipeline.engine is None:
             self.pipeline.engine = build_engine(self.config, self._clock)
         rules = getattr(self.pipeline.engine, "rules", ())
+        self.pipeline.inhibition = Inhibition(rules)  # one page per cause (collector/inhibition.py)
         check_profile(self.config, {r.name: r.actions for r in rules})
         check_open_files(self.config)
         warn_exposure(self.config)
@@ -196,6 +198,7 @@ class Server:
                 TakeoverMetrics(self.takeovers),
                 AssemblyMetrics(self.assembler, self.pipeline.assembler_lock, jobs=self.state.jobs),
                 PriorityMetrics(self.intake.lane, self.intake.inbox),
+                InhibitionMetrics(self.pipeline.inhibition),
             ]
             for metrics in self._more_metrics:
                 self.registry.register(metrics)

@@ -23,6 +23,7 @@ File shape::
             severity: critical
             category: numerical
             actions: [notify]
+            inhibits: []                  # rules this one explains: not paged while it fires
             labels: {team: ml}
             annotations: {summary: ..., diagnosis: ..., next_checks: ...}
 """
@@ -91,6 +92,10 @@ class RuleModel(_Model):
     severity: Severity
     category: Category
     actions: tuple[Action, ...] = ("notify",)
+    # Rules whose alerts this one explains: while it fires on a job, the collector's own
+    # sinks do not page that job's new firings of them (their alerts still open, are
+    # recorded and exported); Alertmanager does the same with inhibit_rules.
+    inhibits: tuple[_Name, ...] = ()
     labels: dict[_Name, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
 
@@ -139,6 +144,7 @@ class RuleSpec:
     for_seconds: float | None = None
     keep_firing_for: int = 0
     actions: tuple[str, ...] = ("notify",)
+    inhibits: tuple[str, ...] = ()
     labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     annotations: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     source: str = ""
@@ -270,7 +276,33 @@ def _check_rules(data: Any, lines: dict[Loc, int]) -> list[tuple[int, str]]:
                 else:
                     first_seen[name] = loc
             problems += _check_detector(rule, loc, lines)
+    problems += _check_inhibits(data, first_seen, lines)
     return problems
+
+
+def _check_inhibits(
+    data: Any, names: dict[str, Loc], lines: dict[Loc, int]
+) -> list[tuple[int, str]]:
+    """Every rule an ``inhibits`` list names is another rule of the same file."""
+    problems: list[tuple[int, str]] = []
+    for name, loc in names.items():
+        targets = _get(_rule_at(data, loc), "inhibits")
+        for i, target in enumerate(_list(targets)):
+            if not isinstance(target, str):
+                continue  # pydantic reports it
+            if target == name:
+                message = f"rule {name!r} cannot inhibit itself"
+            elif target not in names:
+                message = f"inhibits {target!r}, which is not a rule in this file"
+            else:
+                continue
+            problems.append(_problem(lines, loc + ("inhibits", i), message))
+    return problems
+
+
+def _rule_at(data: Any, loc: Loc) -> Any:
+    _, gi, _, ri = loc
+    return _list(_get(_list(_get(data, "groups"))[int(gi)], "rules"))[int(ri)]
 
 
 def _check_detector(rule: Any, loc: Loc, lines: dict[Loc, int]) -> list[tuple[int, str]]:
@@ -312,6 +344,7 @@ def _spec(
         for_seconds=None if duration is None else parse_duration(duration),
         keep_firing_for=rule.keep_firing_for,
         actions=tuple(rule.actions),
+        inhibits=tuple(rule.inhibits),
         labels=MappingProxyType(dict(rule.labels)),
         annotations=MappingProxyType(dict(rule.annotations)),
         source=f"{source}:{lines.get(('groups', at[0], 'rules', at[1]), 0)}",

@@ -127,6 +127,15 @@ def test_health_endpoints(connect: Connect) -> None:
         assert server.ready
 
 
+def test_the_rules_inhibits_are_applied_and_counted_on_metrics(connect: Connect) -> None:
+    # collector/inhibition.py: the default pack's pair, taken from the engine at start.
+    with running() as server:
+        assert server.pipeline.inhibition.pairs == {
+            ("WeightsInflatingLossStalled", "WeightNormRunaway")
+        }
+        assert "gradwatch_alerts_inhibited" in get(server, "/metrics")[1]
+
+
 def test_oversized_messages_are_counted_and_the_server_survives(connect: Connect) -> None:
     with running(max_message_bytes=1024) as server:
         push = connect(server)
