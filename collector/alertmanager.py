@@ -129,7 +129,7 @@ class AlertmanagerSink(OutboxSink):
 
     # Alertmanager applies the rules' inhibits itself (its inhibit_rules), and notifies a
     # muted alert once its source resolves: it gets every transition (collector/inhibition.py).
-    inhibits_itself = True
+    gets_muted = True
 
     def __init__(
         self,

@@ -184,6 +184,10 @@ def alert_text(alert: Any) -> str:
 class GrafanaAnnotationSink:
     """Posts one region annotation per alert incident from a background thread."""
 
+    # An annotation records what happened on the dashboard, not a page: a muted alert
+    # (collector/inhibition.py) opened all the same, so it is annotated too.
+    gets_muted = True
+
     def __init__(
         self,
         url: str,

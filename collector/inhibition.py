@@ -14,7 +14,8 @@ Alertmanager applies the same pairs itself (``inhibit_rules`` in
 deploy/alertmanager/alertmanager.yml, kept equal to the rule pack by
 tests/collector/test_inhibition.py), and with what a direct sink cannot do: it
 notifies a muted alert once its source resolves. So the Alertmanager sink gets every
-transition. A direct sink keeps a muted alert muted for its whole incident.
+transition, and so does the Grafana annotation sink (a record, not a page). A direct
+sink keeps a muted alert muted for its whole incident.
 
 Within one batch of transitions (one observation can open several alerts), the
 sources go first, so the order the rules run in does not decide what pages.

@@ -393,7 +393,9 @@ class Pipeline:
     # ---------------------------------------------------------------- alerts
 
     def dispatch(self, transitions: Iterable[Any]) -> None:
-        """Annotate, record, act on and deliver each alert transition."""
+        """Annotate, record, act on and deliver each alert transition (a muted one only to the
+        sinks that get muted alerts: Alertmanager, Grafana annotations; collector/inhibition.py).
+        """
         inhibition = self.inhibition
         for transition in inhibition.order(transitions):
             if self.actions is not None:
@@ -413,7 +415,7 @@ class Pipeline:
                 self.actions.on_transition(transition)  # after recording; never raises
             muted = inhibition.muted(transition)  # collector/inhibition.py
             for sink in self.sinks:
-                if muted and not getattr(sink, "inhibits_itself", False):
+                if muted and not getattr(sink, "gets_muted", False):
                     continue
                 try:
                     sink.notify(transition)

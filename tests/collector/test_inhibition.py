@@ -90,7 +90,7 @@ def test_a_pack_without_inhibits_mutes_nothing() -> None:
 
 class _AlertmanagerLike(RecordingSink):
     name = "alertmanager-like"
-    inhibits_itself = True  # as collector/alertmanager.py: AlertmanagerSink
+    gets_muted = True  # as collector/alertmanager.py: AlertmanagerSink
 
 
 def test_dispatch_skips_direct_sinks_and_counts_but_records_and_tells_alertmanager() -> None:
