@@ -23,6 +23,7 @@ from gradwatch.agent.activations import hook_transient_bytes
 from gradwatch.agent.actsample import SAMPLE as ACT_SAMPLE
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.items import MAX_STATS_IN_FLIGHT
+from gradwatch.agent.layout import DEFERRED_MAX_LAYERS, DEFERRED_NORM_BYTES
 from gradwatch.agent.updateratios import SAMPLE
 from gradwatch.agent.weightstats import MAX_PHASES
 
@@ -47,6 +48,9 @@ class Budget:
     # host (pinned under CUDA): spread samples queued for the shipper, each with a copy
     # of the update-ratio samples and of the hooks' buffer (agent/hostpart.py)
     copies: int = 0
+    # host, CPU models of up to DEFERRED_MAX_LAYERS tensors: gradient norms read but not
+    # yet stacked into their rows, for every batch in flight (agent/layout.py: fill_norms)
+    norms: int = 0
 
     @property
     def total(self) -> int:
@@ -59,6 +63,7 @@ class Budget:
             + self.slack
             + self.act_rows
             + self.copies
+            + self.norms
         )
 
 
@@ -69,11 +74,13 @@ def memory_budget(
     act_columns: int = 0,
     sample: int = SAMPLE,
     act_row_width: int = 0,
+    on_cpu: bool = False,
 ) -> Budget:
     """The budget for a model of ``n_layers`` trainable tensors of ``elem_bytes`` each element.
 
     ``act_columns``: activation-statistics columns (3 per hooked module at most);
-    ``act_row_width``: the longest softmax row among the hooked modules (0: none).
+    ``act_row_width``: the longest softmax row among the hooked modules (0: none);
+    ``on_cpu``: the model is on a CPU, where small models' norms are stacked later.
     """
     width = n_layers + config.device_columns
     row_bytes = config.flush_every * width * F32
@@ -92,4 +99,7 @@ def memory_budget(
         hooks=hook_transient_bytes(act_row_width) if act_columns else 0,
         act_rows=act_buffer,
         copies=MAX_STATS_IN_FLIGHT * ((samples if config.update_ratios else 0) + act_buffer),
+        norms=(config.pool_size + 1) * config.flush_every * n_layers * DEFERRED_NORM_BYTES
+        if on_cpu and n_layers <= DEFERRED_MAX_LAYERS
+        else 0,
     )

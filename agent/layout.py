@@ -241,6 +241,15 @@ def le_bytes(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
 
 
+# Gradient norms read on a CPU but not stacked (the shipper does it, fill_norms) are kept
+# as 0-d tensors until their batch is merged: 536 bytes each (tensor, storage and Python
+# objects: RSS over 100,000 of them). Only for models of up to DEFERRED_MAX_LAYERS
+# tensors, where the stack is a large share of the read: 5 batches in flight (pool_size 4
+# and the open one) of 10 steps then hold at most 3.4 MB; larger models stack at once.
+DEFERRED_NORM_BYTES = 536
+DEFERRED_MAX_LAYERS = 128
+
+
 def fill_norms(
     rows: torch.Tensor, norms: Sequence[tuple[torch.Tensor, ...] | None], n_layers: int
 ) -> None:

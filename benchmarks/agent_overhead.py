@@ -359,7 +359,8 @@ def extra_memory(work: Workload, endpoint: str, steps: int = 24) -> tuple[int, i
     mon.close()
     n_layers = sum(1 for p in model.parameters() if p.requires_grad)
     acts = mon._acts.columns if mon._acts is not None else ()
-    budget = memory_budget(n_layers, mon.config, act_columns=len(acts)).total
+    on_cpu = mon._device.type == "cpu"
+    budget = memory_budget(n_layers, mon.config, act_columns=len(acts), on_cpu=on_cpu).total
     return kept, peak, budget
 
 

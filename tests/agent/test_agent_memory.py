@@ -19,6 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 import gradwatch
 from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.config import AgentConfig
+from gradwatch.agent.layout import DEFERRED_MAX_LAYERS, DEFERRED_NORM_BYTES
 
 
 def allocated(fn: Callable[[], Any]) -> tuple[Any, int, int]:
@@ -44,7 +45,7 @@ def test_a_model_of_n_parameters_stays_within_the_budget_on_cadence_steps(spread
     mon, _, persistent = allocated(
         lambda: gradwatch.watch(model, opt, job="mem", endpoint="tcp://127.0.0.1:1", **schedule)
     )
-    budget = memory_budget(len(list(model.parameters())), mon.config)
+    budget = memory_budget(len(list(model.parameters())), mon.config, on_cpu=True)
     assert budget.total < 0.05 * 4 * n_params  # the budget itself is a small share
     assert mon._wstats is not None and mon._wstats.phases == 8
     peak = 0
@@ -73,3 +74,22 @@ def test_a_7b_model_of_300_tensors_is_budgeted_a_few_megabytes() -> None:
     budget = memory_budget(300, cfg, elem_bytes=2)
     assert budget.copies == budget.samples and budget.total < 12 * 2**20
     assert memory_budget(300, cfg).total > memory_budget(30, cfg).total
+
+
+def test_cpu_norms_stacked_later_are_budgeted_and_only_for_small_models() -> None:
+    # agent/layout.py: fill_norms. Up to DEFERRED_MAX_LAYERS tensors a CPU read keeps its
+    # 0-d norms until the shipper stacks them; the budget counts every batch in flight.
+    cfg = AgentConfig(job="mem", rank=0, world=1)
+    small = memory_budget(12, cfg, on_cpu=True)
+    assert small.norms == (cfg.pool_size + 1) * cfg.flush_every * 12 * DEFERRED_NORM_BYTES
+    assert memory_budget(12, cfg).norms == 0  # CUDA: stacked on the device at once
+    assert memory_budget(DEFERRED_MAX_LAYERS + 1, cfg, on_cpu=True).norms == 0
+    for n_tensors, deferred in ((DEFERRED_MAX_LAYERS, True), (DEFERRED_MAX_LAYERS + 1, False)):
+        model = nn.Sequential(*(nn.Linear(2, 2, bias=False) for _ in range(n_tensors)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        mon = gradwatch.watch(model, opt, job="mem", endpoint="tcp://127.0.0.1:1")
+        model(torch.randn(1, 2)).sum().backward()
+        opt.step()
+        assert (mon._norms is not None) is deferred, n_tensors
+        mon.log(loss=1.0)
+        mon.close()
