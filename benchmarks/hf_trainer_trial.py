@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from nanogpt_trial import LR_TOO_HIGH, report, run_recorded, trial_args
+from trials import LR_TOO_HIGH, report, run_recorded, trial_args
 
 ITERS = 800
 ACCEPT: dict[str, tuple[str, ...]] = {
@@ -43,7 +43,7 @@ import sys
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 sys.path.insert(0, {benchmarks!r})
-from nanogpt_trial import local_text
+from trials import local_text
 
 torch.manual_seed(0)
 data = torch.tensor(list(local_text(600_000).encode("ascii", "ignore")), dtype=torch.long)

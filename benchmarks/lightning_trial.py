@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 
 from hf_trainer_trial import DATA, run_trial
-from nanogpt_trial import LR_TOO_HIGH
+from trials import LR_TOO_HIGH
 
 ACCEPT: dict[str, tuple[str, ...]] = {"healthy": (), "lr_x100": LR_TOO_HIGH}
 

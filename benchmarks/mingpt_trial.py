@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
-from nanogpt_trial import LR_TOO_HIGH, _replace_once, report, run_recorded, trial_args
+from trials import LR_TOO_HIGH, checkout_trial, replace_once, run_recorded
 
 ITERS = 2000
 ACCEPT: dict[str, tuple[str, ...]] = {
@@ -44,7 +43,7 @@ HELPFUL: dict[str, tuple[str, ...]] = {
 
 def patch_adder(text: str, job: str, endpoint: str) -> str:
     """adder.py with gradwatch attached the way minGPT's callbacks allow."""
-    t = _replace_once(
+    t = replace_once(
         text,
         "    trainer = Trainer(config.trainer, model, train_dataset)\n",
         "    trainer = Trainer(config.trainer, model, train_dataset)\n"
@@ -52,7 +51,7 @@ def patch_adder(text: str, job: str, endpoint: str) -> str:
         f"    mon = gradwatch.watch(model, job={job!r}, endpoint={endpoint!r})\n",
         "adder.py",
     )
-    t = _replace_once(
+    t = replace_once(
         t,
         "        global top_score\n",
         "        global top_score\n"
@@ -60,7 +59,7 @@ def patch_adder(text: str, job: str, endpoint: str) -> str:
         "step=trainer.iter_num)\n",
         "adder.py",
     )
-    return _replace_once(
+    return replace_once(
         t, "    trainer.run()\n", "    trainer.run()\n    mon.close()\n", "adder.py"
     )
 
@@ -68,7 +67,7 @@ def patch_adder(text: str, job: str, endpoint: str) -> str:
 def patch_trainer(text: str, variant: str) -> str:
     if variant != "zero_grad_late":
         return text
-    return _replace_once(
+    return replace_once(
         text,
         "            model.zero_grad(set_to_none=True)\n            self.loss.backward()\n",
         "            self.loss.backward()\n"
@@ -103,22 +102,15 @@ def run_variant(mingpt: Path, work: Path, traces: Path, variant: str, iters: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p, args, variants = trial_args(__doc__ or "", "mingpt", ACCEPT, ITERS, argv)
-    if args.replay_only is not None:
-        traces = args.replay_only
-    else:
-        if args.mingpt is None or not (args.mingpt / "projects" / "adder" / "adder.py").exists():
-            p.error(
-                "give the root of a minGPT checkout (projects/adder/adder.py), or --replay-only"
-            )
-        work = Path(tempfile.mkdtemp(prefix="mingpt-trial-"))
-        traces = args.keep or work / "traces"
-        traces.mkdir(parents=True, exist_ok=True)
-        print(f"work dir {work}; gradwatch step = minGPT's iter_num", file=sys.stderr)
-        for v in variants:
-            run_variant(args.mingpt, work, traces, v, args.iters)
-    report(traces, "mingpt", variants, args, ACCEPT, HELPFUL)
-    return 0
+    return checkout_trial(
+        __doc__ or "",
+        "mingpt",
+        "projects/adder/adder.py",
+        (ACCEPT, HELPFUL),
+        ITERS,
+        run_variant,
+        argv,
+    )
 
 
 if __name__ == "__main__":
