@@ -57,7 +57,8 @@ class Inhibition:
     def __init__(self, rules: Iterable[Inhibiting]) -> None:
         by_target: dict[str, set[str]] = {}
         for rule in rules:
-            for target in rule.inhibits:
+            # getattr: an engine built by hand (tests, embedders) may give plain specs.
+            for target in getattr(rule, "inhibits", ()):
                 by_target.setdefault(target, set()).add(rule.name)
         self._sources_of = {target: frozenset(s) for target, s in by_target.items()}
         self._sources = frozenset().union(*self._sources_of.values())
