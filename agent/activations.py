@@ -235,6 +235,12 @@ def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> l
     return found
 
 
+def _stacked_linear_maps(model: nn.Module) -> bool:
+    """Whether ``model`` holds two Linear or convolution layers or more."""
+    maps = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    return sum(1 for m in model.modules() if isinstance(m, maps)) >= 2
+
+
 class ActHooks:
     """The hookable modules of one model and the device vector their statistics land in."""
 
@@ -339,6 +345,17 @@ class ActHooks:
                 len(found) - max_modules,
             )
             found = found[:max_modules]
+        if not found and _stacked_linear_maps(model):
+            # Two linear maps or more have nonlinearities between them; none is a module,
+            # so they are functional (llama2.c's SwiGLU calls F.silu). Silence would read
+            # as "no dead units": say the checks are off, and how to turn them on.
+            logger.warning(
+                "gradwatch: the model has no activation module to measure (ReLU, GELU, "
+                "SiLU, Tanh, Sigmoid, Softmax, ...); activations called as functions "
+                "(F.gelu, F.silu) have none, so the saturation and dead-unit checks are off. "
+                "Where a layer takes an activation's output as its input, name it: "
+                "watch(..., activation_modules={'*.mlp.c_proj': 'gelu'})"
+            )
         return cls(found, device, on_error) if found else None
 
     def arm(self, groups: tuple[int, int] | None = None, of: int = 1, start: bool = True) -> None:

@@ -222,3 +222,22 @@ def test_the_new_families_make_no_syncing_call(monkeypatch: pytest.MonkeyPatch) 
     hooks.disarm()
     assert found.calls == []
     assert len(hooks.columns) == 4 * 3  # gelu, silu, fc2 input, softmax: each mean, std, share
+
+
+def test_a_model_with_no_activation_module_is_told_the_checks_are_off(caplog) -> None:
+    # llama2.c's SwiGLU calls F.silu: silence would read as "no dead units".
+    model = nn.Sequential(FunctionalMLP("silu"), nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        mon = gradwatch.watch(model, opt, job="fn", endpoint="tcp://127.0.0.1:1")
+    mon.close()
+    assert mon._acts is None
+    assert "saturation and dead-unit checks are off" in caplog.text
+    assert "activation_modules=" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gradwatch"):
+        named = gradwatch.watch(
+            model, opt, job="fn", endpoint="tcp://127.0.0.1:1", activation_modules={"0.fc2": "silu"}
+        )
+    named.close()
+    assert named._acts is not None and "checks are off" not in caplog.text
