@@ -179,8 +179,9 @@ def diagnose(
     seed's tree over the loss and grad norms (``tree``) adds what it finds
     when that is something else, and precursors add a likely earlier cause.
     Checks run from the most specific: the one the alert's evidence names as
-    its ``lead_check`` (what the detector measured), the rule's own, then the
-    earlier cause's, then the class's generic ones.
+    its ``lead_check`` (what the detector measured), "lower the learning rate"
+    when the earlier cause is a measured step size far above the healthy band,
+    the rule's own, then the earlier cause's, then the class's generic ones.
     """
     tree, reason, evidence = _verdict(history)
     verdict = alert.category if alert.category in VERDICTS else tree
@@ -202,7 +203,8 @@ def diagnose(
     # A detector that measured which lever applies names it first (evidence "lead_check":
     # WeightNormRunaway under updates far above the healthy band leads with the lr).
     lead = alert.evidence.get("lead_check")
-    checks: list[str] = ([lead] if isinstance(lead, str) and lead else []) + list(rule_checks)
+    checks: list[str] = [lead] if isinstance(lead, str) and lead else []
+    cause_checks: list[str] = []
     if cause is not None:
         first = cause["chain"][0]
         summary += (
@@ -213,7 +215,21 @@ def diagnose(
             f"; then {c['summary']} (began at step {c['step']})" for c in cause["chain"][1:3]
         )
         for link in cause["chain"]:
-            checks += CHECKS.get(link["class"], ())
+            cause_checks += CHECKS.get(link["class"], ())
+    # A measured step size far above the healthy band (an update_ratio precursor: the
+    # whole model moved by percents per step) is the lever, like a detector's lead_check,
+    # ahead of the rule's general list (llama2.c at lr x100: a grad-ratio alert 544 steps
+    # after updates of 5% a step began led with "initialisation scale"). Other precursor
+    # classes follow the rule's own checks: a chain can hold a misread one.
+    lever = CHECKS["update_ratio"][0]
+    own_first = (checks + list(rule_checks))[:1]
+    if (
+        cause is not None
+        and any(link["class"] == "update_ratio" for link in cause["chain"])
+        and not any(c.startswith(lever) for c in own_first)  # said already, more exactly
+    ):
+        checks.append(lever)
+    checks += list(rule_checks) + cause_checks
     summary += ". This narrows the search; it is not a certain cause."
     if not rule_checks:
         checks += CHECKS.get(verdict, ())  # the rule's own checks are the specific form of these

@@ -332,4 +332,7 @@ class JobHistory:
         mark.last_step = step
         if (value > mark.peak) if high else (value < mark.peak):
             mark.peak, mark.peak_step = value, step
-            mark.detail = detail
+            if category == mark.category:
+                # The same reading, larger. Another class (weight growth that began under
+                # large updates and goes on under small ones) keeps the words of its own.
+                mark.detail = detail

@@ -131,14 +131,17 @@ def test_an_old_precursor_that_ended_long_ago_is_not_the_cause() -> None:
     assert diagnose(history, alert(step=1999))["earlier_cause"] is None
 
 
-def grown_weights(grad_norms: list[float], update: float) -> JobHistory:
-    """Weights growing x12 from step 1 over 150 steps, under the given grad norms and updates."""
+def grown_weights(grad_norms: list[float], update: float, later: float | None = None) -> JobHistory:
+    """Weights growing x12 from step 1 over 150 steps, under the given grad norms and updates;
+    ``later``: the updates from step 150 on (x10 is first read at step 140), as they grow on."""
     history = JobHistory()
     layers = ("a.weight", "b.weight", "c.weight")
-    for t in range(1, 151):
+    for t in range(1, len(grad_norms) + 1):
         history.observe_step(Step(job="j", step=t, time=0.0, loss=3.0, grad_norm=grad_norms[t - 1]))
         if t == 1 or t % 10 == 0:
             total = 1.0 + 11.0 * t / 150
+            if later is not None and t >= 150:
+                update = later
             history.observe_stats(
                 Stats(
                     job="j",
@@ -168,6 +171,27 @@ def test_weights_grown_by_a_high_lr_are_not_called_a_small_init() -> None:
     # The same growth under healthy-sized updates is a weight-runaway sign (regularization).
     quiet = grown_weights(falling, update=1e-3).precursors["weight_growth"]
     assert quiet.category == "weight_runaway"
+
+
+def test_a_measured_step_size_far_above_the_band_leads_the_checks() -> None:
+    # llama2.c at lr x100: LayerGradNormRatioExploding, 544 steps after the weights began to
+    # grow under updates of 3-5% a step, led with "initialisation scale"; the precursor's
+    # words had become "total weight norm x20 its first value" once the updates fell.
+    falling = [5.0] * 10 + [0.4] * 190
+    history = grown_weights(falling, update=0.04, later=1e-3)
+    growth = history.precursors["weight_growth"]
+    assert growth.category == "update_ratio" and "updates of 0.04" in growth.detail
+    assert growth.peak > 12  # the reading goes on growing; its words stay its own class's
+    own = ("initialisation scale (Jacobians with norm above 1)", "learning rate and clipping")
+    d = diagnose(history, alert("exploding_gradients", step=200), own)
+    assert d["next_checks"][:2] == ("lower the learning rate", own[0])
+    # A rule that already leads with the lever, more exactly, is not told it twice.
+    exact = ("lower the learning rate (try 10x lower)", "warm-up length")
+    d = diagnose(history, alert("lr_too_high", step=200), exact)
+    assert d["next_checks"][:2] == exact
+    # Without that precursor the rule's own checks lead, as before.
+    quiet = grown_weights(falling, update=1e-3)
+    assert diagnose(quiet, alert("exploding_gradients", step=200), own)["next_checks"][0] == own[0]
 
 
 def test_weights_and_gradients_waking_together_are_a_small_init() -> None:
