@@ -9,8 +9,9 @@ attached the way README's quickstart says, by text patching a copy of ``train.py
 
 * ``watch(model, optimizer, start_step=iter_num)`` after the optimizer is made;
 * the step's mean loss summed over the micro-batches (``loss`` is already divided by
-  the accumulation steps), ``mon.log(loss=..., step=iter_num)`` after
-  ``scaler.update()`` and before ``zero_grad``;
+  the accumulation steps) and what ``clip_grad_norm_`` returns (the pre-clip norm),
+  ``mon.log(loss=..., grad_norm=..., step=iter_num)`` after ``scaler.update()`` and
+  before ``zero_grad``;
 * ``mon.log_eval(loss=val)`` after each evaluation, ``mon.close()`` at the end.
 
 TinyStories needs a download, so the data module is replaced by one over local ASCII
@@ -113,8 +114,14 @@ def patch_train(text: str, job: str, endpoint: str, variant: str) -> str:
     )
     t = replace_once(
         t,
+        "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
+        "        gw_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
+        "train.py",
+    )
+    t = replace_once(
+        t,
         "    scaler.update()\n",
-        "    scaler.update()\n    mon.log(loss=gw_loss, step=iter_num)\n",
+        "    scaler.update()\n    mon.log(loss=gw_loss, grad_norm=gw_norm, step=iter_num)\n",
         "train.py",
     )
     t = replace_once(
