@@ -350,10 +350,10 @@ class ActHooks:
             # so they are functional (llama2.c's SwiGLU calls F.silu). Silence would read
             # as "no dead units": say the checks are off, and how to turn them on.
             logger.warning(
-                "gradwatch: the model has no activation module to measure (ReLU, GELU, "
-                "SiLU, Tanh, Sigmoid, Softmax, ...); activations called as functions "
-                "(F.gelu, F.silu) have none, so the saturation and dead-unit checks are off. "
-                "Where a layer takes an activation's output as its input, name it: "
+                "gradwatch: no activation module found in the model (ReLU, GELU, SiLU, "
+                "Tanh, Sigmoid, Softmax, ...), so the saturation and dead-unit checks are "
+                "off. Activations called as functions (F.gelu, F.silu) have no module to "
+                "hook: where a layer takes one's output as its input, name that layer: "
                 "watch(..., activation_modules={'*.mlp.c_proj': 'gelu'})"
             )
         return cls(found, device, on_error) if found else None
