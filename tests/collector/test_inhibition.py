@@ -48,8 +48,8 @@ def default_inhibition() -> Inhibition:
     return Inhibition(load_default_rules())
 
 
-def test_the_rule_pack_pairs_the_stalled_loss_alert_with_the_runaway() -> None:
-    assert default_inhibition().pairs == {(SOURCE, TARGET)}
+def test_the_rule_pack_pairs_each_symptom_with_the_alert_that_explains_it() -> None:
+    assert default_inhibition().pairs == {(SOURCE, TARGET), ("GradientsAllZero", "WeightsFrozen")}
 
 
 def test_a_source_in_the_same_batch_mutes_the_target_whatever_the_order() -> None:
