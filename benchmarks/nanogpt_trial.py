@@ -22,8 +22,9 @@ needs it). In a temporary working directory it:
    score: on ``healthy`` every warning-or-higher alert is a false page; each
    broken variant should raise a warning-or-higher alert of a fitting category.
 
-Variants: ``healthy``; ``lr_x100`` (learning_rate and min_lr x100);
-``init_x0.01`` (every std in model.py's ``_init_weights`` and the c_proj init
+Variants: ``healthy``; ``healthy_compiled`` (nanoGPT's default ``compile=True``, and
+``watch()`` after the compile as README says); ``lr_x100`` (learning_rate and min_lr
+x100); ``init_x0.01`` (every std in model.py's ``_init_weights`` and the c_proj init
 x0.01); ``no_step`` (``scaler.step(optimizer)`` never called).
 
     OMP_NUM_THREADS=1 python benchmarks/nanogpt_trial.py /tmp/nanogpt --keep /tmp/trials/run1
@@ -67,6 +68,7 @@ CPU_LINE = [
 ]
 ACCEPT: dict[str, tuple[str, ...]] = {
     "healthy": (),
+    "healthy_compiled": (),
     "lr_x100": LR_TOO_HIGH,
     "init_x0.01": ("vanishing_gradients", "dead_pipeline", "update_ratio", "lr_too_low"),
     "no_step": ("dead_pipeline", "update_ratio"),
@@ -110,14 +112,17 @@ def agent_takes_step() -> bool:
 def patch_train(text: str, job: str, endpoint: str, variant: str, user_step: bool) -> str:
     """train.py with the README's quickstart lines, and the variant's bug."""
     start = ", start_step=iter_num" if user_step else ""  # steps.py: nanoGPT's own numbers
-    t = replace_once(
-        text,
-        "checkpoint = None # free up memory\n",
-        "checkpoint = None # free up memory\n"
+    attach = (
         "import gradwatch\n"
-        f"mon = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r}{start})\n",
-        "train.py",
+        f"mon = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r}{start})\n"
     )
+    # README: compile before watch(); nanoGPT compiles (and wraps DDP) after the optimizer.
+    after = (
+        "if ddp:\n    model = DDP(model, device_ids=[ddp_local_rank])\n"
+        if variant == "healthy_compiled"
+        else "checkpoint = None # free up memory\n"
+    )
+    t = replace_once(text, after, after + attach, "train.py")
     t = replace_once(
         t,
         "        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)\n",
@@ -171,6 +176,8 @@ def patch_model(text: str, variant: str) -> str:
 def variant_args(variant: str) -> list[str]:
     if variant == "lr_x100":
         return ["--learning_rate=0.1", "--min_lr=0.01"]  # the config's 1e-3 and 1e-4, x100
+    if variant == "healthy_compiled":
+        return ["--compile=True"]  # nanoGPT's own default; after CPU_LINE's False
     return []
 
 
