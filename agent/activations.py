@@ -45,6 +45,10 @@ have no module to hook: ``watch(..., activation_modules={"*.mlp.c_proj":
 "gelu"})`` names modules (``fnmatch`` patterns on ``named_modules()`` names)
 whose *input* is the output of an activation of that kind, typically the
 Linear that follows it; those statistics are reported as ``<module>:input``.
+Where no layer takes the activation's output (a SwiGLU gate,
+``w2(F.silu(w1(x)) * w3(x))``), ``{"*.w1": "pre:silu"}`` names the layer whose
+*output* the activation takes: its sample goes through the activation first
+(``<module>:pre``).
 
 An output of more than ``SAMPLE`` elements is measured on an evenly strided
 sample of about ``SAMPLE`` elements (a softmax: whole rows, about ``ROW_SAMPLE``
@@ -93,7 +97,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradwatch.agent.actsample import SAMPLE, offsets, sample_of, storage_view, stride
+from gradwatch.agent.actsample import (
+    PRE,
+    PRE_KINDS,
+    SAMPLE,
+    activated,
+    offsets,
+    sample_of,
+    storage_view,
+    stride,
+)
 from gradwatch.agent.actstats import ActCopy, ActLayout, missing_buffer
 from gradwatch.agent.hooks import Detached
 from gradwatch.agent.hostpart import host_copy
@@ -119,6 +132,7 @@ SOFTMAX_SATURATED = 0.99
 # The families a name in ``activation_modules`` may give (ActStats.kind).
 KINDS = ("relu", "relu6", "tanh", "sigmoid", "gelu", "silu", "softmax")
 INPUT_SUFFIX = ":input"
+PRE_SUFFIX = ":pre"
 
 _COMPILED_PREFIX = "_orig_mod."
 # A softmax's slots in the values vector: all of them, its mean, its mean of squares
@@ -177,10 +191,12 @@ def check_activation_modules(spec: object) -> tuple[tuple[str, str], ...]:
         )
     out = []
     for pattern, kind in spec.items():
-        if not isinstance(pattern, str) or not pattern or kind not in KINDS:
+        if not isinstance(pattern, str) or not pattern or kind not in KINDS + PRE_KINDS:
             raise ValueError(
                 f"activation_modules[{pattern!r}] = {kind!r}: the key must be a "
-                f"module name or pattern and the value one of {', '.join(KINDS)}"
+                f"module name or pattern and the value one of {', '.join(KINDS)} (its input "
+                f"is that activation's output), or {', '.join(PRE_KINDS)} (its output is "
+                "what that activation takes, e.g. the gate of a SwiGLU)"
             )
         out.append((pattern, kind))
     return tuple(out)
@@ -208,6 +224,7 @@ class _Target:
     kind: str
     module: nn.Module
     on_input: bool = False
+    pre: bool = False  # its output is the activation's input (actsample.PRE)
 
 
 def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> list[_Target]:
@@ -222,7 +239,10 @@ def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> l
             found.append(_Target(clean or type(module).__name__, kind, module))
         for pattern, given in patterns:
             if clean and fnmatch.fnmatchcase(clean, pattern):
-                found.append(_Target(clean + INPUT_SUFFIX, given, module, on_input=True))
+                if given.startswith(PRE):
+                    found.append(_Target(clean + PRE_SUFFIX, given[len(PRE) :], module, pre=True))
+                else:
+                    found.append(_Target(clean + INPUT_SUFFIX, given, module, on_input=True))
                 matched.add(pattern)
                 break
     for pattern, _ in patterns:
@@ -353,8 +373,9 @@ class ActHooks:
                 "gradwatch: no activation module found in the model (ReLU, GELU, SiLU, "
                 "Tanh, Sigmoid, Softmax, ...), so the saturation and dead-unit checks are "
                 "off. Activations called as functions (F.gelu, F.silu) have no module to "
-                "hook: where a layer takes one's output as its input, name that layer: "
-                "watch(..., activation_modules={'*.mlp.c_proj': 'gelu'})"
+                "hook: name the layer that takes one's output as its input "
+                "(activation_modules={'*.mlp.c_proj': 'gelu'}), or whose output one takes "
+                "(a SwiGLU gate: {'*.feed_forward.w1': 'pre:silu'})"
             )
         return cls(found, device, on_error) if found else None
 
@@ -405,6 +426,7 @@ class ActHooks:
     def _hook(self, target: _Target, cells: _Cells | _Row) -> Callable[..., None]:
         kind, on_input = target.kind, target.on_input
         dim = getattr(target.module, "dim", None) if kind == "softmax" and not on_input else -1
+        pre = kind if target.pre else None
 
         def hook(module: nn.Module, args: Any, output: Any = None) -> None:
             try:
@@ -416,7 +438,7 @@ class ActHooks:
                     if len(cells) == 4:  # a softmax: measured by whole rows here
                         _measure_rows(y, dim, cells)
                     else:
-                        _measure(y, cells)
+                        _measure(y, cells, pre)
             except Exception as exc:  # never raise into the user's forward pass
                 self.disarm()
                 if self._on_error is not None:
@@ -425,11 +447,14 @@ class ActHooks:
         return hook
 
 
-def _measure(y: torch.Tensor, row: _Row) -> None:
+def _measure(y: torch.Tensor, row: _Row, pre: str | None = None) -> None:
     """Copy a strided sample of ``y`` into the module's row and write its length; no
-    sync, no arithmetic (agent/actstats.py does it on the host)."""
+    sync, no arithmetic (agent/actstats.py does it on the host). ``pre``: ``y`` is the
+    input of that activation kind, applied to the sample first (actsample.PRE)."""
     values, length = row
     x = sample_of(y)
+    if pre is not None:
+        x = activated(pre, x)
     n = x.numel()
     values[:n].copy_(x)  # one strided read, cast to float32
     length.fill_(n)  # numel is shape metadata: no sync

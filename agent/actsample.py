@@ -18,6 +18,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 # Outputs larger than this are measured on a strided sample of about this size. A
@@ -82,3 +84,24 @@ def storage_view(y: torch.Tensor) -> torch.Tensor:
     """A 1-D view of the storage ``y`` spans, from its first element (no copy)."""
     span = sum((size - 1) * stride for size, stride in zip(y.shape, y.stride(), strict=True))
     return y.as_strided((span + 1,), (1,))  # keeps y's storage offset
+
+
+# ``activation_modules={"*.w1": "pre:silu"}``: the module's output is what an activation
+# called as a function then takes (LLaMA's SwiGLU: w2(F.silu(w1(x)) * w3(x)), where no
+# layer's input is the SiLU's output). Its sample is passed through the activation, so
+# the statistics are those of the activation's output, as for a module of that kind.
+PRE = "pre:"
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": torch.relu,
+    "relu6": lambda x: torch.clamp(x, 0.0, 6.0),
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "gelu": torch.nn.functional.gelu,
+    "silu": torch.nn.functional.silu,
+}
+PRE_KINDS = tuple(PRE + kind for kind in _ACTIVATIONS)
+
+
+def activated(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """The activation ``kind`` of a sample of its pre-activations (float32, a new tensor)."""
+    return _ACTIVATIONS[kind](x.float())

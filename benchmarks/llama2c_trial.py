@@ -19,7 +19,9 @@ text (``nanogpt_trial.local_text``, the bytes as tokens: ``vocab_source=custom``
 ``vocab_size=128``). A small model for this CPU: dim 128, 4 layers, 4 heads,
 batch 16 x 2 micro-batches of 64 tokens, 1,500 iterations, warm-up 100, llama2.c's default lr 5e-4.
 
-Variants: ``healthy``; ``lr_x100`` (5e-2); ``no_zero_grad`` (the
+Variants: ``healthy``; ``healthy_gate_stats`` (with
+``activation_modules={'*.feed_forward.w1': 'pre:silu'}``: the gates' SiLUs measured);
+``lr_x100`` (5e-2); ``no_zero_grad`` (the
 ``optimizer.zero_grad`` line removed: every step's gradient adds to all earlier ones).
 None of them took part in designing a rule.
 
@@ -38,6 +40,7 @@ from trials import LR_TOO_HIGH, checkout_trial, local_text, replace_once, run_re
 ITERS = 1500
 ACCEPT: dict[str, tuple[str, ...]] = {
     "healthy": (),
+    "healthy_gate_stats": (),
     "lr_x100": LR_TOO_HIGH,
     # Stale gradients summed step after step: a gradient norm that climbs, updates that
     # follow the sum, not this step's batch.
@@ -90,13 +93,19 @@ class Task:
 
 def patch_train(text: str, job: str, endpoint: str, variant: str) -> str:
     """train.py with gradwatch attached as README's quickstart says."""
+    # The SwiGLU gate's SiLU is a function call: name the layer whose output it takes.
+    acts = (
+        ", activation_modules={'*.feed_forward.w1': 'pre:silu'}"
+        if variant == "healthy_gate_stats"
+        else ""
+    )
     t = replace_once(
         text,
         "checkpoint = None  # free up memory\n",
         "checkpoint = None  # free up memory\n"
         "import gradwatch\n"
         f"mon = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r}, "
-        "start_step=iter_num)\n",
+        f"start_step=iter_num{acts})\n",
         "train.py",
     )
     t = replace_once(

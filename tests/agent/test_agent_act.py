@@ -142,9 +142,9 @@ def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
     calls: list[int] = []
     original = activations._measure
 
-    def counting(y, row):
+    def counting(y, row, pre=None):
         calls.append(step_now[0])
-        original(y, row)
+        original(y, row, pre)
 
     monkeypatch.setattr(activations, "_measure", counting)
     step_now = [0]

@@ -135,6 +135,36 @@ def test_functional_activation_is_measured_at_the_next_modules_input(act: str) -
     assert stats[f"0.fc2:input/{act}"][2] == pytest.approx(0.75, abs=0.02)
 
 
+class GatedMLP(nn.Module):
+    """LLaMA's SwiGLU feed-forward: w2(F.silu(w1(x)) * w3(x)); no layer takes the SiLU's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(8, 256), nn.Linear(256, 8), nn.Linear(8, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def test_a_gate_is_measured_from_the_layer_whose_output_the_activation_takes() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(GatedMLP())
+    with torch.no_grad():
+        model[0].w1.bias[:64].fill_(-20.0)  # a quarter of the gate's units dead
+    x = torch.randn(128, 8)
+    stats = measured(model, x, inputs={"*.w1": "pre:silu"})
+    assert set(stats) == {"0.w1:pre/silu"}
+    assert stats["0.w1:pre/silu"][2] == pytest.approx(0.25, abs=0.02)  # the flat tail
+    # The same statistics as a SiLU module fed the same pre-activations: the same sample.
+    with torch.no_grad():
+        pre = model[0].w1(x)
+    assert stats["0.w1:pre/silu"] == pytest.approx(
+        measured(nn.Sequential(nn.SiLU()), pre)["0/silu"], rel=1e-6
+    )
+    with pytest.raises(ValueError, match="pre:silu"):
+        ActHooks.attach(model, torch.device("cpu"), on_error=None, inputs={"*.w1": "pre:softmax"})
+
+
 def connected(sock: zmq.Socket) -> None:
     while True:
         assert sock.poll(WAIT_MS), "the agent did not connect in time"

@@ -79,6 +79,21 @@ def measured(module: nn.Module, y: torch.Tensor) -> list[float]:
     return values
 
 
+def test_a_pre_activation_hook_stays_within_the_bound() -> None:
+    # activation_modules={"*.w1": "pre:silu"}: the sample goes through the SiLU first.
+    gate = nn.Linear(4, 4)
+    hooks = ActHooks.attach(
+        nn.Sequential(gate), torch.device("cpu"), on_error=None, inputs={"0": "pre:silu"}
+    )
+    assert hooks is not None
+    hooks.arm()
+    (hook,) = gate._forward_hooks.values()
+    y = _sliced(torch.bfloat16)  # the gathered path, and a cast
+    _, peak, live = allocated(lambda: hook(gate, (y,), y))
+    assert peak <= hook_transient_bytes() and live == 0, peak
+    hooks.disarm()
+
+
 @pytest.mark.parametrize("name", ["sliced", "softmax, dim 1 of 4"])
 def test_a_gathered_sample_is_the_contiguous_copys_sample(name: str) -> None:
     make_module, make_output = OUTPUTS[name]

@@ -138,9 +138,11 @@ def test_cadence_steps_with_activation_hooks_make_no_syncing_call(detector, endp
     measured: list[int] = []  # which module's row each hook wrote
     original = activations._measure
 
-    def counting(y: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def counting(
+        y: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor], pre: str | None = None
+    ) -> None:
         measured.append(row[0].storage_offset())
-        original(y, row)
+        original(y, row, pre)
 
     monkeypatch.setattr(activations, "_measure", counting)
     mon = run_loop(endpoint, steps=12, stats_every=2)  # most steps hook the forward
