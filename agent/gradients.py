@@ -33,6 +33,8 @@ from typing import Any, cast
 
 import torch
 
+from gradwatch.agent.layout import DEFERRED_MAX_LAYERS
+
 # torch.compile wraps the model; its parameters gain this prefix, which
 # names nothing the user wrote.
 _COMPILED_PREFIX = "_orig_mod."
@@ -69,6 +71,9 @@ class GradReader:
     sharded: bool = False
     # None of the above: every step's read is one _foreach_norm and one stack.
     plain: bool = False
+    # Plain, on a CPU, and small enough that its norms may wait for the shipper to stack
+    # them (agent/layout.py: fill_norms, DEFERRED_MAX_LAYERS).
+    deferrable: bool = False
 
     @classmethod
     def attach(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> GradReader:
@@ -90,7 +95,8 @@ class GradReader:
         multi = any(p.device != device for p in params)
         sharded = any(_is_dtensor(p) for p in params)
         plain = not (wide or multi or sharded)
-        return cls(tuple(names), tuple(params), device, wide, multi, sharded, plain)
+        deferrable = plain and device.type == "cpu" and len(params) <= DEFERRED_MAX_LAYERS
+        return cls(tuple(names), tuple(params), device, wide, multi, sharded, plain, deferrable)
 
     def read_into(self, row: torch.Tensor) -> None:
         """Write each layer's gradient L2 norm (float32) into ``row``, in order.
@@ -98,7 +104,7 @@ class GradReader:
         ``row`` has exactly ``len(names)`` elements (the layer part of a
         buffer row, sliced once by the caller).
         """
-        norms = self.norms() if self.plain else None
+        norms = self.norms()
         if norms is not None:
             torch.stack(norms, out=row)
             return

@@ -42,7 +42,7 @@ from gradwatch.agent.activations import ActHooks, is_compiled
 from gradwatch.agent.failsafe import describe
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached
-from gradwatch.agent.layout import DEFERRED_MAX_LAYERS, HostValue, Later
+from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rowplan import RowPlan
 from gradwatch.agent.sampling import Sampler
@@ -206,11 +206,10 @@ class StepRecorder(Sampler):
         try:
             reader = self._reader
             if (
-                self._by_reference
-                and scratch is None
+                scratch is None
                 and self._scales is None
                 and type(reader) is GradReader
-                and len(reader.params) <= DEFERRED_MAX_LAYERS
+                and reader.deferrable
             ):
                 # On CPU the norms are final once read: the shipper stacks them into
                 # the batch (agent/layout.py: fill_norms), which spares this thread the

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from gradwatch.demo import start_collector, stop_collector
 
 # What fits a learning rate far too high. Seed Stage 4 adds weight runaway ("an
 # exploding-gradient regime the optimizer partially absorbed") and dead units ("a learning
@@ -76,56 +77,6 @@ def replace_once(text: str, old: str, new: str, where: str) -> str:
     return text.replace(old, new)
 
 
-def start_collector(work: Path, record: Path) -> tuple[subprocess.Popen[bytes], str]:
-    ready = work / "collector-ready.json"
-    ready.unlink(missing_ok=True)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gradwatch",
-            "collector",
-            "--listen",
-            "tcp://127.0.0.1:*",
-            "--metrics-addr",
-            "127.0.0.1:0",
-            "--record",
-            str(record),
-            "--ready-file",
-            str(ready),
-            "--log-level",
-            "WARNING",
-        ],
-        stdout=open(work / "collector.log", "ab"),
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if ready.exists() and ready.stat().st_size:
-            try:
-                info = json.loads(ready.read_text())
-            except json.JSONDecodeError:
-                time.sleep(0.1)  # written but not complete yet
-                continue
-            return proc, str(info.get("endpoint") or info.get("listen"))
-        if proc.poll() is not None:
-            raise SystemExit(
-                f"the collector exited ({proc.returncode}); see {work / 'collector.log'}"
-            )
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"the collector was not ready within 60 s; see {work / 'collector.log'}")
-
-
-def stop_collector(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def run_recorded(
     work: Path,
     traces: Path,
@@ -138,7 +89,8 @@ def run_recorded(
 
     ``write(endpoint)`` writes the patched script and returns its arguments.
     """
-    proc, endpoint = start_collector(work, traces)
+    proc, ready = start_collector(work, ["--record", str(traces)], work / "collector.log", 60.0)
+    endpoint = ready["listen"]
     try:
         cmd = [sys.executable, *write(endpoint)]
         full = dict(

@@ -80,7 +80,9 @@ class Demo:
         traces = self.out / "traces"
         traces.mkdir(parents=True, exist_ok=True)
         with WebhookReceiver() as receiver:
-            collector, ready = _start_collector(self.out, traces, receiver.url)
+            collector, ready = start_collector(
+                self.out, ["--webhook", receiver.url, "--record", str(traces)]
+            )
             try:
                 print(
                     f"[1/5] collector   pid {collector.pid}, ingest {ready['listen']}, metrics "
@@ -101,7 +103,7 @@ class Demo:
                 )
                 _print_metrics(ready["metrics_url"])
             finally:
-                _stop(collector)
+                stop_collector(collector)
         return self._report(traces, broken, fixed, time.monotonic() - started)
 
     # ------------------------------------------------------------ one job
@@ -213,9 +215,13 @@ class Demo:
         return 0
 
 
-def _start_collector(
-    out: Path, traces: Path, webhook_url: str
+def start_collector(
+    out: Path, args: Sequence[str], log: Path | None = None, timeout: float = READY_TIMEOUT_S
 ) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """A ``gradwatch collector`` subprocess on loopback ports of its choosing, with ``args``
+    added (``--webhook URL``, ``--record DIR``), once its ready file in ``out`` says where
+    it listens (``listen``, ``metrics_url``); its output goes to ``log`` when given.
+    Also used by benchmarks/trials.py."""
     ready_file = out / "collector-ready.json"
     ready_file.unlink(missing_ok=True)
     cmd = [
@@ -227,37 +233,42 @@ def _start_collector(
         "tcp://127.0.0.1:*",
         "--metrics-addr",
         "127.0.0.1:0",
-        "--webhook",
-        webhook_url,
-        "--record",
-        str(traces),
+        *args,
         "--ready-file",
         str(ready_file),
         "--log-level",
         "warning",
     ]
-    proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    see = f"; see {log}" if log is not None else ""
+    if log is None:
+        proc = subprocess.Popen(cmd)
+    else:
+        with open(log, "ab") as sink:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    # The collector writes the file whole, then renames it (collector/server.py).
     while not ready_file.exists():
         if proc.poll() is not None:
             raise SystemExit(
-                f"the collector exited with code {proc.returncode} before it was ready"
+                f"the collector exited with code {proc.returncode} before it was ready{see}"
             )
         if time.monotonic() > deadline:
             proc.kill()
-            raise SystemExit(f"the collector was not ready within {READY_TIMEOUT_S:.0f} s")
+            raise SystemExit(f"the collector was not ready within {timeout:.0f} s{see}")
         # Polling a file the child writes once: there is no event to wait on
         # across processes without more machinery than a demo deserves.
         time.sleep(0.05)
     return proc, json.loads(ready_file.read_text())
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()  # SIGTERM: the collector drains and closes its trace files
+def stop_collector(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, so the collector drains and closes its trace files; killed if it hangs."""
+    proc.terminate()
     try:
         proc.wait(timeout=STOP_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         proc.kill()
+        proc.wait()
 
 
 def _print_metrics(url: str) -> None:

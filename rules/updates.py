@@ -95,12 +95,10 @@ class UpdateRatioDetector:
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no update ratios."""
-        if stats.update_ratios is None:
+        read = finite_ratios(stats)
+        if read is None:
             return None
-        ratios = np.asarray(stats.update_ratios, dtype=np.float64)
-        finite = np.isfinite(ratios)
-        if not finite.any():
-            return None
+        ratios, finite = read
         frozen: list[str] = []
         if self.direction == "high":
             value = self.global_ratio(ratios, finite, stats.weight_norms)
@@ -243,13 +241,17 @@ def model_update_ratio(stats: Stats) -> float | None:
     """‖Δw‖/‖w‖ over the model as UpdateRatioTooLarge reads it (weighted by weight norm: a
     median over layers reads a tiny-init model's small layers as "updates too large");
     None when the sample carries no finite update ratio."""
+    read = finite_ratios(stats)
+    return None if read is None else UpdateRatioDetector.global_ratio(*read, stats.weight_norms)
+
+
+def finite_ratios(stats: Stats) -> tuple[np.ndarray, np.ndarray] | None:
+    """The sample's update ratios (float64) and which are finite; None without a finite one."""
     if stats.update_ratios is None:
         return None
     ratios = np.asarray(stats.update_ratios, dtype=np.float64)
     finite = np.isfinite(ratios)
-    if not finite.any():
-        return None
-    return UpdateRatioDetector.global_ratio(ratios, finite, stats.weight_norms)
+    return (ratios, finite) if finite.any() else None
 
 
 # A weight matrix whose norm is below this share of the median matrix's has no update
