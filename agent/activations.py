@@ -108,7 +108,7 @@ from gradwatch.agent.actsample import (
     stride,
 )
 from gradwatch.agent.actstats import ActCopy, ActLayout, missing_buffer
-from gradwatch.agent.hooks import Detached
+from gradwatch.agent.hooks import Detached, hook_module
 from gradwatch.agent.hostpart import host_copy
 from gradwatch.wire import columns as wc
 
@@ -305,7 +305,8 @@ class ActHooks:
         rows = self._buf[len(columns) + len(sampled) :].view(len(sampled), SAMPLE)
         row_of = {id(t): r for r, (t, _, _) in enumerate(sampled)}
         # Each module's hook, made once (arm() only registers them), writing into views
-        # made once. Detached: a model pickled or copied while armed carries an inert hook.
+        # made once; registered by hook_module, so a model saved or copied while armed leaves
+        # them out (agent/hooks.py).
         self._hooks = [
             (
                 target,
@@ -399,10 +400,7 @@ class ActHooks:
         for i, (target, hook) in enumerate(self._hooks):
             if not first <= i * of // n < stop:
                 continue
-            if target.on_input:
-                self._handles.append(target.module.register_forward_pre_hook(hook))
-            else:
-                self._handles.append(target.module.register_forward_hook(hook))
+            self._handles.append(hook_module(target.module, hook, after=not target.on_input))
 
     def reset(self) -> None:
         """Start a sample whose first step hooks nothing: every module MISSING until it runs."""

@@ -1,39 +1,58 @@
-"""Hooks the agent leaves on the user's objects, made safe to pickle and copy.
+"""Hooks the agent leaves on the user's objects, left out of every copy and saved file.
 
-A hook registered on a module or optimizer lives in that object's hook
-dictionaries, so ``torch.save(model)``, ``copy.deepcopy(model)`` or an EMA copy
-pickle it along with the model. A bound method of the monitor cannot be
-pickled (it drags in threads, sockets and locks), which made ``torch.save``
-raise into the user's loop. :class:`Detached` wraps every such hook: it calls
-through while the original object is watched, and pickles (or deep-copies) to
-an :class:`Inert` hook that does nothing, so a copy or a reloaded model is
-not watched and behaves exactly as the original unwatched model.
+A hook registered on a module lives in that module's hook dictionaries, so
+``torch.save(model)``, ``copy.deepcopy(model)`` or an EMA copy would carry it
+along with the model. A bound method of the monitor cannot be pickled (it drags
+in threads, sockets and locks), which made ``torch.save`` raise into the user's
+loop; and a file naming any gradwatch class fails ``torch.load``'s default
+``weights_only=True`` (torch >= 2.6) in a script that allowlists only its own
+model classes, as pytorch/examples' word_language_model does when it reloads the
+best model it saved whole.
 
-A model saved whole while watched therefore refers to
-``gradwatch.agent.hooks.Inert``: load it where gradwatch is installed, or save
-``model.state_dict()`` (which carries no hooks) as PyTorch recommends.
+So every module hook is registered through :func:`hook_module`: the module's
+class pickles and copies without gradwatch's entries (a reducer in
+``copyreg.dispatch_table``, which both ``pickle`` and ``copy`` consult; the class's
+own ``__reduce_ex__`` does the rest), so a copy or a saved file is the unwatched
+model, loadable where gradwatch is not installed. Every hook is also
+:class:`Detached`, which pickles and copies to an :class:`Inert` no-op, for what
+the reducer cannot reach (a class with its own non-dict state, a hook dict
+pickled by itself); ``Inert`` is on torch's ``weights_only`` allowlist while
+gradwatch is imported.
 
 Example::
 
-    >>> import copy, pickle, torch
-    >>> from gradwatch.agent.hooks import Detached, Inert
+    >>> import copy, io, pickle, torch
+    >>> from gradwatch.agent.hooks import Detached, hook_module
     >>> model = torch.nn.Linear(2, 2)
     >>> calls = []
-    >>> _ = model.register_forward_pre_hook(Detached(lambda m, args: calls.append(1)))
+    >>> _ = hook_module(model, Detached(lambda m, args: calls.append(1)))
     >>> _ = model(torch.ones(1, 2))
     >>> copied = pickle.loads(pickle.dumps(model))
-    >>> _ = copied(torch.ones(1, 2)); len(calls)
-    1
-    >>> isinstance(next(iter(copy.deepcopy(model)._forward_pre_hooks.values())), Inert)
-    True
+    >>> _ = copied(torch.ones(1, 2)); len(calls), len(copied._forward_pre_hooks)
+    (1, 0)
+    >>> buf = io.BytesIO(); torch.save(model, buf); _ = buf.seek(0)
+    >>> with torch.serialization.safe_globals([torch.nn.Linear]):
+    ...     len(torch.load(buf)._forward_pre_hooks), len(model._forward_pre_hooks)
+    (0, 1)
 """
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
+
+# The module attributes that hold hooks, and the per-hook flags torch keys by the
+# same handle ids (unique across all of them).
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_HOOK_FLAGS = (
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+)
 
 
 class Inert:
@@ -75,3 +94,58 @@ class Detached:
 
     def __copy__(self) -> Inert:
         return Inert()
+
+
+def hook_module(
+    module: torch.nn.Module,
+    hook: Detached,
+    *,
+    after: bool = False,
+    prepend: bool = False,
+    with_kwargs: bool = False,
+) -> RemovableHandle:
+    """Register ``hook`` as a forward pre-hook (``after``: a forward hook) on ``module``.
+
+    A pickled, saved or copied ``module`` leaves it out (the module docstring).
+    """
+    _unwatched_when_copied(type(module))
+    if after:
+        return module.register_forward_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
+    return module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=with_kwargs)
+
+
+def _unwatched_when_copied(cls: type) -> None:
+    # A class that already has a reducer keeps it (its pickles then carry Inert hooks).
+    if cls not in copyreg.dispatch_table:
+        copyreg.pickle(cls, _reduce_unwatched)
+
+
+def _reduce_unwatched(module: torch.nn.Module) -> Any:
+    """What the class's own ``__reduce_ex__`` gives, less gradwatch's hooks in its state."""
+    # Protocol 2: torch.save's, and what copy uses; the tuple is the same at any protocol.
+    reduced = module.__reduce_ex__(2)
+    if not isinstance(reduced, tuple) or len(reduced) < 3 or not isinstance(reduced[2], dict):
+        return reduced
+    state = reduced[2]
+    ours = {
+        key
+        for name in _HOOK_DICTS
+        if isinstance(hooks := state.get(name), dict)
+        for key, hook in hooks.items()
+        if isinstance(hook, (Detached, Inert))
+    }
+    if not ours:
+        return reduced
+    state = dict(state)
+    for name in (*_HOOK_DICTS, *_HOOK_FLAGS):
+        entries = state.get(name)
+        if isinstance(entries, dict):
+            # The same dict type (an OrderedDict): what weights_only loading accepts.
+            state[name] = type(entries)((k, v) for k, v in entries.items() if k not in ours)
+    return (reduced[0], reduced[1], state, *reduced[3:])
+
+
+# A file saved by an older gradwatch, or through a path the reducer cannot reach,
+# names Inert: let torch.load's default (weights_only) accept it while gradwatch is
+# imported. Inert() takes no arguments and does nothing, so it admits no code.
+torch.serialization.add_safe_globals([Inert])

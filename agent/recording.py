@@ -41,7 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradwatch.agent.activations import ActHooks, is_compiled
 from gradwatch.agent.failsafe import describe
 from gradwatch.agent.gradients import GradReader
-from gradwatch.agent.hooks import Detached
+from gradwatch.agent.hooks import Detached, hook_module
 from gradwatch.agent.layout import HostValue, Later
 from gradwatch.agent.recovery import Follower, Notice, recover
 from gradwatch.agent.rowplan import RowPlan
@@ -62,8 +62,9 @@ class StepRecorder(Sampler):
 
     def _attach(self, model: torch.nn.Module, optimizer: Any) -> None:
         """Leave the hooks on ``model`` and ``optimizer``, and set up the cadence statistics."""
-        # Every hook is Detached: a pickled or copied model or optimizer gets an inert
-        # one (agent/hooks.py), so torch.save(model) and deepcopy work as unwatched.
+        # A pickled, saved or copied model leaves the module hooks out, and a copied
+        # optimizer gets inert ones (agent/hooks.py): torch.save(model) and deepcopy
+        # work as unwatched.
         if getattr(optimizer, "gradwatch_stand_in", False):
             # A framework callback's stand-in (integrations/_attach.py): it alone decides
             # when the gradients are read.
@@ -81,12 +82,10 @@ class StepRecorder(Sampler):
         # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
         # parameters, which waits for the slowest rank; that wait is not "data".
         self._hooks.append(
-            model.register_forward_pre_hook(
-                Detached(self._forward_began, compile_safe=True), prepend=True
-            )
+            hook_module(model, Detached(self._forward_began, compile_safe=True), prepend=True)
         )
         self._hooks.append(
-            model.register_forward_hook(Detached(self._forward_ended, compile_safe=True))
+            hook_module(model, Detached(self._forward_ended, compile_safe=True), after=True)
         )
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         # A rank that sends no layers sends no cadence statistics either: its

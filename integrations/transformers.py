@@ -61,7 +61,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from gradwatch.agent import Monitor
-from gradwatch.agent.hooks import Detached
+from gradwatch.agent.hooks import Detached, hook_module
 from gradwatch.integrations._attach import Attachment
 
 __all__ = ["GradwatchCallback"]
@@ -125,8 +125,8 @@ class GradwatchCallback(TrainerCallback):
         )
         if self.monitor is not None:
             self._remove_forward_hook()
-            self._forward_hook = model.register_forward_hook(
-                Detached(self._on_forward, compile_safe=True), with_kwargs=True
+            self._forward_hook = hook_module(
+                model, Detached(self._on_forward, compile_safe=True), after=True, with_kwargs=True
             )
 
     def on_step_begin(

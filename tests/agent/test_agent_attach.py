@@ -10,6 +10,8 @@ import copy
 import io
 import logging
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -70,23 +72,41 @@ def hooks_of(model: nn.Module) -> list[object]:
     return [*model._forward_pre_hooks.values(), *model._forward_hooks.values()]
 
 
+def all_hooks(model: nn.Module) -> list[object]:
+    return [h for m in model.modules() for h in hooks_of(m)]
+
+
+# torch.load's default (weights_only=True since torch 2.6), allowlisting the model's
+# own classes only: how pytorch/examples' word_language_model reloads the best model it
+# saved whole each epoch. A gradwatch class in the file failed that load.
+MLP_CLASSES = [nn.Sequential, nn.Linear, nn.ReLU, nn.Dropout]
+
+
 def test_save_load_deepcopy_and_pickle_mid_run_behave_as_unwatched(pull) -> None:
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     w = watched(model, opt, pull)
     mon = w.mon
     train(model, opt, mon, 3)  # the next step is a cadence step: activation hooks armed
+    assert hooks_of(model) and hooks_of(model[1])  # the phase clock's and the ReLU's
     buf = io.BytesIO()
     torch.save(model, buf)  # word_language_model saves the whole model each epoch
     buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    with torch.serialization.safe_globals(MLP_CLASSES):
+        loaded = torch.load(buf)
     copies = [loaded, copy.deepcopy(model), pickle.loads(pickle.dumps(model))]
     x = torch.randn(4, 6)
     model.eval()
     for other in copies:
         other.eval()
-        assert all(isinstance(h, Inert) for h in hooks_of(other))
+        assert all_hooks(other) == []  # left out, not carried along
         assert torch.equal(other(x), model(x))
+    # A hook dict pickled by itself still gets the inert stand-in, which the default
+    # load accepts while gradwatch is imported.
+    buf = io.BytesIO()
+    torch.save(model._forward_pre_hooks, buf)
+    buf.seek(0)
+    assert all(isinstance(h, Inert) for h in torch.load(buf).values())
     model.train()
     copy.deepcopy(opt)
     pickle.dumps(opt)  # a hook on the optimizer would make both fail
@@ -100,6 +120,33 @@ def test_save_load_deepcopy_and_pickle_mid_run_behave_as_unwatched(pull) -> None
     assert mon.stats.disabled is None
     assert sorted(got.steps) == list(range(1, 7))
     assert not got.kinds("degraded")
+
+
+def test_a_model_saved_while_watched_loads_where_gradwatch_is_not(pull, tmp_path) -> None:
+    """The file names no gradwatch class: a process that never imports gradwatch loads it
+    with torch.load's default, allowlisting the model's own classes only."""
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    w = watched(model, opt, pull)
+    train(model, opt, w.mon, 3)  # the activation hooks are armed for the next step
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    assert b"gradwatch" not in path.read_bytes()
+    model.eval()
+    expected = model(torch.ones(2, 6)).tolist()
+    w.received()
+    names = ", ".join(f"nn.{c.__name__}" for c in MLP_CLASSES)
+    code = (
+        "import sys, torch\nfrom torch import nn\n"
+        f"with torch.serialization.safe_globals([{names}]):\n"
+        f"    m = torch.load({str(path)!r})\n"
+        "m.eval()\n"
+        "print(m(torch.ones(2, 6)).tolist(), 'gradwatch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == f"{expected} False"
 
 
 def test_compile_before_and_after_watch(pull) -> None:

@@ -2,7 +2,9 @@
 
 * word_language_model: no optimizer (``p.data.add_(p.grad, alpha=-lr)``),
   gradient clipping, the learning rate annealed by hand, and the whole model
-  saved with ``torch.save(model, f)`` every epoch (which crashed while watched).
+  saved with ``torch.save(model, f)`` every epoch (which crashed while watched), then
+  reloaded with ``torch.load``'s default ``weights_only`` and the script's classes
+  allowlisted (which failed on a gradwatch class in the file).
 * mnist: Adadelta, StepLR stepped per epoch, Dropout, ``model.train()`` /
   ``model.eval()`` around a test pass each epoch.
 * nanoGPT's step numbering: iterations count from 0 and a resume continues
@@ -104,7 +106,12 @@ def word_language_model(tmp: Path, pull: Any | None) -> tuple[list[float], Recei
             lr /= 4.0
         losses.append(val)
     with open(tmp / "model.pt", "rb") as f:
-        reloaded = torch.load(f, weights_only=False)
+        # As the script reloads it: torch.load's default (weights_only), its own classes
+        # allowlisted, none of gradwatch's.
+        with torch.serialization.safe_globals(
+            [RNNModel, nn.Dropout, nn.Embedding, nn.LSTM, nn.Linear]
+        ):
+            reloaded = torch.load(f)
     losses.append(reloaded(data[:5], reloaded.init_hidden(4))[0].sum().item())
     return losses, finish(pull, mon, seen) if mon is not None else None
 
