@@ -111,6 +111,7 @@ class Sampler(RollbackExit):
                 self.config.update_ratios,
                 () if part is None else self._parts,
             )
+            started.census = self._census.take()
             if part is None:  # measured whole: worked out before the next sample's hooks
                 if acts is not None:
                     started.acts = acts.stats()
@@ -179,7 +180,7 @@ class Sampler(RollbackExit):
             values,
             ready,
             done.columns,
-            self._census.take(),
+            done.census if done.census is not None else self._census.take(),
             host,
         )
         try:

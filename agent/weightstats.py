@@ -58,6 +58,7 @@ from gradwatch.agent.updateratios import (
     flat_view,
     weights_of,
 )
+from gradwatch.wire.census import Census
 
 # A round reads the weights over at most this many steps.
 MAX_PHASES = 8
@@ -90,6 +91,9 @@ class Round:
     phase: int = 0  # steps since it began: the part the next step measures, when spread
     norms: torch.Tensor | None = None  # the per-layer weight norms, once complete
     parts: tuple[Part, ...] = ()  # a spread sample's steps (agent/spreadplan.py)
+    # The model census at its step (contract C2), not when it ships: a sample cut short
+    # by close() ships after the loop's last evaluation, with the model in eval mode.
+    census: Census | None = None
 
 
 class WeightStats:

@@ -255,3 +255,38 @@ def test_log_eval_does_not_name_dropout_that_cannot_change_the_output(pull) -> N
         assert sock.poll(WAIT_MS), "the eval event did not arrive in time"
         evals = list(ingest.feed(sock.recv_multipart()).evals)
     assert evals[0].train_mode_modules == ("transformer.h.1.drop",)
+
+
+def test_a_sample_cut_short_at_close_keeps_the_census_of_its_training_step(pull) -> None:
+    """pytorch/examples' word_language_model closes after its last evaluation: a sample
+    spread over steps and cut short there shipped a census taken then, with the model in
+    eval mode, and TrainingInEvalMode paged a healthy run. The census is its step's."""
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    # Over 2 x 65,536 weights: the sample after step 50 is spread over the next steps.
+    model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 256))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="census",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=50,
+        heartbeat_every=0.05,
+        early_stats=False,
+    )
+    connected(sock, mon)
+    for _ in range(52):
+        model(torch.randn(8, 64)).pow(2).mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randn(8, 64))  # the loop's last evaluation, then it closes
+    mon.close()
+    _, stats = collect(sock, mon)
+    assert [s.step for s in stats][-1] == 50  # the sample cut short did ship
+    assert all(s.census is not None and s.census.model_training for s in stats)
+    assert all(s.census is not None and s.census.eval_modules == () for s in stats)
