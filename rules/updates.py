@@ -14,7 +14,8 @@
   smdebug's WeightUpdateRatio uses 10 and 1e-8 on its own definition of the
   ratio; the defaults here are calibrated on synthetic runs.
 * :class:`LaggingLayersDetector` -- some weight matrices update orders of
-  magnitude slower than the model's fastest ones.
+  magnitude slower than the model's fastest ones, and their gradients do not
+  explain it: the optimizer gives them a far smaller step per unit of gradient.
 
 The weight-norm detectors (runaway growth, a too-small init) are in
 :mod:`gradwatch.rules.weights`, which re-exports these for its importers.
@@ -37,6 +38,9 @@ from gradwatch.rules.step import Stats, Step
 # "Since the start" only for a run seen from (near) its first step, as LossFlatFromStart's
 # max_first_step: a resumed converged run is flat and moves little, and is healthy.
 FIRST_STEP_MAX = 10  # a first loss after this step is no run's start (a resume)
+# LaggingLayersDetector's running mean of log gradient norms: each step weighs 1/4, so
+# the mean follows the last ~4-8 steps (the dense early cadence samples every step).
+GRAD_MEAN_WEIGHT = 0.25
 
 
 Direction = Literal["high", "low", "small", "partial"]
@@ -275,19 +279,30 @@ def _sized(weight_norms: np.ndarray | None, weight: np.ndarray) -> np.ndarray:
 
 
 class LaggingLayersDetector:
-    """Active while some weight matrices update ``factor`` times slower than the model's fast ones.
+    """Active while some weight matrices update ``factor`` times slower than the model's fast
+    ones, not because their gradients are smaller.
 
     ‖Δw‖/‖w‖ per layer, on weight matrices only (roles as for the layer ratio:
     norm gains, biases and embeddings move at rates of their own). A layer far
-    below the others learns ~``factor`` times slower: a param group with a
-    wrong learning rate, or gradients vanishing before they reach it. The
-    reference is the upper decile of the layers' ratios, not their median:
-    when most layers lag (every hidden layer of an MLP behind its head), the
-    median is a lagging layer itself. Healthy spreads are narrow (at most 4.9x
-    between the fastest and the slowest weight matrix on the nanoGPT-
-    architecture trial). Layers below ``low`` are frozen (LayersFrozen's) and
-    left out, and so are matrices far smaller than the median one
-    (``SIZED_SHARE``: a zero-initialised LoRA B).
+    below the others learns ~``factor`` times slower. The reference is the upper
+    decile of the layers' ratios, not their median: when most layers lag (every
+    hidden layer of an MLP behind its head), the median is a lagging layer
+    itself. Layers below ``low`` are frozen (LayersFrozen's) and left out, and so
+    are matrices far smaller than the median one (``SIZED_SHARE``: a
+    zero-initialised LoRA B).
+
+    A lag counts only when the optimizer moved the layer less *per unit of its
+    gradient*: its step ‖Δw‖/‖g‖ (‖g‖ a running mean of its gradient norms, in
+    logs) at least ``unexplained`` times below the median step of the layers that
+    do not lag. A param group with a far smaller learning rate (the cause this
+    rule names first) does that under any optimizer. A layer whose gradient is
+    small moves little under SGD (the same step per unit of gradient for every
+    layer) with nothing misconfigured: a healthy LSTM's first ~40 steps
+    (pytorch/examples' word_language_model, hand-written SGD at lr 20: lags up to
+    93x). That is gradients vanishing on the way down, which
+    LayerGradNormRatioVanishing and the activation rules judge against the run's
+    own history. A sample is not judged before its layers' gradient norms arrive
+    (a rank that sends none sends no samples either).
 
     Example::
 
@@ -304,17 +319,36 @@ class LaggingLayersDetector:
         samples: Annotated[int, Field(ge=1)] = 3,
         min_layers: Annotated[int, Field(ge=3)] = 3,
         max_named: Annotated[int, Field(ge=1)] = 10,
+        unexplained: Annotated[float, Field(ge=1.0)] = 1.0,
     ) -> None:
         self.factor, self.low, self.samples = factor, low, samples
         self.min_layers, self.max_named = min_layers, max_named
+        self.unexplained = unexplained
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+        # log10 of each layer's gradient norm, a running mean over recent steps (one
+        # array per rank: a window of steps would hold 16x more on a 16k-rank job).
+        self._grads: tuple[tuple[str, ...], np.ndarray] | None = None
         self._held = 0
         self._since: int | None = None
 
     def observe(self, step: Step) -> None:
-        """Keep the roles the agent sent with the step's layers, for the next cadence sample."""
+        """Keep the roles the agent sent with the step's layers, and its gradient norms."""
         if step.layer_roles:
             self._sent = (step.layers, step.layer_roles)
+        if self.unexplained > 1.0 and step.layers and step.layer_norms.size == len(step.layers):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                logs = np.log10(np.asarray(step.layer_norms, dtype=np.float64))
+            last = self._grads
+            if last is None or last[0] != step.layers:
+                self._grads = (step.layers, logs)
+                return
+            # A layer without a finite norm this step (none yet, NaN) keeps its mean.
+            mean = last[1]
+            fine = np.isfinite(logs)
+            start = fine & ~np.isfinite(mean)
+            mean[start] = logs[start]
+            move = fine & ~start
+            mean[move] += GRAD_MEAN_WEIGHT * (logs[move] - mean[move])
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable update ratios."""
@@ -332,6 +366,10 @@ class LaggingLayersDetector:
         median = float(np.median(logs))
         upper = float(np.quantile(logs, 0.9, method="higher"))  # a layer, not between two
         lagging = np.flatnonzero(weight)[logs < upper - math.log10(self.factor)]
+        counted = self._unexplained(stats, ratios, weight, lagging)
+        if counted is None:
+            return None  # no gradient norms for these layers yet: no judgement
+        lagging = counted
         if lagging.size == 0:
             self._held, self._since = 0, None
             return INACTIVE
@@ -362,3 +400,30 @@ class LaggingLayersDetector:
             "since_step": self._since,
         }
         return Finding(True, summary, evidence)
+
+    def _unexplained(
+        self, stats: Stats, ratios: np.ndarray, weight: np.ndarray, lagging: np.ndarray
+    ) -> np.ndarray | None:
+        """The lagging layers whose step per unit of gradient (‖Δw‖/‖g‖) is ``unexplained``
+        times below the median of the other weight matrices' (the class docstring); None
+        while no gradient norms of these layers have arrived (a sample can arrive before
+        its steps' batch)."""
+        grads, norms = self._grads, stats.weight_norms
+        if lagging.size == 0 or self.unexplained <= 1.0:
+            return lagging
+        if grads is None or grads[0] != stats.layers:
+            return None
+        if norms is None or len(norms) != ratios.size:
+            return lagging
+        with np.errstate(divide="ignore", invalid="ignore"):
+            steps = np.log10(ratios * np.asarray(norms, dtype=np.float64)) - grads[1]
+        others = weight.copy()
+        others[lagging] = False
+        known = others & np.isfinite(steps)
+        if not known.any():
+            return lagging
+        reference = float(np.median(steps[known]))
+        # A lagging layer whose step is not known (no finite gradient norm yet) counts.
+        kept = ~(steps[lagging] >= reference - math.log10(self.unexplained))
+        result: np.ndarray = lagging[kept]
+        return result

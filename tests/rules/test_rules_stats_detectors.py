@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from collections.abc import Sequence
 
 import numpy as np
@@ -491,3 +492,45 @@ def test_small_updates_that_are_healthy_or_someone_elses(case: str) -> None:
     else:  # exact zeros everywhere: WeightsFrozen's, not this rule's
         found = small_run(lambda t: 1.38, ratio=0.0)
     assert not any(found)
+
+
+def lag_verdicts(grads: Sequence[float], unexplained: float) -> list[bool | None]:
+    """Five weight matrices of norm 10, the first two updating 90x slower than the rest;
+    each sample after two steps with per-layer gradient norms ``grads``."""
+    from gradwatch.rules.weights import LaggingLayersDetector
+
+    layers = tuple(f"h.{i}.weight" for i in range(5))
+    det = LaggingLayersDetector(factor=30.0, unexplained=unexplained)
+    # A sample before any step's gradient norms: not judged, nothing to weigh it by.
+    early = Stats(
+        job="j",
+        step=1,
+        time=0.0,
+        layers=layers,
+        update_ratios=np.array([1e-4, 1e-4, 9e-3, 9e-3, 9e-3]),
+        weight_norms=np.full(5, 10.0),
+    )
+    out: list[bool | None] = []
+    found = det.observe_stats(early)
+    out.append(None if found is None else found.active)
+    for k in range(1, 5):
+        for t in (2 * k, 2 * k + 1):
+            det.observe(
+                Step(job="j", step=t, time=0.0, layers=layers, layer_norms=np.asarray(grads))
+            )
+        found = det.observe_stats(replace(early, step=2 * k + 1))
+        out.append(None if found is None else found.active)
+    return out
+
+
+def test_a_lag_that_the_gradients_explain_is_not_lagging() -> None:
+    # SGD gives every layer the same step per unit of gradient: gradients 90x smaller make
+    # updates 90x smaller (a healthy LSTM's first steps: pytorch/examples'
+    # word_language_model); the vanishing-gradient rules judge that, against the run.
+    explained = [0.01, 0.01, 0.9, 0.9, 0.9]
+    assert lag_verdicts(explained, unexplained=15.0) == [None, False, False, False, False]
+    # A param group at a far smaller rate: the same gradients, 90x smaller steps.
+    equal = [0.9] * 5
+    assert lag_verdicts(equal, unexplained=15.0) == [None, False, False, True, True]
+    # Off (the default 1.0): every lag counts, as before, and no gradient norm is needed.
+    assert lag_verdicts(explained, unexplained=1.0) == [False, False, True, True, True]
