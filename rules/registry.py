@@ -34,7 +34,11 @@ from gradwatch.rules.events import ExtremeStepDetector
 from gradwatch.rules.growth import GeometricGrowthDetector
 from gradwatch.rules.inflation import WeightInflationDetector
 from gradwatch.rules.liveness import SilentRankDetector, StalledDetector, StragglerDetector
-from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
+from gradwatch.rules.loss import (
+    FlatFromStartDetector,
+    LossAboveStartDetector,
+    RisingLossDetector,
+)
 from gradwatch.rules.modelstate import (
     FrozenMidRunDetector,
     NotInOptimizerDetector,
@@ -133,6 +137,7 @@ register_detector("flat_start", FlatFromStartDetector)
 register_detector("optimizer_idle", OptimizerIdleDetector)
 register_detector("loss_spike", LossSpikeDetector)
 register_detector("rising_loss", RisingLossDetector)
+register_detector("above_start", LossAboveStartDetector)
 register_detector("generalization_gap", GeneralizationGapDetector)
 register_detector("eval_mode", EvalModeWiringDetector)
 register_detector("eval_nonfinite", EvalLossNonFiniteDetector)

@@ -9,7 +9,7 @@ import pytest
 
 from gradwatch.rules import Step
 from gradwatch.rules.detector import INACTIVE, Finding
-from gradwatch.rules.loss import FlatFromStartDetector, RisingLossDetector
+from gradwatch.rules.loss import FlatFromStartDetector, LossAboveStartDetector, RisingLossDetector
 from gradwatch.rules.series import flat_since_start, trending_up
 from gradwatch.rules.spike import LossSpikeDetector
 
@@ -208,3 +208,48 @@ def test_a_loss_falling_back_after_a_jump_is_not_rising() -> None:
     assert not any(f.active for f in run(RisingLossDetector(), losses))
     stays = np.where(t < 400, level, 1.5) * np.random.default_rng(0).lognormal(0.0, 0.1, t.size)
     assert any(f.active for f in run(RisingLossDetector(), stays))  # up and staying: still rising
+
+
+# ---------------------------------------------------------------- far above the start
+
+
+def above(losses: Iterable[float], first: int = 1) -> list[bool | None]:
+    det = LossAboveStartDetector(factor=10.0, over=3)
+    out: list[bool | None] = []
+    for step in steps(losses, first=first):
+        found = det.observe(step)
+        out.append(None if found is None else found.active)
+    return out
+
+
+def test_a_model_broken_in_its_first_step_pages_at_the_third_loss() -> None:
+    # pytorch/examples' word_language_model, AdamW at lr 20 (benchmarks/wlm_trial.py):
+    # 10.1 at step 1, then 18,514 and up. No history to judge a jump against is needed.
+    measured = [10.14, 18513.6, 124696.4, 57180.0, 59737.7, 93840.1]
+    assert above(measured) == [False, False, True, True, True, True]
+    det = LossAboveStartDetector(factor=10.0, over=3)
+    found = [det.observe(s) for s in steps(measured)][-1]
+    assert found is not None and found.evidence["first_loss"] == pytest.approx(10.14)
+    assert found.evidence["ratio"] == pytest.approx(59737.7 / 10.14)
+
+
+def test_healthy_curves_and_a_task_switch_stay_below_the_start_bound() -> None:
+    # A falling loss with batch noise (multiplicative, 20%) never nears 10x its first value.
+    falling = (0.2 + 2.3 * np.exp(-np.arange(400) / 150.0)) * noisy(400, 1.0, 0.2)
+    assert not any(above(falling))
+    # A task switch (the fault suite's healthy control): 2.4x the first loss, then learnt.
+    switched = [1.0] * 50 + [0.3] * 200 + [2.4] * 20 + list(np.linspace(2.4, 0.5, 100))
+    assert not any(above(switched))
+    # A one-step spike of 50x is no level: the median of three losses stays down.
+    assert not any(above([2.0] * 20 + [100.0] + [2.0] * 20))
+
+
+def test_back_under_the_bound_resolves_it() -> None:
+    verdicts = above([1.0, 50.0, 60.0, 70.0, 2.0, 1.0, 1.0])
+    assert verdicts == [False, False, True, True, True, False, False]
+
+
+def test_runs_not_seen_from_the_start_and_signed_losses_are_not_judged() -> None:
+    assert above([1.0, 50.0, 60.0, 70.0], first=500) == [None] * 4  # a resume
+    assert above([-1.0, 50.0, 60.0, 70.0]) == [None] * 4  # a loss that may be negative
+    assert above([0.0, 50.0, 60.0, 70.0]) == [None] * 4

@@ -20,7 +20,11 @@ EAGER = [replace(r, for_steps=1) for r in RULES]
 EXPECTED = {
     "nan": ("NonFiniteGradients", "numerical", set()),
     "spike": ("LossSpike", "loss_spike", set()),
-    "divergence": ("LossDiverging", "lr_too_high", {"LossSpike", "LossRising"}),
+    "divergence": (
+        "LossDiverging",
+        "lr_too_high",
+        {"LossSpike", "LossRising", "LossFarAboveStart"},
+    ),
     "rising": ("LossRising", "lr_too_high", set()),
     "flat": ("LossFlatFromStart", "dead_pipeline", set()),
     "vanishing": ("GradientsVanished", "vanishing_gradients", set()),
