@@ -214,6 +214,13 @@ class ValTrainGapDetector:
     differently (sum vs mean), or evaluation wired to another head. Judged at
     the ``evals``-th eval with a training level; once active it stays so
     while each new eval is still ``factor / 2`` times the training level.
+
+    An eval is not weighed while the latest training losses are themselves
+    ``factor`` times their window's median: the model is blowing up, and the
+    eval only echoes it (pytorch/examples' time_sequence_prediction with LBFGS
+    went from 1e-4 to 1e16 in one step; this rule then paged "the two do not
+    measure the same data" against a training median from before the jump).
+    LossFarAboveStart and the spike rules own that incident.
     """
 
     @validated_params
@@ -244,6 +251,8 @@ class ValTrainGapDetector:
         ):
             return None
         train = statistics.median(self._train)
+        if max(list(self._train)[-5:]) > self.factor * train:
+            return None  # the training loss itself left its level: the eval echoes it
         if self._verdict is not None:
             if self._verdict.active and ev.loss < 0.5 * self.factor * train:
                 self._verdict = INACTIVE  # the gap closed: judged for good
@@ -256,12 +265,12 @@ class ValTrainGapDetector:
             self._verdict = INACTIVE
             return INACTIVE
         first = self._ratios[0]
+        # "its first evals": the first the detector could weigh (an eval that arrives
+        # before any training loss, or while the training loss blows up, is not).
         summary = (
-            f"validation loss has been {min(gaps):.0f}x or more the training loss since the first "
-            "eval "
-            f"(step {first[0]}: {first[1]:.4g} vs {first[2]:.4g}; {len(gaps)} evals): the two do "
-            "not "
-            "measure the same data or the same loss"
+            f"validation loss was {min(gaps):.0f}x or more the training loss at each of its "
+            f"first {len(gaps)} evals weighed (from step {first[0]}: {first[1]:.4g} vs "
+            f"{first[2]:.4g}): the two do not measure the same data or the same loss"
         )
         self._verdict = Finding(
             True,

@@ -85,6 +85,7 @@ class WeightInflationDetector:
         self._wake = GradWake(wake, WAKE_STEPS)  # a small init's gradients waking up
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._layers: tuple[str, ...] = ()
+        self._chosen: tuple[bool, ...] = ()  # which layers _matrices keeps, for _totals
         self._base: _Sample | None = None  # the sample an active incident grew from
 
     def observe(self, step: Step) -> None:
@@ -142,14 +143,19 @@ class WeightInflationDetector:
         if stats.layers != self._layers or len(stats.layers) != norms.size:
             self._totals.clear()  # another layout: old totals compare to nothing
             self._layers, self._base = stats.layers, None
+        chosen = np.ones(norms.size, dtype=bool)
         if len(stats.layers) == norms.size:
             roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
             matrices = np.array([r == "weight" for r in roles], dtype=bool)
             if matrices.any():
-                # Norm gains start at 1 and barely move; embeddings are tied.
-                kept: np.ndarray = norms[matrices]
-                return kept
-        return norms
+                chosen = matrices  # norm gains start at 1 and barely move; embeddings are tied
+        if tuple(chosen) != self._chosen:
+            # The roles arrived after the first samples (guessed from names until then):
+            # totals over another choice of layers compare to nothing.
+            self._totals.clear()
+            self._chosen, self._base = tuple(chosen), None
+        kept: np.ndarray = norms[chosen]
+        return kept
 
     def _stalled(self, now: int) -> tuple[float, float, int] | None:
         """(first, last, from_step) of a loss that fell less than ``min_progress`` over the

@@ -350,8 +350,9 @@ class LossAboveStartDetector:
         if level < self.factor * first:
             return INACTIVE
         ratio = level / first
+        times = f"{ratio:,.0f}" if ratio < 1e6 else f"{ratio:.3g}"
         summary = (
-            f"loss {level:.4g} (median of the last {self.over}) is {ratio:,.0f}× the run's "
+            f"loss {level:.4g} (median of the last {self.over}) is {times}× the run's "
             f"first loss {first:.4g} at step {first_step}: the model predicts far worse than "
             "it did at its start, where it scored about what a trivial predictor does"
         )

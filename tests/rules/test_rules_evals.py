@@ -236,3 +236,17 @@ def test_a_non_finite_eval_after_non_finite_training_is_left_to_the_training_rul
     # Training finite again (a rollback), the eval still NaN: the evaluation's own problem.
     train(det, 0.7, 200)
     assert det.observe_eval(Eval(job="j", step=200, time=0.0, loss=float("nan"))).active
+
+
+def test_evals_during_a_training_blow_up_are_not_a_gap_from_the_start() -> None:
+    # pytorch/examples' time_sequence_prediction (LBFGS): the loss 1e-4 -> 1e16 in one step;
+    # its evals then echoed the blow-up against a training median from before it, and the
+    # rule paged "the two do not measure the same data". LossFarAboveStart owns that.
+    det = ValTrainGapDetector()
+    for t in range(1, 7):
+        det.observe(Step(job="j", step=t, time=0.0, loss=1e-4))
+    found = []
+    for t in range(7, 12):
+        det.observe(Step(job="j", step=t, time=0.0, loss=1e16 * t))
+        found.append(det.observe_eval(Eval(job="j", step=t, time=0.0, loss=1e17 * t)))
+    assert found == [None] * 5

@@ -145,3 +145,20 @@ def test_a_gradient_rise_late_in_the_run_is_no_init_waking_up() -> None:
     samples = run(lambda t: 15.0 if t < 300 else inflating(t - 300), plateau, grads, steps=600)
     start = first_active(samples)
     assert start is not None and 300 < start <= 450
+
+
+def test_roles_that_arrive_after_the_first_samples_start_the_totals_afresh() -> None:
+    # pytorch/examples' time_sequence_prediction (LSTMCell): its first samples came before
+    # any step with roles, so every layer counted as a matrix (names alone); once the roles
+    # arrived, 5 of its 9 layers did, and comparing the two raised IndexError in replay.
+    det = WeightInflationDetector()
+    layers = ("cell.weight_ih", "cell.weight_hh", "cell.bias_ih", "cell.bias_hh", "head.weight")
+    roles = ("weight", "weight", "bias", "bias", "weight")
+    norms = np.array([3.0, 3.0, 0.5, 0.5, 1.0])
+    early = Stats(job="j", step=1, time=0.0, layers=layers, weight_norms=norms)
+    assert det.observe_stats(early) is not None
+    det.observe(Step(job="j", step=2, time=0.0, loss=1.0, layers=layers, layer_roles=roles))
+    for t in (2, 3):
+        later = Stats(job="j", step=t, time=0.0, layers=layers, weight_norms=norms * 10 * t)
+        found = det.observe_stats(later)
+        assert found is not None and not found.active
