@@ -44,6 +44,7 @@ from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.growth import GradWake, total_grad_norm
 from gradwatch.rules.history import WAKE_STEPS
 from gradwatch.rules.roles import roles_of
+from gradwatch.rules.series import slope_t
 from gradwatch.rules.step import Stats, Step
 from gradwatch.rules.updates import FIRST_STEP_MAX, loss_ends
 from gradwatch.rules.weights import finite_weight_norms
@@ -58,7 +59,11 @@ class WeightInflationDetector:
     """Active while the weight matrices' norm grew ``growth`` times within ``within`` steps,
     the loss fell less than ``min_progress`` over the latest ``span`` steps and still sits
     at ``above_start`` of the run's first losses or more, and the gradients never woke up
-    (module docstring).
+    (module docstring). A loss whose latest ``trend_losses`` fall with a slope ``learn_z``
+    standard errors below zero is learning, however slowly, and is no stall: karpathy/
+    makemore's bigram table starts at zero, so AdamW grows its norm x36 in 97 steps
+    while the loss falls 1% (t = -28.7 over 50 losses); the lr-too-high runs that page
+    here plateau (t >= -2.5).
 
     Once active, the incident holds while the weights stay ``growth`` times above the
     base it was measured from and the loss stays stalled: a run whose lr is far too high
@@ -75,9 +80,12 @@ class WeightInflationDetector:
         min_progress: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.1,
         wake: Annotated[float, Field(ge=1.0)] = 3.0,
         above_start: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.25,
+        learn_z: Annotated[float, Field(ge=0.0)] = math.inf,
+        trend_losses: Annotated[int, Field(ge=3, le=1000)] = 50,
     ) -> None:
         self.growth, self.within, self.span = growth, within, span
         self.min_progress, self.wake, self.above_start = min_progress, wake, above_start
+        self.learn_z, self.trend_losses = learn_z, trend_losses
         # The run's first 10 losses (from a step <= FIRST_STEP_MAX): where a stall sits.
         self._start: list[float] = []
         self._totals: deque[_Sample] = deque(maxlen=256)
@@ -166,6 +174,9 @@ class WeightInflationDetector:
         first, last = ends.first, ends.last
         if last <= (1.0 - self.min_progress) * first:
             return None
+        recent = [loss for step, loss in list(self._losses)[-self.trend_losses :] if step <= now]
+        if slope_t(recent) <= -self.learn_z:
+            return None  # falling steadily: slow learning, not a stall
         if len(self._start) < 10 or last < self.above_start * float(np.median(self._start)):
             # Converged to a floor (or the start unknown: joined mid-run), not stuck on a
             # plateau near where it began.

@@ -162,3 +162,30 @@ def test_roles_that_arrive_after_the_first_samples_start_the_totals_afresh() -> 
         later = Stats(job="j", step=t, time=0.0, layers=layers, weight_norms=norms * 10 * t)
         found = det.observe_stats(later)
         assert found is not None and not found.active
+
+
+def test_a_zero_initialised_table_learning_slowly_is_not_inflation() -> None:
+    # karpathy/makemore's bigram: one zero-initialised table under AdamW; its norm grows
+    # from one update's size (x36 by step 97) while the loss falls 1%, steadily (slope
+    # t = -28.7 over 50 losses). The lr-too-high runs that page here plateau (t >= -2.5).
+    def run_table(learn_z: float) -> list[bool]:
+        det = WeightInflationDetector(learn_z=learn_z)
+        out = []
+        for t in range(1, 301):
+            loss = 3.29 - 0.0003 * t + 0.002 * math.sin(7.0 * t)
+            det.observe(Step(job="j", step=t, time=0.0, loss=loss, grad_norm=0.094))
+            if t == 1 or t % 10 == 0:
+                stats = Stats(
+                    job="j",
+                    step=t,
+                    time=0.0,
+                    layers=("logits",),
+                    weight_norms=np.array([0.012 * t]),
+                )
+                found = det.observe_stats(stats)
+                assert found is not None
+                out.append(found.active)
+        return out
+
+    assert any(run_table(learn_z=math.inf))  # without the trend test: "lr too high"
+    assert not any(run_table(learn_z=5.0))

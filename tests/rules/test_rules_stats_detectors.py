@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -534,3 +534,27 @@ def test_a_lag_that_the_gradients_explain_is_not_lagging() -> None:
     assert lag_verdicts(equal, unexplained=15.0) == [None, False, False, True, True]
     # Off (the default 1.0): every lag counts, as before, and no gradient norm is needed.
     assert lag_verdicts(explained, unexplained=1.0) == [False, False, True, True, True]
+
+
+def test_fixed_size_steps_are_learning_and_growth_that_feeds_itself_runs_away() -> None:
+    # karpathy/makemore's bigram: a zero-initialised table under AdamW grows by the same
+    # ‖Δw‖ each step (its ratio falling as 1/norm), x2 over 8 samples, and paged here.
+    def fires(norm_at: Callable[[int], float], ratio_at: Callable[[int], float]) -> bool:
+        det = WeightRunawayDetector(min_step_growth=1.25)
+        found = None
+        for k in range(12):
+            norm, r = norm_at(k), ratio_at(k)
+            found = det.observe_stats(
+                stats(50 * (k + 1), weights=[norm, 0.0, norm / 10, 0.01], ratios=[r, r, r, r])
+            )
+        assert found is not None
+        return found.active
+
+    def linear(k: int) -> float:  # ‖Δw‖ fixed: 0.009 a step, 50 steps between samples
+        return 3.0 + 0.45 * k
+
+    def geometric(k: int) -> float:  # with a fixed ratio, ‖Δw‖ grows with the weights
+        return 10.0 * 1.15**k
+
+    assert not fires(linear, lambda k: 0.009 / linear(k))
+    assert fires(geometric, lambda k: 0.003)
