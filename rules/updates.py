@@ -325,8 +325,8 @@ class LaggingLayersDetector:
         self.min_layers, self.max_named = min_layers, max_named
         self.unexplained = unexplained
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-        # log10 of each layer's gradient norm, a running mean over recent steps (one
-        # array per rank: a window of steps would hold 16x more on a 16k-rank job).
+        # log10 of each layer's gradient norm, a running mean over recent steps: one array
+        # per rank, where a window of the last 16 steps would hold 16 (on every rank).
         self._grads: tuple[tuple[str, ...], np.ndarray] | None = None
         self._held = 0
         self._since: int | None = None
