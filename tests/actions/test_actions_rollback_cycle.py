@@ -110,7 +110,10 @@ def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         # Everything the agent sent after the rollback was taken, as its new incarnation.
         mon = result[-1]
         c = mon.stats
-        assert server.wait_for_messages(c.batches_sent + c.heartbeats_sent + c.events_sent, WAIT_S)
+        # Every message the agent sent, its cadence samples included: without them the
+        # wait could end before the last batch was handled (a fresh-clone CI run saw 57).
+        sent = c.batches_sent + c.heartbeats_sent + c.events_sent + c.stats_sent
+        assert server.wait_for_messages(sent, WAIT_S)
         assert sum(server.ingest.stats().rejected.values()) == 0
         # The job has shipped steps (waited for above), so it exists.
         rank = server.state.job(JOB).ranks[0]  # type: ignore[union-attr]
