@@ -38,9 +38,11 @@ from gradwatch.rules.step import Stats, Step
 # "Since the start" only for a run seen from (near) its first step, as LossFlatFromStart's
 # max_first_step: a resumed converged run is flat and moves little, and is healthy.
 FIRST_STEP_MAX = 10  # a first loss after this step is no run's start (a resume)
-# LaggingLayersDetector's running mean of log gradient norms: each step weighs 1/4, so
-# the mean follows the last ~4-8 steps (the dense early cadence samples every step).
+# LaggingLayersDetector's running mean of log gradient norms: one step in GRAD_EVERY is
+# folded in at weight 1/4, so the mean follows the last ~8 steps (the offline check on
+# the kept traces used the median of the last 16).
 GRAD_MEAN_WEIGHT = 0.25
+GRAD_EVERY = 2
 
 
 Direction = Literal["high", "low", "small", "partial"]
@@ -328,6 +330,7 @@ class LaggingLayersDetector:
         # log10 of each layer's gradient norm, a running mean over recent steps: one array
         # per rank, where a window of the last 16 steps would hold 16 (on every rank).
         self._grads: tuple[tuple[str, ...], np.ndarray] | None = None
+        self._since_fold = 0
         self._held = 0
         self._since: int | None = None
 
@@ -335,20 +338,27 @@ class LaggingLayersDetector:
         """Keep the roles the agent sent with the step's layers, and its gradient norms."""
         if step.layer_roles:
             self._sent = (step.layers, step.layer_roles)
-        if self.unexplained > 1.0 and step.layers and step.layer_norms.size == len(step.layers):
-            with np.errstate(divide="ignore", invalid="ignore"):
-                logs = np.log10(np.asarray(step.layer_norms, dtype=np.float64))
-            last = self._grads
-            if last is None or last[0] != step.layers:
-                self._grads = (step.layers, logs)
-                return
-            # A layer without a finite norm this step (none yet, NaN) keeps its mean.
-            mean = last[1]
-            fine = np.isfinite(logs)
-            start = fine & ~np.isfinite(mean)
-            mean[start] = logs[start]
-            move = fine & ~start
-            mean[move] += GRAD_MEAN_WEIGHT * (logs[move] - mean[move])
+        if self.unexplained <= 1.0 or not step.layers or step.layer_norms.size != len(step.layers):
+            return
+        # Folded in every GRAD_EVERY-th step only: a few array operations per fold, where
+        # the collector handles every step of every reporting rank.
+        self._since_fold += 1
+        last = self._grads
+        if last is not None and last[0] == step.layers and self._since_fold < GRAD_EVERY:
+            return
+        self._since_fold = 0
+        with np.errstate(divide="ignore", invalid="ignore"):
+            logs = np.log10(np.asarray(step.layer_norms, dtype=np.float64))
+        if last is None or last[0] != step.layers:
+            self._grads = (step.layers, logs)
+            return
+        # A layer without a finite norm this step (none yet, NaN) keeps its mean.
+        mean = last[1]
+        fine = np.isfinite(logs)
+        start = fine & ~np.isfinite(mean)
+        mean[start] = logs[start]
+        move = fine & ~start
+        mean[move] += GRAD_MEAN_WEIGHT * (logs[move] - mean[move])
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable update ratios."""
