@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,24 @@ def recorded_steps(trace_dir: Path) -> list[int]:
             if record.get("type") == "step":
                 steps.append(int(record["step"]))
     return steps
+
+
+def closed_at(trace_dir: Path) -> int | None:
+    """The step the agent's ``closed`` note names, once the collector has recorded it."""
+    for path in sorted(trace_dir.glob("*.jsonl")):
+        for line in path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            if record.get("type") == "event" and record.get("note") == "closed":
+                return int(record["step"])
+    return None
+
+
+def wait_closed(trace_dir: Path, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (step := closed_at(trace_dir)) is None:
+        assert time.monotonic() < deadline, f"no 'closed' note recorded after {timeout}s"
+        time.sleep(0.05)  # polling another process's trace file; nothing to block on
+    return step
 
 
 def job_step(url: str) -> float:
@@ -102,10 +121,15 @@ def test_collector_killed_mid_run_then_restarted_loses_only_what_it_could_not_ho
                     )
                     loop.mon.close()
                     stats = loop.mon.stats
+                    # The note is the agent's last message: once it is recorded, so is every
+                    # batch that reached the collector. The loop never waits for the shipper,
+                    # so when it outruns it its very last batches may be dropped (and counted):
+                    # the metric is the last step recorded, the note names the last logged.
+                    closed = wait_closed(trace_b)
                     wait_metric(
                         second.metrics_url,
                         "gradwatch_job_step",
-                        lambda v: v == loop.mon.step,
+                        lambda v: v == recorded_steps(trace_b)[-1],
                         training_job=JOB,
                     )
                     samples = scrape(second.metrics_url)
@@ -133,7 +157,8 @@ def test_collector_killed_mid_run_then_restarted_loses_only_what_it_could_not_ho
     got_a, got_b = recorded_steps(trace_a), recorded_steps(trace_b)
     # (Not necessarily contiguous: the agent drops, and counts, whatever it cannot send.)
     assert got_a == sorted(set(got_a)) and nan_before in got_a and max(got_a) <= killed_at
-    assert got_b == sorted(set(got_b)) and got_b[-1] == loop.mon.step
+    assert got_b == sorted(set(got_b)) and nan_after <= got_b[-1] <= loop.mon.step
+    assert closed == loop.mon.step  # the collector heard where the run ended
     assert got_b[0] > restarted_at - 2 * FLUSH  # what was logged while down was dropped
     lost_in_flight = stats.steps_sent - len(got_a) - len(got_b)
     assert 0 <= lost_in_flight <= (SEND_HWM + RECEIVED_UNRECORDED) * FLUSH
