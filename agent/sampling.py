@@ -180,7 +180,7 @@ class Sampler(RollbackExit):
             values,
             ready,
             done.columns,
-            done.census if done.census is not None else self._census.take(),
+            done.census,  # taken at the sample's own step
             host,
         )
         try:

@@ -326,22 +326,18 @@ class LossAboveStartDetector:
         max_first_step: Annotated[int, Field(ge=0)] = 10,
     ) -> None:
         self.factor, self.over, self.max_first_step = factor, over, max_first_step
-        self._first: tuple[int, float] | None = None
-        self._seen = False  # a step arrived: the first loss must come from the run's start
+        self._first: tuple[int, float] | None = None  # the run's first finite loss and its step
         self._recent: deque[float] = deque(maxlen=over)
 
     def observe(self, step: Step) -> Finding | None:
         """Judge one step; None when it carried no loss or the run is not judged."""
         loss = finite_loss(step)
-        if not self._seen:
-            self._seen = True
-            if step.step > self.max_first_step:
-                self._first = (step.step, -1.0)  # not a start: never judged
         if loss is None:
             return None
         if self._first is None:
             self._first = (step.step, loss)
         first_step, first = self._first
+        # A first loss after max_first_step is no start (a resume, a collector restarted).
         if first <= 0.0 or first_step > self.max_first_step:
             return None
         self._recent.append(loss)

@@ -169,6 +169,24 @@ def collect(sock: zmq.Socket, mon: gradwatch.Monitor) -> tuple[list[Step], list[
             return steps, stats
 
 
+def census_watch(
+    model: nn.Module, opt: torch.optim.Optimizer, sock: zmq.Socket, endpoint: str
+) -> gradwatch.Monitor:
+    """Watched with plain statistics every 50 steps, flushing every 2; connected."""
+    mon = gradwatch.watch(
+        model,
+        opt,
+        job="census",
+        endpoint=endpoint,
+        flush_every=2,
+        stats_every=50,
+        heartbeat_every=0.05,
+        early_stats=False,
+    )
+    connected(sock, mon)
+    return mon
+
+
 def train(model: nn.Module, mon: gradwatch.Monitor, opt: torch.optim.Optimizer, steps: int) -> None:
     for _ in range(steps):
         model(torch.randint(0, 16, (2, 4))).pow(2).mean().backward()
@@ -183,17 +201,7 @@ def test_roles_and_census_reach_the_collector_and_eval_mode_is_noticed_at_once(p
     model = MiniGPT()
     model.transformer.h[0].drop.p = 0.1  # one dropout whose mode matters
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(
-        model,
-        opt,
-        job="census",
-        endpoint=endpoint,
-        flush_every=2,
-        stats_every=50,
-        heartbeat_every=0.05,
-        early_stats=False,
-    )
-    connected(sock, mon)
+    mon = census_watch(model, opt, sock, endpoint)
     train(model, mon, opt, 3)
     model.eval()  # left on by mistake: training continues in eval mode
     train(model, mon, opt, 3)
@@ -214,17 +222,7 @@ def test_a_model_in_eval_mode_from_the_start_is_sampled_at_step_1(pull) -> None:
     sock, endpoint = pull
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)).eval()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(
-        model,
-        opt,
-        job="census",
-        endpoint=endpoint,
-        flush_every=2,
-        stats_every=50,
-        heartbeat_every=0.05,
-        early_stats=False,
-    )
-    connected(sock, mon)
+    mon = census_watch(model, opt, sock, endpoint)
     for _ in range(3):
         model(torch.randn(8, 4)).pow(2).mean().backward()
         opt.step()
@@ -266,17 +264,7 @@ def test_a_sample_cut_short_at_close_keeps_the_census_of_its_training_step(pull)
     # Over 2 x 65,536 weights: the sample after step 50 is spread over the next steps.
     model = nn.Sequential(nn.Linear(64, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 256))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    mon = gradwatch.watch(
-        model,
-        opt,
-        job="census",
-        endpoint=endpoint,
-        flush_every=2,
-        stats_every=50,
-        heartbeat_every=0.05,
-        early_stats=False,
-    )
-    connected(sock, mon)
+    mon = census_watch(model, opt, sock, endpoint)
     for _ in range(52):
         model(torch.randn(8, 64)).pow(2).mean().backward()
         opt.step()
