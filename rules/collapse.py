@@ -1,4 +1,5 @@
-"""Two collapses that stop learning with no statistic looking odd: the loss to 0, the lr to nothing.
+"""Two collapses that stop learning with no statistic looking odd: the loss to 0, the lr to nothing
+(and, last, a loss below zero: what the loss rules then stop reading).
 
 * :class:`ZeroLossDetector` -- a supervised loss that fell to exactly 0.0
   and stays there. Cross-entropy or MSE reaches exactly zero only when every
@@ -90,6 +91,8 @@ class LrTooLowDetector:
     OptimizerIdle rule's.
     """
 
+    SUPERVISED_LOSS = True  # let go of at a loss below zero (rules/engine.py)
+
     @validated_params
     def __init__(
         self,
@@ -166,3 +169,33 @@ class LrTooLowDetector:
             "ratio": self.ratio,
         }
         return Finding(True, summary, evidence)
+
+
+class SignedLossDetector:
+    """Active from the run's first finite loss below zero on: the loss is read as a signed one.
+
+    The engine lets the supervised-loss rules go at that loss (rules/engine.py); this
+    says so once, with the step, so nobody takes their silence for health. A
+    policy-gradient objective is signed by design; a cross-entropy or MSE below zero is
+    a bug (a flipped sign, NLL on logits rather than log-probabilities).
+    """
+
+    def __init__(self) -> None:
+        self._first: tuple[int, float] | None = None
+
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None when it carried no finite loss."""
+        loss = finite_loss(step)
+        if loss is None:
+            return None
+        if self._first is None:
+            if loss >= 0.0:
+                return INACTIVE
+            self._first = (step.step, loss)
+        at, value = self._first
+        summary = (
+            f"the loss went below zero at step {at} ({value:.4g}): gradwatch reads it as a "
+            "signed objective (reinforcement learning) and no longer judges its spikes, rises "
+            "or plateaus; a supervised loss (cross-entropy, MSE) below zero is a bug"
+        )
+        return Finding(True, summary, {"first_negative_step": at, "first_negative_loss": value})

@@ -125,6 +125,18 @@ INPUTS: tuple[str, ...] = (
 )
 
 
+def reads_supervised_loss(detector: object) -> bool:
+    """Whether ``detector`` reads the loss's shape as a supervised loss's (class attribute
+    ``SUPERVISED_LOSS = True``): bounded below by zero and falling from a trivial start.
+
+    The engine stops feeding such a detector on a (job, rank) once a loss below zero
+    arrives there, and resolves what it fired: a policy-gradient objective (a signed sum
+    whose scale grows with the episode) crosses zero every few steps, and relative
+    spikes, rises and plateaus of it mean nothing.
+    """
+    return bool(getattr(detector, "SUPERVISED_LOSS", False))
+
+
 def inputs_of(detector: object) -> frozenset[str]:
     """Which of the four input methods ``detector`` implements."""
     return frozenset(name for name in INPUTS if callable(getattr(detector, name, None)))

@@ -239,7 +239,7 @@ def diagnose(
             "tree": tree,
             "summary": summary,
             "evidence": tuple(evidence),
-            "next_checks": tuple(dict.fromkeys(checks))[:10],
+            "next_checks": _distinct(checks)[:10],
             "earlier_cause": cause,
         }
     )
@@ -345,3 +345,13 @@ def _earlier_cause(h: JobHistory, alert: Alert) -> dict[str, Any] | None:
         "steps_before": alert.step - first.step,
         "chain": [p.to_dict() for p in chain],
     }
+
+
+def _distinct(checks: list[str]) -> tuple[str, ...]:
+    """Each check once; a general one ("lower the learning rate") that an earlier, more exact
+    one already begins with is said already."""
+    kept: list[str] = []
+    for check in dict.fromkeys(checks):
+        if not any(k.startswith(check) for k in kept):
+            kept.append(check)
+    return tuple(kept)

@@ -17,6 +17,12 @@ rank's step, stats and eval detectors start from fresh baselines, so a loss
 that jumps because the task changed is not a spike. Alert lifecycles are kept:
 an incident already firing resolves only when its fresh detector says so.
 
+A loss below zero is no supervised loss (a policy-gradient objective, a signed
+sum): from the first one on a (job, rank), the rules that read the loss's shape
+as a supervised loss's (``SUPERVISED_LOSS`` detectors: spikes, rises, plateaus,
+a loss above its start) are no longer fed there, and what they fired resolves.
+The gradient, weight and non-finite rules go on as before.
+
 Each rule's detector gets the inputs it implements (see
 :mod:`gradwatch.rules.detector`). Detectors of steps, stats and evals are
 created lazily per (job, rank, rule); liveness detectors per (job, rule). The
@@ -45,7 +51,7 @@ from typing import Any
 
 from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.alert import Alert, Transition
-from gradwatch.rules.detector import Finding, inputs_of
+from gradwatch.rules.detector import INACTIVE, Finding, inputs_of, reads_supervised_loss
 from gradwatch.rules.diagnosis import JobHistory, diagnose
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule
 from gradwatch.rules.nonfinite import NonFiniteDetector
@@ -104,6 +110,8 @@ class _RankState:
     evals: list[_Slot]
     baseline_from: int = 0  # the announced data change these detectors were made after
     notices: list[_Slot] = field(default_factory=list)  # the agent's own health
+    supervised: list[_Slot] = field(default_factory=list)  # step slots reading a supervised loss
+    signed: bool = False  # a loss below zero arrived: the supervised slots were let go
 
 
 @dataclass(slots=True)
@@ -155,6 +163,9 @@ class Engine:
             and self._alert_rules[i].for_steps <= 1
             and set(self.rules[i].actions) <= {"notify"}
         ]
+        self._supervised = frozenset(
+            i for i, r in enumerate(self.rules) if reads_supervised_loss(r.make_detector())
+        )
         self._clock = clock
         self._ranks: dict[tuple[str, int | None], _RankState] = {}  # None: assembled records
         self._jobs: dict[str, _JobState] = {}
@@ -168,6 +179,11 @@ class Engine:
             self._rebase_history(job, step.step)
             job.history.observe_step(step)
         state = self._rank(step.job, _key(step), step.step)
+        # -inf is the non-finite rule's: only a finite loss below zero says "signed".
+        if step.loss is not None and -math.inf < step.loss < 0.0 and not state.signed:
+            return self._let_go_of_loss(state, step.step) + self._run(
+                state.steps, "observe", step, step.step
+            )
         return self._run(state.steps, "observe", step, step.step)
 
     def observe_early(self, step: Step, whole: bool) -> list[Transition]:
@@ -351,6 +367,7 @@ class Engine:
                 stats=[s for i, s in slots.items() if "observe_stats" in self._inputs[i]],
                 evals=[s for i, s in slots.items() if "observe_eval" in self._inputs[i]],
                 notices=[s for i, s in slots.items() if "observe_notice" in self._inputs[i]],
+                supervised=[s for i, s in slots.items() if i in self._supervised],
             )
             self._ranks[(job, rank)] = state
         due = _latest_change(owner.data_changes, state.baseline_from, at_step)
@@ -381,6 +398,13 @@ class Engine:
                     finding = _blamed(finding, blame)
                 transitions += self._update(slot, step, finding)
         return transitions
+
+    def _let_go_of_loss(self, state: _RankState, step: int) -> list[Transition]:
+        """A loss below zero: stop the supervised-loss rules here and resolve what they fired."""
+        state.signed = True
+        let_go = {id(slot) for slot in state.supervised}
+        state.steps = [slot for slot in state.steps if id(slot) not in let_go]
+        return [t for slot in state.supervised for t in self._update(slot, step, INACTIVE)]
 
     @staticmethod
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:

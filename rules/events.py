@@ -106,6 +106,7 @@ class ExtremeStepDetector:
         )
         self.repeats, self.within = repeats, within
         self._loss = _Signal("loss", window)
+        self._signed = False  # a loss below zero was seen: only grad norms are judged
         # A logged total (pre-clip, e.g. the HF Trainer's at logging steps) and the one the
         # optimizer saw (post-clip) are different quantities: on the live HF path both arrive,
         # and a pre-clip 50 against a window of clipped norms would read as an event.
@@ -118,6 +119,10 @@ class ExtremeStepDetector:
         if is_amp_skip(step):
             return None  # an overflow the GradScaler skipped: designed behaviour
         loss, norm = finite_loss(step), total_grad_norm(step)
+        if loss is not None and loss < 0.0:
+            self._signed = True  # a signed objective (RL): its loss has no range to leave
+        if self._signed:
+            loss = None
         if loss is None and norm is None:
             return None
         norms = self._norm if step.grad_norm_logged else self._seen_norm

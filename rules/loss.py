@@ -74,6 +74,8 @@ class FlatFromStartDetector:
         det.observe(step).evidence["change"]
     """
 
+    SUPERVISED_LOSS = True  # let go of at a loss below zero (rules/engine.py)
+
     @validated_params
     def __init__(
         self,
@@ -217,6 +219,8 @@ class RisingLossDetector:
         det.observe(step).evidence["rise"]
     """
 
+    SUPERVISED_LOSS = True  # let go of at a loss below zero (rules/engine.py)
+
     @validated_params
     def __init__(
         self,
@@ -316,6 +320,8 @@ class LossAboveStartDetector:
         det = LossAboveStartDetector(factor=10.0, over=3)
         det.observe(step).evidence["ratio"]
     """
+
+    SUPERVISED_LOSS = True  # let go of at a loss below zero (rules/engine.py)
 
     @validated_params
     def __init__(

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Strict, create_model
 from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
 from gradwatch.rules.agent_health import AgentDegradedDetector
 from gradwatch.rules.amp import LossScaleCollapseDetector
-from gradwatch.rules.collapse import LrTooLowDetector, ZeroLossDetector
+from gradwatch.rules.collapse import LrTooLowDetector, SignedLossDetector, ZeroLossDetector
 from gradwatch.rules.detector import Detector
 from gradwatch.rules.evals import (
     EvalLossNonFiniteDetector,
@@ -48,7 +48,11 @@ from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
 from gradwatch.rules.spike import LossSpikeDetector
 from gradwatch.rules.stepping import OptimizerIdleDetector
-from gradwatch.rules.vanishing import VanishingGradientDetector, ZeroGradientsDetector
+from gradwatch.rules.vanishing import (
+    VanishingGradientDetector,
+    WeightsCutOffDetector,
+    ZeroGradientsDetector,
+)
 from gradwatch.rules.weights import (
     LaggingLayersDetector,
     SmallInitDetector,
@@ -133,6 +137,7 @@ register_detector("growth", GeometricGrowthDetector)
 register_detector("ratio", LayerRatioDetector)
 register_detector("vanishing", VanishingGradientDetector)
 register_detector("zero_grads", ZeroGradientsDetector)
+register_detector("weights_cut_off", WeightsCutOffDetector)
 register_detector("flat_start", FlatFromStartDetector)
 register_detector("optimizer_idle", OptimizerIdleDetector)
 register_detector("loss_spike", LossSpikeDetector)
@@ -144,6 +149,7 @@ register_detector("eval_nonfinite", EvalLossNonFiniteDetector)
 register_detector("val_train_gap", ValTrainGapDetector)
 register_detector("extreme_step", ExtremeStepDetector)
 register_detector("zero_loss", ZeroLossDetector)
+register_detector("signed_loss", SignedLossDetector)
 register_detector("lr_too_low", LrTooLowDetector)
 register_detector("saturation", SaturationDetector)
 register_detector("dead_units", DeadUnitsDetector)

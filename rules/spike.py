@@ -77,6 +77,8 @@ class LossSpikeDetector:
     ``report="shift"``: active for the loss at which a level shift is read.
     """
 
+    SUPERVISED_LOSS = True  # let go of at a loss below zero (rules/engine.py)
+
     @validated_params
     def __init__(
         self,

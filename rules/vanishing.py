@@ -32,6 +32,7 @@ from pydantic import Field
 from gradwatch.rules.detector import INACTIVE, Finding, is_amp_skip, validated_params
 from gradwatch.rules.growth import total_grad_norm
 from gradwatch.rules.loss import finite_loss
+from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Step
 
 
@@ -146,3 +147,73 @@ class ZeroGradientsDetector:
         return Finding(
             True, summary, {"since_step": self._since, "layers": int(step.layer_norms.size)}
         )
+
+
+class WeightsCutOffDetector:
+    """Active on a step where no weight matrix gets a gradient any more, but other tensors do.
+
+    A weight matrix (role ``weight``: a linear, convolution or attention projection)
+    whose gradient was non-zero before and is now exactly zero, together with every
+    other matrix that ever had one, while a bias or a norm gain still learns: no signal
+    reaches any unit's input weights. The network is dead upstream of its last biases:
+    every ReLU pushed negative by one update too large (pytorch/examples' mnist at lr
+    x100: Adadelta's first step took the loss from 2.30 to 54,060 and the next ones left
+    only ``fc2.bias`` with a gradient, at chance level for the remaining 1,870 steps), or
+    the graph cut before every matrix. The model uses functional ReLUs, so no activation
+    statistic could see it.
+
+    Matrices that never had a gradient (frozen on purpose but left in the optimizer: a
+    bias-only fine-tune) are not counted; all gradients zero is GradientsAllZero's.
+    Optimizer skips and GradScaler overflows give no verdict.
+
+    Example::
+
+        det = WeightsCutOffDetector()
+        det.observe(step).evidence["matrices"]
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
+        self._weights = np.empty(0, dtype=bool)  # which tensors are weight matrices
+        self._ever = np.empty(0, dtype=bool)  # which had a non-zero gradient at least once
+        self._since: int | None = None
+
+    def observe(self, step: Step) -> Finding | None:
+        """Judge one step; None without per-layer gradient norms or on an optimizer skip."""
+        norms = step.layer_norms
+        if step.skipped or norms.size == 0 or not np.isfinite(norms).all():
+            return None
+        self._plan(step, norms.size)
+        flowing = norms != 0.0
+        self._ever |= flowing
+        watched = self._weights & self._ever
+        if not watched.any() or not flowing.any() or flowing[watched].any():
+            self._since = None
+            return INACTIVE
+        if self._since is None:
+            self._since = step.step
+        names = step.layers if len(step.layers) == norms.size else ()
+        learning = [names[i] for i in np.flatnonzero(flowing)] if names else []
+        summary = (
+            f"no weight matrix has had a gradient since step {self._since} "
+            f"({int(watched.sum())} that had one before); only "
+            f"{int(flowing.sum())} other tensor(s) still learn"
+            + (f" ({', '.join(learning[:3])})" if learning else "")
+            + ": every unit feeding them is dead (ReLUs pushed negative by an update too "
+            "large?) or the graph is cut before them"
+        )
+        evidence = {
+            "since_step": self._since,
+            "matrices": int(watched.sum()),
+            "still_learning": learning[:10],
+        }
+        return Finding(True, summary, evidence)
+
+    def _plan(self, step: Step, size: int) -> None:
+        key = (step.layers, step.layer_roles, size)
+        if key == self._key:
+            return
+        self._key = key
+        named = step.layers if len(step.layers) == size else tuple(f"#{i}" for i in range(size))
+        self._weights = np.array([r == "weight" for r in roles_of(named, step.layer_roles)])
+        self._ever = np.zeros(size, dtype=bool)

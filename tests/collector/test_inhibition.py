@@ -49,7 +49,14 @@ def default_inhibition() -> Inhibition:
 
 
 def test_the_rule_pack_pairs_each_symptom_with_the_alert_that_explains_it() -> None:
-    assert default_inhibition().pairs == {(SOURCE, TARGET), ("GradientsAllZero", "WeightsFrozen")}
+    assert default_inhibition().pairs == {
+        (SOURCE, TARGET),
+        ("GradientsAllZero", "WeightsFrozen"),
+        ("WeightGradientsCutOff", "WeightsFrozen"),
+        ("WeightGradientsCutOff", "LayersFrozen"),
+        ("DeadReLUs", "WeightGradientsCutOff"),
+        ("DeadGELUSiLUUnits", "WeightGradientsCutOff"),
+    }
 
 
 def test_a_source_in_the_same_batch_mutes_the_target_whatever_the_order() -> None:

@@ -68,6 +68,37 @@ def test_all_zero_gradients_are_a_dead_pipeline_not_vanishing(seed: int) -> None
     assert not any(rule == "GradientsVanished" for rule, *_ in fired)
 
 
+def zero_from(records: Iterator[Record], start: int, kinds: tuple[str, ...]) -> Iterator[Record]:
+    """Every gradient norm of the layers whose name ends in one of ``kinds`` exactly 0 from
+    ``start`` on (kinds "" : every layer)."""
+    for r in records:
+        if isinstance(r, Step) and r.step >= start:
+            cut = np.array([n.endswith(kinds) for n in r.layers])
+            norms = np.where(cut, 0.0, r.layer_norms)
+            r = replace(r, layer_norms=norms, grad_norm=float(np.sqrt(np.sum(norms**2))))
+        yield r
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_weight_matrices_cut_off_while_biases_learn_are_dead_units(seed: int) -> None:
+    # pytorch/examples' mnist at lr x100 (benchmarks/pex_trial.py): after one update too
+    # large only the last bias kept a gradient; the ReLUs are functional, so no activation
+    # statistic could tell.
+    fired = alerts(zero_from(Synth(seed=seed, steps=1200).records(), ONSET, (".weight",)))
+    assert ("WeightGradientsCutOff", "dead_units", "warning", ONSET) in fired, fired
+    assert not any(rule == "GradientsAllZero" for rule, *_ in fired)
+    # Every gradient zero is GradientsAllZero's alone.
+    fired = alerts(zero_from(Synth(seed=seed, steps=1200).records(), ONSET, ("",)))
+    assert not any(rule == "WeightGradientsCutOff" for rule, *_ in fired), fired
+
+
+def test_matrices_that_never_had_a_gradient_are_a_bias_only_fine_tune_not_dead_units() -> None:
+    # Frozen with requires_grad_(False) but left in the optimizer: the agent reads 0.0 for
+    # them from the first step. That is a choice (BitFit), not units that died.
+    fired = alerts(zero_from(Synth(seed=0, steps=1200).records(), 1, (".weight",)))
+    assert not any(rule == "WeightGradientsCutOff" for rule, *_ in fired), fired
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_backbone_frozen_mid_run_warns_within_20_steps(seed: int) -> None:
     backbone = (("backbone", 800_000),)

@@ -45,14 +45,16 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     assert set(EXPECTED) == set(FAULTS)
     covered = {rule for rule, _, _ in EXPECTED.values()}
     # Gradient-norm rules are exercised in test_rules_engine and test_rules_gpt_signals; the
-    # census rules and GradientsAllZero in test_rules_gradient_faults; liveness in
-    # test_rules_liveness and test_rules_straggler; UpdatesTooSmall in test_rules_stats_detectors;
-    # WeightsInflatingLossStalled in test_rules_inflation. Checked here: the signal groups.
+    # census rules, GradientsAllZero and WeightGradientsCutOff in test_rules_gradient_faults;
+    # liveness in test_rules_liveness and test_rules_straggler; UpdatesTooSmall in
+    # test_rules_stats_detectors; WeightsInflatingLossStalled in test_rules_inflation.
+    # Checked here: the signal groups.
     elsewhere = {
         "GradientNormGrowingGeometrically",
         "LayerGradNormRatioVanishing",
         "LayerGradNormRatioExploding",
         "GradientsAllZero",
+        "WeightGradientsCutOff",
         "LayersLagging",
         "LayersFrozenMidRun",
         "TrainingInEvalMode",
