@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,12 +141,16 @@ def replay(trace: Path, rules: Path | None) -> list[dict[str, Any]]:
 def score(
     variant: str,
     alerts: list[dict[str, Any]],
-    accepts: dict[str, tuple[str, ...]],
-    helpful: dict[str, tuple[str, ...]],
+    accepts: Mapping[str, tuple[str, ...] | None],
+    helpful: Mapping[str, tuple[str, ...]],
 ) -> Scored:
-    """The variant's verdict: its fitting categories ``accepts``, its helpful advice ``helpful``."""
+    """The variant's verdict: its fitting categories ``accepts`` (empty: healthy; None: no
+    label, shown but not scored), its helpful advice ``helpful``."""
     s = Scored(variant, alerts)
     accept = accepts.get(variant, ())
+    if accept is None:  # neither healthy nor a fault: shown, not scored
+        s.verdict = f"NOT SCORED (no label): {len(s.paging)} warning-or-higher"
+        return s
     if not accept:
         n = len(s.paging)
         s.verdict = "PASS: no page" if n == 0 else f"FAIL: {n} false page(s)"
@@ -244,7 +248,7 @@ def report(
     prefix: str,
     variants: list[str],
     args: argparse.Namespace,
-    accepts: dict[str, tuple[str, ...]],
+    accepts: Mapping[str, tuple[str, ...] | None],
     helpful: dict[str, tuple[str, ...]],
 ) -> None:
     """Replay each variant's trace with the current rules; print the table (and JSON)."""

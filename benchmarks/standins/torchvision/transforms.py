@@ -1,0 +1,67 @@
+"""The transforms pytorch/examples' scripts compose, on uint8 tensors (C, H, W) or (H, W)."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+class Compose:
+    def __init__(self, transforms: Sequence[Callable[[Any], Any]]) -> None:
+        self.transforms = list(transforms)
+
+    def __call__(self, x: Any) -> Any:
+        for t in self.transforms:
+            x = t(x)
+        return x
+
+
+def _chw(x: torch.Tensor) -> torch.Tensor:
+    return x.unsqueeze(0) if x.dim() == 2 else x
+
+
+class ToTensor:
+    """uint8 (H, W) or (C, H, W) -> float (C, H, W) in [0, 1], as torchvision's does for PIL."""
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = _chw(x)
+        return x.float().div(255.0) if x.dtype == torch.uint8 else x.float()
+
+
+class Normalize:
+    def __init__(self, mean: Sequence[float], std: Sequence[float]) -> None:
+        self.mean = torch.tensor(mean).view(-1, 1, 1)
+        self.std = torch.tensor(std).view(-1, 1, 1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+class Resize:
+    """The shorter side to ``size`` (an int), bilinear; dtype kept."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = _chw(x)
+        h, w = x.shape[-2:]
+        scale = self.size / min(h, w)
+        out = F.interpolate(
+            x.unsqueeze(0).float(),
+            size=(round(h * scale), round(w * scale)),
+            mode="bilinear",
+            align_corners=False,
+        )[0]
+        return out.round().clamp(0, 255).to(torch.uint8) if x.dtype == torch.uint8 else out
+
+
+class CenterCrop:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h, w = x.shape[-2:]
+        top, left = (h - self.size) // 2, (w - self.size) // 2
+        return x[..., top : top + self.size, left : left + self.size]
