@@ -139,14 +139,26 @@ class ZeroGradientsDetector:
             return INACTIVE
         if self._since is None:
             self._since = step.step
+        evidence: dict[str, object] = {"since_step": self._since, "layers": int(norms.size)}
+        if step.loss == 0.0:
+            # The loss itself is flat: pytorch/examples' DDP tutorial takes cross-entropy of
+            # a one-column output (benchmarks/ddp_trial.py); log_softmax over one class is 0.
+            summary = (
+                f"every gradient is exactly zero since step {self._since}, and so is the "
+                "loss: the loss is a constant (cross-entropy over a single class or column, "
+                "every label masked or ignored, a loss multiplied by 0?)"
+            )
+            evidence["lead_check"] = (
+                "does the loss depend on the model's outputs? (a loss of exactly 0 with no "
+                "gradient: cross-entropy over one class, every label ignored)"
+            )
+            return Finding(True, summary, evidence)
         summary = (
             f"every gradient is exactly zero since step {self._since}: nothing reaches the "
             "parameters (a detached graph, zero_grad() between backward() and step(), or a "
             "loss built from constants?)"
         )
-        return Finding(
-            True, summary, {"since_step": self._since, "layers": int(step.layer_norms.size)}
-        )
+        return Finding(True, summary, evidence)
 
 
 class WeightsCutOffDetector:

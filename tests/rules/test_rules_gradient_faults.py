@@ -79,6 +79,22 @@ def zero_from(records: Iterator[Record], start: int, kinds: tuple[str, ...]) -> 
         yield r
 
 
+def test_no_gradient_and_a_loss_of_exactly_zero_lead_with_the_loss() -> None:
+    # pytorch/examples' DDP tutorial as written (benchmarks/ddp_trial.py): cross-entropy of a
+    # one-column output against float targets is exactly 0, and so is every gradient.
+    def constant(records: Iterator[Record]) -> Iterator[Record]:
+        for r in zero_from(records, 1, ("",)):
+            yield replace(r, loss=0.0) if isinstance(r, Step) else r
+
+    transitions = feed_all(Engine(RULES, clock=lambda: 0.0), constant(run()))
+    alert = next(t.alert for t in transitions if t.alert.rule == "GradientsAllZero")
+    assert alert.step == 1 and "so is the loss" in alert.summary
+    assert alert.diagnosis is not None
+    checks = alert.diagnosis["next_checks"]
+    assert checks[0].startswith("does the loss depend on the model's outputs? (a loss of")
+    assert "does the loss depend on the model's outputs?" not in checks  # said once
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_weight_matrices_cut_off_while_biases_learn_are_dead_units(seed: int) -> None:
     # pytorch/examples' mnist at lr x100 (benchmarks/pex_trial.py): after one update too
