@@ -1,5 +1,4 @@
-"""Two collapses that stop learning with no statistic looking odd: the loss to 0, the lr to nothing
-(and, last, a loss below zero: what the loss rules then stop reading).
+"""Collapses that stop learning with no statistic looking odd, and a loss that is no supervised one.
 
 * :class:`ZeroLossDetector` -- a supervised loss that fell to exactly 0.0
   and stays there. Cross-entropy or MSE reaches exactly zero only when every
@@ -16,6 +15,8 @@
   peak, a linear decay 0.01%, the classic step schedule never goes below
   1e-3. So the detector measures how long the lr has stayed collapsed against
   how long the run took to get there.
+* :class:`SignedLossDetector` -- the first loss below zero: the engine stops the
+  rules that read the loss as a supervised one there, and this says so.
 
 Example::
 
