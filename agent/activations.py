@@ -227,16 +227,35 @@ class _Target:
     pre: bool = False  # its output is the activation's input (actsample.PRE)
 
 
+# What squashes a model's output into a range: probabilities, pixels in [-1, 1].
+_OUTPUT_KINDS = frozenset({"sigmoid", "tanh", "softmax"})
+
+
 def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> list[_Target]:
-    """The modules to hook, in model order: nonlinearity modules, then the named inputs."""
+    """The modules to hook, in model order: nonlinearity modules, then the named inputs.
+
+    A sigmoid, tanh or softmax registered after every module that holds parameters is
+    the model's output activation (``nn.Sequential(..., nn.Linear(64, 1), nn.Sigmoid())``,
+    DCGAN's generator ending in ``nn.Tanh``): not measured. Its outputs near their bounds
+    are a confident model, not units that pass no gradient (BCELoss undoes the sigmoid's
+    slope); a healthy binary classifier paged ``ActivationsSaturated`` at step 188. A
+    ReLU registered last stays: ``self.relu = nn.ReLU()`` after the layers is usually
+    the hidden activation, reused.
+    """
     patterns = check_activation_modules(inputs)
     found: list[_Target] = []
     matched: set[str] = set()
+    # Squashing nonlinearities since the last module with parameters (None: none yet).
+    output_side: list[_Target] | None = None
     for name, module in model.named_modules():
         clean = name.removeprefix(_COMPILED_PREFIX)
         kind = _kind(module)
+        if any(True for _ in module.parameters(recurse=False)):
+            output_side = []
         if kind is not None:
             found.append(_Target(clean or type(module).__name__, kind, module))
+            if kind in _OUTPUT_KINDS and output_side is not None:
+                output_side.append(found[-1])
         for pattern, given in patterns:
             if clean and fnmatch.fnmatchcase(clean, pattern):
                 if given.startswith(PRE):
@@ -252,6 +271,13 @@ def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> l
                 "model; check the names with [n for n, _ in model.named_modules()]",
                 pattern,
             )
+    if output_side:
+        logger.info(
+            "gradwatch: %s after the model's last layer read as its output activation: "
+            "not measured (a confident output is no saturation)",
+            ", ".join(t.name for t in output_side),
+        )
+        found = [t for t in found if not any(t is o for o in output_side)]
     return found
 
 

@@ -148,7 +148,7 @@ def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
 
     monkeypatch.setattr(activations, "_measure", counting)
     step_now = [0]
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh())
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     mon = gradwatch.watch(
         model, opt, job="act", endpoint=endpoint, stats_every=5, early_stats=False
@@ -163,6 +163,26 @@ def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
     mon.close()
     assert calls == [5, 5, 10, 10]  # two modules, on cadence steps 5 and 10 only
     assert not model[1]._forward_hooks and not model[3]._forward_hooks
+
+
+@pytest.mark.parametrize(
+    ("layers", "measured"),
+    [
+        # A binary classifier's probability and a generator's [-1, 1] pixels: outputs.
+        ([nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1), nn.Sigmoid()], ["1"]),
+        ([nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh()], ["1"]),
+        ([nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Softmax(dim=-1)], ["1"]),
+        # A hidden tanh, and a ReLU registered last (usually the hidden one, reused): kept.
+        ([nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)], ["1"]),
+        ([nn.Linear(4, 8), nn.Linear(8, 1), nn.ReLU()], ["2"]),
+    ],
+)
+def test_an_output_sigmoid_tanh_or_softmax_is_not_measured(
+    layers: list[nn.Module], measured: list[str]
+) -> None:
+    # A healthy nn.Sigmoid + BCELoss classifier paged ActivationsSaturated at step 188:
+    # a confident output is no saturated hidden unit.
+    assert [t.name for t in activations.find_targets(nn.Sequential(*layers))] == measured
 
 
 def test_module_cap_and_opt_out(pull) -> None:

@@ -183,6 +183,7 @@ def test_new_families_reach_the_collector_as_act_stats(pull, caplog) -> None:
         FunctionalMLP("gelu"),
         nn.Linear(8, 4),
         nn.Softmax(dim=-1),
+        nn.Linear(4, 2),  # a softmax inside the model: an output one is not measured
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     with caplog.at_level(logging.WARNING, logger="gradwatch"):
@@ -243,6 +244,7 @@ def test_the_new_families_make_no_syncing_call(monkeypatch: pytest.MonkeyPatch) 
         FunctionalMLP("silu"),
         nn.Linear(8, 4),
         nn.Softmax(dim=0),
+        nn.Linear(4, 2),  # a softmax inside the model: an output one is not measured
     )
     hooks = ActHooks.attach(model, torch.device("cpu"), on_error=None, inputs={"*.fc2": "silu"})
     assert hooks is not None

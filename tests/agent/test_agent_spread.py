@@ -203,9 +203,10 @@ def test_statistics_worked_out_on_the_host_equal_those_worked_out_on_the_device(
     # A spread sample ships host copies the shipper works out (agent/hostpart.py); a
     # whole one works them out on the device. Same formulas: the same numbers.
     torch.manual_seed(0)
+    # The Linear after the softmax keeps it a hidden one: an output softmax is not measured.
     model = nn.Sequential(
         nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 300),
-        nn.Tanh(), nn.Linear(300, 10), nn.Softmax(dim=-1),
+        nn.Tanh(), nn.Linear(300, 10), nn.Softmax(dim=-1), nn.Linear(10, 10),
     )  # fmt: skip
     hooks = activations.ActHooks.attach(model, torch.device("cpu"), on_error=None)
     assert hooks is not None and hooks.groups == 4

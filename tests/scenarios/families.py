@@ -257,6 +257,24 @@ def _smooth_act(ctx: Ctx, act: type[nn.Module], bias: float) -> None:
 # --------------------------------------------------------------------------- healthy shapes
 
 
+def _sigmoid_output(ctx: Ctx) -> None:
+    """A binary classifier ending in ``nn.Sigmoid``, trained with ``BCELoss``.
+
+    As it learns, its outputs pin near 0 and 1: a confident model, not saturated units
+    (BCELoss undoes the sigmoid's slope). It paged ActivationsSaturated at step 188.
+    """
+    model = nn.Sequential(
+        nn.Linear(N_IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1), nn.Sigmoid()
+    )  # fmt: skip
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    direction = torch.randn(N_IN, generator=torch.Generator().manual_seed(3))
+
+    def bce(out: torch.Tensor, y: torch.Tensor, step: int) -> torch.Tensor:
+        return F.binary_cross_entropy(out.squeeze(1), y)
+
+    classify(ctx, model, opt, 400, label=lambda x: (x @ direction > 0).float(), loss_fn=bce)
+
+
 class TiedGPT(nn.Module):
     """A 2-layer pre-LN GPT with the token embedding tied to the LM head (nanoGPT's layout)."""
 
@@ -491,6 +509,7 @@ FAMILIES: tuple[Scenario, ...] = (
     Scenario("healthy_silu", None, 0, lambda c: _smooth_act(c, nn.SiLU, 0.0)),
     Scenario("healthy_tied_embedding_gpt", None, 0, _tied_gpt, slow=True),
     Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged),
+    Scenario("healthy_sigmoid_output_bce", None, 0, _sigmoid_output),
     Scenario("healthy_weights_waking_from_small_init", None, 0, _weights_waking, allow="info"),
     # HELD OUT (see HELD_OUT below)
     Scenario(
