@@ -177,8 +177,9 @@ class SignedLossDetector:
 
     The engine lets the supervised-loss rules go at that loss (rules/engine.py); this
     says so once, with the step, so nobody takes their silence for health. A
-    policy-gradient objective is signed by design; a cross-entropy or MSE below zero is
-    a bug (a flipped sign, NLL on logits rather than log-probabilities).
+    policy-gradient objective is signed by design, and so is the negative log-likelihood
+    of a continuous density (Gaussian NLL, a normalizing flow); a cross-entropy or MSE
+    below zero is a bug (a flipped sign, NLL on logits rather than log-probabilities).
     """
 
     def __init__(self) -> None:
@@ -196,7 +197,8 @@ class SignedLossDetector:
         at, value = self._first
         summary = (
             f"the loss went below zero at step {at} ({value:.4g}): gradwatch reads it as a "
-            "signed objective (reinforcement learning) and no longer judges its spikes, rises "
-            "or plateaus; a supervised loss (cross-entropy, MSE) below zero is a bug"
+            "signed objective (reinforcement learning; a continuous density's negative "
+            "log-likelihood) and no longer judges its spikes, rises or plateaus; a "
+            "cross-entropy or MSE below zero is a bug"
         )
         return Finding(True, summary, {"first_negative_step": at, "first_negative_loss": value})
