@@ -24,12 +24,19 @@ module.
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Annotated
 
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
-from gradwatch.rules.step import ActStats, Stats
+from gradwatch.rules.loss import finite_loss
+from gradwatch.rules.step import ActStats, Stats, Step
+
+# Losses per block when DeadUnitsDetector asks whether the run learns (its latest and
+# the block before).
+LOSS_BLOCK = 10
 
 RELEASE = 0.9  # a reported module is released below this share of the threshold
 _SMOOTH = frozenset({"gelu", "silu"})  # dead share = the flat negative tail, not exact zeros
@@ -52,6 +59,13 @@ class _ShareDetector:
         )
         self._held: dict[str, int] = {}
         self._since: dict[str, int] = {}
+        # Modules whose episode began while the run was learning (_learning): not reported
+        # until their share falls back and they cross the threshold again.
+        self._excused: set[str] = set()
+
+    def _learning(self) -> bool:
+        """Whether the run learns now, so a module crossing the threshold is excused."""
+        return False
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no activation statistics."""
@@ -68,11 +82,14 @@ class _ShareDetector:
                 held = self._held.get(act.module, 0) + 1
                 self._held[act.module] = held
                 self._since.setdefault(act.module, stats.step)
-                if held >= self.samples:
+                if held == self.samples and self._learning():
+                    self._excused.add(act.module)
+                if held >= self.samples and act.module not in self._excused:
                     over.append((act.module, share, self._since[act.module]))
             else:
                 self._held.pop(act.module, None)
                 self._since.pop(act.module, None)
+                self._excused.discard(act.module)
         return self._finding(stats, over) if over else INACTIVE
 
     def _share(self, act: ActStats) -> float | None:
@@ -128,6 +145,13 @@ class SaturationDetector(_ShareDetector):
 class DeadUnitsDetector(_ShareDetector):
     """Active while a ReLU module's share of exact zeros is >= ``threshold`` (module docstring).
 
+    Dead units are a pathology because they stop learning; a layer that turns sparse
+    while the run learns is not one. With ``falling`` set, a module whose episode (its
+    share at or over the threshold for ``samples`` samples) begins while the last
+    ``LOSS_BLOCK`` losses sit ``falling`` below the ``LOSS_BLOCK`` before them is
+    excused until its share falls back (a supervised loss only: never after a loss
+    below zero; under ``2 * LOSS_BLOCK`` losses the share alone decides).
+
     Example::
 
         DeadUnitsDetector(threshold=0.9, samples=3).observe_stats(stats)
@@ -144,8 +168,12 @@ class DeadUnitsDetector(_ShareDetector):
         samples: Annotated[int, Field(ge=1)] = 3,
         kinds: tuple[str, ...] = ("relu", "relu6"),
         max_named: Annotated[int, Field(ge=1)] = 10,
+        falling: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0,
     ) -> None:
         super().__init__(threshold, samples, kinds, max_named)
+        self.falling = falling
+        self._recent: deque[float] = deque(maxlen=2 * LOSS_BLOCK)
+        self._signed = False
         # A GELU/SiLU is never exactly zero: its dead share is the flat negative tail, and a
         # summary saying "exact-zero outputs" of one contradicted the number it showed.
         smooth = {k for k in self.kinds if k in _SMOOTH}
@@ -153,3 +181,17 @@ class DeadUnitsDetector(_ShareDetector):
             self.what = "outputs in the flat negative tail (slope ~1% of linear)"
         elif smooth:
             self.what = "dead outputs (ReLU: exact zeros; GELU/SiLU: the flat negative tail)"
+
+    def observe(self, step: Step) -> None:
+        """Track the loss for ``falling``; judged on cadence samples."""
+        if not self.falling or (loss := finite_loss(step)) is None:
+            return
+        self._signed = self._signed or loss < 0.0
+        self._recent.append(loss)
+
+    def _learning(self) -> bool:
+        if not self.falling or self._signed or len(self._recent) < 2 * LOSS_BLOCK:
+            return False  # too few losses (or no supervised loss) to say it learns
+        recent = list(self._recent)
+        older = statistics.median(recent[:LOSS_BLOCK])
+        return statistics.median(recent[LOSS_BLOCK:]) <= (1.0 - self.falling) * older

@@ -66,6 +66,41 @@ def test_healthy_relu_halves_never_fire(seed: int) -> None:
         assert not det.observe_stats(stats(k, act=acts)).active
 
 
+def dead_layer_verdicts(losses: Sequence[float], dead_from: int = 20) -> list[bool]:
+    """A ReLU layer 95% zero from step ``dead_from`` (a sample every 5 steps), beside
+    ``losses`` (one per step): the verdicts from then on. Under 20 losses nobody can tell
+    whether a run learns, so the share alone decides there."""
+    det = DeadUnitsDetector(samples=2, falling=0.1)
+    verdicts = []
+    for t, loss in enumerate(losses, start=1):
+        det.observe(Step(job="j", step=t, time=float(t), loss=loss))
+        if t % 5 == 0:
+            share = 0.95 if t >= dead_from else 0.5
+            found = det.observe_stats(stats(t, act=[relu("fc", share)]))
+            if t >= dead_from:
+                verdicts.append(found is not None and found.active)
+    return verdicts
+
+
+def test_a_sparse_layer_in_a_run_that_learns_is_no_dead_units() -> None:
+    # A small CNN (BatchNorm, SGD 0.1 with warm restarts) keeps its fc ReLU 90-95% zero the
+    # whole run while its loss goes 2.37 -> 1e-4: it paged DeadReLUs at step 22.
+    rng = np.random.default_rng(0)
+    learning = [2.3 * math.exp(-t / 40) * rng.lognormal(0, 0.2) + 1e-4 for t in range(300)]
+    assert not any(dead_layer_verdicts(learning))
+    # At chance (units dead from a bad init): judged on the share alone, from the start.
+    chance = [2.30 * rng.lognormal(0, 0.02) for _ in range(300)]
+    assert all(dead_layer_verdicts(chance)[1:])
+    assert all(dead_layer_verdicts(chance, dead_from=1)[1:])
+    # Once open, a loss that falls for a block does not close and re-page it.
+    opened = chance[:100] + [v * 0.5 for v in chance[100:]]
+    assert all(dead_layer_verdicts(opened)[1:])
+    # A layer that dies once the run has converged (the loss flat, far below its start)
+    # is judged: its crossing came while nothing was learning.
+    converged = learning[:150] + [learning[149] * rng.lognormal(0, 0.05) for _ in range(150)]
+    assert all(dead_layer_verdicts(converged, dead_from=200)[1:])
+
+
 def test_a_dip_resets_the_count() -> None:
     det = SaturationDetector(samples=2)
     shares = [0.9, 0.2, 0.9, 0.9]

@@ -257,6 +257,19 @@ def _smooth_act(ctx: Ctx, act: type[nn.Module], bias: float) -> None:
 # --------------------------------------------------------------------------- healthy shapes
 
 
+def _warm_restarts(ctx: Ctx) -> None:
+    """SGD with cosine warm restarts (SGDR): the lr jumps back to its peak every 100 steps.
+
+    A planned restart is no spike cause. (A small CNN under SGDR paged DeadReLUs at step
+    22, a layer turning sparse as its loss fell; this MLP does not reproduce that, which
+    tests/rules/test_rules_stats_detectors.py checks with its measured numbers.)
+    """
+    model = mlp(depth=3, width=64, act=nn.ReLU)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(opt, T_0=100)
+    classify(ctx, model, opt, 400, sched=sched)
+
+
 def _sigmoid_output(ctx: Ctx) -> None:
     """A binary classifier ending in ``nn.Sigmoid``, trained with ``BCELoss``.
 
@@ -510,6 +523,7 @@ FAMILIES: tuple[Scenario, ...] = (
     Scenario("healthy_tied_embedding_gpt", None, 0, _tied_gpt, slow=True),
     Scenario("healthy_near_zero_converged_loss", None, 0, _near_zero_converged),
     Scenario("healthy_sigmoid_output_bce", None, 0, _sigmoid_output),
+    Scenario("healthy_sgd_warm_restarts", None, 0, _warm_restarts),
     Scenario("healthy_weights_waking_from_small_init", None, 0, _weights_waking, allow="info"),
     # HELD OUT (see HELD_OUT below)
     Scenario(
