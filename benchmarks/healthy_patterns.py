@@ -10,7 +10,7 @@ Found here and fixed (2026-12-06; the code of 1586956 via ``PYTHONPATH``, the sa
 recipes): ``sigmoid_bce`` paged ActivationsSaturated at step 63 and ``autoencoder`` at
 285 (an output sigmoid is no hidden unit: agent/activations.py), ``sgdr`` paged DeadReLUs
 at step 22 (a layer that turned sparse as its loss fell: rules/activations.py). Now: 0
-pages on all nine; ``gaussian_nll`` raises the info LossBelowZero, as it should.
+pages on all twelve; ``gaussian_nll`` raises the info LossBelowZero, as it should.
 
     python benchmarks/healthy_patterns.py [--variants NAME,...] [--keep DIR]
     python benchmarks/healthy_patterns.py --replay-only DIR     # current rules
@@ -195,6 +195,70 @@ def gaussian_nll() -> Built:
     return model, opt, None, step
 
 
+def zero_init_head() -> Built:
+    """An MLP whose classifier layer starts at exactly zero (a common head init), Adam."""
+    model = _mlp()
+    nn.init.zeros_(model[-1].weight)
+    nn.init.zeros_(model[-1].bias)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    return model, opt, None, _classifier(model)
+
+
+class _Block(nn.Module):
+    """A residual block whose last BatchNorm gain starts at 0 (zero_init_residual)."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        self.conv2, self.bn2 = nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c)
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(x + self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+
+
+def resnet_zero_init() -> Built:
+    """A small ResNet (stem, 3 blocks with zero-initialised residual gains), SGD 0.1, cosine."""
+    model = nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        _Block(16), nn.MaxPool2d(2), _Block(16), nn.MaxPool2d(2), _Block(16),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=STEPS)
+    return model, opt, sched, _classifier(model)
+
+
+class _Contrastive(nn.Module):
+    """An MLP encoder and CLIP's learnable temperature (a logit scale, ln 1/0.07 at start)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = _mlp(out=64)
+        self.logit_scale = nn.Parameter(torch.tensor(2.659))
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        za, zb = F.normalize(self.encoder(a), dim=1), F.normalize(self.encoder(b), dim=1)
+        return self.logit_scale.exp().clamp(max=100) * za @ zb.T
+
+
+def contrastive() -> Built:
+    """InfoNCE between two noisy views of each digit, CLIP-style, Adam 1e-3."""
+    model = _Contrastive()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = _digits()
+
+    def step(_: int) -> torch.Tensor:
+        xb, _ = _batch(x, y, 128)
+        logits = model(xb + 0.3 * torch.randn_like(xb), xb + 0.3 * torch.randn_like(xb))
+        target = torch.arange(len(xb))
+        loss = (F.cross_entropy(logits, target) + F.cross_entropy(logits.T, target)) / 2
+        loss.backward()
+        return loss
+
+    return model, opt, None, step
+
+
 RECIPES: dict[str, Callable[[], Built]] = {
     f.__name__: f
     for f in (
@@ -207,6 +271,9 @@ RECIPES: dict[str, Callable[[], Built]] = {
         sigmoid_bce,
         autoencoder,
         gaussian_nll,
+        zero_init_head,
+        resnet_zero_init,
+        contrastive,
     )
 }
 
