@@ -215,7 +215,10 @@ def _add(pending: _Pending, record: Record, stream: _Stream) -> None:
     ):
         ratios = np.asarray(record.update_ratios, np.float64)
         measured = np.isfinite(ratios)  # NaN: not measured on this rank
-        dw = np.where(measured, ratios, 0.0) ** 2 * squares
+        # An unmeasured ratio adds nothing, even beside a weight norm gone infinite (a
+        # diverged run: 0 * inf printed a RuntimeWarning on the collector's stderr).
+        with np.errstate(invalid="ignore", over="ignore"):
+            dw = np.where(measured, ratios**2 * squares, 0.0)
         pending.updates[rows] += dw
         pending.updates_seen[rows] += measured
 

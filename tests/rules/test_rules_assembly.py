@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -259,6 +260,37 @@ def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
     dw = np.sqrt(((ratio * w) ** 2).sum(axis=0))
     np.testing.assert_allclose(whole.update_ratios, dw / whole.weight_norms)
     assert whole.assembled == 2
+
+
+def test_an_unmeasured_ratio_beside_an_infinite_weight_warns_nothing() -> None:
+    # pytorch/examples' DDP tutorial at lr 1.0 (benchmarks/ddp_trial.py) diverged to
+    # infinite weights; a rank's unmeasured (NaN) ratio times inf printed a numpy
+    # RuntimeWarning on the collector's stderr.
+    asm = Assembler(clock=FakeClock())
+    w = np.array([[math.inf, 1.0], [1.0, 1.0]])
+    ratio = np.array([[math.nan, 0.1], [0.2, 0.1]])
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for r in (0, 1):
+            out += asm.add(
+                Stats(
+                    job="j",
+                    step=50,
+                    time=1.0,
+                    rank=r,
+                    layers=("a", "b"),
+                    weight_norms=w[r],
+                    update_ratios=ratio[r],
+                    world=2,
+                    shards=2,
+                )
+            )
+    (whole,) = out
+    assert whole.weight_norms is not None and math.isinf(whole.weight_norms[0])
+    assert whole.update_ratios is not None
+    assert math.isnan(whole.update_ratios[0])  # one shard did not measure it: not measured
+    np.testing.assert_allclose(whole.update_ratios[1], 0.1)
 
 
 def test_a_recorded_multi_rank_trace_replays_assembled(tmp_path) -> None:
