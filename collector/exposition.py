@@ -240,7 +240,15 @@ def _ingest_families(ingest: IngestStats, jobs: Sequence[str]) -> Iterator[Metri
     )
     for job, count in sorted(_with_zeros(ingest.agent_dropped, jobs).items()):
         dropped.add_metric([job], count)
-    yield from (messages, rejected, lost, dropped)
+    twins = CounterMetricFamily(
+        "gradwatch_ingest_twin_agents",
+        "Heartbeats of a rank taking turns with another live agent of the same job and rank "
+        "(two processes training as one rank: give each its own rank= in watch()).",
+        labels=[JOB_LABEL],
+    )
+    for job, count in sorted(_with_zeros(ingest.twin_agents, jobs).items()):
+        twins.add_metric([job], count)
+    yield from (messages, rejected, lost, dropped, twins)
 
 
 def _with_zeros(counts: Mapping[str, int], jobs: Sequence[str]) -> dict[str, int]:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradwatch.collector.rows import Plan, compile_plan, quiet_rows, stats_rows, step_rows
+from gradwatch.collector.twins import TwinRanks
 from gradwatch.rules.step import Eval, QuietRows, Stats, Step
 from gradwatch.wire import (
     Batch,
@@ -86,6 +87,8 @@ class IngestStats:
     rejected: Mapping[str, int]
     agent_dropped: Mapping[str, int]
     lost_batches: Mapping[str, int]
+    # Heartbeats of a rank that went back to another live agent's (collector/twins.py).
+    twin_agents: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -136,6 +139,7 @@ class Ingest:
         self._dropped: Counter[str] = Counter()
         self._lost: Counter[str] = Counter()
         self._log = RateLimitedLog(log)
+        self._twins = TwinRanks()
 
     def feed(
         self, frames: Frames, header: dict[str, Any] | None = None, quiet: bool = False
@@ -229,7 +233,11 @@ class Ingest:
     def stats(self) -> IngestStats:
         with self._lock:
             return IngestStats(
-                dict(self._messages), dict(self._rejected), dict(self._dropped), dict(self._lost)
+                dict(self._messages),
+                dict(self._rejected),
+                dict(self._dropped),
+                dict(self._lost),
+                dict(self._twins.counts),
             )
 
     # ------------------------------------------------------------ per kind
@@ -239,6 +247,20 @@ class Ingest:
             self._count_message("heartbeat")
             stream = self._stream(message.job, message.rank, message.incarnation)
             self._track_dropped(stream, message.job, message.rank, message.dropped)
+            with self._lock:  # stats() copies its counts from another thread
+                other = self._twins.heartbeat(message.job, message.rank, message.incarnation)
+            if other is not None:
+                self._log.warning(
+                    f"twin_agents:{message.job}/{message.rank}",
+                    "job %r rank %d is reported by two live agents (incarnations %s and %s "
+                    "take turns): two processes train as one rank, and their steps reach "
+                    "the rules as one interleaved stream; give each process its own rank= "
+                    "and world= in watch(), or its own job name",
+                    message.job,
+                    message.rank,
+                    other,
+                    message.incarnation,
+                )
             return Ingested(heartbeats=(message,))
         if isinstance(message, Event):
             self._count_message("event")

@@ -118,6 +118,9 @@ gradwatch_ingest_lost_batches_total{training_job="run-1"} 1.0
 # HELP gradwatch_agent_dropped_steps_total Steps agents report they could not ship (queue full, no collector).
 # TYPE gradwatch_agent_dropped_steps_total counter
 gradwatch_agent_dropped_steps_total{training_job="run-1"} 5.0
+# HELP gradwatch_ingest_twin_agents_total Heartbeats of a rank taking turns with another live agent of the same job and rank (two processes training as one rank: give each its own rank= in watch()).
+# TYPE gradwatch_ingest_twin_agents_total counter
+gradwatch_ingest_twin_agents_total{training_job="run-1"} 0.0
 # HELP gradwatch_job_step Latest step reported by any rank.
 # TYPE gradwatch_job_step gauge
 gradwatch_job_step{training_job="run-1"} 13.0

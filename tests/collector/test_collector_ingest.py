@@ -149,6 +149,33 @@ def test_agent_dropped_deltas_from_batches_and_heartbeats() -> None:
     assert stats.messages == {"batch": 4, "heartbeat": 3, "event": 0}
 
 
+def test_two_live_agents_taking_turns_as_one_rank_are_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # pytorch/examples' mnist_hogwild with watch() in each process and no rank=: both
+    # report as rank 0, their heartbeats alternate.
+    ingest = Ingest()
+    with caplog.at_level(logging.WARNING, logger="gradwatch.collector.ingest"):
+        for i, inc in enumerate(["inc-a", "inc-b"] * 3):
+            ingest.feed(encode(Heartbeat("hog", 0, 1, inc, float(i), i, 0)))
+    assert ingest.stats().twin_agents == {"hog": 3}  # every switch from the second return on
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "job 'hog' rank 0 is reported by two live agents" in warned
+    assert "own rank= and world=" in warned
+
+
+def test_a_restarted_agent_is_no_twin(caplog: pytest.LogCaptureFixture) -> None:
+    # A restart moves a rank to a new incarnation for good, however often it happens.
+    ingest = Ingest()
+    with caplog.at_level(logging.WARNING, logger="gradwatch.collector.ingest"):
+        for i, inc in enumerate(["inc-a", "inc-a", "inc-b", "inc-b", "inc-c", "inc-c"]):
+            ingest.feed(encode(Heartbeat("run", 0, 1, inc, float(i), i, 0)))
+        # One late heartbeat of the dying agent is not two live ones either.
+        ingest.feed(encode(Heartbeat("run", 0, 1, "inc-b", 9.0, 5, 0)))
+    assert not caplog.records
+    assert ingest.stats().twin_agents == {}
+
+
 def test_heartbeats_and_events_pass_through() -> None:
     ingest = Ingest()
     hb = Heartbeat("run-1", 0, 1, "inc-a", 1.0, 4, 0)
