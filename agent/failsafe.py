@@ -216,9 +216,10 @@ class Failsafe:
         logger.log(
             level,
             "gradwatch: %s switched off: %s. Training and the rest of the "
-            "monitoring continue; the collector raises AgentDegraded.",
+            "monitoring continue; the collector raises %s.",
             notice.off,
             notice.reason,
+            "AgentStatisticOff (info)" if notice.optional else "AgentDegraded",
         )
         if not self._off:
             self._queue_notice(notice)

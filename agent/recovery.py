@@ -7,11 +7,13 @@ does not take), ``model.to(other_device)``. A gradient read that fails after
 such a change comes here: :func:`recover` returns a reader that works with the
 parameters as they are now, and a :class:`Notice` saying what is no longer
 measured, which the monitor sends to the collector as a ``degraded`` event
-(the collector raises ``AgentDegraded``). Monitoring of everything else goes on.
+(the collector raises ``AgentDegraded``, or the info ``AgentStatisticOff`` for what
+the model has by design). Monitoring of everything else goes on.
 
 * dtype changed: a fresh :class:`GradReader` over the same parameters; nothing is off.
 * sparse gradients: the dense layers are read as before, the sparse ones are
-  sent as MISSING ("not measured"); a warning names them.
+  sent as MISSING ("not measured"); a log line names them, and the notice is
+  optional (info) while dense layers remain.
 * device changed: the step buffer lives on the old device and a cross-device
   read would have to wait for it, so gradient and weight norms go MISSING;
   the loss, learning rates and everything else still flow.
@@ -158,10 +160,14 @@ def recover(reader: Reader) -> tuple[Reader, Notice | None] | None:
         f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
     )
     index = torch.tensor(dense, dtype=torch.long, device=full.device)
+    # With dense layers still read, this is a gap in coverage the model has by design (a
+    # recommender's sparse embedding on every healthy run), not an incident: info. Only
+    # a model whose every layer is sparse has lost its gradient signal: a warning.
     return PartialReader(fresh, inner, index), Notice(
         "gradient norms of sparse layers",
         f"{quoted} get sparse gradients (e.g. nn.Embedding(sparse=True)), whose norms "
         "cannot be read without a device sync; these layers are not measured, the others are",
+        optional=bool(dense),
     )
 
 

@@ -218,8 +218,9 @@ def test_sparse_gradients_switch_off_only_their_layers_and_the_collector_hears(p
     assert weight is not None and weight > 0 and bias is not None and bias > 0
     notices = got.kinds("degraded")  # once (twice if it raced the first heartbeat)
     assert 1 <= len(notices) <= 2
+    # The dense layers are still read: a gap in coverage by design (info), not an incident.
     assert all(
-        n.fields["optional"] is False and "emb.weight" in n.fields["reason"] for n in notices
+        n.fields["optional"] is True and "emb.weight" in n.fields["reason"] for n in notices
     )
 
 
