@@ -219,9 +219,7 @@ def test_sparse_gradients_switch_off_only_their_layers_and_the_collector_hears(p
     notices = got.kinds("degraded")  # once (twice if it raced the first heartbeat)
     assert 1 <= len(notices) <= 2
     # The dense layers are still read: a gap in coverage by design (info), not an incident.
-    assert all(
-        n.fields["optional"] is True and "emb.weight" in n.fields["reason"] for n in notices
-    )
+    assert all(n.fields["optional"] is True and "emb.weight" in n.fields["reason"] for n in notices)
 
 
 def test_an_internal_failure_tells_the_collector_and_closes_the_rank(
