@@ -157,9 +157,10 @@ class NotInOptimizerDetector:
         summary = (
             f"{census.params_not_in_optimizer:,} parameter elements ({share:.1%} of the model) "
             "require "
-            f"gradients but are in no optimizer param group, so they never change"
+            f"gradients but are in no param group of the watched optimizer"
             + (f": {', '.join(repr(n) for n in names)}" if names else "")
-            + "; built after the optimizer?"
+            + "; they never change unless another optimizer updates them (built after the "
+            "optimizer? a second optimizer, as for sparse embeddings or a GAN's other model?)"
         )
         return Finding(
             True,
