@@ -10,7 +10,9 @@ Found here and fixed (2026-12-06; the code of 1586956 via ``PYTHONPATH``, the sa
 recipes): ``sigmoid_bce`` paged ActivationsSaturated at step 63 and ``autoencoder`` at
 285 (an output sigmoid is no hidden unit: agent/activations.py), ``sgdr`` paged DeadReLUs
 at step 22 (a layer that turned sparse as its loss fell: rules/activations.py). Now: 0
-pages on all twelve; ``gaussian_nll`` raises the info LossBelowZero, as it should.
+pages on all thirteen; ``gaussian_nll`` raises the info LossBelowZero, as it should,
+and ``sparse_embedding`` paged AgentDegraded at step 0 before (now the info
+AgentStatisticOff: agent/recovery.py).
 
     python benchmarks/healthy_patterns.py [--variants NAME,...] [--keep DIR]
     python benchmarks/healthy_patterns.py --replay-only DIR     # current rules
@@ -259,6 +261,23 @@ def contrastive() -> Built:
     return model, opt, None, step
 
 
+def sparse_embedding() -> Built:
+    """A recommender's bag of ids: nn.Embedding(sparse=True) and a dense head under one
+    Adagrad optimizer (it takes sparse gradients, as SGD does)."""
+    emb, head = nn.Embedding(500, 8, sparse=True), nn.Linear(8, 2)
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    opt = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    score = torch.randn(500, generator=torch.Generator().manual_seed(1))
+
+    def step(_: int) -> torch.Tensor:
+        ids = torch.randint(0, 500, (64, 10))
+        loss = F.cross_entropy(head(emb(ids).sum(1)), (score[ids].sum(1) > 0).long())
+        loss.backward()
+        return loss
+
+    return model, opt, None, step
+
+
 RECIPES: dict[str, Callable[[], Built]] = {
     f.__name__: f
     for f in (
@@ -274,6 +293,7 @@ RECIPES: dict[str, Callable[[], Built]] = {
         zero_init_head,
         resnet_zero_init,
         contrastive,
+        sparse_embedding,
     )
 }
 
