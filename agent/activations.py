@@ -238,7 +238,8 @@ def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> l
     the model's output activation (``nn.Sequential(..., nn.Linear(64, 1), nn.Sigmoid())``,
     DCGAN's generator ending in ``nn.Tanh``): not measured. Its outputs near their bounds
     are a confident model, not units that pass no gradient (BCELoss undoes the sigmoid's
-    slope); a healthy binary classifier paged ``ActivationsSaturated`` at step 188. A
+    slope); healthy ones paged ``ActivationsSaturated`` (benchmarks/healthy_patterns.py:
+    a binary classifier at step 63, an autoencoder at 285). A
     ReLU registered last stays: ``self.relu = nn.ReLU()`` after the layers is usually
     the hidden activation, reused.
     """

@@ -274,7 +274,7 @@ def _sigmoid_output(ctx: Ctx) -> None:
     """A binary classifier ending in ``nn.Sigmoid``, trained with ``BCELoss``.
 
     As it learns, its outputs pin near 0 and 1: a confident model, not saturated units
-    (BCELoss undoes the sigmoid's slope). It paged ActivationsSaturated at step 188.
+    (BCELoss undoes the sigmoid's slope). It paged ActivationsSaturated before 2026-12-06.
     """
     model = nn.Sequential(
         nn.Linear(N_IN, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1), nn.Sigmoid()
