@@ -180,7 +180,7 @@ def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
 def test_an_output_sigmoid_tanh_or_softmax_is_not_measured(
     layers: list[nn.Module], measured: list[str]
 ) -> None:
-    # A healthy nn.Sigmoid + BCELoss classifier paged ActivationsSaturated at step 63
+    # A healthy nn.Sigmoid + BCELoss classifier paged ActivationsSaturated at step 63:
     # a confident output is no saturated hidden unit.
     assert [t.name for t in activations.find_targets(nn.Sequential(*layers))] == measured
 
