@@ -117,8 +117,13 @@ def test_fault_rollback_resume(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         assert sum(server.ingest.stats().rejected.values()) == 0
         # The job has shipped steps (waited for above), so it exists.
         rank = server.state.job(JOB).ranks[0]  # type: ignore[union-attr]
-        # The rank has shipped steps, so latest is set.
-        assert (rank.incarnation, rank.latest.step) == (mon.incarnation, 60)  # type: ignore[union-attr]
+        # The rank has shipped steps, so latest is set. The agent never blocks the loop: a
+        # batch it cannot ship in time is dropped and counted, and the collector hears the
+        # count (a fresh-clone CI run on 2 busy cores dropped the last 5 steps at close:
+        # latest 55). Every step arrived or was counted, as the new incarnation.
+        assert rank.incarnation == mon.incarnation
+        assert server.ingest.stats().agent_dropped.get(JOB, 0) == c.steps_dropped
+        assert rank.latest.step in {60, 60 - c.steps_dropped}  # type: ignore[union-attr]
         with urllib.request.urlopen(server.metrics_url, timeout=WAIT_S) as response:
             metrics = response.read().decode().splitlines()
     finally:
