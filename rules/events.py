@@ -46,13 +46,23 @@ EventReport = Literal["event", "repeated"]
 
 
 class _Signal:
-    """The recent values of one signal, and the test of a new one against them."""
+    """The recent values of one signal, and the test of a new one against them.
 
-    __slots__ = ("name", "window")
+    Besides the window, the largest value of each block of ``block`` values over the last
+    ``history`` (0: none kept): an extreme must also be the largest value the signal took
+    in that span, or the run produces such values routinely (a batch of 4 near
+    convergence: a few per 500 steps at 100x the median) and none is an event.
+    """
 
-    def __init__(self, name: str, size: int) -> None:
+    __slots__ = ("_block", "_block_max", "_filled", "_peaks", "name", "window")
+
+    def __init__(self, name: str, size: int, history: int = 0) -> None:
         self.name = name
         self.window = SortedWindow(size)
+        self._block = size
+        self._peaks: deque[float] = deque(maxlen=max(0, history // size))
+        self._block_max = 0.0
+        self._filled = 0
 
     def judge(
         self, value: float, min_history: int, factor: float, over_max: float
@@ -60,7 +70,12 @@ class _Signal:
         """Evidence when ``value`` is extreme; otherwise remember it and return None."""
         if len(self.window) >= min_history and value > 0.0:
             median, peak = self.window.median(), self.window.values()[-1]
-            if median > 0.0 and value >= factor * median and value >= over_max * peak:
+            if (
+                median > 0.0
+                and value >= factor * median
+                and value >= over_max * peak
+                and value > max(self._peaks, default=0.0)
+            ):
                 return {
                     "signal": self.name,
                     "value": value,
@@ -72,7 +87,17 @@ class _Signal:
                 }
         if value >= 0.0:
             self.window.add(value)
+            self._remember(value)
         return None
+
+    def _remember(self, value: float) -> None:
+        if self._peaks.maxlen == 0:
+            return
+        self._block_max = max(self._block_max, value)
+        self._filled += 1
+        if self._filled == self._block:
+            self._peaks.append(self._block_max)
+            self._block_max, self._filled = 0.0, 0
 
 
 class ExtremeStepDetector:
@@ -95,6 +120,7 @@ class ExtremeStepDetector:
         over_max: Annotated[float, Field(ge=1.0)] = 10.0,
         repeats: Annotated[int, Field(ge=2)] = 3,
         within: Annotated[int, Field(ge=1)] = 1000,
+        history: Annotated[int, Field(ge=0)] = 0,
     ) -> None:
         if min_history > window:
             raise ValueError(f"min_history ({min_history}) must not exceed window ({window})")
@@ -105,13 +131,13 @@ class ExtremeStepDetector:
             over_max,
         )
         self.repeats, self.within = repeats, within
-        self._loss = _Signal("loss", window)
+        self._loss = _Signal("loss", window, history)
         self._signed = False  # a loss below zero was seen: only grad norms are judged
         # A logged total (pre-clip, e.g. the HF Trainer's at logging steps) and the one the
         # optimizer saw (post-clip) are different quantities: on the live HF path both arrive,
         # and a pre-clip 50 against a window of clipped norms would read as an event.
-        self._norm = _Signal("grad_norm", window)
-        self._seen_norm = _Signal("grad_norm", window)
+        self._norm = _Signal("grad_norm", window, history)
+        self._seen_norm = _Signal("grad_norm", window, history)
         self._events: deque[int] = deque(maxlen=repeats)
 
     def observe(self, step: Step) -> Finding | None:

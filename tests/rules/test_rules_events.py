@@ -115,3 +115,26 @@ def test_logged_pre_clip_norms_and_clipped_norms_are_separate_signals() -> None:
             Step(job="j", step=t, time=0.0, grad_norm=norm, grad_norm_logged=logged)
         )
         assert found is not None and not found.active, t
+
+
+def test_a_run_whose_losses_reach_100x_their_median_routinely_has_no_event() -> None:
+    # A CNN on batches of 4 near convergence (benchmarks/healthy_patterns.py style): the
+    # median loss ~0.003, a batch at 0.41 (144x it, 14x the last 50's max) while the same
+    # run reached 1.0 600 steps before; it paged LossExtremeStep at step 1462.
+    rng = np.random.default_rng(0)
+    levels = [0.05] * 300 + [0.003] * 600  # learning, then near convergence
+    losses = [level * float(rng.lognormal(0.0, 0.3)) for level in levels]
+    losses[200] = 1.0  # the run's own excursion, 20x its median then: no event
+    losses[800] = 0.41
+    losses_with_corrupt = list(losses) + [0.003] * 60 + [5.0]  # above everything: an event
+
+    def events(history: int, values: list[float]) -> list[int]:
+        det = ExtremeStepDetector(history=history)
+        found = [
+            det.observe(Step(job="j", step=t, time=float(t), loss=v)) for t, v in enumerate(values)
+        ]
+        return [t for t, f in enumerate(found) if f is not None and f.active]
+
+    assert events(0, losses) == [800]  # the window alone reads 0.41 as an event
+    assert events(1000, losses) == []  # below the run's own 1.0, 600 steps before
+    assert events(1000, losses_with_corrupt) == [960]  # a corrupt batch still pages
