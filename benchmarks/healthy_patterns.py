@@ -20,7 +20,6 @@ AgentStatisticOff: agent/recovery.py).
 
 from __future__ import annotations
 
-import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -331,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         for name in chosen:
             vdir = work / name
             vdir.mkdir()
-            shutil.copy(Path(__file__).resolve().parent / "trials.py", vdir / "trials.py")
 
             def write(endpoint: str, name: str = name) -> list[str]:
                 return [str(Path(__file__).resolve()), "--train", name, endpoint, str(args.iters)]

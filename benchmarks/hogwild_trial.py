@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trials import replace_once, report, run_recorded, trial_args
+from trials import insert_after, report, run_recorded, trial_args
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 VARIANTS: dict[str, tuple[str, ...]] = {"naive": (), "ranked": ()}
@@ -35,17 +35,17 @@ def patch(text: str, job: str, endpoint: str, ranked: bool) -> str:
     """train.py with gradwatch attached in ``train()``, which each process runs."""
     rank = ", rank=rank, world=args.num_processes" if ranked else ""
     opt = "    optimizer = optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)\n"
-    t = replace_once(
+    t = insert_after(
         text,
         opt,
-        opt + "    global MON\n    import gradwatch\n"
+        "    global MON\n    import gradwatch\n"
         f"    MON = gradwatch.watch(model, optimizer, job={job!r}, endpoint={endpoint!r}{rank})\n",
         "train.py",
     )
     epochs = "        train_epoch(epoch, args, model, device, train_loader, optimizer)\n"
-    t = replace_once(t, epochs, epochs + "    MON.close()\n", "train.py")
+    t = insert_after(t, epochs, "    MON.close()\n", "train.py")
     step = "        optimizer.step()\n"
-    return replace_once(t, step, step + "        MON.log(loss=loss)\n", "train.py")
+    return insert_after(t, step, "        MON.log(loss=loss)\n", "train.py")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,7 +42,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trials import LR_TOO_HIGH, replace_once, report, run_recorded, trial_args
+from trials import LR_TOO_HIGH, insert_after, replace_once, report, run_recorded, trial_args
 
 STANDINS = Path(__file__).resolve().parent / "standins"
 ITERS = 600  # GAN batches; policy-gradient episodes
@@ -82,10 +82,6 @@ def _watch(model: str, optimizer: str, job: str, endpoint: str, name: str, pad: 
     return "".join(" " * pad + line + "\n" for line in lines)
 
 
-def _after(text: str, line: str, added: str, where: str) -> str:
-    return replace_once(text, line, line + added, where)
-
-
 def patch(script: str, text: str, job: str, endpoint: str, iters: int, broken: bool) -> str:
     """``text`` of one script with gradwatch attached as README's quickstart says."""
     where = f"{script}.py"
@@ -96,45 +92,45 @@ def patch(script: str, text: str, job: str, endpoint: str, iters: int, broken: b
     if script == "mnist":
         opt = "    optimizer = optim.Adadelta(model.parameters(), lr=args.lr)\n"
         added = "    global MON\n" + _watch("model", "optimizer", job, endpoint, "MON", 4)
-        t = _after(text, opt, added, where)
-        t = _after(t, "        optimizer.step()\n", "        MON.log(loss=loss)\n", where)
+        t = insert_after(text, opt, added, where)
+        t = insert_after(t, "        optimizer.step()\n", "        MON.log(loss=loss)\n", where)
         test = "    test_loss /= len(test_loader.dataset)\n"
-        t = _after(t, test, "    MON.log_eval(loss=test_loss)\n", where)
-        return _after(t, "    main()\n", "    MON.close()\n", where)
+        t = insert_after(t, test, "    MON.log_eval(loss=test_loss)\n", where)
+        return insert_after(t, "    main()\n", "    MON.close()\n", where)
     if script == "vae":
         opt = "optimizer = optim.Adam(model.parameters(), lr="
         line = text[text.index(opt) :].split("\n", 1)[0] + "\n"
-        t = _after(text, line, _watch("model", "optimizer", job, endpoint, "mon"), where)
-        t = _after(t, "        optimizer.step()\n", "        mon.log(loss=loss)\n", where)
+        t = insert_after(text, line, _watch("model", "optimizer", job, endpoint, "mon"), where)
+        t = insert_after(t, "        optimizer.step()\n", "        mon.log(loss=loss)\n", where)
         test = "    test_loss /= len(test_loader.dataset)\n"
-        t = _after(t, test, "    mon.log_eval(loss=test_loss)\n", where)
+        t = insert_after(t, test, "    mon.log_eval(loss=test_loss)\n", where)
         end = "                       'results/sample_' + str(epoch) + '.png')\n"
-        return _after(t, end, "    mon.close()\n", where)
+        return insert_after(t, end, "    mon.close()\n", where)
     if script == "dcgan":
         opt = "optimizerG = optim.Adam(netG.parameters(), lr=opt.lr, betas=(opt.beta1, 0.999))\n"
         added = _watch("netD", "optimizerD", job + "-D", endpoint, "monD")
-        t = _after(
+        t = insert_after(
             text, opt, added + _watch("netG", "optimizerG", job + "-G", endpoint, "monG"), where
         )
         loop = "    for i, data in enumerate(dataloader, 0):\n"
-        t = _after(
+        t = insert_after(
             t,
             loop,
             f"        if i >= {iters}:  # gradwatch trial: a bounded run\n            break\n",
             where,
         )
-        t = _after(t, "        optimizerD.step()\n", "        monD.log(loss=errD)\n", where)
-        t = _after(t, "        optimizerG.step()\n", "        monG.log(loss=errG)\n", where)
+        t = insert_after(t, "        optimizerD.step()\n", "        monD.log(loss=errD)\n", where)
+        t = insert_after(t, "        optimizerG.step()\n", "        monG.log(loss=errG)\n", where)
         return t + "\nmonD.close()\nmonG.close()\n"
     # The two policy-gradient scripts: one optimizer step per episode.
     model, loss = ("policy", "policy_loss") if script == "reinforce" else ("model", "loss")
     opt = f"optimizer = optim.Adam({model}.parameters(), lr="
     line = text[text.index(opt) :].split("\n", 1)[0] + "\n"
-    t = _after(text, line, _watch(model, "optimizer", job, endpoint, "mon"), where)
-    t = _after(t, "    optimizer.step()\n", f"    mon.log(loss={loss})\n", where)
+    t = insert_after(text, line, _watch(model, "optimizer", job, endpoint, "mon"), where)
+    t = insert_after(t, "    optimizer.step()\n", f"    mon.log(loss={loss})\n", where)
     episodes = f"    for i_episode in range(1, {iters} + 1):  # gradwatch trial: bounded\n"
     t = replace_once(t, "    for i_episode in count(1):\n", episodes, where)
-    return _after(t, "    main()\n", "    mon.close()\n", where)
+    return insert_after(t, "    main()\n", "    mon.close()\n", where)
 
 
 def script_path(root: Path, script: str) -> Path:

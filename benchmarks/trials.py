@@ -77,6 +77,11 @@ def replace_once(text: str, old: str, new: str, where: str) -> str:
     return text.replace(old, new)
 
 
+def insert_after(text: str, line: str, added: str, where: str) -> str:
+    """``text`` with ``added`` right after ``line``, which must occur exactly once."""
+    return replace_once(text, line, line + added, where)
+
+
 def run_recorded(
     work: Path,
     traces: Path,

@@ -48,7 +48,7 @@ EventReport = Literal["event", "repeated"]
 class _Signal:
     """The recent values of one signal, and the test of a new one against them.
 
-    Besides the window, the largest value of each block of ``block`` values over the last
+    Besides the window, the largest value of each block of ``size`` values over the last
     ``history`` (0: none kept): an extreme must also be the largest value the signal took
     in that span, or the run produces such values routinely (a batch of 4 near
     convergence: a few per 500 steps at 100x the median) and none is an event.

@@ -186,8 +186,9 @@ class WeightsCutOffDetector:
 
     def __init__(self) -> None:
         self._key: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
-        self._weights = np.empty(0, dtype=bool)  # which tensors are weight matrices
-        self._ever = np.empty(0, dtype=bool)  # which had a non-zero gradient at least once
+        self._matrices = np.empty(0, dtype=np.intp)  # positions of the weight matrices
+        self._ever = np.empty(0, dtype=bool)  # which matrix had a non-zero gradient once
+        self._seen_all = False  # every matrix had one: the usual case after a step or two
         self._since: int | None = None
 
     def observe(self, step: Step) -> Finding | None:
@@ -196,29 +197,29 @@ class WeightsCutOffDetector:
         if step.skipped or norms.size == 0 or not np.isfinite(norms).all():
             return None
         self._plan(step, norms.size)
-        flowing = norms != 0.0
-        self._ever |= flowing
-        watched = self._weights & self._ever
-        if not watched.any() or not flowing.any() or flowing[watched].any():
+        matrices = norms[self._matrices]
+        if not self._seen_all:
+            self._ever |= matrices != 0.0
+            self._seen_all = bool(self._ever.all())
+        # The collector runs this on every step of every rank: one test in the usual case.
+        live = matrices.any() if self._seen_all else matrices[self._ever].any()
+        if live or not self._ever.any() or not norms.any():
             self._since = None
             return INACTIVE
         if self._since is None:
             self._since = step.step
+        flowing = np.flatnonzero(norms)
         names = step.layers if len(step.layers) == norms.size else ()
-        learning = [names[i] for i in np.flatnonzero(flowing)] if names else []
+        learning = [names[i] for i in flowing] if names else []
+        cut = int(self._ever.sum())
         summary = (
             f"no weight matrix has had a gradient since step {self._since} "
-            f"({int(watched.sum())} that had one before); only "
-            f"{int(flowing.sum())} other tensor(s) still learn"
+            f"({cut} that had one before); only {flowing.size} other tensor(s) still learn"
             + (f" ({', '.join(learning[:3])})" if learning else "")
             + ": every unit feeding them is dead (ReLUs pushed negative by an update too "
             "large?) or the graph is cut before them"
         )
-        evidence = {
-            "since_step": self._since,
-            "matrices": int(watched.sum()),
-            "still_learning": learning[:10],
-        }
+        evidence = {"since_step": self._since, "matrices": cut, "still_learning": learning[:10]}
         return Finding(True, summary, evidence)
 
     def _plan(self, step: Step, size: int) -> None:
@@ -227,5 +228,7 @@ class WeightsCutOffDetector:
             return
         self._key = key
         named = step.layers if len(step.layers) == size else tuple(f"#{i}" for i in range(size))
-        self._weights = np.array([r == "weight" for r in roles_of(named, step.layer_roles)])
-        self._ever = np.zeros(size, dtype=bool)
+        roles = roles_of(named, step.layer_roles)
+        self._matrices = np.array([i for i, r in enumerate(roles) if r == "weight"], np.intp)
+        self._ever = np.zeros(self._matrices.size, dtype=bool)
+        self._seen_all = False

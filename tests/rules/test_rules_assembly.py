@@ -236,10 +236,9 @@ def test_pending_steps_are_bounded_per_job() -> None:
     assert asm.absent("j") == set() and asm.counts()["j"].incomplete == 1
 
 
-def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
+def assembled_sample(w: np.ndarray, ratio: np.ndarray) -> Stats:
+    """One cadence sample of two FSDP shards, weight norms and ratios by (rank, layer)."""
     asm = Assembler(clock=FakeClock())
-    w = np.array([[3.0, 1.0], [4.0, 1.0]])  # (rank, layer) weight norms
-    ratio = np.array([[0.1, 0.2], [0.2, 0.2]])
     out = []
     for r in (0, 1):
         out += asm.add(
@@ -256,6 +255,14 @@ def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
             )
         )
     (whole,) = out
+    assert isinstance(whole, Stats)
+    return whole
+
+
+def test_stats_weights_and_update_ratios_assemble_across_shards() -> None:
+    w = np.array([[3.0, 1.0], [4.0, 1.0]])  # (rank, layer) weight norms
+    ratio = np.array([[0.1, 0.2], [0.2, 0.2]])
+    whole = assembled_sample(w, ratio)
     np.testing.assert_allclose(whole.weight_norms, [5.0, math.sqrt(2)])
     dw = np.sqrt(((ratio * w) ** 2).sum(axis=0))
     np.testing.assert_allclose(whole.update_ratios, dw / whole.weight_norms)
@@ -266,27 +273,11 @@ def test_an_unmeasured_ratio_beside_an_infinite_weight_warns_nothing() -> None:
     # pytorch/examples' DDP tutorial at lr 1.0 (benchmarks/ddp_trial.py) diverged to
     # infinite weights; a rank's unmeasured (NaN) ratio times inf printed a numpy
     # RuntimeWarning on the collector's stderr.
-    asm = Assembler(clock=FakeClock())
     w = np.array([[math.inf, 1.0], [1.0, 1.0]])
     ratio = np.array([[math.nan, 0.1], [0.2, 0.1]])
-    out = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for r in (0, 1):
-            out += asm.add(
-                Stats(
-                    job="j",
-                    step=50,
-                    time=1.0,
-                    rank=r,
-                    layers=("a", "b"),
-                    weight_norms=w[r],
-                    update_ratios=ratio[r],
-                    world=2,
-                    shards=2,
-                )
-            )
-    (whole,) = out
+        whole = assembled_sample(w, ratio)
     assert whole.weight_norms is not None and math.isinf(whole.weight_norms[0])
     assert whole.update_ratios is not None
     assert math.isnan(whole.update_ratios[0])  # one shard did not measure it: not measured
