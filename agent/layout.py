@@ -68,6 +68,16 @@ _F32F = struct.Struct("=f")
 MISSING_LE = struct.pack("<I", MISSING_BITS)
 
 
+def has_special(cells: torch.Tensor) -> bool:
+    """Whether float32 cells, viewed as int32, hold a NaN or Inf (MISSING cells do not
+    count): exponent bits all set is NaN or Inf, and MISSING is a NaN with its own payload."""
+    special = (cells & _EXPONENT) == _EXPONENT
+    return bool((special & (cells != MISSING_I32)).any())
+
+
+_EXPONENT = 0x7F800000
+
+
 def fill_missing(t: torch.Tensor) -> None:
     """Fill a float32 tensor with the wire's MISSING sentinel in one kernel."""
     t.view(torch.int32).fill_(MISSING_I32)

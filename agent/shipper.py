@@ -58,7 +58,7 @@ from gradwatch.agent.items import (
     Reincarnate,
     StatsItem,
 )
-from gradwatch.agent.layout import MISSING_I32, MISSING_LE, fill_norms, le_bytes, merge_rows
+from gradwatch.agent.layout import MISSING_LE, fill_norms, has_special, le_bytes, merge_rows
 from gradwatch.agent.takeover_command import Takeover
 from gradwatch.agent.workqueue import WorkQueue
 from gradwatch.wire import (
@@ -488,12 +488,7 @@ def has_nonfinite(values: bytes) -> bool:
     cells = torch.frombuffer(bytearray(values), dtype=torch.int32)  # a copy: bytes are read-only
     if sys.byteorder != "little":
         cells = cells.view(torch.uint8).view(-1, 4).flip(1).contiguous().view(torch.int32).flatten()
-    # Exponent bits all set is NaN or Inf; MISSING is a NaN with its own payload.
-    special = (cells & _EXPONENT) == _EXPONENT
-    return bool((special & (cells != MISSING_I32)).any())
-
-
-_EXPONENT = 0x7F800000
+    return has_special(cells)
 
 
 def _json_number(value: Any) -> Any:

@@ -33,6 +33,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 # How often an idle shipper looks for work: the most a batch waits to be sent.
@@ -52,6 +53,8 @@ class WorkQueue:
         self._items: deque[Any] = deque()
         self._poll_s = poll_s
         self._wake = threading.Event()
+        # Held by the consumer's pops and the producer's evict(), never by a put.
+        self._taking = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -79,9 +82,26 @@ class WorkQueue:
         if wake:
             self._wake.set()
 
+    def evict(self, droppable: Callable[[Any], bool]) -> Any | None:
+        """Take out the oldest waiting item ``droppable`` says may go, None if none.
+
+        The producer's way to make room for a newer item (agent/buffer.py). The
+        consumer's pops take the same lock, so the item cannot be taken while it is
+        judged, and the others keep their order. Never blocks for longer than one pop.
+        """
+        items = self._items
+        with self._taking:
+            for i in range(len(items)):
+                if droppable(items[i]):
+                    item = items[i]
+                    del items[i]
+                    return item
+        return None
+
     def get_nowait(self) -> Any:
         try:
-            return self._items.popleft()
+            with self._taking:
+                return self._items.popleft()
         except IndexError:
             raise queue.Empty from None
 
@@ -90,7 +110,8 @@ class WorkQueue:
         end = time.monotonic() + timeout
         while True:
             try:
-                return self._items.popleft()
+                with self._taking:
+                    return self._items.popleft()
             except IndexError:
                 pass
             left = end - time.monotonic()
