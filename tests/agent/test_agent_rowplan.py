@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-import gradwatch
+from gradwatch.agent import Monitor
 from gradwatch.agent.rowplan import RowPlan
 from gradwatch.wire import columns as wc
-from tests.agent.receiver import Received, receive, wait_connected
+from tests.agent.receiver import Received, batch_config, receive, wait_connected
 
 STEPS = 40
 CLOCKS = {wc.scalar(wc.DATA_SECONDS_SCALAR), wc.scalar(wc.FORWARD_SECONDS_SCALAR)}
@@ -37,9 +37,9 @@ def _run(pull) -> Received:
         momentum=0.9,
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (1 + k))
-    mon = gradwatch.watch(
-        model, opt, job="rowplan", endpoint=endpoint, flush_every=4, heartbeat_every=0.05
-    )
+    # Host buffers for every batch (batch_config): the two runs are compared row by row, so
+    # neither may drop a batch when a busy machine starves its shipper.
+    mon = Monitor(model, opt, batch_config("rowplan", endpoint, early_stats=True))
     seen = wait_connected(sock)
     for k in range(STEPS):
         loss = model(torch.randn(8, 6)).pow(2).mean()
