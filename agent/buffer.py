@@ -319,14 +319,17 @@ def _nothing_to_page(item: object) -> bool:
     stacked (one tensor each; a model that size takes far longer a step on a CPU)."""
     if not isinstance(item, FlushItem) or item.buf is None:
         return False
-    if item.ready is not None and not item.ready.query():
-        return False  # its copy is still running: unknown, so kept
-    if has_special(item.buf[: item.rows * item.width].view(torch.int32)):
-        return False
-    for norms in item.norms or ():
-        if norms and not bool(torch.stack(norms).isfinite().all()):
+    try:
+        if item.ready is not None and not item.ready.query():
+            return False  # its copy is still running: unknown, so kept
+        if has_special(item.buf[: item.rows * item.width].view(torch.int32)):
             return False
-    return all(_finite(value) for row in item.host_rows for value in row)
+        for norms in item.norms or ():
+            if norms and not bool(torch.stack(norms).isfinite().all()):
+                return False
+        return all(_finite(value) for row in item.host_rows for value in row)
+    except Exception:  # a value it cannot judge (a logged tensor of an odd kind): kept
+        return False
 
 
 def _finite(value: HostValue) -> bool:

@@ -13,7 +13,7 @@ import torch
 
 from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.items import Counters, EventItem, FlushItem
-from gradwatch.agent.layout import Columns
+from gradwatch.agent.layout import Columns, Later
 from gradwatch.agent.workqueue import WorkQueue
 
 FLUSH, POOL = 5, 4
@@ -87,3 +87,21 @@ def test_a_new_batch_finds_only_batches_with_a_nan_waiting_and_is_dropped():
     run(buf, range(50), nan=set(range(20)))  # the first four batches all hold a NaN
     assert [item.steps[0] for item in waiting(work)] == [0, 5, 10, 15]
     assert counters.steps_dropped_agent == 30
+
+
+def test_a_batch_it_cannot_judge_is_kept_and_nothing_raises():
+    class Odd(torch.Tensor):
+        """A logged tensor that cannot be tested for NaN (as a quantized one cannot)."""
+
+        def isfinite(self) -> torch.Tensor:
+            raise NotImplementedError("isfinite")
+
+    # The batch holding it is kept, as one with a NaN would be.
+    odd = torch.tensor(1.0).as_subclass(Odd)
+    buf, work, counters = buffer()
+    for step in range(3 * FLUSH):  # three batches; the first holds the odd value
+        buf.current[0] = float(step)
+        buf.commit(step, 0.0, [Later(odd if step == 0 else torch.tensor(1.0), 0)])
+    run(buf, range(3 * FLUSH, 6 * FLUSH))
+    assert [item.steps[0] for item in waiting(work)] == [0, 15, 20, 25]
+    assert counters.steps_dropped_agent == 2 * FLUSH
