@@ -86,8 +86,9 @@ class WorkQueue:
         """Take out the oldest waiting item ``droppable`` says may go, None if none.
 
         The producer's way to make room for a newer item (agent/buffer.py). The
-        consumer's pops take the same lock, so the item cannot be taken while it is
-        judged, and the others keep their order. Never blocks for longer than one pop.
+        consumer's pops take the same lock, so no item is taken while it is judged, and
+        the others keep their order. The caller waits for one pop at most; the consumer
+        waits while ``droppable`` runs (on the drop path only, never on a put).
         """
         items = self._items
         with self._taking:
