@@ -78,6 +78,21 @@ def has_special(cells: torch.Tensor) -> bool:
 _EXPONENT = 0x7F800000
 
 
+def has_nonfinite(values: bytes) -> bool:
+    """Whether little-endian float32 ``values`` hold a NaN or Inf (MISSING cells do not count).
+
+    Sets the batch header's ``nonfinite`` hint (docs/wire.md), which buys the batch
+    priority at the collector; the collector still decides from the values. On the
+    shipper thread: ~20 us for a 10 x 1,000 batch, in four tensor ops on one copy.
+    """
+    if not values:
+        return False
+    cells = torch.frombuffer(bytearray(values), dtype=torch.int32)  # a copy: bytes are read-only
+    if sys.byteorder != "little":
+        cells = cells.view(torch.uint8).view(-1, 4).flip(1).contiguous().view(torch.int32).flatten()
+    return has_special(cells)
+
+
 def fill_missing(t: torch.Tensor) -> None:
     """Fill a float32 tensor with the wire's MISSING sentinel in one kernel."""
     t.view(torch.int32).fill_(MISSING_I32)

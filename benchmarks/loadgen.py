@@ -349,7 +349,7 @@ class _Sender:
         schema = self.schemas[i]
         now = time.monotonic()
         attach = now - self.schema_sent[i] >= SCHEMA_EVERY_S
-        # The agent's shipper hints a batch holding a NaN/Inf (agent/shipper.has_nonfinite);
+        # The agent's shipper hints a batch holding a NaN/Inf (agent/layout.has_nonfinite);
         # these values have no MISSING cells, so "not all finite" is the same test.
         flag = bool(probed) and self.flag_probes and not np.isfinite(vals).all()
         header = self.templates[i].header(self.seq[i], self.dropped[i], shared, flag)

@@ -16,7 +16,7 @@ import zmq
 from torch import nn
 
 from gradwatch.agent.monitor import Monitor
-from gradwatch.agent.shipper import has_nonfinite
+from gradwatch.agent.layout import has_nonfinite
 from gradwatch.wire import MISSING_BITS, Batch, decode
 from gradwatch.wire import columns as wc
 from tests.agent.receiver import batch_config
