@@ -15,8 +15,8 @@ import torch
 import zmq
 from torch import nn
 
-from gradwatch.agent.monitor import Monitor
 from gradwatch.agent.layout import has_nonfinite
+from gradwatch.agent.monitor import Monitor
 from gradwatch.wire import MISSING_BITS, Batch, decode
 from gradwatch.wire import columns as wc
 from tests.agent.receiver import batch_config
