@@ -25,6 +25,7 @@ agent/config.py when ``watch()`` builds its configuration.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,6 +37,9 @@ from gradwatch.agent.config import CurveKeys
 logger = logging.getLogger(__name__)
 
 _HANDSHAKE_FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+# The most the shipper thread waits, over an agent's life, for its first connection to a
+# collector (never the training thread). An absent collector costs it once.
+FIRST_CONNECT_WAIT_S = 0.5
 
 
 class Destination:
@@ -50,6 +54,7 @@ class Destination:
         self._refusal_logged = False
         # Whether the last send went through: only then may a send wait for room (below).
         self._flowing = False
+        self._first_wait = FIRST_CONNECT_WAIT_S  # left of the wait for a first connection
         self.sock = ctx.socket(zmq.PUSH)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -73,19 +78,32 @@ class Destination:
         a few milliseconds at close. Without a wait the last batch and the note were
         dropped that way in 4 of 20 exits of tests/agent/test_agent_exit_flush.py's
         loop on an idle 2-core machine (17 sends in 7 ms). A peer that is down or stuck
-        costs one wait, then sends fail at once until one goes through.
+        costs one wait, then sends fail at once until one goes through. Before the
+        first connection, sends wait for it, ``FIRST_CONNECT_WAIT_S`` in all.
         """
-        waits = wait_s > 0 and self._flowing
-        if self._try(frames) or (
-            waits and self.sock.poll(int(wait_s * 1000), zmq.POLLOUT) and self._try(frames)
-        ):
-            self._flowing = True
-            return True
+        if self._try(frames):
+            return self._went()
+        # Never connected yet: the rest of one wait for the first connection. A loop's
+        # first steps can be logged before the connection is made (a remote collector,
+        # a busy machine), and a bad init's NaN at step 1 would be dropped unseen.
+        wait = wait_s if self._flowing else self._first_wait
+        if wait > 0:
+            began = time.monotonic()
+            sent = bool(self.sock.poll(int(wait * 1000), zmq.POLLOUT)) and self._try(frames)
+            if not self._flowing:
+                self._first_wait = max(0.0, self._first_wait - (time.monotonic() - began))
+            if sent:
+                return self._went()
         # No peer, or a full pipe: the handshake event of a restarted collector may come
         # after our next send, so the next batch that goes out carries the schema.
         self._flowing = False
         self.schema_sent.clear()
         return False
+
+    def _went(self) -> bool:
+        self._flowing = True
+        self._first_wait = 0.0  # connected: from now on a peer that goes away costs wait_s
+        return True
 
     def _try(self, frames: list[bytes]) -> bool:
         try:

@@ -130,3 +130,12 @@ def rebind(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
             if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise
             time.sleep(0.01)
+
+
+def drain(sock: zmq.Socket) -> list[object]:
+    """What the closed monitor sent: everything that arrives until 0.5 s pass without."""
+    got = []
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and sock.poll(500):
+        got.append(decode(sock.recv_multipart()))
+    return got

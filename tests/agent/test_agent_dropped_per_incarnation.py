@@ -3,14 +3,11 @@ incarnations counts each dropped step once (a rollback after 10 dropped steps re
 
 from __future__ import annotations
 
-import time
-
 import torch
-import zmq
 
 from gradwatch.agent import Monitor
-from gradwatch.wire import Batch, Heartbeat, decode
-from tests.agent.receiver import batch_config, wait_connected
+from gradwatch.wire import Batch, Heartbeat
+from tests.agent.receiver import batch_config, drain, wait_connected
 
 DROPPED = 10
 
@@ -21,15 +18,6 @@ def train(mon: Monitor, model: torch.nn.Module, opt: torch.optim.Optimizer, step
         opt.step()
         mon.log(loss=1.0)
         opt.zero_grad()
-
-
-def drain(sock: zmq.Socket) -> list[object]:
-    """What the closed monitor sent: everything that arrives until 0.5 s pass without."""
-    got = []
-    deadline = time.monotonic() + 10.0
-    while time.monotonic() < deadline and sock.poll(500):
-        got.append(decode(sock.recv_multipart()))
-    return got
 
 
 def test_a_rollback_starts_a_fresh_count_after_the_old_incarnation_sends_its_last(pull):
