@@ -278,7 +278,8 @@ def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> l
             "not measured (a confident output is no saturation)",
             ", ".join(t.name for t in output_side),
         )
-        found = [t for t in found if not any(t is o for o in output_side)]
+        skipped = {id(t) for t in output_side}
+        found = [t for t in found if id(t) not in skipped]
     return found
 
 

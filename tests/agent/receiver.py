@@ -132,9 +132,10 @@ def rebind(sock: zmq.Socket, endpoint: str, timeout: float = 10.0) -> None:
             time.sleep(0.01)
 
 
-def drain(sock: zmq.Socket) -> list[object]:
-    """What the closed monitor sent: everything that arrives until 0.5 s pass without."""
-    got = []
+def drain(sock: zmq.Socket) -> list[Message]:
+    """Everything the agent still sends, until it has been quiet for half a second (10 s
+    at most)."""
+    got: list[Message] = []
     deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline and sock.poll(500):
         got.append(decode(sock.recv_multipart()))

@@ -14,7 +14,7 @@ import gradwatch
 from gradwatch.agent.monitor import Monitor
 from gradwatch.wire import MISSING_BITS, Batch, Event, Heartbeat, Message, Schema, decode
 from gradwatch.wire import columns as wc
-from tests.agent.receiver import batch_config, rebind
+from tests.agent.receiver import batch_config, drain, rebind
 
 WAIT_MS = 5000
 
@@ -54,14 +54,6 @@ def collect(sock: zmq.Socket, n_steps: int, n_events: int = 0) -> tuple[list[Bat
         elif isinstance(msg, Event):
             events.append(msg)
     return batches, events
-
-
-def _drain(sock: zmq.Socket) -> list[Message]:
-    """Everything the agent still sends, until it has been quiet for half a second."""
-    out = []
-    while sock.poll(500):
-        out.append(decode(sock.recv_multipart()))
-    return out
 
 
 def rows(batches: list[Batch]) -> dict[int, tuple[dict[str, tuple[float, int]], list[float]]]:
@@ -384,7 +376,7 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
     got = rows(
         [
             b
-            for b in seen + _drain(sock)
+            for b in seen + drain(sock)
             if isinstance(b, Batch) and b.schema_id != wc.STATS_SCHEMA_ID
         ]
     )
@@ -405,7 +397,7 @@ def test_close_says_so_after_the_last_batch(pull):
     opt.step()
     mon.log(loss=1.0)
     mon.close()
-    sent = [m for m in _drain(sock) if not isinstance(m, Heartbeat)]
+    sent = [m for m in drain(sock) if not isinstance(m, Heartbeat)]
     assert isinstance(sent[0], Batch) and sent[0].steps == (1,)
     assert isinstance(sent[-1], Event) and (sent[-1].kind, sent[-1].fields) == (
         "note",
