@@ -43,6 +43,7 @@ class Counters:
     steps_logged: int = 0  # training thread
     steps_dropped_agent: int = 0  # training thread: no free buffer / queue full
     steps_dropped_send: int = 0  # shipper: ZeroMQ would block (no peer, slow peer)
+    steps_held: int = 0  # shipper: a NaN/Inf batch kept to send again (agent/holdback.py)
     batches_sent: int = 0  # shipper
     steps_sent: int = 0  # shipper
     heartbeats_sent: int = 0  # shipper

@@ -97,6 +97,9 @@ class MonitorStats:
     stats_dropped: int = 0
     commands_accepted: int = 0
     commands_refused: int = 0
+    # Steps of a batch holding a NaN or Inf that no collector took yet, kept to send
+    # before any later step (agent/holdback.py): neither sent nor dropped while kept.
+    steps_held: int = 0
 
 
 class Monitor(LayerSwitch):
@@ -243,6 +246,7 @@ class Monitor(LayerSwitch):
             stats_dropped=c.stats_dropped,
             commands_accepted=accepted,
             commands_refused=refused,
+            steps_held=c.steps_held,
         )
 
     def log(self, step: int | None = None, **scalars: Scalar) -> None:

@@ -48,6 +48,7 @@ import zmq
 from gradwatch.agent.commands import CommandReceiver, Rollback
 from gradwatch.agent.config import AgentConfig, CurveKeys, load_curve_keys, split_endpoints
 from gradwatch.agent.destinations import Destination
+from gradwatch.agent.holdback import RETRY_S, Holdback, Kept
 from gradwatch.agent.hostpart import HostPart, MissingPart
 from gradwatch.agent.items import (
     BufferPool,
@@ -157,6 +158,8 @@ class Shipper:
         self._dropped_before = 0  # steps dropped by earlier incarnations (_reincarnate)
         self._stats_schema: Schema | None = None
         self._deadline = math.inf
+        # A batch with a NaN or Inf that no collector took, sent before any later one.
+        self._held = Holdback(self._send_kept, counters)
         self._thread = threading.Thread(target=self._run, name="gradwatch-shipper", daemon=True)
 
     def start(self) -> None:
@@ -227,11 +230,16 @@ class Shipper:
             if self._commands is not None:
                 self._commands.poll()
                 wait = min(wait, COMMAND_POLL_S)
+            if self._held.kept is not None:
+                wait = min(wait, RETRY_S)
+                if self._held.due(now):
+                    self._held.clear()  # the loop may have stopped logging after the NaN
             try:
                 item = self._work.get(timeout=wait)
             except queue.Empty:
                 continue
             if item is _STOP:
+                self._held.clear()  # with the closing wait (_wait_s)
                 return
             self._watch_connections()
             if isinstance(item, FlushItem):
@@ -247,7 +255,10 @@ class Shipper:
         """Continue as a new incarnation (after a rollback): the collector then treats the
         rewound step numbers as a fresh start, not as a stall, and relearns the schema.
         ``dropped`` counts per incarnation (docs/wire.md), the old one's final count sent
-        in a heartbeat: the collector adds up the incarnations of a job."""
+        in a heartbeat: the collector adds up the incarnations of a job. A kept batch
+        (agent/holdback.py) belongs to the old incarnation: sent now or counted dropped."""
+        if not self._held.clear():
+            self._held.give_up()
         self._heartbeat()
         self._dropped_before = self._counters.steps_dropped
         self._inc = incarnation
@@ -258,6 +269,7 @@ class Shipper:
 
     def _discard_queued(self) -> None:
         """Count what is still queued at exit as dropped, so every step is accounted for."""
+        self._held.give_up()
         while True:
             try:
                 item = self._work.get_nowait()
@@ -312,12 +324,22 @@ class Shipper:
                 stale[0],
             )
         counters = self._counters
+        if not self._held.clear():
+            # An earlier batch with a NaN or Inf still finds no collector, and nothing
+            # may overtake it (agent/holdback.py): no collector would take this one either.
+            counters.steps_dropped_send += item.rows
+            return
         flag = has_nonfinite(values)
         if self._send_batch(item.layout.schema, item.steps, item.times, values, nonfinite=flag):
             counters.batches_sent += 1
             counters.steps_sent += item.rows
+        elif flag:
+            self._held.keep(Kept(item.layout.schema, item.steps, item.times, values))
         else:
             counters.steps_dropped_send += item.rows
+
+    def _send_kept(self, kept: Kept) -> bool:
+        return self._send_batch(kept.schema, kept.steps, kept.times, kept.values, nonfinite=True)
 
     def _ship_stats(self, item: StatsItem) -> None:
         try:
