@@ -39,6 +39,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradwatch.agent.activations import ActHooks, is_compiled
+from gradwatch.agent.closures import read_after_first_call
 from gradwatch.agent.failsafe import describe
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached, hook_module
@@ -138,11 +139,21 @@ class StepRecorder(Sampler):
             self._reincarnate(f"log(step={number})")
         self._step = number - 1
 
-    def _pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _pre_hook(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> tuple[Any, Any] | None:
         if self._off:
             # Not removed here: torch is iterating its hook dict, and removing an entry
             # would raise into the loop when another hook follows ours. log()/close() do it.
-            return
+            return None
+        if len(args) > 1 or kwargs:
+            # step(closure): the gradients are the closure's to compute, so they are read
+            # when its first call returns (still before any update; agent/closures.py).
+            wrapped = read_after_first_call(
+                args, kwargs, lambda: self._pre_hook(optimizer, (optimizer,), {})
+            )
+            if wrapped is not None:
+                return wrapped
         self._in_hook = True
         try:
             if self._open:
@@ -163,18 +174,21 @@ class StepRecorder(Sampler):
             self._fail("reading gradient norms in the optimizer step pre-hook", exc)
         finally:
             self._in_hook = False
+        return None
 
-    def _any_pre_hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _any_pre_hook(
+        self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
+    ) -> tuple[Any, Any] | None:
         # Any optimizer's step in the process: one identity test for the watched one.
         if optimizer is not self._optimizer:
             if self._open or self._off or not self._follow.adopts(optimizer):
-                return  # another model's optimizer, or one stepping inside ours (a wrapper)
+                return None  # another model's optimizer, or one stepping inside ours (a wrapper)
             self._optimizer = optimizer
             logger.info(
                 "gradwatch: following a new optimizer (%s) that updates the watched parameters",
                 type(optimizer).__name__,
             )
-        self._pre_hook(optimizer, args, kwargs)
+        return self._pre_hook(optimizer, args, kwargs)
 
     def _before_update(self) -> None:
         """What must be seen before the parameters change: the pre-hook's, or (no optimizer)
