@@ -1,4 +1,4 @@
-"""A trial on more of pytorch/examples' scripts: CNN, LSTM, VAE, GAN, RL, GCN, forward-forward.
+"""A trial on more of pytorch/examples' scripts: CNN, LSTM, VAE, GAN, RL, GCN, GAT, forward-forward.
 
 Each stretches an assumption the other trials never test. The scripts are run unmodified
 but for gradwatch's lines (and a bound on their length), from a checkout never copied
@@ -23,6 +23,12 @@ into this repository; CI never needs it.
   (``log_eval`` each step). It downloads Cora; the trial writes a Cora-shaped stand-in
   graph instead (``standins/cora.py``). Its lr x100 (1.0) still reaches 87.7% (healthy
   88.4%): no fault, not scored.
+* ``gat/main.py``: a graph attention network on the same stand-in graph: eight heads of
+  attention masked densely over all 2,708 nodes, ELU and LeakyReLU (functional or
+  never called: nothing for the activation hooks), dropout 0.6 on inputs and attention,
+  Adam with L2, an evaluation in ``eval()`` mode after every step. 150 epochs (its
+  default is 300; ~4 s an epoch here). Healthy: 0 alerts (2026-12-06). At lr x100 (0.5)
+  it ends at 76% test accuracy (healthy 88%); caught at step 121.
 * ``mnist_forward_forward/main.py``: Hinton's forward-forward algorithm: no backward pass
   across layers; each layer is its own model with its own Adam and loss, trained to the
   end in turn (jobs ``...-L1``, ``...-L2``). 5,000 images, 300 epochs a layer. Its
@@ -49,7 +55,7 @@ they led to (rules/engine.py's signed loss, WeightGradientsCutOff) were checked 
 other kept trace, the fault suite and the HF corpus before they were kept.
 
     mkdir /tmp/pex2 && git --git-dir=$(fetch pytorch/examples) archive HEAD \\
-        mnist mnist_rnn vae dcgan reinforcement_learning gcn mnist_forward_forward \\
+        mnist mnist_rnn vae dcgan reinforcement_learning gcn gat mnist_forward_forward \\
         | tar -x -C /tmp/pex2
     python benchmarks/pex_trial.py /tmp/pex2 --keep /tmp/trials/pex1
     python benchmarks/pex_trial.py --replay-only /tmp/trials/pex1     # current rules
@@ -74,6 +80,7 @@ SCRIPTS = (
     "reinforce",
     "actor_critic",
     "gcn",
+    "gat",
     "forward_forward",
 )
 RUNS = {f"{s}_{kind}": () for s in SCRIPTS for kind in ("healthy", "lr_x100")}
@@ -107,6 +114,7 @@ LR_FLAG = {
     "mnist_rnn": ("--lr", "100"),
     "dcgan": ("--lr", "0.02"),
     "gcn": ("--lr", "1.0"),
+    "gat": ("--lr", "0.5"),
     "forward_forward": ("--lr", "3.0"),
 }
 LR_LINE = {
@@ -119,6 +127,7 @@ ARGS = {
     "mnist_rnn": ["--epochs", "2"],
     "forward_forward": ["--train_size", "5000", "--epochs", "300", "--test_size", "1000"],
     "vae": ["--epochs", "2"],
+    "gat": ["--epochs", "150"],
     "dcgan": ["--dataset", "mnist", "--dataroot", "data", "--ngf", "16", "--ndf", "16"]
     + ["--batchSize", "32", "--niter", "1", "--outf", "out"],
 }
@@ -184,7 +193,7 @@ def patch(script: str, text: str, job: str, endpoint: str, iters: int, broken: b
         t = insert_after(t, "        optimizerD.step()\n", "        monD.log(loss=errD)\n", where)
         t = insert_after(t, "        optimizerG.step()\n", "        monG.log(loss=errG)\n", where)
         return t + "\nmonD.close()\nmonG.close()\n"
-    if script == "gcn":
+    if script in ("gcn", "gat"):
         t = replace_once(text, "import requests\n", "", where)  # the stand-in graph is local
         t = t[: t.index("    cora_url = ")] + t[t.index("    print('Loading dataset...')") :]
         val = "    loss_val, acc_val = test(model, criterion, input, target, mask_val)\n"
@@ -194,7 +203,15 @@ def patch(script: str, text: str, job: str, endpoint: str, iters: int, broken: b
                 where,
                 (
                     "    criterion = nn.NLLLoss()\n",
-                    "    global MON\n" + _watch("gcn", "optimizer", job, endpoint, "MON", 4),
+                    "    global MON\n"
+                    + _watch(
+                        "gcn" if script == "gcn" else "gat_net",
+                        "optimizer",
+                        job,
+                        endpoint,
+                        "MON",
+                        4,
+                    ),
                 ),
                 ("    optimizer.step()\n", "    MON.log(loss=loss)\n"),
                 (val, "    MON.log_eval(loss=loss_val)\n"),
@@ -247,7 +264,7 @@ def run_one(root: Path, work: Path, traces: Path, run: str, iters: int) -> None:
     (vdir / "results").mkdir(parents=True, exist_ok=True)
     (vdir / "out").mkdir(exist_ok=True)
     src = script_path(root, script)
-    if script == "gcn":
+    if script in ("gcn", "gat"):
         write_cora(vdir)
 
     def write(endpoint: str) -> list[str]:
