@@ -24,8 +24,8 @@ into this repository; CI never needs it.
   graph instead (``standins/cora.py``). Its lr x100 (1.0) still reaches 87.7% (healthy
   88.4%): no fault, not scored.
 * ``gat/main.py``: a graph attention network on the same stand-in graph: eight heads of
-  attention masked densely over all 2,708 nodes, ELU and LeakyReLU (functional or
-  never called: nothing for the activation hooks), dropout 0.6 on inputs and attention,
+  attention masked densely over all 2,708 nodes, a functional ELU and LeakyReLU modules
+  (neither a family the activation hooks measure), dropout 0.6 on inputs and attention,
   Adam with L2, an evaluation in ``eval()`` mode after every step. 150 epochs (its
   default is 300; ~4 s an epoch here). Healthy: 0 alerts (2026-12-06). At lr x100 (0.5)
   it ends at 76% test accuracy (healthy 88%); caught at step 121.
