@@ -12,6 +12,15 @@ from. Its later evaluations (LBFGS's line search and inner iterations) are not r
 If the step never calls the closure, nothing is read there, and ``log()`` reads the
 gradients instead (agent/monitor.py).
 
+Not every closure computes the step's gradients. Sharpness-aware minimisation (SAM)
+is stepped with a closure *after* the loop's own backward pass: its step perturbs
+the weights, calls the closure for the gradients there, then restores the weights
+and updates. The gradients that pass measures are the loop's, present at the
+pre-hook, and the closure's come after a change of the weights. So the pre-hook reads
+at once when the gradients have changed since the last closure step was logged
+(``GradMark``: a new tensor, or the same one written again), and wraps the closure
+only when they have not (LBFGS: the last step's leftovers, or none at the first).
+
 Example::
 
     >>> read = []
@@ -23,8 +32,11 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 
 class ReadAfterFirst:
@@ -56,3 +68,31 @@ def read_after_first_call(
     if callable(closure):
         return args, {**kwargs, "closure": ReadAfterFirst(closure, read)}
     return None
+
+
+class GradMark:
+    """The first gradient of the watched parameters as the last closure step ended: it
+    tells a gradient the loop computed since (read it now) from that step's leftovers."""
+
+    __slots__ = ("_index", "_ref", "_version")
+
+    def __init__(self) -> None:
+        self._index = -1
+        self._ref: weakref.ref[torch.Tensor] | None = None
+        self._version = -1
+
+    def note(self, params: Sequence[torch.Tensor]) -> None:
+        """Mark the gradients as they are now (``log()`` of a step given a closure)."""
+        self._index, self._ref = -1, None
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                self._index, self._ref, self._version = i, weakref.ref(p.grad), p.grad._version
+                return
+
+    def fresh(self, params: Sequence[torch.Tensor]) -> bool:
+        """Whether the loop computed gradients since the mark: a gradient there now that
+        is not the marked tensor as it was (a weak reference: the mark keeps nothing)."""
+        if self._ref is None:  # no closure step yet: any gradient is the loop's own
+            return any(p.grad is not None for p in params)
+        grad = params[self._index].grad if self._index < len(params) else None
+        return grad is not None and (grad is not self._ref() or grad._version != self._version)

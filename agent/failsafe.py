@@ -36,6 +36,7 @@ from gradwatch.agent.activations import ActHooks
 from gradwatch.agent.buffer import StepBuffer
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus
+from gradwatch.agent.closures import GradMark
 from gradwatch.agent.commands import Rollback
 from gradwatch.agent.config import AgentConfig, SetupError
 from gradwatch.agent.hostpart import pinned_copy
@@ -74,6 +75,8 @@ class Failsafe:
     _open: bool
     _step_lrs: list[Any] | None
     _in_hook: bool
+    _closure_step: bool  # the open step was given a closure (agent/closures.py)
+    _grad_mark: GradMark
     _closed: bool
     _disabled: str | None
     _off: bool

@@ -52,6 +52,7 @@ import torch
 from gradwatch.agent import exit_flush
 from gradwatch.agent.cadence import Cadence
 from gradwatch.agent.census import ModelCensus, mode_matters, mode_modules
+from gradwatch.agent.closures import GradMark
 from gradwatch.agent.config import AgentConfig
 from gradwatch.agent.failsafe import MAX_NOTE_CHARS
 from gradwatch.agent.gradients import GradReader
@@ -127,6 +128,10 @@ class Monitor(LayerSwitch):
         self._skip_open = False  # mark_skipped(): the open step's update did not run
         self._notices = NoticeBoard(config.schema_every_s)
         self._open = False  # the pre-hook wrote this step's norms; log() not yet called
+        # step(closure): the gradients as such a step ended, to tell the loop's own from
+        # its leftovers at the next (agent/closures.py).
+        self._closure_step = False
+        self._grad_mark = GradMark()
         # The rates this step's update used, read in the pre-hook: loops (and Trainer
         # callbacks) often step the scheduler before log(), which would report the next.
         self._step_lrs = None
@@ -283,6 +288,9 @@ class Monitor(LayerSwitch):
                 self._switch_layers()  # a takeover began or ended (agent/takeover.py)
             if self._manual:
                 self._before_update()
+            if self._closure_step:
+                self._closure_step = False
+                self._grad_mark.note(self._reader.params)
             if self._notices.next_s != _NEVER:  # something is off: resend it now and then
                 self._resend_notices()
         except Exception as exc:

@@ -147,13 +147,16 @@ class StepRecorder(Sampler):
             # would raise into the loop when another hook follows ours. log()/close() do it.
             return None
         if len(args) > 1 or kwargs:
-            # step(closure): the gradients are the closure's to compute, so they are read
-            # when its first call returns (still before any update; agent/closures.py).
-            wrapped = read_after_first_call(
-                args, kwargs, lambda: self._pre_hook(optimizer, (optimizer,), {})
-            )
-            if wrapped is not None:
-                return wrapped
+            # step(closure): unless the loop computed the gradients before the step (SAM),
+            # they are the closure's to compute, so they are read when its first call
+            # returns (still before any update; agent/closures.py).
+            self._closure_step = True
+            if not self._grad_mark.fresh(self._reader.params):
+                wrapped = read_after_first_call(
+                    args, kwargs, lambda: self._pre_hook(optimizer, (optimizer,), {})
+                )
+                if wrapped is not None:
+                    return wrapped
         self._in_hook = True
         try:
             if self._open:
