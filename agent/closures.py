@@ -15,11 +15,13 @@ gradients instead (agent/monitor.py).
 Not every closure computes the step's gradients. Sharpness-aware minimisation (SAM)
 is stepped with a closure *after* the loop's own backward pass: its step perturbs
 the weights, calls the closure for the gradients there, then restores the weights
-and updates. The gradients that pass measures are the loop's, present at the
-pre-hook, and the closure's come after a change of the weights. So the pre-hook reads
-at once when the gradients have changed since the last closure step was logged
-(``GradMark``: a new tensor, or the same one written again), and wraps the closure
-only when they have not (LBFGS: the last step's leftovers, or none at the first).
+and updates. The gradients to report are the loop's, there at the pre-hook; the
+closure's come after the weights moved. So the pre-hook reads at once when the
+gradients have changed since the last closure step was logged (``GradMark``: a new
+tensor, or the same one written again), and wraps the closure only when they have
+not (LBFGS: the last step's leftovers, or none at the first). A loop that zeroes them
+in place (``zero_grad(set_to_none=False)``) before an LBFGS step makes them look new:
+zeros are read then, as before the wrapping existed.
 
 Example::
 
