@@ -66,11 +66,8 @@ class Holdback:
         self._tried = 0.0
 
     def keep(self, batch: Kept) -> None:
-        """Keep ``batch``, which no collector took; a batch kept already stays (the onset)
-        and ``batch``'s steps are dropped instead."""
-        if self.kept is not None:
-            self._counters.steps_dropped_send += len(batch.steps)
-            return
+        """Keep ``batch``, which no collector took. Only called with none kept: while one
+        is, the shipper sends nothing after it (``clear()`` first), so it stays the onset."""
         self.kept = batch
         self._counters.steps_held = len(batch.steps)
         self._tried = time.monotonic()
