@@ -259,8 +259,10 @@ class StepRecorder(Sampler):
             self._norms = None
 
     def _forward_began(self, module: torch.nn.Module, args: Any) -> None:
-        # Evaluation forwards between steps are not part of the step.
-        if self._off or not module.training:
+        # Evaluation forwards between steps are not part of the step: in eval mode, or
+        # without autograd (an evaluation that leaves the model in train mode, as
+        # pytorch/examples' time_sequence_prediction does); nothing trains without it.
+        if self._off or not module.training or not torch.is_grad_enabled():
             return
         now = time.perf_counter()
         if not self._began:

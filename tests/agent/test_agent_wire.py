@@ -387,6 +387,28 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
     assert got[4][0]["s/data_seconds"][0] < 0.045  # no wait before step 4's forward
 
 
+def test_a_forward_without_autograd_in_train_mode_is_not_the_steps_forward(pull):
+    # An evaluation that leaves the model in train mode (pytorch/examples'
+    # time_sequence_prediction) ran between steps: it is not the step's forward pass.
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(model, opt, job="nograd", endpoint=endpoint, flush_every=2) as mon:
+        slow = model.register_forward_pre_hook(lambda m, a: time.sleep(0.05))  # after ours
+        with torch.no_grad():
+            model(torch.randn(2, 6))  # 50 ms without autograd, in train mode
+        slow.remove()
+        for _ in range(2):
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            mon.log(loss=1.0)
+    got = rows(
+        [b for b in drain(sock) if isinstance(b, Batch) and b.schema_id != wc.STATS_SCHEMA_ID]
+    )
+    assert got[1][0]["s/forward_seconds"][0] < 0.045  # the evaluation is not in it
+    assert got[1][0]["s/data_seconds"][0] >= 0.045  # it came before the step's forward
+
+
 def test_close_says_so_after_the_last_batch(pull):
     sock, endpoint = pull
     model = Net()
