@@ -1,10 +1,14 @@
 """The device-side step buffer and the hand-off of flushed rows to the shipper.
 
-Rows live in a ``(2, flush_every, width)`` float32 tensor on the model's
-device: two halves, one row per step, the layer norms first and the device
-column slots after them. When a half fills (or the layout changes, or at
-close) its rows are copied to a pooled host buffer with one asynchronous
-copy and handed to the shipper thread through a bounded queue. The training
+Rows live in two halves of ``flush_every`` float32 rows on the model's
+device, one row per step, the layer norms first and the device column slots
+after them. When a half fills (or the layout changes, or at close) its rows
+are copied to a pooled host buffer with one asynchronous copy and handed to
+the shipper thread through a bounded queue. On a CPU a full half is already a
+host buffer: it is handed over itself and a clean pooled buffer takes its
+place (the shipper fills what it returns with MISSING), which spares the
+training thread the copy and the refill, ~55 us of a flush step on the 6x256
+MLP of benchmarks/agent_overhead.py. The training
 thread never waits. When no host buffer is free or the queue is full (a
 shipper that fell behind), the oldest waiting batch that can be read now and
 holds no NaN or Inf is dropped (its steps counted) to make room, and the new
@@ -45,6 +49,7 @@ from __future__ import annotations
 import math
 import queue
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,16 +64,20 @@ class Pool:
 
     The part of ``queue.Queue`` the agent uses, without its lock and condition
     variable: taking a buffer is on the training thread at every flush, returning
-    it on the shipper thread.
+    it on the shipper thread. ``refill``: a returned buffer is filled with MISSING
+    before it can be taken again (on a CPU every free buffer may become a half).
     """
 
-    def __init__(self, maxsize: int) -> None:
+    def __init__(self, maxsize: int, refill: bool = False) -> None:
         self.maxsize = maxsize
+        self.refill = refill
         self.queue: deque[torch.Tensor] = deque()
 
     def put_nowait(self, item: torch.Tensor) -> None:
         if len(self.queue) >= self.maxsize:
             raise queue.Full
+        if self.refill:
+            fill_missing(item)  # before it is in the deque, where the other thread takes it
         self.queue.append(item)
 
     def get_nowait(self) -> torch.Tensor:
@@ -104,10 +113,10 @@ class StepBuffer:
         self._rows_per_half = flush_every
         self._work = work
         self._counters = counters
+        self.host_buffers_made = 0
         self._allocate(columns.device_width)
         self.layout = columns.snapshot()
-        self.host_buffers_made = 0
-        self.pool = Pool(pool_size)
+        self.pool = Pool(pool_size, refill=self._on_host)
         for _ in range(pool_size):
             self.pool.put_nowait(self._host_buffer())
 
@@ -119,18 +128,22 @@ class StepBuffer:
         # Every cell starts as MISSING, so a value nobody wrote reads "not
         # measured", never 0. Halves are refilled in one kernel when reused.
         fill_missing(self._dev)
-        # Views made once (and cells on first use): indexing on the hot path
-        # costs a microsecond or two each, several per step.
-        n_layers = len(self._columns.layers)
-        # A flush is a handful of tensor ops on a cold cache right after the backward
-        # pass, each dearer there than its own work: views of whole halves, made once.
-        self._halves = [self._dev[0], self._dev[1]]
-        self._halves_i32 = [half.view(torch.int32) for half in self._halves]
-        self._rows = [[self._dev[h, r] for r in range(self._rows_per_half)] for h in range(2)]
-        self._layer_views = [[row[:n_layers] for row in half] for half in self._rows]
-        self._cells: list[list[dict[int, torch.Tensor]]] = [
-            [{} for _ in range(self._rows_per_half)] for _ in range(2)
-        ]
+        # Views made once per buffer (and cells on first use): indexing on the hot path
+        # costs a microsecond or two each, several per step; a flush is a handful of
+        # tensor ops on a cold cache right after the backward pass, each dearer there
+        # than its own work. Keyed by the flat buffer, which the entry keeps alive (so
+        # its id is not reused); on a CPU the pooled buffers take turns as halves, so
+        # this holds the pool's views too: pool_size + 2 entries, reset here.
+        self._views: dict[int, _HalfViews] = {}
+        first, second = (self._views_of(self._dev[h].view(-1)) for h in range(2))
+        self._flats = [first.flat, second.flat]
+        self._halves = [first.half, second.half]
+        self._halves_i32 = [first.half_i32, second.half_i32]
+        self._rows = [first.rows, second.rows]
+        self._layer_views = [first.layers, second.layers]
+        self._cells = [first.cells, second.cells]
+        # Whether a half holds only MISSING (made so, or a clean buffer put in its place).
+        self._clean = [True, True]
         self._half = 0
         self._seg_start = 0
         # Events recorded after each copy out of a half, waited on before reuse.
@@ -144,9 +157,36 @@ class StepBuffer:
     def _host_buffer(self) -> torch.Tensor:
         self.host_buffers_made += 1
         # Pinned memory is what lets the device-to-host copy run asynchronously.
-        return torch.empty(
+        buf = torch.empty(
             self._rows_per_half * self._width, dtype=torch.float32, pin_memory=self._cuda
         )
+        if self._on_host:
+            fill_missing(buf)  # it may become a half (_hand_over)
+        return buf
+
+    def _views_of(self, flat: torch.Tensor) -> _HalfViews:
+        """The views of one half-sized flat buffer, made on its first use."""
+        views = self._views.get(id(flat))
+        if views is None:
+            half = flat.view(self._rows_per_half, self._width)
+            rows = [half[r] for r in range(self._rows_per_half)]
+            n_layers = len(self._columns.layers)
+            views = self._views[id(flat)] = _HalfViews(
+                flat,
+                half,
+                half.view(torch.int32),
+                rows,
+                [row[:n_layers] for row in rows],
+                [{} for _ in rows],
+            )
+        return views
+
+    def _install(self, h: int, flat: torch.Tensor) -> None:
+        """Make the clean buffer ``flat`` half ``h``."""
+        views = self._views_of(flat)
+        self._flats[h], self._halves[h], self._halves_i32[h] = flat, views.half, views.half_i32
+        self._rows[h], self._layer_views[h], self._cells[h] = views.rows, views.layers, views.cells
+        self._clean[h] = True
 
     def _select(self, row: int) -> None:
         """Make ``row`` of the current half the one the next step writes."""
@@ -208,18 +248,47 @@ class StepBuffer:
         n = len(self._steps)
         if not n:
             return
-        start = self._seg_start
-        rows = (
-            self._halves[self._half]
-            if n == self._rows_per_half
-            else self._dev[self._half, start : start + n]
-        )
-        item = self._stage(rows, n)
+        item: FlushItem | None
+        if self._on_host and n == self._rows_per_half:
+            item = self._hand_over(n)
+        else:
+            start = self._seg_start
+            half = self._halves[self._half]
+            item = self._stage(half if n == self._rows_per_half else half[start : start + n], n)
         if item is None or not self._enqueue(item):
             self._counters.steps_dropped_agent += n
         self._seg_start += n
         # New lists: the old ones now belong to the shipper.
         self._steps, self._times, self._host, self._norms = [], [], [], []
+
+    def _hand_over(self, n: int) -> FlushItem | None:
+        """A full half on a CPU: the half itself for the shipper, no copy; a clean buffer
+        takes its place. None (the rows dropped) when no buffer is free."""
+        try:
+            fresh = self.pool.get_nowait()  # clean: the pool refills what it is given
+        except queue.Empty:
+            old = self._take_oldest()
+            if old is None or old.buf is None:
+                return None
+            fresh = old.buf
+            fill_missing(fresh)  # it held that batch's rows
+        if fresh.numel() != self._rows_per_half * self._width:
+            fresh = self._host_buffer()  # made before the rows grew (a relayout)
+        h = self._half
+        item = FlushItem(
+            self._flats[h],
+            n,
+            self._width,
+            None,
+            None,
+            self.layout,
+            self._steps,
+            self._times,
+            self._host,
+            self._norms,
+        )
+        self._install(h, fresh)
+        return item
 
     def _stage(self, rows: torch.Tensor, n: int) -> FlushItem | None:
         if not (self._cuda or self._on_host):
@@ -307,8 +376,22 @@ class StepBuffer:
                 # Device-side wait (see the module docstring): the host does not block.
                 stream.wait_event(ready)
             self._half_ready[self._half] = []
-        self._halves_i32[self._half].fill_(MISSING_I32)  # fill_missing, on a view made once
+        if not self._clean[self._half]:
+            self._halves_i32[self._half].fill_(MISSING_I32)  # fill_missing, on a view made once
+        self._clean[self._half] = False
         self._select(0)
+
+
+@dataclass(frozen=True, slots=True)
+class _HalfViews:
+    """A half-sized flat buffer and the views the hot path writes through."""
+
+    flat: torch.Tensor
+    half: torch.Tensor  # (flush_every, width)
+    half_i32: torch.Tensor  # the same, as int32: MISSING is filled through it
+    rows: list[torch.Tensor]
+    layers: list[torch.Tensor]  # each row's layer-norm part
+    cells: list[dict[int, torch.Tensor]]  # each row's 0-d cells, made on first use
 
 
 def _nothing_to_page(item: object) -> bool:
