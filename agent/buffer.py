@@ -264,55 +264,56 @@ class StepBuffer:
     def _hand_over(self, n: int) -> FlushItem | None:
         """A full half on a CPU: the half itself for the shipper, no copy; a clean buffer
         takes its place. None (the rows dropped) when no buffer is free."""
-        try:
-            fresh = self.pool.get_nowait()  # clean: the pool refills what it is given
-        except queue.Empty:
-            old = self._take_oldest()
-            if old is None or old.buf is None:
-                return None
-            fresh = old.buf
-            fill_missing(fresh)  # it held that batch's rows
+        fresh = self._free_buffer(clean=True)
+        if fresh is None:
+            return None
         if fresh.numel() != self._rows_per_half * self._width:
             fresh = self._host_buffer()  # made before the rows grew (a relayout)
         h = self._half
-        item = FlushItem(
-            self._flats[h],
+        item = self._item(n, self._flats[h])
+        self._install(h, fresh)
+        return item
+
+    def _free_buffer(self, clean: bool) -> torch.Tensor | None:
+        """A free host buffer (the pool's, or the oldest waiting batch's with nothing to
+        page, dropped); None when there is none. ``clean``: filled with MISSING (the pool's
+        are on a CPU, refilled as they come back)."""
+        try:
+            return self.pool.get_nowait()
+        except queue.Empty:
+            pass
+        old = self._take_oldest()
+        if old is None or old.buf is None:
+            return None
+        if clean:
+            fill_missing(old.buf)  # it held that batch's rows
+        return old.buf
+
+    def _item(
+        self, n: int, buf: torch.Tensor | None, ready: Any = None, copy: torch.Tensor | None = None
+    ) -> FlushItem:
+        """The open segment's ``n`` rows, in ``buf`` (or the device ``copy``), as a batch."""
+        return FlushItem(
+            buf,
             n,
             self._width,
-            None,
-            None,
+            ready,
+            copy,
             self.layout,
             self._steps,
             self._times,
             self._host,
             self._norms,
         )
-        self._install(h, fresh)
-        return item
 
     def _stage(self, rows: torch.Tensor, n: int) -> FlushItem | None:
         if not (self._cuda or self._on_host):
             # Another accelerator: clone on the device (queued, no wait) and
             # let the shipper thread do the blocking read.
-            return FlushItem(
-                None,
-                n,
-                self._width,
-                None,
-                rows.clone(),
-                self.layout,
-                self._steps,
-                self._times,
-                self._host,
-                self._norms,
-            )
-        try:
-            buf = self.pool.get_nowait()
-        except queue.Empty:
-            old = self._take_oldest()
-            if old is None or old.buf is None:
-                return None
-            buf = old.buf
+            return self._item(n, None, copy=rows.clone())
+        buf = self._free_buffer(clean=False)  # the copy overwrites the rows it ships
+        if buf is None:
+            return None
         size = n * self._width
         if buf.numel() < size:
             buf = self._host_buffer()  # the rows grew (rare): replace the small one
@@ -325,18 +326,7 @@ class StepBuffer:
             self._half_ready[self._half].append(ready)
         else:
             host.copy_(rows)
-        return FlushItem(
-            buf,
-            n,
-            self._width,
-            ready,
-            None,
-            self.layout,
-            self._steps,
-            self._times,
-            self._host,
-            self._norms,
-        )
+        return self._item(n, buf, ready)
 
     def _enqueue(self, item: FlushItem) -> bool:
         try:
