@@ -113,6 +113,7 @@ class Failsafe:
     _shipper: Shipper
     _follow: Follower
     _began: bool
+    _first_forward: bool  # the run's first training forward is still to come
     _since: float
     _forward_t0: float | None
     _data_s: float

@@ -268,7 +268,23 @@ class StepRecorder(Sampler):
         if not self._began:
             self._began = True
             self._data_s = now - self._since
+            if self._first_forward:
+                self._first_forward = False
+                self._read_initial()
+                now = time.perf_counter()  # that read is not the forward's time
         self._forward_t0 = now
+
+    def _read_initial(self) -> None:
+        """The run's first training forward, before any update (and after any checkpoint the
+        loop loaded): when its step carries the first sample, that sample's weight norms are
+        read now, the weights the run started from (agent/weightstats.py: read_initial)."""
+        ws = self._wstats
+        if ws is None or ws.started or not self._stats_now:
+            return
+        try:
+            ws.read_initial()
+        except Exception as exc:  # optional: the first sample reads them after its update
+            logger.debug("gradwatch: the initial weight norms were not read: %s", exc)
 
     def _forward_ended(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._forward_t0 is not None:

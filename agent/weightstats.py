@@ -130,6 +130,9 @@ class WeightStats:
         # The samples waiting for their weight norms (the monitor tests it on every
         # step: an attribute, not the ``busy`` property, whose call costs more there).
         self.waiting: list[Round] = []
+        # The weights the run started from (read_initial), for the first sample.
+        self._initial: torch.Tensor | None = None
+        self.started = False  # a sample has begun
 
     # ------------------------------------------------------------ plan
 
@@ -238,8 +241,20 @@ class WeightStats:
         """
         started = Round(step, time, columns, self.slices, n_acts, ratios, bool(parts))
         started.parts = parts
+        if self._initial is not None:  # the first sample: the weights before any update
+            started.norms, started.left, self._initial = self._initial, 0, None
+        self.started = True
         self.waiting.append(started)
         return started
+
+    def read_initial(self) -> None:
+        """Read every slice now, before the first update: the first sample carries these
+        norms, the weights the run started from, so growth from the init is seen (Adam at a
+        learning rate 100x too high moved a BatchNorm CNN's weights x2.4 in its first
+        update: minDiffusion, benchmarks/ddpm_trial.py). One full read, once."""
+        self._read(self.slices)
+        with torch.no_grad():
+            self._initial = self._norms()
 
     def advance(self, reads: int = 0) -> list[Round]:
         """Read ``reads`` slices, at least a phase's while a sample measured whole
@@ -290,13 +305,13 @@ class WeightStats:
         """Set the norms of the samples a full rotation has completed; remove and return
         those measured whole (a spread sample leaves by ``take``)."""
         done = [w for w in self.waiting if w.left <= 0 and w.norms is None]
-        if not done:
-            return []
-        with torch.no_grad():
-            norms = self._norms()
-        for sample in done:
-            sample.norms = norms
-        whole = [w for w in done if not w.spread]
+        if done:
+            with torch.no_grad():
+                norms = self._norms()
+            for sample in done:
+                sample.norms = norms
+        # Also a first sample, complete since it began (read_initial).
+        whole = [w for w in self.waiting if not w.spread and w.norms is not None]
         if whole:
             self.waiting = [w for w in self.waiting if w.spread or w.norms is None]
         return whole

@@ -218,7 +218,7 @@ def table(results: list[Scored], max_rows: int = 12) -> str:
 def trial_args(
     doc: str,
     checkout: str | None,
-    variants: dict[str, tuple[str, ...]],
+    variants: Mapping[str, tuple[str, ...] | None],
     iters: int,
     argv: list[str] | None,
 ) -> tuple[argparse.ArgumentParser, argparse.Namespace, list[str]]:
@@ -273,7 +273,7 @@ def checkout_trial(
     doc: str,
     name: str,
     marker: str,
-    variants: tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]],
+    variants: tuple[Mapping[str, tuple[str, ...] | None], dict[str, tuple[str, ...]]],
     iters: int,
     run_variant: Callable[[Path, Path, Path, str, int], Path],
     argv: list[str] | None,

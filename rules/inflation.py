@@ -53,6 +53,11 @@ __all__ = ["WeightInflationDetector"]
 
 # A cadence sample: its step, the weight matrices' total norm, and each matrix's norm.
 _Sample = tuple[int, float, np.ndarray]
+# As kept: its step and every layer's norm. Which layers are matrices is decided when a
+# sample is judged, from the roles known then: the agent's first samples (its first steps,
+# the weights the run started from among them) arrive before the step batch that carries
+# the roles, and a history dropped when they come would lose the start.
+_Kept = tuple[int, np.ndarray]
 
 
 class WeightInflationDetector:
@@ -88,13 +93,12 @@ class WeightInflationDetector:
         self.learn_z, self.trend_losses = learn_z, trend_losses
         # The run's first 10 losses (from a step <= FIRST_STEP_MAX): where a stall sits.
         self._start: list[float] = []
-        self._totals: deque[_Sample] = deque(maxlen=256)
+        self._kept: deque[_Kept] = deque(maxlen=256)
         self._losses: deque[tuple[int, float]] = deque(maxlen=1024)
         self._wake = GradWake(wake, WAKE_STEPS)  # a small init's gradients waking up
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._layers: tuple[str, ...] = ()
-        self._chosen: tuple[bool, ...] = ()  # which layers _matrices keeps, for _totals
-        self._base: _Sample | None = None  # the sample an active incident grew from
+        self._base: _Kept | None = None  # the sample an active incident grew from
 
     def observe(self, step: Step) -> None:
         """Keep the losses, the roles the agent sent, and the first and latest grad norms."""
@@ -108,15 +112,18 @@ class WeightInflationDetector:
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable weight norms."""
-        matrices = self._matrices(stats)
-        if matrices is None:
+        norms = self._layer_norms(stats)
+        if norms is None:
             return None
-        now, total = stats.step, math.sqrt(float(np.dot(matrices, matrices)))
-        self._totals.append((now, total, matrices))
-        base = self._base
-        if base is None:
-            inside = [item for item in self._totals if now - item[0] <= self.within]
-            base = min(inside, key=lambda item: item[1])
+        now, chosen = stats.step, self._chosen(stats, norms.size)
+        self._kept.append((now, norms))
+        kept = self._base
+        if kept is None:
+            inside = [item for item in self._kept if now - item[0] <= self.within]
+            kept = min(inside, key=lambda item: _total(item[1][chosen]))
+        base = (kept[0], _total(kept[1][chosen]), kept[1][chosen])
+        matrices = norms[chosen]
+        total = _total(matrices)
         if not self._inflated(base, total, matrices):
             self._base = None  # never grown, or come back down: no incident
             return INACTIVE
@@ -124,7 +131,7 @@ class WeightInflationDetector:
         if stalled is None or self._wake.woken:
             self._base = None
             return INACTIVE
-        self._base = base
+        self._base = kept
         return self._finding(stats, total, base, stalled)
 
     def _inflated(self, base: _Sample, total: float, matrices: np.ndarray) -> bool:
@@ -143,27 +150,25 @@ class WeightInflationDetector:
         growths = matrices[kept] / first[kept]
         return bool(kept.any()) and float(np.percentile(growths, 25)) >= self.growth
 
-    def _matrices(self, stats: Stats) -> np.ndarray | None:
-        """The weight matrices' norms (every layer where none is known as a matrix)."""
+    def _layer_norms(self, stats: Stats) -> np.ndarray | None:
+        """Every layer's weight norm; a new layout starts the history afresh."""
         norms = finite_weight_norms(stats)
         if norms is None:
             return None
         if stats.layers != self._layers or len(stats.layers) != norms.size:
-            self._totals.clear()  # another layout: old totals compare to nothing
+            self._kept.clear()  # another layout: old norms compare to nothing
             self._layers, self._base = stats.layers, None
-        chosen = np.ones(norms.size, dtype=bool)
-        if len(stats.layers) == norms.size:
+        return norms
+
+    def _chosen(self, stats: Stats, size: int) -> np.ndarray:
+        """Which layers are weight matrices, by the roles known now (every layer where none
+        is known as a matrix): norm gains start at 1 and barely move; embeddings are tied."""
+        if len(stats.layers) == size:
             roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
             matrices = np.array([r == "weight" for r in roles], dtype=bool)
             if matrices.any():
-                chosen = matrices  # norm gains start at 1 and barely move; embeddings are tied
-        if tuple(chosen) != self._chosen:
-            # The roles arrived after the first samples (guessed from names until then):
-            # totals over another choice of layers compare to nothing.
-            self._totals.clear()
-            self._chosen, self._base = tuple(chosen), None
-        kept: np.ndarray = norms[chosen]
-        return kept
+                return matrices
+        return np.ones(size, dtype=bool)
 
     def _stalled(self, now: int) -> tuple[float, float, int] | None:
         """(first, last, from_step) of a loss that fell less than ``min_progress`` over the
@@ -207,3 +212,8 @@ class WeightInflationDetector:
             "grad_norm_recent": self._wake.recent,
         }
         return Finding(True, summary, evidence)
+
+
+def _total(norms: np.ndarray) -> float:
+    """The norm of all of them together."""
+    return math.sqrt(float(np.dot(norms, norms)))

@@ -90,3 +90,29 @@ def test_stats_every_zero_sends_none_and_negative_is_refused(pull) -> None:
         opt.zero_grad()
     mon.close()
     assert mon.stats.stats_sent == 0 and mon.stats.steps_logged == 3
+
+
+def test_the_first_sample_carries_the_weights_the_run_started_from(pull) -> None:
+    # Adam's first update moves every element by about the lr, whatever the gradient: at a
+    # lr far too high that alone inflates the weights (minDiffusion at lr x100: x2.4), so
+    # the first sample reads the weights before it; later samples read them after theirs.
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.5)
+    initial = [p.detach().norm().item() for p in model.parameters()]
+    mon = gradwatch.watch(model, opt, job="init", endpoint=endpoint, flush_every=2)
+    after: dict[int, list[float]] = {}
+    for step in range(1, 3):
+        model(torch.randn(8, 16)).pow(2).mean().backward()
+        opt.step()
+        mon.log(loss=1.0)
+        opt.zero_grad()
+        after[step] = [p.detach().norm().item() for p in model.parameters()]
+    mon.close()
+    _, stat_batches = batches(sock, 2, 2)
+    ingest = Ingest()
+    got = {s.step: s.weight_norms for b in stat_batches for s in ingest.feed(encode(b)).stats}
+    assert got[1] == pytest.approx(initial, rel=1e-5)
+    assert got[1] != pytest.approx(after[1], rel=1e-2)  # the update moved them
+    assert got[2] == pytest.approx(after[2], rel=1e-5)  # later samples: after their update

@@ -135,7 +135,17 @@ def test_long_runs_keep_every_state_bounded() -> None:
     )
     for slot in engine._ranks[("run", 0)].all:
         det = slot.detector
-        for name in ("_tail", "_window", "_norms", "_losses", "_skips", "_logs", "_vals", "_train"):
+        for name in (
+            "_tail",
+            "_window",
+            "_norms",
+            "_losses",
+            "_skips",
+            "_logs",
+            "_vals",
+            "_train",
+            "_kept",
+        ):
             part = getattr(det, name, None)
             if part is not None:
                 assert len(part) <= 1024, (type(det).__name__, name)

@@ -147,10 +147,11 @@ def test_a_gradient_rise_late_in_the_run_is_no_init_waking_up() -> None:
     assert start is not None and 300 < start <= 450
 
 
-def test_roles_that_arrive_after_the_first_samples_start_the_totals_afresh() -> None:
+def test_roles_that_arrive_after_the_first_samples_rejudge_them_under_the_roles() -> None:
     # pytorch/examples' time_sequence_prediction (LSTMCell): its first samples came before
     # any step with roles, so every layer counted as a matrix (names alone); once the roles
-    # arrived, 5 of its 9 layers did, and comparing the two raised IndexError in replay.
+    # arrived, 3 of its 5 layers did. Comparing the two choices raised IndexError in replay;
+    # now every sample is judged under the roles known when it is judged.
     det = WeightInflationDetector()
     layers = ("cell.weight_ih", "cell.weight_hh", "cell.bias_ih", "cell.bias_hh", "head.weight")
     roles = ("weight", "weight", "bias", "bias", "weight")
@@ -161,7 +162,47 @@ def test_roles_that_arrive_after_the_first_samples_start_the_totals_afresh() -> 
     for t in (2, 3):
         later = Stats(job="j", step=t, time=0.0, layers=layers, weight_norms=norms * 10 * t)
         found = det.observe_stats(later)
-        assert found is not None and not found.active
+        assert found is not None and not found.active  # no loss series: the weights alone
+
+
+def test_the_weights_a_run_started_from_stay_its_base_when_the_roles_come_later() -> None:
+    # minDiffusion's DDPM at lr x100 (benchmarks/ddpm_trial.py): a BatchNorm CNN whose conv
+    # weights grew x2.4 in Adam's first update and x8 by step 63 while the loss sat at 1.0,
+    # the trivial predictor's, for 200 steps. The agent's first sample (the weights before
+    # any update) and the next ones arrive before the step batch that carries the roles;
+    # when the history was dropped there, the growth from the start was never seen.
+    det = WeightInflationDetector(learn_z=5.0)
+    # Its BatchNorm layers sit in nn.Sequential: their names alone say nothing of a norm.
+    layers = ("c.0.0.weight", "c.0.1.weight", "c.1.0.weight", "c.1.1.weight", "c.2.weight")
+    roles = ("weight", "norm", "weight", "norm", "weight")
+    start = np.array([2.0, 2.8, 3.0, 4.0, 2.0])
+    grown = np.array([8.0, 2.9, 19.0, 4.1, 16.0])
+
+    def sample(t: int, norms: np.ndarray) -> bool:
+        found = det.observe_stats(
+            Stats(job="j", step=t, time=0.0, layers=layers, weight_norms=norms)
+        )
+        assert found is not None
+        return found.active
+
+    assert not sample(1, start)  # the weights the run started from, before any roles
+    for t in range(1, 161):
+        loss = 1.0 + 0.004 * math.sin(3.0 * t)  # the trivial predictor's MSE, flat
+        det.observe(
+            Step(
+                job="j",
+                step=t,
+                time=0.0,
+                loss=loss,
+                grad_norm=0.05 if t > 3 else 2.0,
+                layers=layers,
+                layer_roles=roles,
+            )
+        )
+    fired = [t for t in range(20, 161, 20) if sample(t, grown)]
+    assert fired and fired[0] <= 100  # the loss has been flat for a span: paged
+    found = det.observe_stats(Stats(job="j", step=161, time=0.0, layers=layers, weight_norms=grown))
+    assert found is not None and found.evidence["base_step"] == 1
 
 
 def test_a_zero_initialised_table_learning_slowly_is_not_inflation() -> None:
