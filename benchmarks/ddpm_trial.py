@@ -29,11 +29,13 @@ Stalled dropped its history when the layer roles arrived, so the growth from the
 invisible; with both fixed (agent/weightstats.py: read_initial; rules/inflation.py) the
 200-step plateau pages at step 97 ("lower the learning rate", its init spliced in from the
 second run: ``/tmp/trials/ddpm_splice``), and the 100-step one, which was falling again by
-then, raises nothing.
+then, raises nothing. Live, ``--seed 1`` sits at the trivial loss for 200 steps and pages
+at step 97; ``--seed 2`` learns by step ~100 and raises nothing.
 
     mkdir /tmp/mindiff && git --git-dir=$(fetch cloneofsimo/minDiffusion) archive HEAD \\
         superminddpm.py | tar -x -C /tmp/mindiff
     python benchmarks/ddpm_trial.py /tmp/mindiff --keep /tmp/trials/ddpm
+    python benchmarks/ddpm_trial.py /tmp/mindiff --seed 1 --variants lr_x100 --iters 250
     python benchmarks/ddpm_trial.py --replay-only /tmp/trials/ddpm   # current rules
 """
 
@@ -63,14 +65,24 @@ def _narrow(match: re.Match[str]) -> str:
     return f"{match.group(1)}({', '.join(args)}"
 
 
-def patch(text: str, job: str, endpoint: str, iters: int, broken: bool) -> str:
-    """``superminddpm.py`` with gradwatch attached as README's quickstart says."""
+def patch(
+    text: str, job: str, endpoint: str, iters: int, broken: bool, seed: int | None = None
+) -> str:
+    """``superminddpm.py`` with gradwatch attached as README's quickstart says; ``seed``:
+    its draws seeded (the script seeds nothing)."""
     start, end = text.index("class DummyEpsModel"), text.index("class DDPM")
     model = re.sub(r"(blk|nn\.Conv2d)\(([\w ]+, [\w ]+)", _narrow, text[start:end])
     if model == text[start:end]:
         raise SystemExit(f"{WHERE}: no layer widths found to narrow; the script changed")
     t = text[:start] + model + text[end:]
     t = replace_once(t, "num_workers=20", "num_workers=0", WHERE)
+    if seed is not None:
+        t = insert_after(
+            t,
+            'def train_mnist(n_epoch: int = 100, device="cuda:0") -> None:\n',
+            f"    torch.manual_seed({seed})  # gradwatch trial: --seed\n",
+            WHERE,
+        )
     opt = "    optim = torch.optim.Adam(ddpm.parameters(), lr=2e-4)\n"
     if broken:
         t = replace_once(t, opt, opt.replace("2e-4", "2e-2"), WHERE)
@@ -107,6 +119,9 @@ def patch(text: str, job: str, endpoint: str, iters: int, broken: bool) -> str:
     return replace_once(t, "    train_mnist()\n", '    train_mnist(1, device="cpu")\n', WHERE)
 
 
+SEED: int | None = None  # --seed, taken off the command line in main()
+
+
 def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
     """Train one variant under a fresh recording collector; return its trace."""
     vdir = work / variant
@@ -114,7 +129,7 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
 
     def write(endpoint: str) -> list[str]:
         text = (root / WHERE).read_text(encoding="utf8")
-        patched = patch(text, f"ddpm-{variant}", endpoint, iters, variant == "lr_x100")
+        patched = patch(text, f"ddpm-{variant}", endpoint, iters, variant == "lr_x100", SEED)
         (vdir / WHERE).write_text(patched)
         return [WHERE]
 
@@ -122,7 +137,13 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    return checkout_trial(__doc__ or "", "ddpm", WHERE, (ACCEPT, HELPFUL), ITERS, run_variant, argv)
+    global SEED
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--seed" in args:  # the shared trial parser has no --seed: taken off here
+        at = args.index("--seed")
+        SEED = int(args[at + 1])
+        del args[at : at + 2]
+    return checkout_trial(__doc__ or "", "ddpm", WHERE, (ACCEPT, HELPFUL), ITERS, run_variant, args)
 
 
 if __name__ == "__main__":
