@@ -7,8 +7,9 @@ are copied to a pooled host buffer with one asynchronous copy and handed to
 the shipper thread through a bounded queue. On a CPU a full half is already a
 host buffer: it is handed over itself and a clean pooled buffer takes its
 place (the shipper fills what it returns with MISSING), which spares the
-training thread the copy and the refill, ~55 us of a flush step on the 6x256
-MLP of benchmarks/agent_overhead.py. The training
+training thread the copy and the refill: a flush step's extra cost over a plain
+one fell from ~52 to ~20 us on the 6x256 MLP of benchmarks/agent_overhead.py
+(docs/agent-cost.md). The training
 thread never waits. When no host buffer is free or the queue is full (a
 shipper that fell behind), the oldest waiting batch that can be read now and
 holds no NaN or Inf is dropped (its steps counted) to make room, and the new
@@ -142,8 +143,9 @@ class StepBuffer:
         self._rows = [first.rows, second.rows]
         self._layer_views = [first.layers, second.layers]
         self._cells = [first.cells, second.cells]
-        # Whether a half holds only MISSING (made so, or a clean buffer put in its place).
-        self._clean = [True, True]
+        # Whether a half holds only MISSING (a clean buffer put in its place, or made so
+        # and not yet written): half 0 is written from now on.
+        self._clean = [False, True]
         self._half = 0
         self._seg_start = 0
         # Events recorded after each copy out of a half, waited on before reuse.

@@ -1,7 +1,8 @@
 """On a CPU a full half goes to the shipper itself, and a clean pooled buffer takes its place.
 
-The copy into a pooled buffer and the refill of the next half were ~55 us of a flush step
-on the 6x256 MLP (benchmarks/agent_overhead.py); a CPU half is host memory already. What
+The copy into a pooled buffer and the refill of the next half were most of a flush step's
+extra ~52 us on the 6x256 MLP (benchmarks/agent_overhead.py; ~20 us now); a CPU half is
+host memory already. What
 must hold: the shipper gets each batch's own rows, and a buffer that comes back from it
 never shows the rows of the batch it carried (a cell a later step leaves unwritten reads
 MISSING, "not measured", never an old value).
@@ -80,3 +81,20 @@ def test_buffers_back_from_the_shipper_never_show_an_old_batchs_rows():
         else:
             assert (column == MISSING_I32).all(), f"steps {item.steps} show an old batch's cell"
     assert buf.host_buffers_made == POOL  # the same buffers, taking turns
+
+
+def test_a_half_whose_rows_were_dropped_is_refilled_before_it_is_written_again():
+    # No buffer free at all (a pool of none, nothing waiting to evict): each full half's
+    # rows are dropped and counted, and the same half is written again next time round;
+    # a cell its new steps leave unwritten must read MISSING, not a dropped step's value.
+    work = WorkQueue(2)
+    counters = Counters()
+    cols = Columns(layers=("w",), base=("loss",), device_capacity=2)
+    buf = StepBuffer(cols, torch.device("cpu"), FLUSH, 0, work, counters)
+    for step in range(FLUSH):
+        buf.current[1] = 7.0  # the first half's rows: written here only
+        buf.commit(step, 0.0, [])
+    for step in range(FLUSH, 2 * FLUSH):
+        buf.commit(step, 0.0, [])
+    assert counters.steps_dropped_agent == 2 * FLUSH and not len(work)
+    assert int(buf.current.view(torch.int32)[1]) == MISSING_I32  # back in the first half
