@@ -23,7 +23,7 @@ Two other shapes grow the weights fast and are told apart here:
   stall counts only at ``above_start`` of the run's first losses or more (the
   three lr x100 runs stall at 0.57-0.7 of theirs).
 
-Memory: a bounded deque of weight totals and one of losses.
+Memory: a bounded deque of per-layer weight norms (256 samples) and one of losses.
 
 Example::
 
