@@ -136,13 +136,7 @@ class StepBuffer:
         # its id is not reused); on a CPU the pooled buffers take turns as halves, so
         # this holds the pool's views too: pool_size + 2 entries, reset here.
         self._views: dict[int, _HalfViews] = {}
-        first, second = (self._views_of(self._dev[h].view(-1)) for h in range(2))
-        self._flats = [first.flat, second.flat]
-        self._halves = [first.half, second.half]
-        self._halves_i32 = [first.half_i32, second.half_i32]
-        self._rows = [first.rows, second.rows]
-        self._layer_views = [first.layers, second.layers]
-        self._cells = [first.cells, second.cells]
+        self._slots = [self._views_of(self._dev[h].view(-1)) for h in range(2)]  # the halves
         # Whether a half holds only MISSING (a clean buffer put in its place, or made so
         # and not yet written): half 0 is written from now on.
         self._clean = [False, True]
@@ -185,16 +179,15 @@ class StepBuffer:
 
     def _install(self, h: int, flat: torch.Tensor) -> None:
         """Make the clean buffer ``flat`` half ``h``."""
-        views = self._views_of(flat)
-        self._flats[h], self._halves[h], self._halves_i32[h] = flat, views.half, views.half_i32
-        self._rows[h], self._layer_views[h], self._cells[h] = views.rows, views.layers, views.cells
+        self._slots[h] = self._views_of(flat)
         self._clean[h] = True
 
     def _select(self, row: int) -> None:
         """Make ``row`` of the current half the one the next step writes."""
-        self.current = self._rows[self._half][row]
-        self.current_layers = self._layer_views[self._half][row]
-        self._current_cells = self._cells[self._half][row]
+        half = self._slots[self._half]
+        self.current = half.rows[row]
+        self.current_layers = half.layers[row]
+        self._current_cells = half.cells[row]
 
     def cell(self, slot: int) -> torch.Tensor:
         """The current row's cell ``slot`` (a 0-d view, cached)."""
@@ -222,10 +215,10 @@ class StepBuffer:
         row = self._seg_start + len(self._steps)
         if row < self._rows_per_half:
             # _select(row), inline: this runs on every step
-            half = self._half
-            self.current = self._rows[half][row]
-            self.current_layers = self._layer_views[half][row]
-            self._current_cells = self._cells[half][row]
+            half = self._slots[self._half]
+            self.current = half.rows[row]
+            self.current_layers = half.layers[row]
+            self._current_cells = half.cells[row]
             return
         self.flush()
         self._switch_half()
@@ -255,7 +248,7 @@ class StepBuffer:
             item = self._hand_over(n)
         else:
             start = self._seg_start
-            half = self._halves[self._half]
+            half = self._slots[self._half].half
             item = self._stage(half if n == self._rows_per_half else half[start : start + n], n)
         if item is None or not self._enqueue(item):
             self._counters.steps_dropped_agent += n
@@ -272,7 +265,7 @@ class StepBuffer:
         if fresh.numel() != self._rows_per_half * self._width:
             fresh = self._host_buffer()  # made before the rows grew (a relayout)
         h = self._half
-        item = self._item(n, self._flats[h])
+        item = self._item(n, self._slots[h].flat)
         self._install(h, fresh)
         return item
 
@@ -369,7 +362,7 @@ class StepBuffer:
                 stream.wait_event(ready)
             self._half_ready[self._half] = []
         if not self._clean[self._half]:
-            self._halves_i32[self._half].fill_(MISSING_I32)  # fill_missing, on a view made once
+            self._slots[self._half].half_i32.fill_(MISSING_I32)  # fill_missing, on a view made once
         self._clean[self._half] = False
         self._select(0)
 
