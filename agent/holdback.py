@@ -60,6 +60,7 @@ class Holdback:
     """The kept batch, and when it was last tried; used by the shipper thread only."""
 
     def __init__(self, send: Callable[[Kept], bool], counters: Counters) -> None:
+        # ``send``: sends a batch and counts it as sent; False when no collector took it.
         self._send = send
         self._counters = counters
         self.kept: Kept | None = None
@@ -88,9 +89,7 @@ class Holdback:
         if not self._send(kept):
             return False
         self.kept = None
-        self._counters.steps_held = 0
-        self._counters.batches_sent += 1
-        self._counters.steps_sent += len(kept.steps)
+        self._counters.steps_held = 0  # ``send`` counted them as sent
         logger.info(
             "gradwatch: the kept batch of steps %d-%d went out", kept.steps[0], kept.steps[-1]
         )

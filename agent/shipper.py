@@ -159,7 +159,7 @@ class Shipper:
         self._stats_schema: Schema | None = None
         self._deadline = math.inf
         # A batch with a NaN or Inf that no collector took, sent before any later one.
-        self._held = Holdback(self._send_kept, counters)
+        self._held = Holdback(self._send_steps, counters)
         self._thread = threading.Thread(target=self._run, name="gradwatch-shipper", daemon=True)
 
     def start(self) -> None:
@@ -329,17 +329,24 @@ class Shipper:
             # may overtake it (agent/holdback.py): no collector would take this one either.
             counters.steps_dropped_send += item.rows
             return
+        batch = Kept(item.layout.schema, item.steps, item.times, values)
         flag = has_nonfinite(values)
-        if self._send_batch(item.layout.schema, item.steps, item.times, values, nonfinite=flag):
-            counters.batches_sent += 1
-            counters.steps_sent += item.rows
-        elif flag:
-            self._held.keep(Kept(item.layout.schema, item.steps, item.times, values))
+        if self._send_steps(batch, flag):
+            return
+        if flag:
+            self._held.keep(batch)
         else:
             counters.steps_dropped_send += item.rows
 
-    def _send_kept(self, kept: Kept) -> bool:
-        return self._send_batch(kept.schema, kept.steps, kept.times, kept.values, nonfinite=True)
+    def _send_steps(self, batch: Kept, nonfinite: bool = True) -> bool:
+        """Send a batch of steps, counted as sent when a collector took it."""
+        if not self._send_batch(
+            batch.schema, batch.steps, batch.times, batch.values, nonfinite=nonfinite
+        ):
+            return False
+        self._counters.batches_sent += 1
+        self._counters.steps_sent += len(batch.steps)
+        return True
 
     def _ship_stats(self, item: StatsItem) -> None:
         try:
