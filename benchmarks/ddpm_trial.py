@@ -41,6 +41,8 @@ at step 97; ``--seed 2`` learns by step ~100 and raises nothing.
 
 from __future__ import annotations
 
+import argparse
+import functools
 import re
 import sys
 from pathlib import Path
@@ -119,17 +121,16 @@ def patch(
     return replace_once(t, "    train_mnist()\n", '    train_mnist(1, device="cpu")\n', WHERE)
 
 
-SEED: int | None = None  # --seed, taken off the command line in main()
-
-
-def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
+def run_variant(
+    root: Path, work: Path, traces: Path, variant: str, iters: int, seed: int | None = None
+) -> Path:
     """Train one variant under a fresh recording collector; return its trace."""
     vdir = work / variant
     (vdir / "contents").mkdir(parents=True, exist_ok=True)
 
     def write(endpoint: str) -> list[str]:
         text = (root / WHERE).read_text(encoding="utf8")
-        patched = patch(text, f"ddpm-{variant}", endpoint, iters, variant == "lr_x100", SEED)
+        patched = patch(text, f"ddpm-{variant}", endpoint, iters, variant == "lr_x100", seed)
         (vdir / WHERE).write_text(patched)
         return [WHERE]
 
@@ -137,13 +138,12 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    global SEED
-    args = list(sys.argv[1:] if argv is None else argv)
-    if "--seed" in args:  # the shared trial parser has no --seed: taken off here
-        at = args.index("--seed")
-        SEED = int(args[at + 1])
-        del args[at : at + 2]
-    return checkout_trial(__doc__ or "", "ddpm", WHERE, (ACCEPT, HELPFUL), ITERS, run_variant, args)
+    # --seed is this trial's own; the shared trial parser reads the rest.
+    seeded = argparse.ArgumentParser(add_help=False)
+    seeded.add_argument("--seed", type=int, help="seed the script's draws (it seeds nothing)")
+    known, rest = seeded.parse_known_args(argv)
+    run = functools.partial(run_variant, seed=known.seed)
+    return checkout_trial(__doc__ or "", "ddpm", WHERE, (ACCEPT, HELPFUL), ITERS, run, rest)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,11 @@ from gradwatch.agent.workqueue import WorkQueue
 FLUSH, POOL = 4, 3
 
 
-def make() -> tuple[StepBuffer, WorkQueue, Counters]:
-    work = WorkQueue(POOL + 2)
+def make(pool: int = POOL) -> tuple[StepBuffer, WorkQueue, Counters]:
+    work = WorkQueue(pool + 2)
     counters = Counters()
     cols = Columns(layers=("w",), base=("loss",), device_capacity=2)
-    return StepBuffer(cols, torch.device("cpu"), FLUSH, POOL, work, counters), work, counters
+    return StepBuffer(cols, torch.device("cpu"), FLUSH, pool, work, counters), work, counters
 
 
 def ship(buf: StepBuffer, work: WorkQueue) -> list[FlushItem]:
@@ -87,10 +87,7 @@ def test_a_half_whose_rows_were_dropped_is_refilled_before_it_is_written_again()
     # No buffer free at all (a pool of none, nothing waiting to evict): each full half's
     # rows are dropped and counted, and the same half is written again next time round;
     # a cell its new steps leave unwritten must read MISSING, not a dropped step's value.
-    work = WorkQueue(2)
-    counters = Counters()
-    cols = Columns(layers=("w",), base=("loss",), device_capacity=2)
-    buf = StepBuffer(cols, torch.device("cpu"), FLUSH, 0, work, counters)
+    buf, work, counters = make(pool=0)
     for step in range(FLUSH):
         buf.current[1] = 7.0  # the first half's rows: written here only
         buf.commit(step, 0.0, [])
