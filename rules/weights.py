@@ -259,10 +259,14 @@ class SmallInitDetector:
         self.growth, self.first_step, self.max_named = growth, first_step, max_named
         self.min_layers, self.settle, self.wake = min_layers, settle, wake
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-        self._first: tuple[int, float, np.ndarray] | None = None
+        # The first sample's step and per-layer norms, and every later one's: kept per
+        # layer, not as totals, because the roles arrive a step batch after the first
+        # samples; each judgment sums the matrices under the roles known then, so the
+        # start and now add up the same layers.
+        self._first: tuple[int, np.ndarray] | None = None
         self._layers: tuple[str, ...] = ()
         self._seen = False
-        self._totals: deque[tuple[int, float]] = deque(maxlen=256)
+        self._kept: deque[tuple[int, np.ndarray]] = deque(maxlen=256)
         self._latched = False
         self._first_grads: list[float] = []
         self._grads: deque[float] = deque(maxlen=20)
@@ -292,16 +296,18 @@ class SmallInitDetector:
         weight = np.array([r == "weight" for r in roles])
         if not weight.any() or not np.isfinite(norms[weight]).all():
             return None
-        total = math.sqrt(float(np.dot(norms[weight], norms[weight])))
         if not self._seen:
             self._seen = True
-            if stats.step <= self.first_step and total > 0.0:
-                self._first, self._layers = (stats.step, total, norms), stats.layers
+            if stats.step <= self.first_step:
+                self._first, self._layers = (stats.step, norms), stats.layers
         if self._first is None or stats.layers != self._layers:
             return None  # joined mid-run, or another layout: the init is unknown
-        step0, total0, norms0 = self._first
+        step0, norms0 = self._first
+        self._kept.append((stats.step, norms))
+        total, total0 = _matrix_total(norms, weight), _matrix_total(norms0, weight)
+        if not total0 > 0.0:
+            return INACTIVE  # the matrices started at zero (or unmeasured): no scale to grow from
         grown = total / total0
-        self._totals.append((stats.step, total))
         with np.errstate(divide="ignore", invalid="ignore"):
             layer_growth = np.where(weight & (norms0 > 0), norms / norms0, 0.0)
         judged = layer_growth[weight & (norms0 > 0)]
@@ -313,7 +319,9 @@ class SmallInitDetector:
             or float(np.median(judged)) < self.growth
         ):
             return INACTIVE
-        if not self._latched and not (self._settling(step0, stats.step, total) and self._woke()):
+        if not self._latched and not (
+            self._settling(step0, stats.step, total, weight) and self._woke()
+        ):
             return (
                 INACTIVE  # still growing fast: exploding weights (lr too high) look the same so far
             )
@@ -340,7 +348,7 @@ class SmallInitDetector:
         }
         return Finding(True, summary, evidence)
 
-    def _settling(self, step0: int, now: int, total: float) -> bool:
+    def _settling(self, step0: int, now: int, total: float, weight: np.ndarray) -> bool:
         """True when the second half of the run so far grew the norm at most ``settle`` times.
 
         Waking weights approach the scale they settle at; exploding ones keep
@@ -348,5 +356,11 @@ class SmallInitDetector:
         latest half is the first shape only.
         """
         half = step0 + (now - step0) / 2.0
-        earlier = [t for s_, t in self._totals if s_ <= half]
-        return bool(earlier) and total <= self.settle * earlier[-1]
+        earlier = [norms for s_, norms in self._kept if s_ <= half]
+        return bool(earlier) and total <= self.settle * _matrix_total(earlier[-1], weight)
+
+
+def _matrix_total(norms: np.ndarray, weight: np.ndarray) -> float:
+    """The total norm of the layers ``weight`` marks (the weight matrices)."""
+    chosen = norms[weight]
+    return math.sqrt(float(np.dot(chosen, chosen)))

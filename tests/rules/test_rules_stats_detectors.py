@@ -434,6 +434,38 @@ def test_a_fresh_head_growing_alone_is_not_a_small_init() -> None:
         assert found is not None and not found.active
 
 
+def test_a_small_init_is_measured_over_the_same_matrices_at_both_ends() -> None:
+    # A BatchNorm CNN in nn.Sequential (minDiffusion's shape): its norm layers' names say
+    # nothing of a norm, so before the roles arrive (a step batch after the first sample)
+    # they read as matrices. The start's total must not keep the BatchNorm gains the later
+    # totals leave out: with them, x0.01-scaled convolutions waking x15 read as x0.19.
+    from gradwatch.rules.weights import SmallInitDetector
+
+    det = SmallInitDetector()
+    layers = tuple(f"c.{i}.{j}.weight" for i in range(3) for j in (0, 1))
+    roles = ("weight", "norm") * 3
+
+    def sample(t: int) -> Stats:
+        conv = 1.5 * waking(t) / waking(200)  # 0.03 at step 1, 1.5 at step 200
+        norms = np.array([conv, 8.0] * 3)  # BatchNorm gains of 64 channels stay at ~8
+        return Stats(job="j", step=t, time=float(t), layers=layers, weight_norms=norms)
+
+    first = det.observe_stats(sample(1))
+    assert first is not None and not first.active
+    found = []
+    for t in range(1, 201):
+        grad = 0.01 if t <= 3 else 1.0  # tiny gradients at the start, as a small init's
+        det.observe(
+            Step(job="j", step=t, time=float(t), grad_norm=grad, layers=layers, layer_roles=roles)
+        )
+        if t % 50 == 0:
+            found.append(det.observe_stats(sample(t)))
+    assert [bool(f and f.active) for f in found] == [False, True, True, True]
+    assert found[-1] is not None and found[-1].evidence["growth"] == pytest.approx(
+        waking(200) / waking(1), rel=1e-6
+    )
+
+
 def test_early_dense_samples_alone_do_not_make_a_trend() -> None:
     # The agent samples steps 1-8 densely: Adam's first steps and a waking init move weights
     # fast for a few steps; the rules want the condition to span 100 steps.
