@@ -76,12 +76,31 @@ setup() {
     return
   fi
   echo "setting up $venv (first run, or pyproject.toml changed; a minute or two)..." >&2
+  # The venv takes ~1.7 GB (torch's CPU build is most of it) and pip unpacks in
+  # TMPDIR on the way; a CI run once died of a full disk with only pip's errno.
+  local need_mb=2500 free_mb
+  free_mb=$(free_mb_at "$(dirname "$venv")")
+  if [ -n "$free_mb" ] && [ "$free_mb" -lt "$need_mb" ]; then
+    echo "warning: ${free_mb} MB free where $venv goes, set-up needs about ${need_mb} MB;" \
+         "free disk space or set GRADWATCH_VENV to a folder on a larger disk" >&2
+  fi
   python3 -m venv "$venv"
   # torch==2.13.0 is the CPU build kept on this machine's disk; an open range
   # would download a multi-GB CUDA build. Only the agent side needs torch.
-  "$venv/bin/pip" install -q torch==2.13.0
-  "$venv/bin/pip" install -q -e '.[dev]'
+  if ! { "$venv/bin/pip" install -q torch==2.13.0 &&
+         "$venv/bin/pip" install -q -e '.[dev]'; }; then
+    echo "set-up failed: pip could not install into $venv ($(free_mb_at "$(dirname "$venv")")" \
+         "MB free there, $(free_mb_at "${TMPDIR:-/tmp}") MB in ${TMPDIR:-/tmp}). If pip said" \
+         "'No space left on device', free ~${need_mb} MB or point GRADWATCH_VENV and TMPDIR" \
+         "at a larger disk; otherwise read pip's message above. Then run this again." >&2
+    exit 1
+  fi
   touch "$venv/.installed"
+}
+
+# Megabytes free on the filesystem holding $1 (empty when df cannot tell).
+free_mb_at() {
+  df -Pm "$1" 2>/dev/null | awk 'NR == 2 { print $4 }'
 }
 
 # CI runs the static checks before the tests, in the same environment (issue 18).
