@@ -45,10 +45,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from gradwatch.agent.towers import towers_of
 from gradwatch.wire.census import (
     MAX_CENSUS_NAMES,
     MAX_TIED_GROUPS,
     MAX_TIED_NAMES,
+    MAX_TOWER_RUNS,
     ROLE_BIAS,
     ROLE_EMBEDDING,
     ROLE_NORM,
@@ -58,6 +60,7 @@ from gradwatch.wire.census import (
     Census,
     capped_name,
     capped_names,
+    tower_runs,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,10 +136,16 @@ class ModelCensus:
     other signal running.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, supervised_loss: bool = True
+    ) -> None:
         self._model = model
         self._optimizer = optimizer
         self._off = False
+        self._supervised_loss = supervised_loss
+        self._towers: tuple[int, ...] = ()
+        # Until a logged loss with an autograd graph came (find_towers).
+        self.towers_due = True
         self._params: tuple[_Param, ...] = ()
         self._by_id: dict[int, _Param] = {}
         self._modes: tuple[tuple[str, nn.Module], ...] = ()
@@ -182,8 +191,31 @@ class ModelCensus:
         )[:MAX_TIED_GROUPS]
 
     @classmethod
-    def attach(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> ModelCensus:
-        return cls(model, optimizer)
+    def attach(
+        cls, model: nn.Module, optimizer: torch.optim.Optimizer, supervised_loss: bool = True
+    ) -> ModelCensus:
+        return cls(model, optimizer, supervised_loss)
+
+    def find_towers(self, loss: object, params: Sequence[nn.Parameter]) -> None:
+        """The watched layers' towers, from the first logged loss with a graph (the loop's
+        ``log(loss=...)``; agent/towers.py): once, at the cost of one walk of that graph."""
+        if getattr(loss, "grad_fn", None) is None:
+            return  # a float or a detached loss: the next one may carry its graph
+        self.towers_due = False
+        if self._off:
+            return
+        try:
+            towers = towers_of(loss, params, self.roles(params))
+        except Exception as exc:  # the census's other parts do not depend on it
+            logger.warning(
+                "gradwatch: reading the model's towers from the loss's graph failed (%s: %s); "
+                "the layer-ratio rules take the first and last layers in parameter order",
+                type(exc).__name__,
+                exc,
+            )
+            return
+        if towers and len(tower_runs(towers)) <= MAX_TOWER_RUNS:
+            self._towers, self._last = towers, None
 
     # ------------------------------------------------------------ roles (C1)
 
@@ -268,6 +300,8 @@ class ModelCensus:
                 tied=self._tied,
                 eval_modules=eval_modules,
                 model_training=training,
+                towers=self._towers,
+                supervised_loss=self._supervised_loss,
             )
         return last
 

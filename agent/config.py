@@ -72,6 +72,9 @@ class AgentConfig:
     # Cadence statistics dense at the start and after data_changed, backing off to
     # stats_every (agent/cadence.py); False: exactly every stats_every steps.
     early_stats: bool = True
+    # False: the logged loss is no supervised loss (RL, a GAN's generator); sent in the
+    # census, so the rules that read its shape as one's do not judge it (rules/engine.py).
+    supervised_loss: bool = True
     # Host buffers in flight between the training thread and the shipper.
     # Four covers one being encoded, one queued and two being copied.
     pool_size: int = 4

@@ -169,7 +169,7 @@ class Monitor(LayerSwitch):
         self._mode_sensitive = mode_modules(model)
         # Contract C2: the census rides on every cadence sample. The root's mode is
         # checked per step (one attribute read); a change forces the next sample.
-        self._census = ModelCensus.attach(model, optimizer)
+        self._census = ModelCensus.attach(model, optimizer, config.supervised_loss)
         self._root = model
         self._was_training = True  # a model in eval mode at step 1 forces a sample there
         self._device = self._reader.device
@@ -284,6 +284,8 @@ class Monitor(LayerSwitch):
                 self._read_grads()
                 skipped = 0.0 if self._manual else 1.0
             self._open = False
+            if self._census.towers_due and "loss" in scalars:
+                self._census.find_towers(scalars["loss"], self._reader.params)
             self._commit(scalars, skipped)
             if self._want_layers is not self._mode.reports:
                 self._switch_layers()  # a takeover began or ended (agent/takeover.py)

@@ -66,6 +66,7 @@ def watch(
     start_step: int = 1,
     early_stats: bool = True,
     layout: object = None,
+    supervised_loss: bool = True,
 ) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
@@ -114,6 +115,11 @@ def watch(
     heartbeats, and no cadence statistics (docs/distributed.md). With the
     command endpoint and key set, a replica takes over when the collector
     reports its shard's reporter silent (a signed ``takeover`` command).
+    ``supervised_loss=False``: the loss logged is no supervised loss, so its rising
+    says nothing wrong: reinforcement learning (PPO's value loss grows with the
+    returns), a GAN's generator. The rules that read the loss's shape (spikes,
+    rises, divergence, a loss above its start) then leave it alone, as they do
+    from the first loss below zero; the gradient, weight and non-finite rules go on.
     CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
     ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
     else the ``GRADWATCH_CURVE_*`` environment variables.
@@ -142,6 +148,7 @@ def watch(
         curve_secret_key_file=curve_secret_key_file,
         shards=shards,
         start_step=start_step,
+        supervised_loss=supervised_loss,
     )
     assert job is not None  # checked above
     rank, world = resolve_rank_world(rank, world)
@@ -182,5 +189,6 @@ def watch(
         curve_secret_key_file=curve_secret_key_file,
         start_step=start_step,
         early_stats=early_stats,
+        supervised_loss=supervised_loss,
     )
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)

@@ -21,7 +21,13 @@ A loss below zero is no supervised loss (a policy-gradient objective, a signed
 sum): from the first one on a (job, rank), the rules that read the loss's shape
 as a supervised loss's (``SUPERVISED_LOSS`` detectors: spikes, rises, plateaus,
 a loss above its start) are no longer fed there, and what they fired resolves.
-The gradient, weight and non-finite rules go on as before.
+The gradient, weight and non-finite rules go on as before. A job that declared
+its loss no supervised one (``watch(supervised_loss=False)``, in its census) is
+treated so on every rank from that census on.
+
+The census also carries the model's towers (agent/towers.py); detectors with an
+``observe_towers(layers, towers)`` method, and the job's history, get them, on
+every rank of the job and its assembled records.
 
 Each rule's detector gets the inputs it implements (see
 :mod:`gradwatch.rules.detector`). Detectors of steps, stats and evals are
@@ -121,6 +127,8 @@ class _JobState:
     liveness: list[_Slot] | None = None
     data_changes: list[int] = field(default_factory=list)  # announced steps, ascending
     history_from: int = 0  # the announced data change the history was restarted at
+    towers: tuple[tuple[str, ...], tuple[int, ...]] | None = None  # census: layers, towers
+    unsupervised: bool = False  # the job declared its loss no supervised loss (census)
 
 
 class Engine:
@@ -223,7 +231,29 @@ class Engine:
             self._rebase_history(job, stats.step)
             job.history.observe_stats(stats)
         state = self._rank(stats.job, _key(stats), stats.step)
-        return self._run(state.stats, "observe_stats", stats, stats.step)
+        transitions = [] if stats.census is None else self._take_census(job, stats)
+        return transitions + self._run(state.stats, "observe_stats", stats, stats.step)
+
+    def _take_census(self, job: _JobState, stats: Stats) -> list[Transition]:
+        """What a census says of the whole job: its towers, and a loss declared unsupervised."""
+        census = stats.census
+        assert census is not None
+        states = [state for (name, _), state in self._ranks.items() if name == stats.job]
+        towers = (stats.layers, census.towers) if census.towers else None
+        if towers is not None and towers != job.towers:
+            job.towers = towers
+            job.history.observe_towers(*towers)
+            for state in states:
+                _give_towers(state, towers)
+        if census.supervised_loss or job.unsupervised:
+            return []
+        job.unsupervised = True
+        return [
+            t
+            for state in states
+            if not state.signed
+            for t in self._let_go_of_loss(state, stats.step)
+        ]
 
     def observe_eval(self, ev: Eval) -> list[Transition]:
         """Feed one evaluation to every rule that reads evals."""
@@ -370,11 +400,17 @@ class Engine:
                 supervised=[s for i, s in slots.items() if i in self._supervised],
             )
             self._ranks[(job, rank)] = state
+            if owner.unsupervised:
+                self._let_go_of_loss(state, at_step)  # nothing fired yet: no transitions
+            if owner.towers is not None:
+                _give_towers(state, owner.towers)
         due = _latest_change(owner.data_changes, state.baseline_from, at_step)
         if due is not None:
             state.baseline_from = due
             for slot, index in zip(state.all, self._rank_rules, strict=True):
                 slot.detector = self.rules[index].make_detector()
+            if owner.towers is not None:
+                _give_towers(state, owner.towers)
         return state
 
     def _slot(self, index: int, job: str, rank: int | None, owner: _JobState) -> _Slot:
@@ -410,6 +446,13 @@ class Engine:
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
         transition = slot.lifecycle.update(step, finding)
         return [] if transition is None else [transition]
+
+
+def _give_towers(state: _RankState, towers: tuple[tuple[str, ...], tuple[int, ...]]) -> None:
+    for slot in state.all:
+        give = getattr(slot.detector, "observe_towers", None)
+        if give is not None:
+            give(*towers)
 
 
 def _key(record: Record) -> int | None:

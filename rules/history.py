@@ -149,6 +149,10 @@ class JobHistory:
         if step.layer_norms.size:
             self._observe_layers(step)
 
+    def observe_towers(self, layers: tuple[str, ...], towers: tuple[int, ...]) -> None:
+        """The model's towers (census): the layer ratio it quotes is taken within one."""
+        self._ends.set_towers(layers, towers)
+
     def observe_stats(self, stats: Stats) -> None:
         """Take one cadence sample into account: activations, weight norms, update ratios."""
         update = model_update_ratio(stats)

@@ -107,7 +107,9 @@ class LayerEnds:
 
     def __init__(self, ignore: tuple[str, ...] = ()) -> None:
         self.ignore = tuple(ignore)
-        self._key: tuple[tuple[str, ...], tuple[str, ...], int] | None = None
+        # The model's towers (census, agent/towers.py): layers and each one's tower.
+        self._towers: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())
+        self._key: tuple[tuple[str, ...], tuple[str, ...], int, tuple[int, ...]] | None = None
         self._inverse = np.empty(0, dtype=np.int64)
         self._names: list[str] = []
         self._use = np.empty(0, dtype=bool)
@@ -137,13 +139,23 @@ class LayerEnds:
             log_ratio,
         )
 
+    def set_towers(self, layers: tuple[str, ...], towers: tuple[int, ...]) -> None:
+        """The model's towers (each layer's, aligned with ``layers``): the ends are taken
+        within one, the one with the most weight modules (the first such on a tie). An
+        actor and a critic side by side are two paths, and their ratio says nothing of
+        depth (CleanRL's PPO paged 182 times on a healthy run across them)."""
+        self._towers = (layers, towers) if len(layers) == len(towers) else ((), ())
+
     def _plan(self, layers: tuple[str, ...], sent: tuple[str, ...], size: int) -> None:
-        key = (layers, sent, size)
+        towers = self._towers[1] if self._towers[0] == layers and len(layers) == size else ()
+        key = (layers, sent, size, towers)
         if key == self._key:
             return
         self._key = key
         named = layers if len(layers) == size else tuple(f"#{i}.w" for i in range(size))
         roles = roles_of(named, sent)
+        if towers:
+            roles = _one_tower(roles, towers)
         allowed = END_ROLES
         if len({module_of(n) for n, r in zip(named, roles, strict=True) if r in END_ROLES}) < 2:
             allowed = FALLBACK_ROLES
@@ -163,6 +175,21 @@ class LayerEnds:
         self._use = np.array(
             [not any(fnmatchcase(n, p) for p in self.ignore) for n in self._names], dtype=bool
         )
+
+
+def _one_tower(roles: tuple[str, ...], towers: tuple[int, ...]) -> tuple[str, ...]:
+    """``roles`` with the weights outside the tower that holds the most turned "other"."""
+    counts: dict[int, int] = {}
+    for role, tower in zip(roles, towers, strict=True):
+        if role in END_ROLES and tower >= 0:
+            counts[tower] = counts.get(tower, 0) + 1
+    if len(counts) < 2:
+        return roles
+    chosen = max(counts, key=lambda t: (counts[t], -t))
+    return tuple(
+        r if r not in FALLBACK_ROLES or t == chosen else "other"
+        for r, t in zip(roles, towers, strict=True)
+    )
 
 
 class LayerRatioDetector:
@@ -224,6 +251,10 @@ class LayerRatioDetector:
         log_ratio = statistics.median(self._log_ratios)
         self._holding = self._holds(log_ratio)
         return INACTIVE if self._holding is None else self._finding(log_ratio, end)
+
+    def observe_towers(self, layers: tuple[str, ...], towers: tuple[int, ...]) -> None:
+        """The model's towers from its census (see ``LayerEnds.set_towers``)."""
+        self._ends.set_towers(layers, towers)
 
     def reference_log_ratio(self) -> float | None:
         """log10 of the run's own early ratio, once ``reference`` steps were measured."""

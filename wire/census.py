@@ -45,6 +45,10 @@ MAX_CENSUS_NAMES: Final = 32
 MAX_CENSUS_NAME_CHARS: Final = 256
 MAX_TIED_GROUPS: Final = 16
 MAX_TIED_NAMES: Final = 4
+# Towers travel as runs of [tower, layers] (a two-tower model: two runs); a model whose
+# towers interleave in more runs than this sends none (the rules take parameter order).
+MAX_TOWER_RUNS: Final = 256
+MAX_TOWER_LAYERS: Final = 1 << 16
 _MAX_COUNT: Final = 1 << 62
 
 
@@ -68,6 +72,11 @@ class Census:
     tracking running stats, Dropout with p > 0, MultiheadAttention/RNN with
     dropout > 0); ``model_training`` is the watched root module's
     ``.training`` on that step. Lists are capped (see the module's limits).
+    ``towers``: each watched layer's tower, the part of the model on one path
+    through it (agent/towers.py; -1: in none), aligned with the statistics'
+    ``layers``; () when unknown or one tower. ``supervised_loss``: False when
+    the job declared its loss no supervised loss (``watch(supervised_loss=False)``:
+    RL, a GAN's generator), so the rules that read its shape do not judge it.
     """
 
     params_total: int
@@ -79,6 +88,8 @@ class Census:
     tied: tuple[tuple[str, ...], ...] = ()
     eval_modules: tuple[str, ...] = ()
     model_training: bool = True
+    towers: tuple[int, ...] = ()
+    supervised_loss: bool = True
 
     @property
     def frozen_share(self) -> float:
@@ -93,7 +104,7 @@ def capped_name(name: str) -> str:
 
 def census_body(c: Census) -> dict[str, Any]:
     """The JSON object of ``c`` (wire batch header ``census``, trace stats line ``census``)."""
-    return {
+    body: dict[str, Any] = {
         "total": c.params_total,
         "trainable": c.params_trainable,
         "frozen": c.params_frozen,
@@ -104,6 +115,12 @@ def census_body(c: Census) -> dict[str, Any]:
         "eval_modules": list(c.eval_modules),
         "model_training": c.model_training,
     }
+    # Only when they say something: the common census stays as it was.
+    if c.towers:
+        body["towers"] = tower_runs(c.towers)
+    if not c.supervised_loss:
+        body["supervised_loss"] = False
+    return body
 
 
 def census_of(body: Any) -> Census:
@@ -125,6 +142,9 @@ def census_of(body: Any) -> Census:
     training = body.get("model_training", True)
     if not isinstance(training, bool):
         raise CensusError("census.model_training: expected true or false")
+    supervised = body.get("supervised_loss", True)
+    if not isinstance(supervised, bool):
+        raise CensusError("census.supervised_loss: expected true or false")
     return Census(
         params_total=_count(body.get("total"), "total"),
         params_trainable=_count(body.get("trainable"), "trainable"),
@@ -137,7 +157,38 @@ def census_of(body: Any) -> Census:
         tied=tied,
         eval_modules=_names(body.get("eval_modules", []), "eval_modules", MAX_CENSUS_NAMES),
         model_training=training,
+        towers=_towers(_list(body, "towers", MAX_TOWER_RUNS)),
+        supervised_loss=supervised,
     )
+
+
+def tower_runs(towers: Sequence[int]) -> list[list[int]]:
+    """``towers`` as runs of [tower, layers]: ``(0, 0, 1)`` is ``[[0, 2], [1, 1]]``."""
+    runs: list[list[int]] = []
+    for tower in towers:
+        if runs and runs[-1][0] == tower:
+            runs[-1][1] += 1
+        else:
+            runs.append([tower, 1])
+    return runs
+
+
+def _towers(runs: list[Any]) -> tuple[int, ...]:
+    towers: list[int] = []
+    for run in runs:
+        if not (
+            isinstance(run, list)
+            and len(run) == 2
+            and all(type(v) is int for v in run)
+            and -1 <= run[0] < MAX_TOWER_LAYERS
+            and 0 < run[1] <= MAX_TOWER_LAYERS - len(towers)
+        ):
+            raise CensusError(
+                "census.towers: expected [tower, layers] runs (tower >= -1, layers >= 1), "
+                f"{MAX_TOWER_LAYERS} layers in all at most"
+            )
+        towers += [run[0]] * run[1]
+    return tuple(towers)
 
 
 def roles_of(value: Any, layers: int) -> tuple[str, ...]:

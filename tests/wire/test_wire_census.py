@@ -22,6 +22,8 @@ from gradwatch.wire import (
 from gradwatch.wire.census import (
     MAX_CENSUS_NAME_CHARS,
     MAX_CENSUS_NAMES,
+    MAX_TOWER_LAYERS,
+    MAX_TOWER_RUNS,
     Census,
     CensusError,
     capped_names,
@@ -54,6 +56,8 @@ censuses = st.builds(
     st.lists(names, max_size=5).map(tuple),
     st.lists(st.lists(names, min_size=2, max_size=4).map(tuple), max_size=3).map(tuple),
     st.lists(names, max_size=5).map(tuple),
+    st.booleans(),
+    st.lists(st.integers(-1, 3), max_size=12).map(tuple),
     st.booleans(),
 )
 
@@ -128,6 +132,14 @@ def test_an_unknown_role_reads_as_other_and_a_misaligned_list_is_refused() -> No
         ({"frozen_modules": [["a"]]}, "census.frozen_modules"),
         ({"model_training": "yes"}, "census.model_training"),
         ({"tied": [["a", "b"]] * 100}, "census.tied"),
+        ({"supervised_loss": 0}, "census.supervised_loss"),
+        ({"towers": [[0, 0]]}, "census.towers"),
+        ({"towers": [[-2, 1]]}, "census.towers"),
+        ({"towers": [[0, True]]}, "census.towers"),
+        ({"towers": [[0, 1, 1]]}, "census.towers"),
+        ({"towers": [[0, 1]] * (MAX_TOWER_RUNS + 1)}, "census.towers"),
+        # Runs within the cap that add up past it: a hostile sender's 16M-entry tuple.
+        ({"towers": [[0, MAX_TOWER_LAYERS]] * 256}, "census.towers"),
     ],
 )
 def test_hostile_census_fields_are_wire_errors(change: dict, message: str) -> None:
@@ -154,6 +166,15 @@ def test_a_census_at_its_caps_fits_a_wire_header() -> None:
         eval_modules=capped_names(long),
     )
     assert decode(encode(stats_batch(worst))).census == worst
+
+
+def test_towers_travel_as_runs_and_a_plain_census_stays_as_it_was() -> None:
+    told = Census(10, 10, 0, 0, towers=(0, 0, 0, 1, 1, -1), supervised_loss=False)
+    body = census_body(told)
+    assert body["towers"] == [[0, 3], [1, 2], [-1, 1]] and body["supervised_loss"] is False
+    assert census_of(body) == told
+    plain = census_body(Census(10, 10, 0, 0))
+    assert "towers" not in plain and "supervised_loss" not in plain
 
 
 def test_roles_follow_the_layers_a_record_keeps() -> None:

@@ -1,0 +1,113 @@
+"""What a census tells the rules about the whole job: the model's towers (the layer ratio is
+taken within one) and a loss the job declared no supervised loss (rules/engine.py).
+
+CleanRL's PPO (benchmarks/cleanrl_trial.py) trains a critic and an actor side by side in
+one module, and logs their summed loss, whose value part grows with the returns. On its
+healthy run that solves CartPole the rules paged 416 times: the first/last layer ratio
+across the two networks (182), the loss-shape rules on a loss that rises as it should.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradwatch.rules import Engine, Step, load_default_rules
+from gradwatch.rules.step import Stats
+from gradwatch.wire.census import Census
+
+LAYERS = (
+    "critic.0.weight",
+    "critic.0.bias",
+    "critic.2.weight",
+    "critic.2.bias",
+    "actor.0.weight",
+    "actor.0.bias",
+    "actor.2.weight",
+    "actor.2.bias",
+)
+ROLES = ("weight", "bias") * 4
+TOWERS = (0, 0, 0, 0, 1, 1, 1, 1)
+
+
+def census(towers: tuple[int, ...] = TOWERS, supervised: bool = True) -> Census:
+    return Census(
+        params_total=100,
+        params_trainable=100,
+        params_frozen=0,
+        params_not_in_optimizer=0,
+        towers=towers,
+        supervised_loss=supervised,
+    )
+
+
+def stats(t: int, c: Census) -> Stats:
+    return Stats(job="ppo", step=t, time=float(t), layers=LAYERS, census=c)
+
+
+def step(t: int, critic: tuple[float, float], actor: float = 0.05, loss: float = 20.0) -> Step:
+    norms = np.array([critic[0], 0.1, critic[1], 0.1, actor, 0.01, actor, 0.01])
+    return Step(
+        "ppo",
+        t,
+        float(t),
+        loss=loss,
+        layers=LAYERS,
+        layer_norms=norms,
+        grad_norm=float(np.sqrt(np.sum(norms**2))),
+        layer_roles=ROLES,
+    )
+
+
+def firing(engine: Engine, records: list[Step | Stats]) -> list[tuple[str, int]]:
+    out = []
+    for r in records:
+        got = engine.observe(r) if isinstance(r, Step) else engine.observe_stats(r)
+        out += [(t.alert.rule, t.alert.step) for t in got if t.current == "firing"]
+    return out
+
+
+def value_scale(t: int) -> float:
+    """The critic's gradients as the returns grow: x1000 over 600 steps, both its layers."""
+    return 0.05 * 1000.0 ** (t / 600)
+
+
+def test_the_ratio_across_an_actor_and_a_critic_pages_without_the_towers_only() -> None:
+    steps = [step(t, (value_scale(t), value_scale(t))) for t in range(1, 601)]
+    blind = [rule for rule, _ in firing(Engine(load_default_rules()), list(steps))]
+    assert "LayerGradNormRatioExploding" in blind  # critic.0 over actor.2: no path
+    told = firing(Engine(load_default_rules()), [stats(1, census()), *steps])
+    assert not [rule for rule, _ in told if rule.startswith("LayerGradNormRatio")]
+
+
+def test_gradients_exploding_through_one_tower_still_page() -> None:
+    # Within the critic, its first layer's gradient grows x1000 over its last's.
+    steps = [step(t, (value_scale(t), 0.05)) for t in range(1, 601)]
+    told = firing(Engine(load_default_rules()), [stats(1, census()), *steps])
+    assert "LayerGradNormRatioExploding" in [rule for rule, _ in told]
+
+
+def test_a_loss_declared_unsupervised_is_not_judged_by_its_shape() -> None:
+    rising = [step(t, (0.05, 0.05), loss=20.0 * 1.01**t) for t in range(1, 401)]
+    judged = [rule for rule, _ in firing(Engine(load_default_rules()), list(rising))]
+    assert {"LossDiverging", "LossFarAboveStart"} & set(judged)
+    declared = firing(Engine(load_default_rules()), [stats(1, census(supervised=False)), *rising])
+    assert declared == []
+    # Declared mid-run (a census arrives later): what the loss rules fired resolves.
+    engine = Engine(load_default_rules())
+    before = firing(engine, list(rising[:300]))
+    assert before
+    resolved = [
+        t.alert.rule
+        for t in engine.observe_stats(stats(301, census(supervised=False)))
+        if t.current == "resolved"
+    ]
+    assert set(resolved) == {rule for rule, _ in before}
+    assert firing(engine, list(rising[300:])) == []
+
+
+def test_towers_and_the_declaration_reach_ranks_that_report_later() -> None:
+    # A rank seen for the first time after the census: its detectors start told.
+    engine = Engine(load_default_rules())
+    firing(engine, [stats(1, census(supervised=False))])
+    steps = [step(t, (value_scale(t), value_scale(t)), loss=20.0 * 1.01**t) for t in range(1, 601)]
+    assert firing(engine, list(steps)) == []
