@@ -113,6 +113,8 @@ def run_recorded(
         )
     finally:
         stop_collector(proc)
+    # A crashed script leaves a short trace that scores as a quiet run: the report says so.
+    (traces / f"{job}.exit").write_text(f"{rc}\n")
     trace = traces / f"{job}.jsonl"
     if not trace.exists():
         raise SystemExit(f"no trace at {trace}; see {work / 'collector.log'}")
@@ -264,6 +266,13 @@ def report(
             print(f"[{v}] no trace at {trace}; skipped", file=sys.stderr)
             continue
         results.append(score(v, replay(trace, args.rules), accepts, helpful))
+        exit_file = traces / f"{prefix}-{v}.exit"
+        if exit_file.exists() and exit_file.read_text().strip() != "0":
+            print(
+                f"[{v}] the script exited with {exit_file.read_text().strip()}: its row scores "
+                f"only the steps before that (see {traces / f'{prefix}-{v}.train.log'})",
+                file=sys.stderr,
+            )
     print(table(results))
     if args.json:
         print(json.dumps({r.variant: r.alerts for r in results}, indent=1, default=str))

@@ -4,6 +4,10 @@ The cart-pole of Barto, Sutton and Anderson (1983), with gymnasium's published c
 g 9.8, cart 1.0 kg, pole 0.1 kg and half-length 0.5 m, force 10 N, 0.02 s Euler steps; the
 episode ends when the pole leans past 12 degrees or the cart leaves +-2.4 m, and is cut at
 500 steps; a reward of 1 per step; v1's solved threshold is 475.
+
+CleanRL's ``ppo.py`` also uses ``gymnasium.spaces``, ``wrappers.RecordEpisodeStatistics``
+and ``vector.SyncVectorEnv``, in gymnasium 0.29's shapes (the version CleanRL pins): the
+submodules of the same names.
 """
 
 import math
@@ -11,6 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from gymnasium import spaces, vector, wrappers
+
+__all__ = ["CartPole", "make", "spaces", "vector", "wrappers"]
 
 GRAVITY, CART, POLE, HALF_LENGTH, FORCE, TAU = 9.8, 1.0, 0.1, 0.5, 10.0, 0.02
 THETA_LIMIT, X_LIMIT, MAX_STEPS = 12 * 2 * math.pi / 360, 2.4, 500
@@ -25,6 +33,8 @@ class Spec:
 
 class CartPole:
     spec = Spec()
+    observation_space = spaces.Box(shape=(4,))
+    action_space = spaces.Discrete(2)
 
     def __init__(self) -> None:
         self._rng = np.random.default_rng()

@@ -1,0 +1,126 @@
+"""A trial on CleanRL's ``ppo.py``: proximal policy optimisation on CartPole-v1.
+
+What the other trials lack is PPO, the most used on-policy algorithm, in its most read
+single-file form. Its loss is three objectives summed: the clipped policy surrogate (about
+zero: advantages are normalised per minibatch), minus 0.01 x the policy's entropy, plus
+half the value function's squared error against returns that grow as the policy learns
+(CartPole pays 1 a step: a discounted return climbs from ~10 towards 100). So a healthy
+run's loss can *rise* for hundreds of steps while everything is right. Per rollout of 4
+envs x 128 steps: 4 epochs x 4 minibatches, 16 optimizer steps (Adam, eps 1e-5, its lr
+annealed linearly to 0 over the run), grad norm clipped to 0.5, tanh MLPs with orthogonal
+init; 512 forwards under ``no_grad`` between two rollouts' updates.
+
+Run as a user would, unmodified but for gradwatch: ``watch(agent, optimizer)`` once the
+optimizer exists, ``log(loss=loss)`` after ``optimizer.step()``, ``close()`` before
+``envs.close()``. gymnasium, tyro and tensorboard are not installed here, so
+``benchmarks/standins/`` answers the first two (a CartPole from the published dynamics,
+gymnasium 0.29's vector API; a dataclass parser) and the script's one tensorboard import
+is pointed at ``standins/summary_writer.py``, which keeps the scalars (the trial prints
+the episodic returns from them). ``--iters`` is the number of rollouts (the script's
+``num_iterations``; default 976, its 500k timesteps), 16 gradwatch steps each.
+
+Variants (none took part in designing a rule): ``healthy`` (the script's settings, with
+``supervised_loss=False`` as README says for RL), ``undeclared`` (the same without it),
+``lr_x100`` (``--learning-rate 0.025``: it solves CartPole too, so it is not scored) and
+``lr_x1000`` (0.25: the policy collapses to returns of ~9.5, CartPole's floor). Measured
+2026-12-06 (seeded by the script; docs/measurements.md): healthy 416 pages before the
+towers and the declaration, 32 after; undeclared 263; lr x1000 caught, its first alert at
+step 4 with "lower the learning rate" first.
+
+    mkdir /tmp/cleanrl && git --git-dir=$(fetch vwxyzjn/cleanrl) archive HEAD cleanrl/ppo.py \\
+        | tar -x -C /tmp/cleanrl
+    python benchmarks/cleanrl_trial.py /tmp/cleanrl --keep /tmp/trials/ppo
+    python benchmarks/cleanrl_trial.py --replay-only /tmp/trials/ppo   # current rules
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_recorded
+
+ITERS = 976  # the script's own: 500,000 timesteps / (4 envs x 128 steps)
+ROLLOUT = 4 * 128
+STANDINS = Path(__file__).resolve().parent / "standins"
+ACCEPT: dict[str, tuple[str, ...] | None] = {
+    "healthy": (),
+    "undeclared": (),
+    "lr_x100": None,
+    "lr_x1000": LR_TOO_HIGH,
+}
+HELPFUL: dict[str, tuple[str, ...]] = {"lr_x1000": ("learning rate", "lr")}
+LEARNING_RATES = {"lr_x100": "0.025", "lr_x1000": "0.25"}
+WHERE = "cleanrl/ppo.py"
+
+
+def patch(text: str, job: str, endpoint: str, declared: bool = True) -> str:
+    """``ppo.py`` with gradwatch attached as README's quickstart says (for RL:
+    ``supervised_loss=False``, unless not ``declared``), and the stand-in writer in
+    place of tensorboard's."""
+    t = replace_once(
+        text,
+        "from torch.utils.tensorboard import SummaryWriter\n",
+        "from summary_writer import SummaryWriter  # gradwatch trial: no tensorboard here\n",
+        WHERE,
+    )
+    t = insert_after(
+        t,
+        "    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)\n",
+        "    import gradwatch\n"
+        f"    mon = gradwatch.watch(agent, optimizer, job={job!r}, endpoint={endpoint!r}"
+        + (", supervised_loss=False)\n" if declared else ")\n"),
+        WHERE,
+    )
+    t = insert_after(
+        t, "                optimizer.step()\n", "                mon.log(loss=loss)\n", WHERE
+    )
+    return replace_once(t, "    envs.close()\n", "    mon.close()\n    envs.close()\n", WHERE)
+
+
+def returns(vdir: Path) -> list[float]:
+    """The episodic returns the script wrote, in order."""
+    path = vdir / "scalars.jsonl"
+    if not path.exists():
+        return []
+    rows = (json.loads(line) for line in path.read_text(encoding="utf8").splitlines())
+    return [r["value"] for r in rows if r["tag"] == "charts/episodic_return"]
+
+
+def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
+    """Train one variant under a fresh recording collector; return its trace."""
+    vdir = work / variant
+    (vdir / "cleanrl").mkdir(parents=True, exist_ok=True)
+    job = f"cleanrl-{variant}"
+
+    def write(endpoint: str) -> list[str]:
+        text = (root / WHERE).read_text(encoding="utf8")
+        (vdir / WHERE).write_text(patch(text, job, endpoint, variant != "undeclared"))
+        args = [WHERE, "--total-timesteps", str(iters * ROLLOUT)]
+        if variant in LEARNING_RATES:
+            args += ["--learning-rate", LEARNING_RATES[variant]]
+        return args
+
+    trace = run_recorded(work, traces, job, vdir, write, {"PYTHONPATH": str(STANDINS)})
+    got = returns(vdir)
+    if got:
+        tenth = max(1, len(got) // 10)
+        first, last = got[:tenth], got[-tenth:]
+        print(
+            f"[{job}] {len(got)} episodes; mean return of the first tenth "
+            f"{sum(first) / len(first):.1f}, of the last {sum(last) / len(last):.1f} "
+            "(CartPole-v1 is solved at 475)",
+            file=sys.stderr,
+        )
+    return trace
+
+
+def main(argv: list[str] | None = None) -> int:
+    return checkout_trial(
+        __doc__ or "", "cleanrl", WHERE, (ACCEPT, HELPFUL), ITERS, run_variant, argv
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
