@@ -238,14 +238,18 @@ class Engine:
         """What a census says of the whole job: its towers, and a loss declared unsupervised."""
         census = stats.census
         assert census is not None
-        states = [state for (name, _), state in self._ranks.items() if name == stats.job]
         towers = (stats.layers, census.towers) if census.towers else None
-        if towers is not None and towers != job.towers:
+        new_towers = towers is not None and towers != job.towers
+        declared = not census.supervised_loss and not job.unsupervised
+        if not (new_towers or declared):
+            return []  # every cadence sample carries a census: most say nothing new
+        states = [state for (name, _), state in self._ranks.items() if name == stats.job]
+        if towers is not None and new_towers:
             job.towers = towers
             job.history.observe_towers(*towers)
             for state in states:
                 _give_towers(state, towers)
-        if census.supervised_loss or job.unsupervised:
+        if not declared:
             return []
         job.unsupervised = True
         return [
@@ -377,6 +381,8 @@ class Engine:
         if due is not None:
             job.history_from = due
             job.history = JobHistory()
+            if job.towers is not None:  # the model is the same: its towers too
+                job.history.observe_towers(*job.towers)
 
     @staticmethod
     def _leads(job: _JobState, record: Record) -> bool:
