@@ -127,3 +127,17 @@ def test_supervised_loss_must_be_a_bool() -> None:
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="supervised_loss must be True or False"):
         gradwatch.watch(model, None, job="j", supervised_loss="no")  # type: ignore[arg-type]
+
+
+def test_a_graph_that_cannot_be_walked_costs_a_warning_not_the_step(caplog) -> None:
+    from gradwatch.agent.census import ModelCensus
+
+    class Odd:
+        grad_fn = object()  # no next_functions: not an autograd node
+
+    model = ActorCritic()
+    census = ModelCensus.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    census.find_towers(Odd(), list(model.parameters()))
+    assert not census.towers_due  # tried once, not on every step
+    assert census.take() is not None and census.take().towers == ()  # type: ignore[union-attr]
+    assert "reading the model's towers from the loss's graph failed" in caplog.text
