@@ -23,11 +23,8 @@ as a supervised loss's (``SUPERVISED_LOSS`` detectors: spikes, rises, plateaus,
 a loss above its start) are no longer fed there, and what they fired resolves.
 The gradient, weight and non-finite rules go on as before. A job that declared
 its loss no supervised one (``watch(supervised_loss=False)``, in its census) is
-treated so on every rank from that census on.
-
-The census also carries the model's towers (agent/towers.py); detectors with an
-``observe_towers(layers, towers)`` method, and the job's history, get them, on
-every rank of the job and its assembled records.
+treated so on every rank. The census's towers (agent/towers.py) go to every
+rank's detectors with an ``observe_towers`` method, and to the job's history.
 
 Each rule's detector gets the inputs it implements (see
 :mod:`gradwatch.rules.detector`). Detectors of steps, stats and evals are
@@ -417,6 +414,8 @@ class Engine:
                 slot.detector = self.rules[index].make_detector()
             if owner.towers is not None:
                 _give_towers(state, owner.towers)
+            if state.signed:
+                _tell_unsupervised(state)
         return state
 
     def _slot(self, index: int, job: str, rank: int | None, owner: _JobState) -> _Slot:
@@ -444,6 +443,7 @@ class Engine:
     def _let_go_of_loss(self, state: _RankState, step: int) -> list[Transition]:
         """A loss below zero: stop the supervised-loss rules here and resolve what they fired."""
         state.signed = True
+        _tell_unsupervised(state)
         let_go = {id(slot) for slot in state.supervised}
         state.steps = [slot for slot in state.steps if id(slot) not in let_go]
         return [t for slot in state.supervised for t in self._update(slot, step, INACTIVE)]
@@ -459,6 +459,14 @@ def _give_towers(state: _RankState, towers: tuple[tuple[str, ...], tuple[int, ..
         give = getattr(slot.detector, "observe_towers", None)
         if give is not None:
             give(*towers)
+
+
+def _tell_unsupervised(state: _RankState) -> None:
+    # Detectors reading the loss beside other signals keep those: told, not let go of.
+    for slot in state.all:
+        tell = getattr(slot.detector, "loss_not_supervised", None)
+        if tell is not None:
+            tell()
 
 
 def _key(record: Record) -> int | None:

@@ -164,6 +164,13 @@ class ExtremeStepDetector:
             return self._event(step.step, found) if found else INACTIVE
         return self._repeated(step.step)
 
+    def loss_not_supervised(self) -> None:
+        """The job's loss is no supervised loss (a loss below zero on this rank, or the job's
+        declaration; rules/engine.py): from now on only the grad norm is judged. A DQN's
+        TD loss jumps 250-670x its running median in bursts while it learns (CleanRL's
+        dqn.py on CartPole: 45 pages on a run that solves it)."""
+        self._signed = True
+
     def _event(self, at: int, found: list[dict[str, Any]]) -> Finding:
         what = "; ".join(
             f"{e['signal']} {e['value']:.4g} is {e['times_median']:.0f}x its running median "

@@ -111,3 +111,21 @@ def test_towers_and_the_declaration_reach_ranks_that_report_later() -> None:
     firing(engine, [stats(1, census(supervised=False))])
     steps = [step(t, (value_scale(t), value_scale(t)), loss=20.0 * 1.01**t) for t in range(1, 601)]
     assert firing(engine, list(steps)) == []
+
+
+def test_a_declared_loss_keeps_only_the_grad_norm_in_the_one_step_extreme() -> None:
+    # CleanRL's DQN on CartPole: its TD loss jumps 250-670x its running median in bursts
+    # while the run learns; its gradient norm is still judged, so a corrupt batch's
+    # gradient still pages.
+    def dqn(t: int, loss: float, norm: float = 1.0) -> Step:
+        norms = np.array([norm, 0.1, norm, 0.1, norm, 0.1, norm, 0.1])
+        return Step("ppo", t, float(t), loss=loss, layers=LAYERS, layer_norms=norms)
+
+    quiet = [dqn(t, 0.2) for t in range(1, 200)]
+    jump = dqn(200, 80.0)
+    judged = firing(Engine(load_default_rules()), [*quiet, jump])
+    assert ("LossExtremeStep", 200) in judged
+    engine = Engine(load_default_rules())
+    assert firing(engine, [stats(1, census((), supervised=False)), *quiet, jump]) == []
+    corrupt = dqn(201, 0.2, norm=500.0)
+    assert ("LossExtremeStep", 201) in firing(engine, [corrupt])
