@@ -19,16 +19,24 @@ is pointed at ``standins/summary_writer.py``, which keeps the scalars (the trial
 the episodic returns from them). ``--iters`` is the number of rollouts (the script's
 ``num_iterations``; default 976, its 500k timesteps), 16 gradwatch steps each.
 
+The same trial runs CleanRL's ``dqn.py`` (variants ``dqn`` and ``dqn_undeclared``): a
+Q-network of two ReLU layers trained every 10 env steps on replayed batches (49k Adam
+steps at the default 500k timesteps) against a target network copied every 500, its
+loss the TD error's MSE, which rises as the Q-values grow; its replay buffer is
+CleanRL's own ``cleanrl_utils/buffers.py``.
+
 Variants (none took part in designing a rule): ``healthy`` (the script's settings, with
 ``supervised_loss=False`` as README says for RL), ``undeclared`` (the same without it),
 ``lr_x100`` (``--learning-rate 0.025``: it solves CartPole too, so it is not scored) and
 ``lr_x1000`` (0.25: the policy collapses to returns of ~9.5, CartPole's floor). Measured
 2026-12-06 (seeded by the script; docs/measurements.md): healthy 416 pages before the
 towers and the declaration, 32 after; undeclared 263; lr x1000 caught, its first alert at
-step 4 with "lower the learning rate" first.
+step 4 with "lower the learning rate" first. DQN (return 23 -> 498): declared 0 alerts
+(49 pages before its one-step-extreme rule was told the loss is not supervised);
+undeclared 718.
 
     mkdir /tmp/cleanrl && git --git-dir=$(fetch vwxyzjn/cleanrl) archive HEAD cleanrl/ppo.py \\
-        | tar -x -C /tmp/cleanrl
+        cleanrl/dqn.py cleanrl_utils/buffers.py | tar -x -C /tmp/cleanrl
     python benchmarks/cleanrl_trial.py /tmp/cleanrl --keep /tmp/trials/ppo
     python benchmarks/cleanrl_trial.py --replay-only /tmp/trials/ppo   # current rules
 """
@@ -36,6 +44,7 @@ step 4 with "lower the learning rate" first.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,34 +58,45 @@ ACCEPT: dict[str, tuple[str, ...] | None] = {
     "undeclared": (),
     "lr_x100": None,
     "lr_x1000": LR_TOO_HIGH,
+    "dqn": (),
+    "dqn_undeclared": (),
 }
 HELPFUL: dict[str, tuple[str, ...]] = {"lr_x1000": ("learning rate", "lr")}
 LEARNING_RATES = {"lr_x100": "0.025", "lr_x1000": "0.25"}
 WHERE = "cleanrl/ppo.py"
+DQN = "cleanrl/dqn.py"  # with its replay buffer, cleanrl_utils/buffers.py
 
 
-def patch(text: str, job: str, endpoint: str, declared: bool = True) -> str:
-    """``ppo.py`` with gradwatch attached as README's quickstart says (for RL:
-    ``supervised_loss=False``, unless not ``declared``), and the stand-in writer in
+# Each script's line that builds its optimizer, and the model it optimizes.
+OPTIMIZERS = {
+    WHERE: ("optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)", "agent"),
+    DQN: ("optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)", "q_network"),
+}
+
+
+def patch(text: str, job: str, endpoint: str, where: str = WHERE, declared: bool = True) -> str:
+    """``ppo.py`` or ``dqn.py`` with gradwatch attached as README's quickstart says (for
+    RL: ``supervised_loss=False``, unless not ``declared``), and the stand-in writer in
     place of tensorboard's."""
     t = replace_once(
         text,
         "from torch.utils.tensorboard import SummaryWriter\n",
         "from summary_writer import SummaryWriter  # gradwatch trial: no tensorboard here\n",
-        WHERE,
+        where,
     )
+    line, model = OPTIMIZERS[where]
     t = insert_after(
         t,
-        "    optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)\n",
+        f"    {line}\n",
         "    import gradwatch\n"
-        f"    mon = gradwatch.watch(agent, optimizer, job={job!r}, endpoint={endpoint!r}"
+        f"    mon = gradwatch.watch({model}, optimizer, job={job!r}, endpoint={endpoint!r}"
         + (", supervised_loss=False)\n" if declared else ")\n"),
-        WHERE,
+        where,
     )
     t = insert_after(
-        t, "                optimizer.step()\n", "                mon.log(loss=loss)\n", WHERE
+        t, "                optimizer.step()\n", "                mon.log(loss=loss)\n", where
     )
-    return replace_once(t, "    envs.close()\n", "    mon.close()\n    envs.close()\n", WHERE)
+    return replace_once(t, "    envs.close()\n", "    mon.close()\n    envs.close()\n", where)
 
 
 def returns(vdir: Path) -> list[float]:
@@ -93,16 +113,24 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
     vdir = work / variant
     (vdir / "cleanrl").mkdir(parents=True, exist_ok=True)
     job = f"cleanrl-{variant}"
+    where = DQN if variant.startswith("dqn") else WHERE
+    if where == DQN:
+        (vdir / "cleanrl_utils").mkdir(exist_ok=True)
+        buffers = "cleanrl_utils/buffers.py"
+        (vdir / buffers).write_text((root / buffers).read_text(encoding="utf8"))
 
     def write(endpoint: str) -> list[str]:
-        text = (root / WHERE).read_text(encoding="utf8")
-        (vdir / WHERE).write_text(patch(text, job, endpoint, variant != "undeclared"))
-        args = [WHERE, "--total-timesteps", str(iters * ROLLOUT)]
+        text = (root / where).read_text(encoding="utf8")
+        declared = not variant.endswith("undeclared")
+        (vdir / where).write_text(patch(text, job, endpoint, where, declared))
+        args = [where, "--total-timesteps", str(iters * ROLLOUT)]
         if variant in LEARNING_RATES:
             args += ["--learning-rate", LEARNING_RATES[variant]]
         return args
 
-    trace = run_recorded(work, traces, job, vdir, write, {"PYTHONPATH": str(STANDINS)})
+    # The script's own folder first (its cleanrl_utils), as when it runs from its checkout.
+    path = f"{vdir}{os.pathsep}{STANDINS}"
+    trace = run_recorded(work, traces, job, vdir, write, {"PYTHONPATH": path})
     got = returns(vdir)
     if got:
         tenth = max(1, len(got) // 10)

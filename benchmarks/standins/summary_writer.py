@@ -13,6 +13,8 @@ class SummaryWriter:
         self._out = open("scalars.jsonl", "a", encoding="utf8")  # closed in close()
 
     def add_scalar(self, tag: str, value: Any, step: int | None = None) -> None:
+        if hasattr(value, "detach"):  # a tensor, as tensorboard takes it (dqn.py's loss)
+            value = value.detach().cpu().numpy()
         self._out.write(
             json.dumps({"tag": tag, "value": np.asarray(value, dtype=float).item(), "step": step})
             + "\n"

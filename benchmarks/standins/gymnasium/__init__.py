@@ -33,10 +33,10 @@ class Spec:
 
 class CartPole:
     spec = Spec()
-    observation_space = spaces.Box(shape=(4,))
-    action_space = spaces.Discrete(2)
 
     def __init__(self) -> None:
+        self.observation_space = spaces.Box(shape=(4,))
+        self.action_space = spaces.Discrete(2)
         self._rng = np.random.default_rng()
         self.state = np.zeros(4)
         self.steps = 0
