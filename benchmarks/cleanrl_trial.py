@@ -17,7 +17,8 @@ optimizer exists, ``log(loss=loss)`` after ``optimizer.step()``, ``close()`` bef
 gymnasium 0.29's vector API; a dataclass parser) and the script's one tensorboard import
 is pointed at ``standins/summary_writer.py``, which keeps the scalars (the trial prints
 the episodic returns from them). ``--iters`` is the number of rollouts (the script's
-``num_iterations``; default 976, its 500k timesteps), 16 gradwatch steps each.
+``num_iterations``; default 976, its 500k timesteps), 16 gradwatch steps each; DQN
+runs as many timesteps (``--iters`` x 512).
 
 The same trial runs CleanRL's ``dqn.py`` (variants ``dqn`` and ``dqn_undeclared``): a
 Q-network of two ReLU layers trained every 10 env steps on replayed batches (49k Adam
@@ -63,18 +64,18 @@ ACCEPT: dict[str, tuple[str, ...] | None] = {
 }
 HELPFUL: dict[str, tuple[str, ...]] = {"lr_x1000": ("learning rate", "lr")}
 LEARNING_RATES = {"lr_x100": "0.025", "lr_x1000": "0.25"}
-WHERE = "cleanrl/ppo.py"
+PPO = "cleanrl/ppo.py"
 DQN = "cleanrl/dqn.py"  # with its replay buffer, cleanrl_utils/buffers.py
 
 
 # Each script's line that builds its optimizer, and the model it optimizes.
 OPTIMIZERS = {
-    WHERE: ("optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)", "agent"),
+    PPO: ("optimizer = optim.Adam(agent.parameters(), lr=args.learning_rate, eps=1e-5)", "agent"),
     DQN: ("optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)", "q_network"),
 }
 
 
-def patch(text: str, job: str, endpoint: str, where: str = WHERE, declared: bool = True) -> str:
+def patch(text: str, job: str, endpoint: str, where: str = PPO, declared: bool = True) -> str:
     """``ppo.py`` or ``dqn.py`` with gradwatch attached as README's quickstart says (for
     RL: ``supervised_loss=False``, unless not ``declared``), and the stand-in writer in
     place of tensorboard's."""
@@ -113,7 +114,7 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
     vdir = work / variant
     (vdir / "cleanrl").mkdir(parents=True, exist_ok=True)
     job = f"cleanrl-{variant}"
-    where = DQN if variant.startswith("dqn") else WHERE
+    where = DQN if variant.startswith("dqn") else PPO
     if where == DQN:
         (vdir / "cleanrl_utils").mkdir(exist_ok=True)
         buffers = "cleanrl_utils/buffers.py"
@@ -146,7 +147,7 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
 
 def main(argv: list[str] | None = None) -> int:
     return checkout_trial(
-        __doc__ or "", "cleanrl", WHERE, (ACCEPT, HELPFUL), ITERS, run_variant, argv
+        __doc__ or "", "cleanrl", PPO, (ACCEPT, HELPFUL), ITERS, run_variant, argv
     )
 
 
