@@ -270,6 +270,14 @@ class SmallInitDetector:
         self._latched = False
         self._first_grads: list[float] = []
         self._grads: deque[float] = deque(maxlen=20)
+        self._unsupervised = False
+
+    def loss_not_supervised(self) -> None:
+        """The job's loss is no supervised loss (rules/engine.py): its targets are not fixed,
+        so weights that grow ten-fold say nothing of the init. A DQN's values grow with the
+        returns: CleanRL's dqn.py at lr x100 grew its weights x38 from a standard init and
+        was told "weights started far too small"."""
+        self._unsupervised = True
 
     def observe(self, step: Step) -> None:
         """Keep the roles the agent sent, and the grad norms of the first and latest steps."""
@@ -289,6 +297,8 @@ class SmallInitDetector:
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable weight norms."""
+        if self._unsupervised:
+            return INACTIVE  # resolves what fired before the declaration arrived
         if stats.weight_norms is None or len(stats.layers) != np.asarray(stats.weight_norms).size:
             return None
         norms = np.asarray(stats.weight_norms, dtype=np.float64)

@@ -129,3 +129,29 @@ def test_a_declared_loss_keeps_only_the_grad_norm_in_the_one_step_extreme() -> N
     assert firing(engine, [stats(1, census((), supervised=False)), *quiet, jump]) == []
     corrupt = dqn(201, 0.2, norm=500.0)
     assert ("LossExtremeStep", 201) in firing(engine, [corrupt])
+
+
+def test_weights_grown_from_their_init_say_nothing_of_it_when_the_loss_is_declared() -> None:
+    # A value function's weights grow with the returns it regresses (CleanRL's DQN at lr
+    # x100: x38 from a standard init); WeightsStartedTooSmall's reading, "the init was too
+    # small", assumes fixed targets. Undeclared, the same samples raise it.
+    def waking(t: int) -> float:
+        return 1.0 - 0.98 * np.exp(-t / 30.0)
+
+    def run(declared: bool) -> list[str]:
+        engine = Engine(load_default_rules())
+        records: list[Step | Stats] = []
+        if declared:
+            records.append(stats(1, census((), supervised=False)))
+        for t in range(1, 201):
+            grad = 0.01 if t <= 3 else 1.0
+            records.append(step(t, (grad, grad), actor=grad, loss=1.0))
+            if t == 1 or t % 25 == 0:
+                norms = np.array([waking(t), 0.01] * 4)
+                records.append(
+                    Stats(job="ppo", step=t, time=float(t), layers=LAYERS, weight_norms=norms)
+                )
+        return [rule for rule, _ in firing(engine, records)]
+
+    assert "WeightsStartedTooSmall" in run(declared=False)
+    assert "WeightsStartedTooSmall" not in run(declared=True)
