@@ -34,7 +34,7 @@ Variants (none took part in designing a rule): ``healthy`` (the script's setting
 towers and the declaration, 32 after; undeclared 263; lr x1000 caught, its first alert at
 step 4 with "lower the learning rate" first. DQN (return 23 -> 498): declared 0 alerts
 (49 pages before its one-step-extreme rule was told the loss is not supervised);
-undeclared 718.
+undeclared 718; DQN at lr x100 (return 128 against 498) is missed.
 
     mkdir /tmp/cleanrl && git --git-dir=$(fetch vwxyzjn/cleanrl) archive HEAD cleanrl/ppo.py \\
         cleanrl/dqn.py cleanrl_utils/buffers.py | tar -x -C /tmp/cleanrl
@@ -57,13 +57,18 @@ STANDINS = Path(__file__).resolve().parent / "standins"
 ACCEPT: dict[str, tuple[str, ...] | None] = {
     "healthy": (),
     "undeclared": (),
+    "grad_norm": (),
     "lr_x100": None,
     "lr_x1000": LR_TOO_HIGH,
     "dqn": (),
     "dqn_undeclared": (),
+    "dqn_lr_x100": LR_TOO_HIGH,
 }
-HELPFUL: dict[str, tuple[str, ...]] = {"lr_x1000": ("learning rate", "lr")}
-LEARNING_RATES = {"lr_x100": "0.025", "lr_x1000": "0.25"}
+HELPFUL: dict[str, tuple[str, ...]] = {
+    "lr_x1000": ("learning rate", "lr"),
+    "dqn_lr_x100": ("learning rate", "lr"),
+}
+LEARNING_RATES = {"lr_x100": "0.025", "lr_x1000": "0.25", "dqn_lr_x100": "0.025"}
 PPO = "cleanrl/ppo.py"
 DQN = "cleanrl/dqn.py"  # with its replay buffer, cleanrl_utils/buffers.py
 
@@ -75,10 +80,18 @@ OPTIMIZERS = {
 }
 
 
-def patch(text: str, job: str, endpoint: str, where: str = PPO, declared: bool = True) -> str:
+def patch(
+    text: str,
+    job: str,
+    endpoint: str,
+    where: str = PPO,
+    declared: bool = True,
+    grad_norm: bool = False,
+) -> str:
     """``ppo.py`` or ``dqn.py`` with gradwatch attached as README's quickstart says (for
-    RL: ``supervised_loss=False``, unless not ``declared``), and the stand-in writer in
-    place of tensorboard's."""
+    RL: ``supervised_loss=False``, unless not ``declared``; with ``grad_norm``, PPO's
+    pre-clip norm logged as README suggests), and the stand-in writer in place of
+    tensorboard's."""
     t = replace_once(
         text,
         "from torch.utils.tensorboard import SummaryWriter\n",
@@ -94,8 +107,13 @@ def patch(text: str, job: str, endpoint: str, where: str = PPO, declared: bool =
         + (", supervised_loss=False)\n" if declared else ")\n"),
         where,
     )
+    logged = "loss=loss"
+    if grad_norm:
+        clip = "                nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm)\n"
+        t = replace_once(t, clip, clip.replace("nn.utils", "grad_norm = nn.utils"), where)
+        logged += ", grad_norm=grad_norm"
     t = insert_after(
-        t, "                optimizer.step()\n", "                mon.log(loss=loss)\n", where
+        t, "                optimizer.step()\n", f"                mon.log({logged})\n", where
     )
     return replace_once(t, "    envs.close()\n", "    mon.close()\n    envs.close()\n", where)
 
@@ -123,7 +141,8 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
     def write(endpoint: str) -> list[str]:
         text = (root / where).read_text(encoding="utf8")
         declared = not variant.endswith("undeclared")
-        (vdir / where).write_text(patch(text, job, endpoint, where, declared))
+        gn = variant == "grad_norm"
+        (vdir / where).write_text(patch(text, job, endpoint, where, declared, gn))
         args = [where, "--total-timesteps", str(iters * ROLLOUT)]
         if variant in LEARNING_RATES:
             args += ["--learning-rate", LEARNING_RATES[variant]]
