@@ -245,7 +245,7 @@ class Engine:
             job.towers = towers
             job.history.observe_towers(*towers)
             for state in states:
-                _give_towers(state, towers)
+                _tell(state, "observe_towers", *towers)
         if not declared:
             return []
         job.unsupervised = True
@@ -406,16 +406,16 @@ class Engine:
             if owner.unsupervised:
                 self._let_go_of_loss(state, at_step)  # nothing fired yet: no transitions
             if owner.towers is not None:
-                _give_towers(state, owner.towers)
+                _tell(state, "observe_towers", *owner.towers)
         due = _latest_change(owner.data_changes, state.baseline_from, at_step)
         if due is not None:
             state.baseline_from = due
             for slot, index in zip(state.all, self._rank_rules, strict=True):
                 slot.detector = self.rules[index].make_detector()
             if owner.towers is not None:
-                _give_towers(state, owner.towers)
+                _tell(state, "observe_towers", *owner.towers)
             if state.signed:
-                _tell_unsupervised(state)
+                _tell(state, "loss_not_supervised")
         return state
 
     def _slot(self, index: int, job: str, rank: int | None, owner: _JobState) -> _Slot:
@@ -443,7 +443,7 @@ class Engine:
     def _let_go_of_loss(self, state: _RankState, step: int) -> list[Transition]:
         """A loss below zero: stop the supervised-loss rules here and resolve what they fired."""
         state.signed = True
-        _tell_unsupervised(state)
+        _tell(state, "loss_not_supervised")
         let_go = {id(slot) for slot in state.supervised}
         state.steps = [slot for slot in state.steps if id(slot) not in let_go]
         return [t for slot in state.supervised for t in self._update(slot, step, INACTIVE)]
@@ -454,19 +454,13 @@ class Engine:
         return [] if transition is None else [transition]
 
 
-def _give_towers(state: _RankState, towers: tuple[tuple[str, ...], tuple[int, ...]]) -> None:
+def _tell(state: _RankState, method: str, *args: Any) -> None:
+    """Call ``method`` on the detectors of ``state`` that have it (``observe_towers``,
+    ``loss_not_supervised``: what a census says of the whole job); the others ignore it."""
     for slot in state.all:
-        give = getattr(slot.detector, "observe_towers", None)
-        if give is not None:
-            give(*towers)
-
-
-def _tell_unsupervised(state: _RankState) -> None:
-    # Detectors reading the loss beside other signals keep those: told, not let go of.
-    for slot in state.all:
-        tell = getattr(slot.detector, "loss_not_supervised", None)
+        tell = getattr(slot.detector, method, None)
         if tell is not None:
-            tell()
+            tell(*args)
 
 
 def _key(record: Record) -> int | None:

@@ -35,14 +35,18 @@ from gradwatch.rules.detector import INACTIVE, Finding, dtype_name, is_amp_skip,
 from gradwatch.rules.step import Step
 
 
+def combined_norm(norms: np.ndarray) -> float:
+    """The L2 norm of tensors whose own norms are ``norms``: the root of their squares' sum."""
+    return math.sqrt(float(np.dot(norms, norms)))
+
+
 def total_grad_norm(step: Step) -> float | None:
     """``step.grad_norm`` when reported, else the L2 norm of the layer norms, else None."""
     if step.grad_norm is not None:
         return step.grad_norm
     if step.layer_norms.size == 0:
         return None
-    norms = np.asarray(step.layer_norms, dtype=np.float64)
-    return math.sqrt(float(np.dot(norms, norms)))
+    return combined_norm(np.asarray(step.layer_norms, dtype=np.float64))
 
 
 class GradWake:

@@ -41,7 +41,7 @@ import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
-from gradwatch.rules.growth import GradWake, total_grad_norm
+from gradwatch.rules.growth import GradWake, combined_norm, total_grad_norm
 from gradwatch.rules.history import WAKE_STEPS
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.series import slope_t
@@ -120,10 +120,10 @@ class WeightInflationDetector:
         kept = self._base
         if kept is None:
             inside = [item for item in self._kept if now - item[0] <= self.within]
-            kept = min(inside, key=lambda item: _total(item[1][chosen]))
-        base = (kept[0], _total(kept[1][chosen]), kept[1][chosen])
+            kept = min(inside, key=lambda item: combined_norm(item[1][chosen]))
+        base = (kept[0], combined_norm(kept[1][chosen]), kept[1][chosen])
         matrices = norms[chosen]
-        total = _total(matrices)
+        total = combined_norm(matrices)
         if not self._inflated(base, total, matrices):
             self._base = None  # never grown, or come back down: no incident
             return INACTIVE
@@ -212,8 +212,3 @@ class WeightInflationDetector:
             "grad_norm_recent": self._wake.recent,
         }
         return Finding(True, summary, evidence)
-
-
-def _total(norms: np.ndarray) -> float:
-    """The norm of all of them together."""
-    return math.sqrt(float(np.dot(norms, norms)))

@@ -24,7 +24,7 @@ import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
-from gradwatch.rules.growth import fit_line, total_grad_norm
+from gradwatch.rules.growth import combined_norm, fit_line, total_grad_norm
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
 from gradwatch.rules.updates import (
@@ -100,7 +100,7 @@ class WeightRunawayDetector:
         norms = finite_weight_norms(stats)
         if norms is None:
             return None
-        total = math.sqrt(float(np.dot(norms, norms)))
+        total = combined_norm(norms)
         if total <= 0.0:
             return None
         if stats.layers != self._names or (self._layers and self._layers[-1].size != norms.size):
@@ -314,7 +314,7 @@ class SmallInitDetector:
             return None  # joined mid-run, or another layout: the init is unknown
         step0, norms0 = self._first
         self._kept.append((stats.step, norms))
-        total, total0 = _matrix_total(norms, weight), _matrix_total(norms0, weight)
+        total, total0 = combined_norm(norms[weight]), combined_norm(norms0[weight])
         if not total0 > 0.0:
             return INACTIVE  # the matrices started at zero (or unmeasured): no scale to grow from
         grown = total / total0
@@ -367,10 +367,4 @@ class SmallInitDetector:
         """
         half = step0 + (now - step0) / 2.0
         earlier = [norms for s_, norms in self._kept if s_ <= half]
-        return bool(earlier) and total <= self.settle * _matrix_total(earlier[-1], weight)
-
-
-def _matrix_total(norms: np.ndarray, weight: np.ndarray) -> float:
-    """The total norm of the layers ``weight`` marks (the weight matrices)."""
-    chosen = norms[weight]
-    return math.sqrt(float(np.dot(chosen, chosen)))
+        return bool(earlier) and total <= self.settle * combined_norm(earlier[-1][weight])
