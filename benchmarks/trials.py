@@ -267,10 +267,11 @@ def report(
             continue
         results.append(score(v, replay(trace, args.rules), accepts, helpful))
         exit_file = traces / f"{prefix}-{v}.exit"
-        if exit_file.exists() and exit_file.read_text().strip() != "0":
+        code = exit_file.read_text().strip() if exit_file.exists() else "0"
+        if code != "0":
             print(
-                f"[{v}] the script exited with {exit_file.read_text().strip()}: its row scores "
-                f"only the steps before that (see {traces / f'{prefix}-{v}.train.log'})",
+                f"[{v}] the script exited with {code}: its row scores only the steps before "
+                f"that (see {traces / f'{prefix}-{v}.train.log'})",
                 file=sys.stderr,
             )
     print(table(results))
