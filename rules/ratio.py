@@ -228,6 +228,16 @@ class LayerRatioDetector:
         self._early: list[float] = []
         self._log_ratios: deque[float] = deque(maxlen=window)
         self._holding: str | None = None  # the direction of the episode in progress
+        self._unsupervised = False  # loss_not_supervised: the vanishing direction let go
+
+    def loss_not_supervised(self) -> None:
+        """The job's loss is no supervised loss (a loss below zero, or the job's declaration;
+        rules/engine.py): the vanishing direction is let go. A value function regressing
+        returns that grow as the policy learns saturates its tanh units, and the ratio then
+        says nothing of how the run fares: CleanRL's ppo.py on CartPole, which solves it,
+        drifted from 1:1.4 to 1:1,150 within its critic (29 pages), and at lr x100, which
+        solves it too, to 1:5,000,000 (benchmarks/cleanrl_trial.py). Exploding stays."""
+        self._unsupervised = True
 
     def observe(self, step: Step) -> Finding | None:
         """Judge one step; None (no new verdict) when it carries no usable layer norms."""
@@ -262,7 +272,9 @@ class LayerRatioDetector:
 
     def _holds(self, log_ratio: float) -> str | None:
         direction = "vanishing" if log_ratio < 0 else "exploding"
-        if self.direction not in ("both", direction):
+        if self.direction not in ("both", direction) or (
+            self._unsupervised and direction == "vanishing"
+        ):
             return None
         # Hysteresis: an episode in progress ends only once back within the square roots.
         scale = 0.5 if self._holding == direction else 1.0

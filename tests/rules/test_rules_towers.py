@@ -155,3 +155,18 @@ def test_weights_grown_from_their_init_say_nothing_of_it_when_the_loss_is_declar
 
     assert "WeightsStartedTooSmall" in run(declared=False)
     assert "WeightsStartedTooSmall" not in run(declared=True)
+
+
+def test_a_declared_loss_lets_go_of_vanishing_gradients_only() -> None:
+    # CleanRL's PPO: as the returns grow, its critic's tanh units saturate and its first
+    # layer's gradient falls from 1:1.4 to 1:1,150 of its last's in a run that solves
+    # CartPole. Undeclared (a supervised loss) the same ratio pages; declared it does not,
+    # while the exploding direction is still judged within the tower.
+    fading = [step(t, (0.0025 / value_scale(t), 0.05), loss=20.0) for t in range(1, 601)]
+    undeclared = firing(Engine(load_default_rules()), [stats(1, census()), *fading])
+    assert "LayerGradNormRatioVanishing" in [rule for rule, _ in undeclared]
+    declared = firing(Engine(load_default_rules()), [stats(1, census(supervised=False)), *fading])
+    assert "LayerGradNormRatioVanishing" not in [rule for rule, _ in declared]
+    growing = [step(t, (value_scale(t), 0.05), loss=20.0) for t in range(1, 601)]
+    told = firing(Engine(load_default_rules()), [stats(1, census(supervised=False)), *growing])
+    assert "LayerGradNormRatioExploding" in [rule for rule, _ in told]
