@@ -182,6 +182,14 @@ class DeadUnitsDetector(_ShareDetector):
         elif smooth:
             self.what = "dead outputs (ReLU: exact zeros; GELU/SiLU: the flat negative tail)"
 
+    def loss_not_supervised(self) -> None:
+        """The job declared its loss no supervised loss (rules/engine.py; a loss below zero
+        says the same, ``observe``): a falling loss then says nothing of whether the run
+        learns, so no module is excused. CleanRL's DQN at lr x100 ends at a return of 128
+        (498 healthy) with 97-99% of its first ReLU layer's outputs zero, excused while its
+        TD loss fell (benchmarks/cleanrl_trial.py)."""
+        self._signed = True
+
     def observe(self, step: Step) -> None:
         """Track the loss for ``falling``; judged on cadence samples."""
         if not self.falling or (loss := finite_loss(step)) is None:

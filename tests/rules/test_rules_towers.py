@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradwatch.rules import Engine, Step, load_default_rules
-from gradwatch.rules.step import Stats
+from gradwatch.rules.step import ActStats, Stats
 from gradwatch.wire.census import Census
 
 LAYERS = (
@@ -170,3 +170,23 @@ def test_a_declared_loss_lets_go_of_vanishing_gradients_only() -> None:
     growing = [step(t, (value_scale(t), 0.05), loss=20.0) for t in range(1, 601)]
     told = firing(Engine(load_default_rules()), [stats(1, census(supervised=False)), *growing])
     assert "LayerGradNormRatioExploding" in [rule for rule, _ in told]
+
+
+def test_dying_relus_are_not_excused_by_a_declared_loss_that_falls() -> None:
+    # CleanRL's DQN at lr x100: 97-99% of its first ReLU layer's outputs are zero while its
+    # TD loss falls, and the return ends at 128 (healthy: 498). A supervised loss falling
+    # as a layer turns sparse excuses the layer; a declared one says nothing of learning.
+    def run(declared: bool) -> list[str]:
+        records: list[Step | Stats] = []
+        if declared:
+            records.append(stats(1, census((), supervised=False)))
+        for t in range(1, 401):
+            records.append(step(t, (0.05, 0.05), loss=20.0 * 0.98**t))
+            if t % 50 == 0:
+                zero = 0.5 if t < 200 else 0.97
+                act = (ActStats("network.1", "relu", 0.1, 0.2, zero_frac=zero),)
+                records.append(Stats(job="ppo", step=t, time=float(t), layers=LAYERS, act=act))
+        return [rule for rule, _ in firing(Engine(load_default_rules()), records)]
+
+    assert "DeadReLUs" not in run(declared=False)
+    assert "DeadReLUs" in run(declared=True)
