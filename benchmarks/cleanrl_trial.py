@@ -29,7 +29,9 @@ CleanRL's own ``cleanrl_utils/buffers.py``.
 Variants (none took part in designing a rule): ``healthy`` (the script's settings, with
 ``supervised_loss=False`` as README says for RL), ``undeclared`` (the same without it),
 ``lr_x100`` (``--learning-rate 0.025``: it solves CartPole too, so it is not scored) and
-``lr_x1000`` (0.25: the policy collapses to returns of ~9.5, CartPole's floor). Measured
+``lr_x1000`` (0.25: the policy collapses to returns of ~9.5, CartPole's floor) and
+``adv_flipped`` (the advantages' sign flipped: the policy is taught to fail; not scored,
+since only the returns show it and gradwatch is not sent them). Measured
 2026-12-06 (seeded by the script; docs/measurements.md): healthy 416 pages before the
 towers and the declaration, 32 after, 3 once the declaration also let go of vanishing
 gradients; undeclared 263; lr x1000 caught, its first alert at step 4 with "lower the
@@ -62,6 +64,8 @@ ACCEPT: dict[str, tuple[str, ...] | None] = {
     "grad_norm": (),
     "lr_x100": None,
     "lr_x1000": LR_TOO_HIGH,
+    # The policy taught to fail: only the returns show it, which gradwatch is not sent.
+    "adv_flipped": None,
     "dqn": (),
     "dqn_undeclared": (),
     "dqn_lr_x100": LR_TOO_HIGH,
@@ -144,7 +148,11 @@ def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) 
         text = (root / where).read_text(encoding="utf8")
         declared = not variant.endswith("undeclared")
         gn = variant == "grad_norm"
-        (vdir / where).write_text(patch(text, job, endpoint, where, declared, gn))
+        text = patch(text, job, endpoint, where, declared, gn)
+        if variant == "adv_flipped":
+            line = "                mb_advantages = b_advantages[mb_inds]\n"
+            text = replace_once(text, line, line.replace("= b_", "= -b_"), where)
+        (vdir / where).write_text(text)
         args = [where, "--total-timesteps", str(iters * ROLLOUT)]
         if variant in LEARNING_RATES:
             args += ["--learning-rate", LEARNING_RATES[variant]]
