@@ -33,12 +33,16 @@ from pydantic import Field
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.loss import finite_loss
 from gradwatch.rules.step import ActStats, Stats, Step
+from gradwatch.rules.updates import FIRST_STEP_MAX
 
 # Losses per block when DeadUnitsDetector asks whether the run learns (its latest and
 # the block before).
 LOSS_BLOCK = 10
 
 RELEASE = 0.9  # a reported module is released below this share of the threshold
+# A module whose share in the run's first sample was under this fraction of the threshold
+# did not start saturated: its init is not the first suspect (SaturationDetector).
+UNSATURATED_START = 0.2
 _SMOOTH = frozenset({"gelu", "silu"})  # dead share = the flat negative tail, not exact zeros
 
 
@@ -122,6 +126,15 @@ class _ShareDetector:
 class SaturationDetector(_ShareDetector):
     """Active while a tanh/sigmoid module's saturated share is >= ``threshold`` (module docstring).
 
+    The seed names the initialisation scale first, and a too-large init saturates from
+    the first step (its worked example: Xavier x10). A module that the run's first sample
+    found far below the threshold (under ``UNSATURATED_START`` of it, at a step up to
+    ``FIRST_STEP_MAX``) was saturated by what training did since, so its alert leads with
+    that instead (evidence ``lead_check``): CleanRL's PPO critic, 0% at step 1 and 60% at
+    step 2,035 as its values grew with the returns, and the same script with the sign of
+    its advantages flipped, whose actor went 0% -> 53%, were both told "initialisation
+    scale" first.
+
     Example::
 
         SaturationDetector(threshold=0.5, samples=3).observe_stats(stats)
@@ -140,6 +153,36 @@ class SaturationDetector(_ShareDetector):
         max_named: Annotated[int, Field(ge=1)] = 10,
     ) -> None:
         super().__init__(threshold, samples, kinds, max_named)
+        # Each module's share in the run's first sample (at a step up to FIRST_STEP_MAX).
+        self._start: dict[str, tuple[int, float]] = {}
+        self._seen_start = False
+
+    def observe_stats(self, stats: Stats) -> Finding | None:
+        """Keep the run's first sample's shares, then judge (``_ShareDetector``)."""
+        if not self._seen_start:
+            self._seen_start = True
+            if stats.step <= FIRST_STEP_MAX:
+                for act in stats.act:
+                    share = self._share(act) if act.kind in self.kinds else None
+                    if share is not None:
+                        self._start[act.module] = (stats.step, share)
+        return super().observe_stats(stats)
+
+    def _finding(self, stats: Stats, over: list[tuple[str, float, int]]) -> Finding:
+        found = super()._finding(stats, over)
+        module = over[0][0] if over else None
+        start = self._start.get(module) if module is not None else None
+        if start is None or start[1] >= UNSATURATED_START * self.threshold:
+            return found
+        at, share = start
+        evidence = dict(found.evidence)
+        evidence["start_share"], evidence["start_step"] = share, at
+        evidence["lead_check"] = (
+            "the learning rate, or inputs or regression targets growing in scale: training "
+            f"saturated it ({module!r} was {share:.0%} saturated at step {at}, so not the "
+            "initialisation)"
+        )
+        return Finding(True, found.summary, evidence)
 
 
 class DeadUnitsDetector(_ShareDetector):

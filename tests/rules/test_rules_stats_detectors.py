@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from gradwatch.rules import Step
+from gradwatch.rules import Engine, Step, load_default_rules
 from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
 from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.step import ActStats, Stats
@@ -106,6 +106,29 @@ def test_a_dip_resets_the_count() -> None:
     shares = [0.9, 0.2, 0.9, 0.9]
     found = [det.observe_stats(stats(k, act=[tanh("a", s)])) for k, s in enumerate(shares)]
     assert [f.active for f in found] == [False, False, False, True]
+
+
+def test_saturation_that_training_brought_does_not_lead_with_the_init() -> None:
+    # CleanRL's PPO critic: 0% saturated at step 1, 60% at step 2,035 as its values grew.
+    # The seed's first suspect, a too-large init, saturates from the first step instead.
+    def first_check(shares: list[float]) -> str:
+        engine = Engine(load_default_rules())
+        fired = []
+        for k, share in enumerate(shares):
+            fired += engine.observe_stats(stats(1 + 50 * k, act=[tanh("critic.3", share)]))
+        alert = next(t.alert for t in fired if t.alert.rule == "ActivationsSaturated")
+        assert alert.diagnosis is not None
+        return str(alert.diagnosis["next_checks"][0])
+
+    grown = first_check([0.0, 0.1, 0.3, 0.6, 0.6, 0.6])
+    assert grown.startswith("the learning rate") and "not the initialisation" in grown
+    assert first_check([0.7, 0.7, 0.7]).startswith("initialisation scale")
+    # A run joined later than its start: nothing is claimed about the init.
+    late = SaturationDetector(samples=2)
+    found = [
+        late.observe_stats(stats(500 + k, act=[tanh("a", s)])) for k, s in enumerate([0, 0.9, 0.9])
+    ]
+    assert found[-1] is not None and "lead_check" not in found[-1].evidence
 
 
 def test_stats_without_activations_are_no_verdict() -> None:
