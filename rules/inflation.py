@@ -99,15 +99,6 @@ class WeightInflationDetector:
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         self._layers: tuple[str, ...] = ()
         self._base: _Kept | None = None  # the sample an active incident grew from
-        self._unsupervised = False  # loss_not_supervised: a stall is not judged
-
-    def loss_not_supervised(self) -> None:
-        """The job's loss is no supervised loss (a loss below zero, or the job's declaration;
-        rules/engine.py): a flat one says nothing of whether the run learns, so no stall
-        is judged and the weights alone page nobody here (WeightNormRunaway still judges
-        them). An RL loss sits flat or rises while a value function's weights grow with
-        the returns (CleanRL's DQN: x6 on a healthy run, benchmarks/cleanrl_trial.py)."""
-        self._unsupervised = True
 
     def observe(self, step: Step) -> None:
         """Keep the losses, the roles the agent sent, and the first and latest grad norms."""
@@ -136,7 +127,7 @@ class WeightInflationDetector:
         if not self._inflated(base, total, matrices):
             self._base = None  # never grown, or come back down: no incident
             return INACTIVE
-        stalled = None if self._unsupervised else self._stalled(now)
+        stalled = self._stalled(now)
         if stalled is None or self._wake.woken:
             self._base = None
             return INACTIVE

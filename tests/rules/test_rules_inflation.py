@@ -20,12 +20,9 @@ def run(
     grad_at: Callable[[int], float],
     steps: int = 400,
     first: int = 1,
-    supervised: bool = True,
 ) -> list[tuple[int, bool]]:
     """Feed a detector every step and a cadence sample every 10; (step, active) per sample."""
     det = WeightInflationDetector()
-    if not supervised:
-        det.loss_not_supervised()
     out = []
     for t in range(first, first + steps):
         det.observe(Step(job="j", step=t, time=0.0, loss=loss_at(t), grad_norm=grad_at(t)))
@@ -63,12 +60,6 @@ def test_weights_inflating_over_a_stalled_loss_fire_within_the_window() -> None:
     assert start is not None and start <= 130
     # One incident: it holds while the weights stay up and the loss stays stalled.
     assert all(active for t, active in samples if t >= start)
-
-
-def test_a_loss_declared_unsupervised_has_no_stall_to_judge() -> None:
-    # An RL loss sits flat or rises while a value function's weights grow with the
-    # returns: the stall that makes this rule's reading is not there to be read.
-    assert first_active(run(inflating, plateau, falling_grads, supervised=False)) is None
 
 
 def test_the_same_growth_while_the_loss_falls_is_fast_learning() -> None:
