@@ -248,7 +248,7 @@ class Engine:
                 _tell(state, "observe_towers", *towers)
         if not declared:
             return []
-        job.unsupervised = True
+        job.unsupervised = job.history.unsupervised = True
         return [
             t
             for state in states
@@ -378,6 +378,7 @@ class Engine:
         if due is not None:
             job.history_from = due
             job.history = JobHistory()
+            job.history.unsupervised = job.unsupervised
             if job.towers is not None:  # the model is the same: its towers too
                 job.history.observe_towers(*job.towers)
 

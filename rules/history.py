@@ -99,6 +99,8 @@ class JobHistory:
         self.head_size = head
         self.first_step: int | None = None
         self.latest_step: int | None = None
+        # A loss below zero or declared unsupervised: a vanishing layer ratio names no cause.
+        self.unsupervised = False
         self.nonfinite: tuple[int, str, float] | None = None  # latest (step, signal, value)
         self.evals: deque[tuple[int, float, float | None]] = deque(maxlen=evals)
         self.weight_norms: deque[tuple[int, float]] = deque(maxlen=stats)
@@ -134,6 +136,7 @@ class JobHistory:
             )
         loss = step.loss
         if loss is not None:
+            self.unsupervised = self.unsupervised or -math.inf < loss < 0.0
             if math.isfinite(loss):
                 self.losses.append((step.step, loss))
                 if len(self.head) < self.head_size:
@@ -288,8 +291,10 @@ class JobHistory:
         self._ratios.append(end.log_ratio)
         if len(self._ratios) == self._ratios.maxlen:
             log_ratio = statistics.median(self._ratios)
-            if abs(log_ratio) >= RATIO_LIMIT:
-                vanishing = log_ratio < 0
+            # Not vanishing under a loss that is no supervised one: LayerGradNormRatioVanishing
+            # lets go there too (rules/ratio.py: a critic regressing growing returns).
+            vanishing = log_ratio < 0
+            if abs(log_ratio) >= RATIO_LIMIT and not (vanishing and self.unsupervised):
                 ratio = 10.0**log_ratio
                 how = f"1:{1 / ratio:.0f}" if vanishing else f"{ratio:.0f}:1"
                 self._mark(

@@ -167,6 +167,22 @@ def test_a_declared_loss_lets_go_of_vanishing_gradients_only() -> None:
     assert "LayerGradNormRatioVanishing" in [rule for rule, _ in undeclared]
     declared = firing(Engine(load_default_rules()), [stats(1, census(supervised=False)), *fading])
     assert "LayerGradNormRatioVanishing" not in [rule for rule, _ in declared]
+
+    # Nor is the ratio named as a later alert's earlier cause (the diagnosis's history).
+    def cause_after(declared: bool) -> str:
+        engine = Engine(load_default_rules())
+        firing(engine, [stats(1, census(supervised=not declared)), *fading])
+        zero = [
+            Step("ppo", t, float(t), loss=20.0, layers=LAYERS, layer_norms=np.zeros(8))
+            for t in range(601, 606)
+        ]
+        fired = [t.alert for r in zero for t in engine.observe(r) if t.current == "firing"]
+        alert = next(a for a in fired if a.rule == "GradientsAllZero")
+        assert alert.diagnosis is not None
+        return str(alert.diagnosis["earlier_cause"])
+
+    assert "layer grad-norm ratio" in cause_after(declared=False)
+    assert "layer grad-norm ratio" not in cause_after(declared=True)
     growing = [step(t, (value_scale(t), 0.05), loss=20.0) for t in range(1, 601)]
     told = firing(Engine(load_default_rules()), [stats(1, census(supervised=False)), *growing])
     assert "LayerGradNormRatioExploding" in [rule for rule, _ in told]
