@@ -27,7 +27,8 @@ steadier than step times on a busy machine) as p50 / p99 / max / mean, and
 its ratio to the fused read timed the same way in the same run, both in wall
 time and in the training thread's own CPU time (``time.thread_time``: what
 it executed, without the time the OS gave other processes); the agent's
-CPU time per kind of step (plain, flush, cadence, a spread sample's later phase,
+CPU time per kind of step (plain, flush, cadence, a spread sample's later phase named
+by the units it carries: h hooks, r ratio gathers, w weight slice, c host copies, s ship;
 weight-norm slice); then
 the agent's extra memory: what ``watch()`` keeps allocated plus the peak of
 what its calls allocate over a run of cadence steps (torch profiler, CPU
@@ -67,6 +68,7 @@ import gradwatch
 from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.hooks import Detached
 from gradwatch.agent.monitor import Monitor
+from gradwatch.agent.spreadplan import Part
 
 VARIANTS = ("baseline", "agent", "agent_s50", "read", "naive")
 AGENTS = ("agent", "agent_s50")  # the variants that watch
@@ -264,6 +266,8 @@ def make_step(
             cadence = mon._stats_now or mon._cadence.forced
             # A later phase of a sample spread over several steps (agent/weightstats.py).
             phase = mon._stats_now and bool(mon._spread_phase)
+            index = mon._spread_phase
+            part = _units(mon._parts[index]) if phase and index is not None else ""
             slicing = mon._wstats is not None and mon._wstats.busy
         opt.step()
         if bare is not None:
@@ -272,7 +276,7 @@ def make_step(
             mon.log(loss=loss)
             flushed = not mon._buffer._steps  # a flush hands the open segment over
             kind = (
-                "phase"
+                f"phase {part}"
                 if phase
                 else "cadence"
                 if cadence
@@ -290,6 +294,19 @@ def make_step(
         return kind
 
     return step, (mon.close if mon is not None else lambda: None)
+
+
+def _units(part: Part) -> str:
+    """The units a later step of a spread sample carries (agent/spreadplan.py), as letters:
+    h hooks, r update-ratio gathers, w weight-norm slices, c host copies, s the ship."""
+    carried = (
+        ("h", part.hooks),
+        ("r", part.ratios),
+        ("w", part.weights),
+        ("c", part.copy),
+        ("s", part.ship),
+    )
+    return "".join(letter for letter, on in carried if on) or "-"
 
 
 def measure(
