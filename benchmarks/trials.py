@@ -89,17 +89,23 @@ def run_recorded(
     vdir: Path,
     write: Callable[[str], list[str]],
     env: dict[str, str],
+    threads: int = 1,
 ) -> Path:
     """Run one training script in ``vdir`` under a fresh recording collector; return its trace.
 
-    ``write(endpoint)`` writes the patched script and returns its arguments.
+    ``write(endpoint)`` writes the patched script and returns its arguments; ``threads``:
+    its OpenMP threads (one, unless a model is too slow for that on this machine).
     """
     proc, ready = start_collector(work, ["--record", str(traces)], work / "collector.log", 60.0)
     endpoint = ready["listen"]
     try:
         cmd = [sys.executable, *write(endpoint)]
         full = dict(
-            os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env
+            os.environ,
+            OMP_NUM_THREADS=str(threads),
+            MKL_NUM_THREADS=str(threads),
+            PYTHONWARNINGS="ignore",
+            **env,
         )
         started = time.monotonic()
         with open(vdir / "train.log", "wb") as log:

@@ -75,3 +75,28 @@ class Lambda:
 
     def __call__(self, x: Any) -> Any:
         return self.fn(x)
+
+
+class RandomCrop:
+    """Pad each side by ``padding`` (zeros), then crop ``size`` at a random place."""
+
+    def __init__(self, size: int, padding: int = 0) -> None:
+        self.size, self.padding = size, padding
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = _chw(x)
+        p = self.padding
+        if p:
+            x = F.pad(x, (p, p, p, p))
+        h, w = x.shape[-2:]
+        top = int(torch.randint(0, h - self.size + 1, (1,)))
+        left = int(torch.randint(0, w - self.size + 1, (1,)))
+        return x[..., top : top + self.size, left : left + self.size]
+
+
+class RandomHorizontalFlip:
+    def __init__(self, p: float = 0.5) -> None:
+        self.p = p
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return x.flip(-1) if float(torch.rand(1)) < self.p else x
