@@ -73,12 +73,24 @@ def synthetic_digits(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Images:
-    """Images held as one uint8 tensor and their labels, read as torchvision's datasets are."""
+    """Images held as one uint8 tensor and their labels, made and read as torchvision's
+    datasets are (``root`` and ``download`` are taken and ignored: nothing is read or
+    fetched); a subclass's ``_make(train)`` gives the images and labels."""
 
-    data: torch.Tensor
-    targets: torch.Tensor
-    transform: Callable[[Any], Any] | None
-    target_transform: Callable[[Any], Any] | None
+    def __init__(
+        self,
+        root: Any = None,
+        train: bool = True,
+        download: bool = False,
+        transform: Callable[[Any], Any] | None = None,
+        target_transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.data, self.targets = self._make(train)
+        self.transform = transform
+        self.target_transform = target_transform
+
+    def _make(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -96,17 +108,8 @@ class _Images:
 class MNIST(_Images):
     """60,000 training or 10,000 test synthetic digits, in MNIST's shape and API."""
 
-    def __init__(
-        self,
-        root: Any = None,
-        train: bool = True,
-        download: bool = False,
-        transform: Callable[[Any], Any] | None = None,
-        target_transform: Callable[[Any], Any] | None = None,
-    ) -> None:
-        self.data, self.targets = synthetic_digits(60_000 if train else 10_000, 0 if train else 1)
-        self.transform = transform
-        self.target_transform = target_transform
+    def _make(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return synthetic_digits(60_000 if train else 10_000, 0 if train else 1)
 
 
 class FakeData:
@@ -142,25 +145,15 @@ class FakeData:
 class CIFAR10(_Images):
     """Synthetic 32x32 colour images in CIFAR-10's shape and API: a warped digit (its class)
     in a random light colour on a random darker one, so the class is the shape alone.
-    ``size`` images (default 6,400 for training, 1,000 for test: 50 and 10 batches of the
-    script's 128 and 100). It is not CIFAR-10, and README.md says so."""
+    6,400 for training, 1,000 for test: 50 and 10 batches of the script's 128 and 100. It
+    is not CIFAR-10, and README.md says so."""
 
-    def __init__(
-        self,
-        root: Any = None,
-        train: bool = True,
-        download: bool = False,
-        transform: Callable[[Any], Any] | None = None,
-        target_transform: Callable[[Any], Any] | None = None,
-        size: int | None = None,
-    ) -> None:
-        n = size if size is not None else (6_400 if train else 1_000)
-        digits, self.targets = synthetic_digits(n, 2 if train else 3)
+    def _make(self, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n = 6_400 if train else 1_000
+        digits, targets = synthetic_digits(n, 2 if train else 3)
         gen = torch.Generator().manual_seed(4 if train else 5)
         ink = F.pad(digits, (2, 2, 2, 2)).float().div(255.0).unsqueeze(1)  # (n, 1, 32, 32)
         # Light ink on a darker ground, each its own colour: learnable within an epoch or two.
         fg = 0.6 + 0.4 * torch.rand(n, 3, 1, 1, generator=gen)
         bg = 0.4 * torch.rand(n, 3, 1, 1, generator=gen)
-        self.data = ((bg + (fg - bg) * ink) * 255).round().to(torch.uint8)  # (n, 3, 32, 32)
-        self.transform = transform
-        self.target_transform = target_transform
+        return ((bg + (fg - bg) * ink) * 255).round().to(torch.uint8), targets  # (n, 3, 32, 32)
