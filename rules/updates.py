@@ -15,7 +15,8 @@
   ratio; the defaults here are calibrated on synthetic runs.
 * :class:`LaggingLayersDetector` -- some weight matrices update orders of
   magnitude slower than the model's fastest ones, and their gradients do not
-  explain it: the optimizer gives them a far smaller step per unit of gradient.
+  explain it, nor does their own growth: the optimizer gives them a far smaller
+  step per unit of gradient.
 
 The weight-norm detectors (runaway growth, a too-small init) are in
 :mod:`gradwatch.rules.weights`, which re-exports these for its importers.
@@ -306,6 +307,13 @@ class LaggingLayersDetector:
     own history. A sample is not judged before its layers' gradient norms arrive
     (a rank that sends none sends no samples either).
 
+    Nor does a lag count that the layer's own growth explains: a ratio is small
+    when ‖Δw‖ is small *or* when ‖w‖ grew. A layer counts only while its lag, net
+    of how much more its weight norm grew since the first sample than the median
+    matrix's, is still ``factor``. CleanRL's PPO (healthy, Adam): the value head
+    grew x10.5 as its outputs climbed towards the returns and lagged 30-45x, its
+    steps the size they had been. A param group at a smaller rate barely grows.
+
     Example::
 
         det = LaggingLayersDetector(factor=100.0)
@@ -333,6 +341,9 @@ class LaggingLayersDetector:
         self._since_fold = 0
         self._held = 0
         self._since: int | None = None
+        # Each layer's weight norm in the first sample that had it (a layer started at
+        # zero: its first non-zero one), for the layer set that sample named.
+        self._first: tuple[tuple[str, ...], np.ndarray] | None = None
 
     def observe(self, step: Step) -> None:
         """Keep the roles the agent sent with the step's layers, and its gradient norms."""
@@ -376,6 +387,9 @@ class LaggingLayersDetector:
         median = float(np.median(logs))
         upper = float(np.quantile(logs, 0.9, method="higher"))  # a layer, not between two
         lagging = np.flatnonzero(weight)[logs < upper - math.log10(self.factor)]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lags = upper - np.log10(ratios)
+        lagging = self._not_grown(stats, weight, lagging, lags)
         counted = self._unexplained(stats, ratios, weight, lagging)
         if counted is None:
             return None  # no gradient norms for these layers yet: no judgement
@@ -410,6 +424,38 @@ class LaggingLayersDetector:
             "since_step": self._since,
         }
         return Finding(True, summary, evidence)
+
+    def _not_grown(
+        self, stats: Stats, weight: np.ndarray, lagging: np.ndarray, lags: np.ndarray
+    ) -> np.ndarray:
+        """The lagging layers whose lag (``lags``: log10 below the upper decile) is still
+        ``factor`` net of their weight norm's growth since the first sample, beyond the
+        median matrix's growth (the class docstring: a ratio small because ‖w‖ grew)."""
+        norms = stats.weight_norms
+        if norms is None or len(norms) != weight.size:
+            return lagging
+        now = np.asarray(norms, dtype=np.float64)
+        first = self._first
+        if first is None or first[0] != stats.layers:
+            self._first = (stats.layers, now.copy())
+            return lagging
+        start = first[1]
+        unset = ~(start > 0)  # NaN (not read yet) or zero (a zero-initialised layer)
+        start[unset] = now[unset]
+        if lagging.size == 0:
+            return lagging
+        with np.errstate(divide="ignore", invalid="ignore"):
+            growth = np.log10(now / start)
+        others = weight.copy()
+        others[lagging] = False
+        known = others & np.isfinite(growth)
+        if not known.any():
+            return lagging
+        excess = np.nan_to_num(growth[lagging] - float(np.median(growth[known])), nan=0.0)
+        result: np.ndarray = lagging[
+            lags[lagging] - np.maximum(excess, 0.0) >= math.log10(self.factor)
+        ]
+        return result
 
     def _unexplained(
         self, stats: Stats, ratios: np.ndarray, weight: np.ndarray, lagging: np.ndarray

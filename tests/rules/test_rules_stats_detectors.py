@@ -648,3 +648,35 @@ def test_fixed_size_steps_are_learning_and_growth_that_feeds_itself_runs_away() 
 
     assert not fires(linear, lambda k: 0.009 / linear(k))
     assert fires(geometric, lambda k: 0.003)
+
+
+def test_a_lag_that_the_layers_own_growth_explains_is_not_lagging() -> None:
+    # CleanRL's PPO on CartPole, healthy (benchmarks/cleanrl_trial.py, Adam, lr annealed
+    # to 0): the critic's value head 'critic.4.weight' (64 -> 1) grew x10.5 as its values
+    # climbed towards the returns (~100), while the other matrices grew ~x1.15; its
+    # ‖Δw‖/‖w‖ fell 30-45x below the upper decile and paged LayersLagging twice. Its
+    # steps had not shrunk: its norm had grown. Numbers from that run's samples.
+    from gradwatch.rules.weights import LaggingLayersDetector
+
+    layers = ("actor.0.weight", "actor.2.weight", "critic.0.weight", "critic.2.weight", "head")
+    ratios = np.array([2.0e-4, 3.3e-4, 2.5e-4, 3.0e-4, 8.0e-6])
+
+    def verdicts(head_growth: float) -> list[bool]:
+        det = LaggingLayersDetector(factor=30.0)
+        start = np.array([3.0, 8.0, 3.0, 8.0, 1.0])
+        out = []
+        for k in range(6):
+            grown = start * (1.0 + 0.15 * k / 5)
+            grown[-1] = start[-1] * (1.0 + (head_growth - 1.0) * k / 5)
+            stats = Stats(
+                job="j", step=50 * (k + 1), time=0.0, layers=layers,
+                update_ratios=ratios, weight_norms=grown,
+            )  # fmt: skip
+            found = det.observe_stats(stats)
+            assert found is not None
+            out.append(found.active)
+        return out
+
+    assert not any(verdicts(10.5))
+    # The same ratios from a head that kept its size: its steps are what shrank.
+    assert verdicts(1.0)[2:] == [True] * 4
