@@ -23,7 +23,8 @@ Two other shapes grow the weights fast and are told apart here:
   stall counts only at ``above_start`` of the run's first losses or more (the
   three lr x100 runs stall at 0.57-0.7 of theirs).
 
-Memory: a bounded deque of per-layer weight norms (256 samples) and one of losses.
+Memory: a deque of per-layer weight norms, the samples of the latest ``within`` steps
+(at most 256), and one of losses.
 
 Example::
 
@@ -116,6 +117,10 @@ class WeightInflationDetector:
         if norms is None:
             return None
         now, chosen = stats.step, self._chosen(stats, norms.size)
+        # Only samples within `within` steps are ever a base: at stats_every 50, ~5 arrays
+        # a rank instead of up to 256 (a 300-tensor model: 12 KiB, not 600).
+        while self._kept and now - self._kept[0][0] > self.within:
+            self._kept.popleft()
         self._kept.append((now, norms))
         kept = self._base
         if kept is None:

@@ -230,3 +230,14 @@ def test_a_zero_initialised_table_learning_slowly_is_not_inflation() -> None:
 
     assert any(run_table(learn_z=math.inf))  # without the trend test: "lr too high"
     assert not any(run_table(learn_z=5.0))
+
+
+def test_it_keeps_only_the_samples_its_window_can_compare_with() -> None:
+    # One array of per-layer norms a sample, per rank: 256 of them for a 300-tensor model
+    # under FSDP was ~600 KiB a rank; only the latest `within` steps are ever a base.
+    det = WeightInflationDetector(within=200)
+    norms = np.full(300, 1.0)
+    layers = tuple(f"h.{i}.weight" for i in range(300))
+    for t in range(50, 50 * 300, 50):
+        det.observe_stats(Stats(job="j", step=t, time=0.0, layers=layers, weight_norms=norms))
+    assert len(det._kept) == 5  # steps 14,750 .. 14,950
