@@ -35,6 +35,11 @@ from gradwatch.rules.loss import finite_loss
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Step
 
+# ZeroGradientsDetector: a loss at or below this share of the last one that had a gradient
+# has fallen to ~0 with the gradients (REINFORCE at lr x100: 0.13 -> 8.5e-14, a share of
+# 6.5e-13; a learning step moves a loss by percents, float32 resolves 1.2e-7 of it).
+COLLAPSED = 1e-6
+
 
 class VanishingGradientDetector:
     """Active while the total grad norm stayed below ``threshold`` for ``window`` steps, the loss
@@ -120,6 +125,16 @@ class ZeroGradientsDetector:
     overflow skips give no verdict. The rule's ``for`` says how many such
     steps in a row page.
 
+    What it says depends on what came before. Zero from the run's first step is
+    the loop (a detached graph, ``zero_grad()`` between ``backward()`` and
+    ``step()``). Zero right after steps that had gradients, with the loss fallen
+    to ~0 with them (``COLLAPSED`` of the loss before), is the model's outputs
+    pinned exactly where the loss wants them by one update: pytorch/examples'
+    REINFORCE at lr x100 had gradients of 1.7-13.6 at step 1, then exactly 0 and
+    a loss of ~1e-14 (a policy made deterministic) from step 2, and was told to
+    check ``zero_grad()`` (benchmarks/pex_trial.py). Zero after gradients with the
+    loss still where it was is the loop changed at that step.
+
     Example::
 
         det = ZeroGradientsDetector()
@@ -128,6 +143,8 @@ class ZeroGradientsDetector:
 
     def __init__(self) -> None:
         self._since: int | None = None
+        # The latest step that had a gradient, and its loss (None: not logged).
+        self._live: tuple[int, float | None] | None = None
 
     def observe(self, step: Step) -> Finding | None:
         """Judge one step; None without per-layer gradient norms or on an optimizer skip."""
@@ -136,10 +153,13 @@ class ZeroGradientsDetector:
             return None
         if norms.any():
             self._since = None
+            self._live = (step.step, finite_loss(step))
             return INACTIVE
         if self._since is None:
             self._since = step.step
         evidence: dict[str, object] = {"since_step": self._since, "layers": int(norms.size)}
+        if self._live is not None:
+            return self._after_gradients(step, evidence, *self._live)
         if step.loss == 0.0:
             # The loss itself is flat: pytorch/examples' DDP tutorial takes cross-entropy of
             # a one-column output (benchmarks/ddp_trial.py); log_softmax over one class is 0.
@@ -157,6 +177,46 @@ class ZeroGradientsDetector:
             f"every gradient is exactly zero since step {self._since}: nothing reaches the "
             "parameters (a detached graph, zero_grad() between backward() and step(), or a "
             "loss built from constants?)"
+        )
+        return Finding(True, summary, evidence)
+
+    def _after_gradients(
+        self, step: Step, evidence: dict[str, object], live_step: int, live_loss: float | None
+    ) -> Finding:
+        """The finding for zero gradients that follow steps which had them (the class
+        docstring): outputs pinned by an update, or the loop changed."""
+        loss = finite_loss(step)
+        evidence["last_gradient_step"] = live_step
+        fell = (
+            loss is not None
+            and live_loss is not None
+            and live_loss != 0.0
+            and abs(loss) <= COLLAPSED * abs(live_loss)
+        )
+        if fell:
+            summary = (
+                f"every gradient is exactly zero since step {self._since}, right after steps "
+                f"that had them (the last at step {live_step}), and the loss fell with them "
+                f"from {live_loss:.4g} to {loss:.3g}: an update pinned the model's outputs "
+                "exactly where the loss wants them (a policy made deterministic, a softmax or "
+                "sigmoid at exactly 0 or 1), leaving nothing to learn from; so sudden a fall "
+                "is an update too large, or a margin (hinge, triplet) every example now meets"
+            )
+            evidence["lead_check"] = (
+                f"lower the learning rate: the update of step {live_step} pinned the outputs "
+                "(a softmax or a policy at exactly 0 or 1 passes no gradient)"
+            )
+            return Finding(True, summary, evidence)
+        summary = (
+            f"every gradient is exactly zero since step {self._since}, after steps that had "
+            f"them (the last at step {live_step})"
+            + (f", while the loss is still {loss:.4g}" if loss is not None else "")
+            + ": the loop stopped passing gradients there (zero_grad() moved between "
+            "backward() and step(), a detach or no_grad added, a loss weight scheduled to 0?)"
+        )
+        evidence["lead_check"] = (
+            f"what changed in the loop at step {self._since}: zero_grad() between backward() "
+            "and step(), a detach or torch.no_grad(), a loss weight set to 0"
         )
         return Finding(True, summary, evidence)
 

@@ -95,6 +95,42 @@ def test_no_gradient_and_a_loss_of_exactly_zero_lead_with_the_loss() -> None:
     assert "does the loss depend on the model's outputs?" not in checks  # said once
 
 
+def first_checks(records: Iterator[Record]) -> tuple[int, str, list[str]]:
+    """GradientsAllZero's step, summary and next checks."""
+    transitions = feed_all(Engine(RULES, clock=lambda: 0.0), records)
+    alert = next(t.alert for t in transitions if t.alert.rule == "GradientsAllZero")
+    assert alert.diagnosis is not None
+    return alert.step, alert.summary, list(alert.diagnosis["next_checks"])
+
+
+def test_gradients_stopped_by_an_update_lead_with_the_learning_rate() -> None:
+    # pytorch/examples' REINFORCE at lr x100 (benchmarks/pex_trial.py, the kept trace's
+    # numbers): step 1 had gradients of 1.7-13.6 and a loss of 0.13; its update made the
+    # policy deterministic, and from step 2 every gradient was exactly 0 and the loss ~1e-14.
+    # It was told to check where zero_grad() is called.
+    layers = ("affine1.weight", "affine1.bias", "affine2.weight", "affine2.bias")
+
+    def reinforce() -> Iterator[Record]:
+        yield Step(
+            job="j", step=1, time=0.0, loss=0.1315, layers=layers,
+            layer_norms=np.array([1.65, 1.81, 13.57, 1.78]),
+        )  # fmt: skip
+        for t, loss in enumerate([8.5e-14, -1.4e-14, 4.3e-14, 8.5e-14, 8.5e-14, 0.0], start=2):
+            yield Step(job="j", step=t, time=0.0, loss=loss, layers=layers, layer_norms=np.zeros(4))
+
+    step, summary, checks = first_checks(reinforce())
+    assert step == 2 and "the loss fell with them from 0.1315" in summary
+    assert checks[0].startswith("lower the learning rate: the update of step 1 pinned")
+    # The same zeros after gradients, the loss where it was: the loop changed there.
+    step, summary, checks = first_checks(zero_from(run(), ONSET, ("",)))
+    assert step == ONSET and "after steps that had them" in summary
+    assert checks[0].startswith(f"what changed in the loop at step {ONSET}")
+    # Zero from the first step: the loop as written, as before.
+    step, summary, checks = first_checks(zero_from(run(), 1, ("",)))
+    assert step == 1 and "after steps" not in summary
+    assert checks[0].startswith("is optimizer.zero_grad() called before backward()")
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_weight_matrices_cut_off_while_biases_learn_are_dead_units(seed: int) -> None:
     # pytorch/examples' mnist at lr x100 (benchmarks/pex_trial.py): after one update too
