@@ -229,6 +229,12 @@ def diagnose(
         and not any(c.startswith(lever) for c in own_first)  # said already, more exactly
     ):
         checks.append(lever)
+    # A detector that measured a rule check impossible says so (evidence "ruled_out":
+    # prefixes of those checks): LayersLagging with one rate for every param group.
+    ruled_out = alert.evidence.get("ruled_out")
+    if isinstance(ruled_out, (list, tuple)) and ruled_out:
+        prefixes = tuple(p for p in ruled_out if isinstance(p, str) and p)
+        rule_checks = [c for c in rule_checks if not c.startswith(prefixes)]
     checks += list(rule_checks) + cause_checks
     summary += ". This narrows the search; it is not a certain cause."
     if not rule_checks:

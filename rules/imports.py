@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gradwatch.rules.step import Eval, Step
+from gradwatch.wire.messages import MAX_STEP
 
 Format = Literal["trainer_state", "lightning_csv"]
 Record = Step | Eval
@@ -346,8 +347,9 @@ def _number(value: Any) -> float | None:
 
 
 def _int(value: Any) -> int | None:
+    """A step number, or None (the row is skipped) outside the wire's [0, 2**62)."""
     number = _number(value)
-    if number is None or not math.isfinite(number):
+    if number is None or not math.isfinite(number) or not 0 <= number < MAX_STEP:
         return None
     return int(number)
 

@@ -44,6 +44,9 @@ FIRST_STEP_MAX = 10  # a first loss after this step is no run's start (a resume)
 # the kept traces used the median of the last 16).
 GRAD_MEAN_WEIGHT = 0.25
 GRAD_EVERY = 2
+# LaggingLayersDetector: param-group learning rates within this factor of each other are
+# one rate (a float32 round trip, or a scheduler's rounding).
+SAME_LR = 1.0 + 1e-6
 
 
 Direction = Literal["high", "low", "small", "partial"]
@@ -344,11 +347,16 @@ class LaggingLayersDetector:
         # Each layer's weight norm in the first sample that had it (a layer started at
         # zero: its first non-zero one), for the layer set that sample named.
         self._first: tuple[tuple[str, ...], np.ndarray] | None = None
+        # The latest step's learning rate per param group: () when none was sent.
+        self._lrs: tuple[float, ...] = ()
 
     def observe(self, step: Step) -> None:
-        """Keep the roles the agent sent with the step's layers, and its gradient norms."""
+        """Keep the roles the agent sent with the step's layers, its learning rates and
+        its gradient norms."""
         if step.layer_roles:
             self._sent = (step.layers, step.layer_roles)
+        if step.lr:
+            self._lrs = step.lr
         if self.unexplained <= 1.0 or not step.layers or step.layer_norms.size != len(step.layers):
             return
         # Folded in every GRAD_EVERY-th step only: a few array operations per fold, where
@@ -423,6 +431,25 @@ class LaggingLayersDetector:
             "samples": self._held,
             "since_step": self._since,
         }
+        lrs = self._lrs
+        if lrs and all(math.isfinite(lr) for lr in lrs):
+            evidence["group_lrs"] = list(lrs)
+            if max(lrs) <= min(lrs) * SAME_LR:
+                # One rate for every layer: the rule's first suspect, a param group at a
+                # smaller rate, cannot be it (CleanRL's PPO at lr x1000, one Adam group:
+                # the collapsed actor's steps, scaled by second moments of its first
+                # huge gradients, lagged 10,000x; it was told to check group rates).
+                evidence["lead_check"] = (
+                    f"not a smaller learning rate (every param group runs at {lrs[0]:.3g}): "
+                    "the optimizer's own scaling shrinks these layers' steps, most often "
+                    "Adam's second moments still holding far larger earlier gradients (an "
+                    "earlier blow-up: lower the learning rate), else a per-layer trust ratio "
+                    "(LARS, LAMB) or a hook that scales their updates"
+                )
+                evidence["ruled_out"] = [
+                    "per-parameter-group learning rates",
+                    "layer-wise learning-rate decay",
+                ]
         return Finding(True, summary, evidence)
 
     def _not_grown(

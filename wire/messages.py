@@ -41,6 +41,9 @@ MAX_COLUMNS: Final = 1 << 20
 MAX_NAME_CHARS: Final = 1024
 MAX_JOB_CHARS: Final = 128
 MAX_RANK: Final = 1 << 20
+# Step numbers (and counts) on the wire, in traces and in imported logs: below 2**62, so
+# they fit the int64 arrays the rules keep them in, with room to add to them.
+MAX_STEP: Final = 1 << 62
 # "data_change": the job changed its data or task on purpose; rules re-baseline from its step.
 DATA_CHANGE: Final = "data_change"
 # "degraded": the agent switched part of itself off (contract C3); fields say why and what.
@@ -292,9 +295,9 @@ def decode(frames: Sequence[bytes | memoryview], header: dict[str, Any] | None =
             world=_world(body),
             incarnation=_str(body, "inc", 64),
             time=_float(body, "time"),
-            step=_int(body, "step", -1, 2**62),
-            dropped=_int(body, "dropped", 0, 2**62),
-            started=_optional_int(body, "started", 0, 2**62),
+            step=_int(body, "step", -1, MAX_STEP),
+            dropped=_int(body, "dropped", 0, MAX_STEP),
+            started=_optional_int(body, "started", 0, MAX_STEP),
         )
     if kind == KIND_EVENT:
         ev_kind = _str(body, "kind", 32)
@@ -311,7 +314,7 @@ def decode(frames: Sequence[bytes | memoryview], header: dict[str, Any] | None =
             incarnation=_str(body, "inc", 64),
             time=_float(body, "time"),
             kind=ev_kind,
-            step=_int(body, "step", -1, 2**62),
+            step=_int(body, "step", -1, MAX_STEP),
             fields=fields,
         )
     raise WireError(f"unknown message kind {kind}")
@@ -381,9 +384,9 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
         rank=_int(body, "rank", 0, MAX_RANK),
         world=world,
         schema_id=schema_id,
-        seq=_int(body, "seq", 0, 2**62),
+        seq=_int(body, "seq", 0, MAX_STEP),
         incarnation=_str(body, "inc", 64),
-        dropped=_int(body, "dropped", 0, 2**62),
+        dropped=_int(body, "dropped", 0, MAX_STEP),
         steps=steps,
         times=times,
         values=values,
@@ -475,7 +478,7 @@ def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...]:
     if (
         not isinstance(value, list)
         or not set(map(type, value)) <= _INT
-        or (value and not (min(value) >= 0 and max(value) < 2**62))
+        or (value and not (min(value) >= 0 and max(value) < MAX_STEP))
     ):
         raise WireError(f"field {key!r} must be a list of non-negative integers")
     return tuple(value)

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from gradwatch.wire.census import Census, CensusError, census_of, roles_of
+from gradwatch.wire.messages import MAX_STEP
 from gradwatch.wire.trace_records import (
     TRACE_VERSION,
     TraceAct,
@@ -101,8 +102,8 @@ def _int(obj: Mapping[str, Any], key: str, default: int | None = None) -> int:
         if default is None:
             raise _Bad(f"{key}: missing")
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise _Bad(f"{key}: expected a whole number >= 0, got {value!r:.40}")
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_STEP:
+        raise _Bad(f"{key}: expected a whole number in [0, 2**62), got {value!r:.40}")
     return value
 
 

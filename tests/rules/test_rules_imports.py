@@ -200,6 +200,16 @@ def test_any_log_history_imports_and_replays_without_crashing(
     replay_records(records)
 
 
+def test_a_step_beyond_the_wire_bound_is_skipped_not_a_crash() -> None:
+    # Found by the property above: a row at step 9.25e18 (over int64) with a loss of -inf
+    # crashed the non-finite rule's int64 bookkeeping (OverflowError).
+    rows = [{"loss": -math.inf, "step": 9.253405579682589e18}, {"loss": 1.0, "step": -3}]
+    rows.append({"loss": 2.0, "step": 4})
+    records = trainer_records(rows, "j")
+    assert [r.step for r in records] == [4]
+    replay_records(records)
+
+
 def test_with_gaps_does_not_fill_an_absurd_jump() -> None:
     records = [Step(job="j", step=s, time=0.0, loss=1.0) for s in (1, 10**15)]
     assert [r.step for r in with_gaps(records)] == [1, 10**15]

@@ -680,3 +680,40 @@ def test_a_lag_that_the_layers_own_growth_explains_is_not_lagging() -> None:
     assert not any(verdicts(10.5))
     # The same ratios from a head that kept its size: its steps are what shrank.
     assert verdicts(1.0)[2:] == [True] * 4
+
+
+@pytest.mark.parametrize("lrs", [(0.25,), (1e-3, 1e-5)])
+def test_a_lag_under_one_rate_for_every_group_is_not_blamed_on_group_rates(
+    lrs: tuple[float, ...],
+) -> None:
+    # CleanRL's PPO at lr x1000 (one Adam param group): the collapsed actor lagged 10,000x
+    # and LayersLagging's first check was "a group with a far smaller lr?", which one group
+    # rules out. With two rates (the fault suite's backbone at lr/100) it stays first.
+    layers = tuple(f"h.{i}.weight" for i in range(5))
+    rules = [r for r in load_default_rules() if r.name == "LayersLagging"]
+    engine = Engine(rules, clock=lambda: 0.0)
+    fired = []
+    for k in range(1, 6):
+        for t in (10 * k + 1, 10 * k + 2):
+            norms = np.full(5, 0.9)
+            engine.observe(
+                Step(job="j", step=t, time=0.0, layers=layers, layer_norms=norms, lr=lrs)
+            )
+        stats = Stats(
+            job="j",
+            step=10 * k + 2,
+            time=0.0,
+            layers=layers,
+            update_ratios=np.array([1e-4, 1e-4, 9e-3, 9e-3, 9e-3]),
+            weight_norms=np.full(5, 10.0),
+        )
+        fired += [t.alert for t in engine.observe_stats(stats) if t.current == "firing"]
+    assert len(fired) == 1 and fired[0].diagnosis is not None
+    checks = list(fired[0].diagnosis["next_checks"])
+    if len(lrs) == 1:
+        assert checks[0].startswith("not a smaller learning rate (every param group runs at")
+        assert not any(c.startswith("per-parameter-group learning rates") for c in checks)
+        assert not any(c.startswith("layer-wise learning-rate decay") for c in checks)
+    else:
+        assert checks[0].startswith("per-parameter-group learning rates")
+    assert fired[0].evidence["group_lrs"] == list(lrs)
