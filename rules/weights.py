@@ -10,8 +10,9 @@
   their total norm grows by orders of magnitude, then settles.
 
 The update-size detectors (:class:`UpdateRatioDetector`,
-:class:`LaggingLayersDetector`) live in :mod:`gradwatch.rules.updates`; they
-are re-exported here so ``from gradwatch.rules.weights import ...`` keeps working.
+:class:`LaggingLayersDetector`) live in :mod:`gradwatch.rules.updates` and
+:mod:`gradwatch.rules.lagging`; they are re-exported here so
+``from gradwatch.rules.weights import ...`` keeps working.
 """
 
 from __future__ import annotations
@@ -25,14 +26,10 @@ from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.growth import combined_norm, fit_line, total_grad_norm
+from gradwatch.rules.lagging import LaggingLayersDetector
 from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import Stats, Step
-from gradwatch.rules.updates import (
-    Direction,
-    LaggingLayersDetector,
-    UpdateRatioDetector,
-    model_update_ratio,
-)
+from gradwatch.rules.updates import Direction, UpdateRatioDetector, model_update_ratio
 
 __all__ = [
     "Direction",
