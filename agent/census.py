@@ -41,6 +41,7 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,6 +49,7 @@ from torch import nn
 from gradwatch.agent.towers import towers_of
 from gradwatch.wire.census import (
     MAX_CENSUS_NAMES,
+    MAX_GROUP_RUNS,
     MAX_TIED_GROUPS,
     MAX_TIED_NAMES,
     MAX_TOWER_RUNS,
@@ -156,6 +158,9 @@ class ModelCensus:
         self._counts: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._frozen_modules: tuple[tuple[str, int], ...] = ()
         self._not_in_optimizer: tuple[str, ...] = ()
+        # The watched layers' param groups (Census.groups), for the layers last asked about.
+        self._layers: tuple[int, ...] = ()
+        self._layer_groups: tuple[int, ...] = ()
         self._last: Census | None = None
         try:
             self._walk(model)
@@ -257,24 +262,38 @@ class ModelCensus:
 
     # ------------------------------------------------------------ census (C2)
 
-    def take(self) -> Census | None:
-        """The census now (None when off); rebuilt only when flags, groups or modes changed."""
+    def take(
+        self,
+        optimizer: torch.optim.Optimizer | None = None,
+        layers: Sequence[nn.Parameter] = (),
+    ) -> Census | None:
+        """The census now (None when off); rebuilt only when flags, groups or modes changed.
+
+        ``optimizer``: the one the loop steps now, when it re-created it; ``layers``: the
+        watched parameters in the statistics' order, whose param groups it names.
+        """
         if self._off:
             return None
         try:
-            return self._take()
+            return self._take(optimizer, layers)
         except Exception as exc:
             self._switch_off("taking a census on a cadence step", exc)
             return None
 
-    def _take(self) -> Census:
+    def _take(
+        self, optimizer: torch.optim.Optimizer | None, layers: Sequence[nn.Parameter]
+    ) -> Census:
+        if optimizer is not None and optimizer is not self._optimizer:
+            self._optimizer, self._groups_key = optimizer, None
         flags = [p.param.requires_grad for p in self._params]
         groups = self._optimizer.param_groups
         key = tuple(len(g["params"]) for g in groups)
-        changed = flags != self._flags or key != self._groups_key
-        if key != self._groups_key:
-            self._groups_key = key
+        ids = tuple(id(p) for p in layers)
+        changed = flags != self._flags or key != self._groups_key or ids != self._layers
+        if key != self._groups_key or ids != self._layers:
+            self._groups_key, self._layers = key, ids
             self._in_optimizer = {id(p) for g in groups for p in g["params"]}
+            self._layer_groups = layer_groups(groups, ids)
         if changed:
             self._flags = flags
             self._recount(flags)
@@ -302,6 +321,7 @@ class ModelCensus:
                 model_training=training,
                 towers=self._towers,
                 supervised_loss=self._supervised_loss,
+                groups=self._layer_groups,
             )
         return last
 
@@ -358,3 +378,13 @@ def _frozen_prefixes(
             whole = False
     whole = whole and has_params
     return whole, count, [(prefix, count)] if whole else items
+
+
+def layer_groups(groups: Sequence[dict[str, Any]], layers: Sequence[int]) -> tuple[int, ...]:
+    """Each layer's (``id`` of its parameter) param group index, -1 in none: () for one
+    group, or when the groups alternate in more runs than a census carries."""
+    if len(groups) < 2 or not layers:
+        return ()
+    index = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+    found = tuple(index.get(i, -1) for i in layers)
+    return found if len(tower_runs(found)) <= MAX_GROUP_RUNS else ()

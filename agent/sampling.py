@@ -111,7 +111,7 @@ class Sampler(RollbackExit):
                 self.config.update_ratios,
                 () if part is None else self._parts,
             )
-            started.census = self._census.take()
+            started.census = self._census.take(self._optimizer, self._reader.params)
             if part is None:  # measured whole: worked out before the next sample's hooks
                 if acts is not None:
                     started.acts = acts.stats()

@@ -10,7 +10,7 @@ param group, a group learning rate set lower on purpose.
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import Field
@@ -24,6 +24,10 @@ from gradwatch.rules.step import Stats, Step
 # the kept traces used the median of the last 16).
 GRAD_MEAN_WEIGHT = 0.25
 GRAD_EVERY = 2
+# What a lag that the layers' own param-group rate accounts for does (LaggingLayersDetector):
+# "ignore" judges every lag alike; "exclude" leaves such layers out (LayersLagging pages the
+# rest); "only" judges those alone (LayersLaggingByGroupRate, info).
+GroupRates = Literal["ignore", "exclude", "only"]
 # LaggingLayersDetector: param-group learning rates within this factor of each other are
 # one rate (a float32 round trip, or a scheduler's rounding).
 SAME_LR = 1.0 + 1e-6
@@ -96,10 +100,11 @@ class LaggingLayersDetector:
         min_layers: Annotated[int, Field(ge=3)] = 3,
         max_named: Annotated[int, Field(ge=1)] = 10,
         unexplained: Annotated[float, Field(ge=1.0)] = 1.0,
+        group_rates: GroupRates = "ignore",
     ) -> None:
         self.factor, self.low, self.samples = factor, low, samples
         self.min_layers, self.max_named = min_layers, max_named
-        self.unexplained = unexplained
+        self.unexplained, self.group_rates = unexplained, group_rates
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
         # log10 of each layer's gradient norm, a running mean over recent steps: one array
         # per rank, where a window of the last 16 steps would hold 16 (on every rank).
@@ -110,8 +115,10 @@ class LaggingLayersDetector:
         # Each layer's weight norm in the first sample that had it (a layer started at
         # zero: its first non-zero one), for the layer set that sample named.
         self._first: tuple[tuple[str, ...], np.ndarray] | None = None
-        # The latest step's learning rate per param group: () when none was sent.
+        # The latest step's learning rate per param group: () when none was sent; and each
+        # layer's group, from the latest census that named them.
         self._lrs: tuple[float, ...] = ()
+        self._groups: tuple[tuple[str, ...], tuple[int, ...]] = ((), ())
 
     def observe(self, step: Step) -> None:
         """Keep the roles the agent sent with the step's layers, its learning rates and
@@ -161,6 +168,16 @@ class LaggingLayersDetector:
         with np.errstate(divide="ignore", invalid="ignore"):
             lags = upper - np.log10(ratios)
         lagging = self._not_grown(stats, weight, lagging, lags)
+        if stats.census is not None:
+            self._groups = (stats.layers, stats.census.groups)
+        rates = self._rates(stats, weight, lagging)
+        if rates is not None and self.group_rates != "ignore":
+            # Net of its group's rate below the others' (log10), a lag short of `factor`
+            # is the rate the loop set: by design for a pretrained backbone.
+            by_rate = lags[lagging] - rates < math.log10(self.factor)
+            lagging = lagging[by_rate if self.group_rates == "only" else ~by_rate]
+        elif self.group_rates == "only":
+            lagging = lagging[:0]
         counted = self._unexplained(stats, ratios, weight, lagging)
         if counted is None:
             return None  # no gradient norms for these layers yet: no judgement
@@ -194,16 +211,24 @@ class LaggingLayersDetector:
             "samples": self._held,
             "since_step": self._since,
         }
+        if self.group_rates == "only":
+            return self._by_rate(stats, lagging, evidence, shown)
         lrs = self._lrs
+        rates = self._rates(stats, weight, lagging)
         if lrs and all(math.isfinite(lr) for lr in lrs):
             evidence["group_lrs"] = list(lrs)
-            if max(lrs) <= min(lrs) * SAME_LR:
-                # One rate for every layer: the rule's first suspect, a param group at a
-                # smaller rate, cannot be it (CleanRL's PPO at lr x1000, one Adam group:
-                # the collapsed actor's steps, scaled by second moments of its first
+            rate = f"every param group runs at {lrs[0]:.3g}"
+            one_rate = max(lrs) <= min(lrs) * SAME_LR
+            if rates is not None:  # the census names each layer's group
+                rate = "their param group's rate is not below the other layers'"
+                one_rate = bool((rates <= math.log10(SAME_LR)).all())
+            if one_rate:
+                # No smaller rate for these layers: the rule's first suspect, a param group
+                # at a smaller rate, cannot be it (CleanRL's PPO at lr x1000, one Adam
+                # group: the collapsed actor's steps, scaled by second moments of its first
                 # huge gradients, lagged 10,000x; it was told to check group rates).
                 evidence["lead_check"] = (
-                    f"not a smaller learning rate (every param group runs at {lrs[0]:.3g}): "
+                    f"not a smaller learning rate ({rate}): "
                     "the optimizer's own scaling shrinks these layers' steps, most often "
                     "Adam's second moments still holding far larger earlier gradients (an "
                     "earlier blow-up: lower the learning rate), else a per-layer trust ratio "
@@ -213,6 +238,49 @@ class LaggingLayersDetector:
                     "per-parameter-group learning rates",
                     "layer-wise learning-rate decay",
                 ]
+        return Finding(True, summary, evidence)
+
+    def _rates(self, stats: Stats, weight: np.ndarray, lagging: np.ndarray) -> np.ndarray | None:
+        """How far (log10) each lagging layer's param-group learning rate is below the
+        median rate of the other weight matrices; None while the census has not named
+        every judged layer's group or the steps carried no rates for them."""
+        layers, groups = self._groups
+        lrs = self._lrs
+        if lagging.size == 0 or layers != stats.layers or len(groups) != weight.size or not lrs:
+            return None
+        index = np.asarray(groups)
+        known = (index >= 0) & (index < len(lrs))
+        if not known[weight].all():
+            return None
+        rate = np.full(weight.size, np.nan)
+        rate[known] = np.log10(np.maximum(np.asarray(lrs, dtype=np.float64)[index[known]], 1e-300))
+        others = weight.copy()
+        others[lagging] = False
+        if not others.any() or not np.isfinite(rate[weight]).all():
+            return None
+        below: np.ndarray = np.maximum(float(np.median(rate[others])) - rate[lagging], 0.0)
+        return below
+
+    def _by_rate(
+        self, stats: Stats, lagging: np.ndarray, evidence: dict[str, object], shown: str
+    ) -> Finding:
+        """The finding of layers that lag by their param group's rate (``group_rates``
+        "only"): the rate the loop set, intended on a pretrained backbone."""
+        groups = self._groups[1]
+        rates = sorted({self._lrs[groups[i]] for i in lagging})
+        others = sorted(set(self._lrs) - set(rates), reverse=True)
+        evidence["group_lrs"] = list(self._lrs)
+        evidence["lagging_lrs"] = rates
+        slowest, reference = evidence["slowest_ratio"], evidence["reference_ratio"]
+        assert isinstance(slowest, float) and isinstance(reference, float)
+        summary = (
+            f"{len(lagging)} weight layer(s) update up to {reference / slowest:.3g}× slower "
+            "than the model's fastest, as their param group's learning rate sets ("
+            + ", ".join(f"{r:.3g}" for r in rates)
+            + (" against " + ", ".join(f"{r:.3g}" for r in others[:3]) if others else "")
+            + "): discriminative or layer-wise rates, which suit a pretrained backbone; "
+            f"from scratch these layers barely learn. Since step {self._since}: {shown}"
+        )
         return Finding(True, summary, evidence)
 
     def _not_grown(

@@ -48,6 +48,9 @@ MAX_TIED_NAMES: Final = 4
 # Towers travel as runs of [tower, layers] (a two-tower model: two runs); a model whose
 # towers interleave in more runs than this sends none (the rules take parameter order).
 MAX_TOWER_RUNS: Final = 256
+# Param groups travel the same way; a weight-decay split alternates groups layer by layer,
+# so a model of up to this many tensors still sends them (~8 bytes a run).
+MAX_GROUP_RUNS: Final = 2048
 MAX_TOWER_LAYERS: Final = 1 << 16
 _MAX_COUNT: Final = 1 << 62
 
@@ -77,6 +80,9 @@ class Census:
     ``layers``; () when unknown or one tower. ``supervised_loss``: False when
     the job declared its loss no supervised loss (``watch(supervised_loss=False)``:
     RL, a GAN's generator), so the rules that read its shape do not judge it.
+    ``groups``: each watched layer's optimizer param group (its index in
+    ``optimizer.param_groups``, whose learning rates the steps carry in that
+    order; -1: in none), aligned with ``layers``; () when unknown or one group.
     """
 
     params_total: int
@@ -90,6 +96,7 @@ class Census:
     model_training: bool = True
     towers: tuple[int, ...] = ()
     supervised_loss: bool = True
+    groups: tuple[int, ...] = ()
 
     @property
     def frozen_share(self) -> float:
@@ -120,6 +127,8 @@ def census_body(c: Census) -> dict[str, Any]:
         body["towers"] = tower_runs(c.towers)
     if not c.supervised_loss:
         body["supervised_loss"] = False
+    if c.groups:
+        body["groups"] = tower_runs(c.groups)
     return body
 
 
@@ -159,6 +168,7 @@ def census_of(body: Any) -> Census:
         model_training=training,
         towers=_towers(_list(body, "towers", MAX_TOWER_RUNS)),
         supervised_loss=supervised,
+        groups=_towers(_list(body, "groups", MAX_GROUP_RUNS), "groups"),
     )
 
 
@@ -173,7 +183,8 @@ def tower_runs(towers: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-def _towers(runs: list[Any]) -> tuple[int, ...]:
+def _towers(runs: list[Any], what: str = "towers") -> tuple[int, ...]:
+    """Runs of [index, layers] (``towers`` or ``groups``), expanded; raises CensusError."""
     towers: list[int] = []
     for run in runs:
         if not (
@@ -184,7 +195,7 @@ def _towers(runs: list[Any]) -> tuple[int, ...]:
             and 0 < run[1] <= MAX_TOWER_LAYERS - len(towers)
         ):
             raise CensusError(
-                "census.towers: expected [tower, layers] runs (tower >= -1, layers >= 1), "
+                f"census.{what}: expected [index, layers] runs (index >= -1, layers >= 1), "
                 f"{MAX_TOWER_LAYERS} layers in all at most"
             )
         towers += [run[0]] * run[1]

@@ -3,6 +3,7 @@ rules' records."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import zmq
 from torch import nn
@@ -278,3 +279,28 @@ def test_a_sample_cut_short_at_close_keeps_the_census_of_its_training_step(pull)
     assert [s.step for s in stats][-1] == 50  # the sample cut short did ship
     assert all(s.census is not None and s.census.model_training for s in stats)
     assert all(s.census is not None and s.census.eval_modules == () for s in stats)
+
+
+def test_each_layers_param_group_reaches_the_collector_aligned_with_its_layers(pull) -> None:
+    # Discriminative rates (a backbone at lr/100 under its head): the rules weigh a lag by
+    # the rate of the layer's own group, which only the agent can see.
+    sock, endpoint = pull
+    torch.manual_seed(0)
+    model = MiniGPT()
+    head = list(model.lm_head.parameters())
+    rest = [p for p in model.parameters() if all(p is not h for h in head)]
+    opt = torch.optim.SGD([{"params": head, "lr": 1e-2}, {"params": rest, "lr": 1e-4}])
+    mon = census_watch(model, opt, sock, endpoint)
+    train(model, mon, opt, 50)  # the first sample: step 50
+    mon.close()
+    steps, stats = collect(sock, mon)
+    census = next(s.census for s in stats if s.census is not None)
+    layers = next(s.layers for s in stats if s.census is not None)
+    tied = {id(p) for p in head}  # lm_head's weight is the tied embedding: in group 0
+    expected = tuple(0 if id(p) in tied else 1 for p in model.parameters() if p.requires_grad)
+    assert len(census.groups) == len(layers) and census.groups == expected
+    assert steps[0].lr == pytest.approx((1e-2, 1e-4))  # float32 on the wire
+    # One group: nothing to say, nothing sent.
+    one = ModelCensus.attach(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    taken = one.take(None, list(model.parameters()))
+    assert taken is not None and taken.groups == ()

@@ -11,6 +11,7 @@ import pytest
 
 from gradwatch.rules import Engine, Step, load_default_rules
 from gradwatch.rules.activations import DeadUnitsDetector, SaturationDetector
+from gradwatch.rules.alert import Alert
 from gradwatch.rules.amp import LossScaleCollapseDetector
 from gradwatch.rules.step import ActStats, Stats
 from gradwatch.rules.weights import UpdateRatioDetector, WeightRunawayDetector
@@ -682,16 +683,15 @@ def test_a_lag_that_the_layers_own_growth_explains_is_not_lagging() -> None:
     assert verdicts(1.0)[2:] == [True] * 4
 
 
-@pytest.mark.parametrize("lrs", [(0.25,), (1e-3, 1e-5)])
-def test_a_lag_under_one_rate_for_every_group_is_not_blamed_on_group_rates(
-    lrs: tuple[float, ...],
-) -> None:
-    # CleanRL's PPO at lr x1000 (one Adam param group): the collapsed actor lagged 10,000x
-    # and LayersLagging's first check was "a group with a far smaller lr?", which one group
-    # rules out. With two rates (the fault suite's backbone at lr/100) it stays first.
+def lagging_firings(lrs: tuple[float, ...], groups: tuple[int, ...] | None = None) -> list[Alert]:
+    """The two LayersLagging rules' firings over five samples in which h.0 and h.1 update
+    90x slower than h.2-h.4, with equal gradients; ``groups``: the census's param groups."""
+    from gradwatch.rules.step import Census
+
     layers = tuple(f"h.{i}.weight" for i in range(5))
-    rules = [r for r in load_default_rules() if r.name == "LayersLagging"]
+    rules = [r for r in load_default_rules() if r.name.startswith("LayersLagging")]
     engine = Engine(rules, clock=lambda: 0.0)
+    census = None if groups is None else Census(10, 10, 0, 0, groups=groups)
     fired = []
     for k in range(1, 6):
         for t in (10 * k + 1, 10 * k + 2):
@@ -706,8 +706,20 @@ def test_a_lag_under_one_rate_for_every_group_is_not_blamed_on_group_rates(
             layers=layers,
             update_ratios=np.array([1e-4, 1e-4, 9e-3, 9e-3, 9e-3]),
             weight_norms=np.full(5, 10.0),
+            census=census,
         )
         fired += [t.alert for t in engine.observe_stats(stats) if t.current == "firing"]
+    return fired
+
+
+@pytest.mark.parametrize("lrs", [(0.25,), (1e-3, 1e-5)])
+def test_a_lag_under_one_rate_for_every_group_is_not_blamed_on_group_rates(
+    lrs: tuple[float, ...],
+) -> None:
+    # CleanRL's PPO at lr x1000 (one Adam param group): the collapsed actor lagged 10,000x
+    # and LayersLagging's first check was "a group with a far smaller lr?", which one group
+    # rules out. With two rates (the fault suite's backbone at lr/100) it stays first.
+    fired = lagging_firings(lrs)
     assert len(fired) == 1 and fired[0].diagnosis is not None
     checks = list(fired[0].diagnosis["next_checks"])
     if len(lrs) == 1:
@@ -717,3 +729,20 @@ def test_a_lag_under_one_rate_for_every_group_is_not_blamed_on_group_rates(
     else:
         assert checks[0].startswith("per-parameter-group learning rates")
     assert fired[0].evidence["group_lrs"] == list(lrs)
+
+
+def test_a_lag_that_the_layers_group_rate_sets_is_info_not_a_page() -> None:
+    # A pretrained backbone fine-tuned at lr/100 under its head (fast.ai's slice(1e-5,
+    # 1e-3)) paged LayersLagging; tests/scenarios' healthy_discriminative_lr_finetune.
+    # The census names each layer's group; the steps carry the groups' rates.
+    def fired(groups: tuple[int, ...], lrs: tuple[float, ...]) -> list[tuple[str, str]]:
+        return [(a.rule, a.severity) for a in lagging_firings(lrs, groups)]
+
+    # h.0 and h.1 in a group at 1/100 of the others' rate: their 90x lag is that rate.
+    assert fired((1, 1, 0, 0, 0), (1e-3, 1e-5)) == [("LayersLaggingByGroupRate", "info")]
+    # At 1/2 of it the rate does not account for a 90x lag: a page, as before.
+    assert fired((1, 1, 0, 0, 0), (1e-3, 5e-4)) == [("LayersLagging", "warning")]
+    # The slow group holds the fast layers: the lag is not its rate's doing.
+    assert fired((0, 0, 1, 1, 1), (1e-3, 1e-5)) == [("LayersLagging", "warning")]
+    # No groups in the census (one group, or an older agent): judged as before.
+    assert fired((), (1e-3,)) == [("LayersLagging", "warning")]

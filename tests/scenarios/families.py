@@ -222,6 +222,30 @@ def _frozen_mid_run(ctx: Ctx) -> None:
     classify(ctx, model, opt, 300, before_step=before)
 
 
+def _discriminative_finetune(ctx: Ctx) -> None:
+    """A pretrained backbone fine-tuned at lr/100 under a fresh head: discriminative rates.
+
+    fast.ai's ``slice(1e-5, 1e-3)``, ULMFiT's discriminative fine-tuning; layer-wise decay
+    in MAE/BEiT fine-tuning spans 30-175x. The backbone is trained here first (800 Adam
+    steps on one task), then the head is reset for another. Healthy: info at most (the
+    rates are the loop's choice, LayersLaggingByGroupRate says so).
+    """
+    model = mlp(depth=4, width=32)
+    pre = torch.optim.Adam(model.parameters(), lr=2e-3)
+    first = teacher(1)
+    for _ in range(800):
+        x = torch.randn(64, N_IN)
+        F.cross_entropy(model(x), first(x)).backward()
+        pre.step()
+        pre.zero_grad()
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    linears[-1].reset_parameters()
+    backbone = [p for layer in linears[:-1] for p in layer.parameters()]
+    groups = [{"params": list(linears[-1].parameters()), "lr": 1e-3}]
+    groups.append({"params": backbone, "lr": 1e-5})
+    classify(ctx, model, torch.optim.Adam(groups), 300, label=teacher(2))
+
+
 def _head_only_finetune(ctx: Ctx) -> None:
     """A deliberate head-only fine-tune: the backbone frozen before watch(), the optimizer
     given only trainable parameters (the PyTorch transfer-learning tutorial's pattern).
@@ -504,6 +528,7 @@ FAMILIES: tuple[Scenario, ...] = (
         "backbone_frozen_mid_run", "update_ratio", 100, _frozen_mid_run, also=("dead_pipeline",)
     ),
     Scenario("healthy_head_only_finetune", None, 0, _head_only_finetune, allow="info"),
+    Scenario("healthy_discriminative_lr_finetune", None, 0, _discriminative_finetune, allow="info"),
     Scenario(
         "gelu_units_dead_bias",
         "dead_units",

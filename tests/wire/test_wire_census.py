@@ -22,6 +22,7 @@ from gradwatch.wire import (
 from gradwatch.wire.census import (
     MAX_CENSUS_NAME_CHARS,
     MAX_CENSUS_NAMES,
+    MAX_GROUP_RUNS,
     MAX_TOWER_LAYERS,
     MAX_TOWER_RUNS,
     Census,
@@ -140,6 +141,8 @@ def test_an_unknown_role_reads_as_other_and_a_misaligned_list_is_refused() -> No
         ({"towers": [[0, 1]] * (MAX_TOWER_RUNS + 1)}, "census.towers"),
         # Runs within the cap that add up past it: a hostile sender's 16M-entry tuple.
         ({"towers": [[0, MAX_TOWER_LAYERS]] * 256}, "census.towers"),
+        ({"groups": [[-2, 1]]}, "census.groups"),
+        ({"groups": [[0, 1], [1, 1]] * (MAX_GROUP_RUNS // 2 + 1)}, "census.groups"),
     ],
 )
 def test_hostile_census_fields_are_wire_errors(change: dict, message: str) -> None:
@@ -175,6 +178,15 @@ def test_towers_travel_as_runs_and_a_plain_census_stays_as_it_was() -> None:
     assert census_of(body) == told
     plain = census_body(Census(10, 10, 0, 0))
     assert "towers" not in plain and "supervised_loss" not in plain
+
+
+def test_param_groups_travel_as_runs_too() -> None:
+    # A weight-decay split alternates groups layer by layer: one run per layer.
+    told = Census(10, 10, 0, 0, groups=(0, 1, 0, 1, 2, 2, -1))
+    body = census_body(told)
+    assert body["groups"] == [[0, 1], [1, 1], [0, 1], [1, 1], [2, 2], [-1, 1]]
+    assert census_of(body) == told
+    assert "groups" not in census_body(Census(10, 10, 0, 0))
 
 
 def test_roles_follow_the_layers_a_record_keeps() -> None:
