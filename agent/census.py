@@ -297,15 +297,18 @@ class ModelCensus:
         if changed:
             self._flags = flags
             self._recount(flags)
-        eval_modules = capped_names(
-            name for name, m in self._modes if not m.training and mode_matters(m)
-        )
+        evals = [(name, m) for name, m in self._modes if not m.training and mode_matters(m)]
+        eval_modules = capped_names(name for name, _ in evals)
+        # Normalisation layers alone in eval mode (running statistics kept frozen while
+        # the rest trains, OpenMMLab's norm_eval), told from a model left in eval mode.
+        norms_only = bool(evals) and all(is_norm(m) for _, m in evals)
         training = bool(self._model.training)
         last = self._last
         if (
             last is None
             or changed
             or last.eval_modules != eval_modules
+            or last.eval_norms_only != norms_only
             or last.model_training != training
         ):
             total, trainable, frozen, orphan = self._counts
@@ -322,6 +325,7 @@ class ModelCensus:
                 towers=self._towers,
                 supervised_loss=self._supervised_loss,
                 groups=self._layer_groups,
+                eval_norms_only=norms_only,
             )
         return last
 

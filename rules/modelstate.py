@@ -18,7 +18,10 @@ keeps training around it.
   validation was never undone. A model with no such module trains the same in
   either mode and is left alone. Modules inside a frozen module are left out
   too: a frozen backbone's BatchNorm kept in eval on purpose is standard
-  fine-tuning practice (torchvision detection's FrozenBatchNorm2d).
+  fine-tuning practice (torchvision detection's FrozenBatchNorm2d). So is
+  BatchNorm alone kept in eval while the model trains, its affine parameters
+  still learning (OpenMMLab's ``norm_eval``, the default of its detection
+  backbones): ``norm_stats`` "exclude" leaves that to a rule of its own, "only".
 
 Example::
 
@@ -28,7 +31,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field
 
@@ -87,8 +90,13 @@ class TrainingInEvalModeDetector:
     """Active while the census of a training step shows eval mode; see the module docstring."""
 
     @validated_params
-    def __init__(self, *, max_named: Annotated[int, Field(ge=1)] = 10) -> None:
-        self.max_named = max_named
+    def __init__(
+        self,
+        *,
+        max_named: Annotated[int, Field(ge=1)] = 10,
+        norm_stats: Literal["judge", "exclude", "only"] = "judge",
+    ) -> None:
+        self.max_named, self.norm_stats = max_named, norm_stats
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no census."""
@@ -97,6 +105,11 @@ class TrainingInEvalModeDetector:
             return None
         frozen = tuple(name for name, _ in census.frozen_modules)
         modules = [m for m in census.eval_modules if not _inside(m, frozen)]
+        # Normalisation layers alone in eval while the model trains: their statistics
+        # frozen on purpose (norm_eval), a rule of its own.
+        norms = census.model_training and census.eval_norms_only
+        if (self.norm_stats == "exclude" and norms) or (self.norm_stats == "only" and not norms):
+            return INACTIVE
         if not modules:
             # Even with the root in eval mode: no module whose mode changes the output (a
             # Linear+ReLU model), so training is exactly what train mode would do.
@@ -104,7 +117,14 @@ class TrainingInEvalModeDetector:
         shown = ", ".join(repr(m) for m in modules[: self.max_named]) + (
             " …" if len(modules) > self.max_named else ""
         )
-        if not census.model_training:
+        if self.norm_stats == "only":
+            summary = (
+                f"training step {stats.step} ran with {len(modules)} normalisation layer(s) in "
+                f"eval mode and nothing else: {shown}; their running statistics stay frozen "
+                "while their weights train (OpenMMLab's norm_eval: usual when fine-tuning with "
+                "small batches). Intended? If not, a .eval() on part of the model left on"
+            )
+        elif not census.model_training:
             summary = (
                 f"training step {stats.step} ran with the model in eval mode (model.training is "
                 f"False), so these modules behave as in evaluation: {shown}; model.eval() for "

@@ -80,6 +80,10 @@ class Census:
     ``layers``; () when unknown or one tower. ``supervised_loss``: False when
     the job declared its loss no supervised loss (``watch(supervised_loss=False)``:
     RL, a GAN's generator), so the rules that read its shape do not judge it.
+    ``eval_norms_only``: every module in ``eval_modules`` (not only the names
+    sent) is a normalisation layer with running statistics: their statistics
+    frozen while the rest trains (OpenMMLab's ``norm_eval``), not a model left
+    in eval mode.
     ``groups``: each watched layer's optimizer param group (its index in
     ``optimizer.param_groups``, whose learning rates the steps carry in that
     order; -1: in none), aligned with ``layers``; () when unknown or one group.
@@ -97,6 +101,7 @@ class Census:
     towers: tuple[int, ...] = ()
     supervised_loss: bool = True
     groups: tuple[int, ...] = ()
+    eval_norms_only: bool = False
 
     @property
     def frozen_share(self) -> float:
@@ -129,6 +134,8 @@ def census_body(c: Census) -> dict[str, Any]:
         body["supervised_loss"] = False
     if c.groups:
         body["groups"] = tower_runs(c.groups)
+    if c.eval_norms_only:
+        body["eval_norms_only"] = True
     return body
 
 
@@ -154,6 +161,9 @@ def census_of(body: Any) -> Census:
     supervised = body.get("supervised_loss", True)
     if not isinstance(supervised, bool):
         raise CensusError("census.supervised_loss: expected true or false")
+    norms_only = body.get("eval_norms_only", False)
+    if not isinstance(norms_only, bool):
+        raise CensusError("census.eval_norms_only: expected true or false")
     return Census(
         params_total=_count(body.get("total"), "total"),
         params_trainable=_count(body.get("trainable"), "trainable"),
@@ -169,6 +179,7 @@ def census_of(body: Any) -> Census:
         towers=_towers(_list(body, "towers", MAX_TOWER_RUNS)),
         supervised_loss=supervised,
         groups=_towers(_list(body, "groups", MAX_GROUP_RUNS), "groups"),
+        eval_norms_only=norms_only,
     )
 
 

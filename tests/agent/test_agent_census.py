@@ -125,8 +125,10 @@ def test_only_modules_whose_mode_changes_the_output_count() -> None:
     model[1].eval()  # a frozen-BN fine-tune: the root keeps training
     c = census.take()
     assert (c.eval_modules, c.model_training) == (("1",), True)
+    assert c.eval_norms_only  # only normalisation statistics frozen (norm_eval)
     model.eval()
-    assert census.take().eval_modules == ("1", "2")
+    c = census.take()
+    assert c.eval_modules == ("1", "2") and not c.eval_norms_only
 
 
 def test_a_census_that_fails_switches_itself_off_with_one_warning(caplog) -> None:

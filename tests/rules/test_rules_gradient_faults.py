@@ -192,6 +192,25 @@ def test_training_in_eval_mode_warns_within_20_steps(state: Census, named: str |
     assert alert.diagnosis is not None and alert.diagnosis["verdict"] == "eval_mode_wiring"
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_batchnorm_statistics_frozen_on_purpose_are_info(training: bool) -> None:
+    # OpenMMLab's norm_eval (tests/scenarios: healthy_norm_eval_batchnorm_frozen): only
+    # BatchNorm in eval while the model trains paged TrainingInEvalMode. The model itself
+    # left in eval mode still pages, whatever its modules are.
+    state = replace(
+        census(training=training, eval_modules=("backbone.bn1", "backbone.layer1.0.bn1")),
+        eval_norms_only=True,
+    )
+    fired = alerts(with_census(run(), lambda t: state if t >= ONSET else census()))
+    rules = [(rule, severity) for rule, _, severity, _ in fired]
+    if training:
+        assert ("NormStatisticsFrozen", "info") in rules
+        assert not any(rule == "TrainingInEvalMode" for rule, _ in rules)
+    else:
+        assert ("TrainingInEvalMode", "warning") in rules
+        assert not any(rule == "NormStatisticsFrozen" for rule, _ in rules)
+
+
 def test_census_free_streams_give_no_verdict() -> None:
     # Older agents and imported logs send no census: the census rules stay silent, not inactive.
     from gradwatch.rules.modelstate import FrozenMidRunDetector, TrainingInEvalModeDetector

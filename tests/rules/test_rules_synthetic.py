@@ -45,7 +45,8 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     assert set(EXPECTED) == set(FAULTS)
     covered = {rule for rule, _, _ in EXPECTED.values()}
     # Gradient-norm rules are exercised in test_rules_engine and test_rules_gpt_signals; the
-    # census rules, GradientsAllZero and WeightGradientsCutOff in test_rules_gradient_faults;
+    # census rules (NormStatisticsFrozen too), GradientsAllZero and WeightGradientsCutOff in
+    # test_rules_gradient_faults;
     # liveness in test_rules_liveness and test_rules_straggler; UpdatesTooSmall and the two
     # LayersLagging rules in test_rules_stats_detectors; WeightsInflatingLossStalled in
     # test_rules_inflation.
@@ -60,6 +61,7 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
         "LayersLaggingByGroupRate",
         "LayersFrozenMidRun",
         "TrainingInEvalMode",
+        "NormStatisticsFrozen",
         "DeadGELUSiLUUnits",
         "WeightsStartedTooSmall",
         "ParametersNotInOptimizer",

@@ -174,6 +174,21 @@ def _eval_mode_left_on(ctx: Ctx, bn: bool) -> None:
     classify(ctx, model, opt, 200, label=t, before_step=before)
 
 
+def _norm_eval(ctx: Ctx) -> None:
+    """BatchNorm kept in eval mode while the model trains, its affine weights learning.
+
+    OpenMMLab's ``norm_eval=True`` (the default of its detection backbones: ResNet.train()
+    calls ``m.eval()`` on every ``_BatchNorm``), used to fine-tune with small batches. It
+    paged TrainingInEvalMode. Healthy: info at most (NormStatisticsFrozen).
+    """
+    model = mlp(bn=True)
+    opt = torch.optim.Adam(model.parameters(), lr=2e-3)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm1d):
+            module.eval()
+    classify(ctx, model, opt, 200, label=teacher())
+
+
 def _dropout_p0_eval_in_train_mode(ctx: Ctx) -> None:
     """Validation run in train mode on a model whose Dropout has p=0.0: no effect at all.
 
@@ -528,6 +543,7 @@ FAMILIES: tuple[Scenario, ...] = (
         "backbone_frozen_mid_run", "update_ratio", 100, _frozen_mid_run, also=("dead_pipeline",)
     ),
     Scenario("healthy_head_only_finetune", None, 0, _head_only_finetune, allow="info"),
+    Scenario("healthy_norm_eval_batchnorm_frozen", None, 0, _norm_eval, allow="info"),
     Scenario("healthy_discriminative_lr_finetune", None, 0, _discriminative_finetune, allow="info"),
     Scenario(
         "gelu_units_dead_bias",

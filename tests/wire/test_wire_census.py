@@ -142,6 +142,7 @@ def test_an_unknown_role_reads_as_other_and_a_misaligned_list_is_refused() -> No
         # Runs within the cap that add up past it: a hostile sender's 16M-entry tuple.
         ({"towers": [[0, MAX_TOWER_LAYERS]] * 256}, "census.towers"),
         ({"groups": [[-2, 1]]}, "census.groups"),
+        ({"eval_norms_only": 1}, "census.eval_norms_only"),
         ({"groups": [[0, 1], [1, 1]] * (MAX_GROUP_RUNS // 2 + 1)}, "census.groups"),
     ],
 )
@@ -187,6 +188,9 @@ def test_param_groups_travel_as_runs_too() -> None:
     assert body["groups"] == [[0, 1], [1, 1], [0, 1], [1, 1], [2, 2], [-1, 1]]
     assert census_of(body) == told
     assert "groups" not in census_body(Census(10, 10, 0, 0))
+    frozen_bn = Census(10, 10, 0, 0, eval_modules=("bn",), eval_norms_only=True)
+    assert census_of(census_body(frozen_bn)) == frozen_bn
+    assert "eval_norms_only" not in census_body(Census(10, 10, 0, 0))
 
 
 def test_roles_follow_the_layers_a_record_keeps() -> None:
