@@ -160,6 +160,7 @@ class ModelCensus:
         self._not_in_optimizer: tuple[str, ...] = ()
         # The watched layers' param groups (Census.groups), for the layers last asked about.
         self._layers: tuple[int, ...] = ()
+        self._layers_from: Sequence[nn.Parameter] | None = None
         self._layer_groups: tuple[int, ...] = ()
         self._last: Census | None = None
         try:
@@ -288,7 +289,10 @@ class ModelCensus:
         flags = [p.param.requires_grad for p in self._params]
         groups = self._optimizer.param_groups
         key = tuple(len(g["params"]) for g in groups)
-        ids = tuple(id(p) for p in layers)
+        # The reader's params are one tuple for the run (a new one after a recovery): the
+        # ids are taken again only then, not on every sample's training step.
+        ids = self._layers if layers is self._layers_from else tuple(id(p) for p in layers)
+        self._layers_from = layers
         changed = flags != self._flags or key != self._groups_key or ids != self._layers
         if key != self._groups_key or ids != self._layers:
             self._groups_key, self._layers = key, ids

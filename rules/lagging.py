@@ -84,6 +84,14 @@ class LaggingLayersDetector:
     grew x10.5 as its outputs climbed towards the returns and lagged 30-45x, its
     steps the size they had been. A param group at a smaller rate barely grows.
 
+    A lag that the layer's own param-group rate accounts for (the census's
+    ``groups``; the steps carry each group's rate) is the loop's choice: net of
+    how far that rate is below the other matrices' median rate, it falls short of
+    ``factor``. ``group_rates`` "exclude" leaves such layers out (LayersLagging),
+    "only" judges them alone (LayersLaggingByGroupRate, info: discriminative
+    rates suit a pretrained backbone and starve one trained from scratch), and
+    "ignore" (the default) judges every lag alike.
+
     Example::
 
         det = LaggingLayersDetector(factor=100.0)
@@ -212,7 +220,7 @@ class LaggingLayersDetector:
             "since_step": self._since,
         }
         if self.group_rates == "only":
-            return self._by_rate(stats, lagging, evidence, shown)
+            return self._by_rate(lagging, evidence, shown)
         lrs = self._lrs
         rates = self._rates(stats, weight, lagging)
         if lrs and all(math.isfinite(lr) for lr in lrs):
@@ -261,9 +269,7 @@ class LaggingLayersDetector:
         below: np.ndarray = np.maximum(float(np.median(rate[others])) - rate[lagging], 0.0)
         return below
 
-    def _by_rate(
-        self, stats: Stats, lagging: np.ndarray, evidence: dict[str, object], shown: str
-    ) -> Finding:
+    def _by_rate(self, lagging: np.ndarray, evidence: dict[str, object], shown: str) -> Finding:
         """The finding of layers that lag by their param group's rate (``group_rates``
         "only"): the rate the loop set, intended on a pretrained backbone."""
         groups = self._groups[1]
