@@ -256,14 +256,16 @@ class SmallInitDetector:
         self.growth, self.first_step, self.max_named = growth, first_step, max_named
         self.min_layers, self.settle, self.wake = min_layers, settle, wake
         self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-        # The first sample's step and per-layer norms, and every later one's: kept per
-        # layer, not as totals, because the roles arrive a step batch after the first
+        # The first sample's step and per-layer norms, and every later one's: per layer
+        # while the roles are not yet sent (they arrive a step batch after the first
         # samples; each judgment sums the matrices under the roles known then, so the
-        # start and now add up the same layers.
+        # start and now add up the same layers), then as the matrices' total under the
+        # sent roles: 256 arrays of a 300-tensor model were 600 KiB a rank, the totals
+        # 256 floats.
         self._first: tuple[int, np.ndarray] | None = None
         self._layers: tuple[str, ...] = ()
         self._seen = False
-        self._kept: deque[tuple[int, np.ndarray]] = deque(maxlen=256)
+        self._kept: deque[tuple[int, np.ndarray | float]] = deque(maxlen=256)
         self._latched = False
         self._first_grads: list[float] = []
         self._grads: deque[float] = deque(maxlen=20)
@@ -310,8 +312,8 @@ class SmallInitDetector:
         if self._first is None or stats.layers != self._layers:
             return None  # joined mid-run, or another layout: the init is unknown
         step0, norms0 = self._first
-        self._kept.append((stats.step, norms))
         total, total0 = combined_norm(norms[weight]), combined_norm(norms0[weight])
+        self._kept.append((stats.step, total if self._sent[0] == stats.layers else norms))
         if not total0 > 0.0:
             return INACTIVE  # the matrices started at zero (or unmeasured): no scale to grow from
         grown = total / total0
@@ -363,5 +365,10 @@ class SmallInitDetector:
         latest half is the first shape only.
         """
         half = step0 + (now - step0) / 2.0
-        earlier = [norms for s_, norms in self._kept if s_ <= half]
-        return bool(earlier) and total <= self.settle * combined_norm(earlier[-1][weight])
+        earlier = [kept for s_, kept in self._kept if s_ <= half]
+        if not earlier:
+            return False
+        then = earlier[-1]
+        return total <= self.settle * (
+            combined_norm(then[weight]) if isinstance(then, np.ndarray) else then
+        )

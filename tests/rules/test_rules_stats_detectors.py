@@ -419,6 +419,29 @@ def test_weights_grown_tenfold_from_the_init_and_settling_are_a_small_init() -> 
     assert "h.0.weight" in ev["fastest_layers"]
 
 
+def test_a_small_init_judged_the_same_when_roles_arrive_after_the_first_samples() -> None:
+    # Once the agent's roles arrive, each sample is kept as its matrices' total, not as
+    # one array per layer (256 arrays of a 300-tensor model were 600 KiB a rank); the
+    # verdicts are those of the detector that kept arrays throughout.
+    from gradwatch.rules.weights import SmallInitDetector
+
+    roles = tuple("norm" if n.startswith("ln") else n.rsplit(".", 1)[1] for n in DEEP)
+    steps = list(range(1, 9)) + list(range(10, 400, 10))
+    plain, told = SmallInitDetector(), SmallInitDetector()
+    verdicts: list[tuple[bool, bool]] = []
+    for t in steps:
+        if t == 4:  # the roles come with a later step batch
+            told.observe(Step(job="j", step=t, time=0.0, layers=DEEP, layer_roles=roles))
+        a, b = (
+            plain.observe_stats(weight_stats(t, waking(t))),
+            told.observe_stats(weight_stats(t, waking(t))),
+        )
+        verdicts.append((bool(a and a.active), bool(b and b.active)))
+    assert all(x == y for x, y in verdicts) and any(x for x, _ in verdicts)
+    kept = [value for _, value in told._kept]
+    assert all(isinstance(v, float) for v in kept[3:]) and len(kept) == len(steps)
+
+
 def test_weights_that_keep_growing_are_exploding_not_waking() -> None:
     # lr far too high: the weights grow 10x as fast, and keep growing.
     from gradwatch.rules.weights import SmallInitDetector
