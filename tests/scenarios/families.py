@@ -189,6 +189,37 @@ def _norm_eval(ctx: Ctx) -> None:
     classify(ctx, model, opt, 200, label=teacher())
 
 
+class _ZeroInitBlock(nn.Module):
+    """A residual block whose last BatchNorm gain starts at zero (torchvision's
+    ``zero_init_residual=True``, Goyal et al. 2017): each block starts as the identity."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc1, self.bn1 = nn.Linear(width, width), nn.BatchNorm1d(width)
+        self.fc2, self.bn2 = nn.Linear(width, width), nn.BatchNorm1d(width)
+        self.act = nn.ReLU()
+        nn.init.zeros_(self.bn2.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(x + self.bn2(self.fc2(self.act(self.bn1(self.fc1(x))))))
+
+
+def _standard_recipe(ctx: Ctx, smoothing: float) -> None:
+    """ImageNet-style recipe on a small residual net: zero-initialised residual gains, SGD
+    with momentum and weight decay, and (``smoothing``) label smoothing, whose loss floor
+    is above zero. Healthy: nothing at all."""
+    blocks = [_ZeroInitBlock(64) for _ in range(6)]
+    model = nn.Sequential(nn.Linear(N_IN, 64), nn.ReLU(), *blocks, nn.Linear(64, N_CLS))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    classify(
+        ctx,
+        model,
+        opt,
+        300,
+        loss_fn=lambda out, y, step: F.cross_entropy(out, y, label_smoothing=smoothing),
+    )
+
+
 def _dropout_p0_eval_in_train_mode(ctx: Ctx) -> None:
     """Validation run in train mode on a model whose Dropout has p=0.0: no effect at all.
 
@@ -544,6 +575,8 @@ FAMILIES: tuple[Scenario, ...] = (
     ),
     Scenario("healthy_head_only_finetune", None, 0, _head_only_finetune, allow="info"),
     Scenario("healthy_norm_eval_batchnorm_frozen", None, 0, _norm_eval, allow="info"),
+    Scenario("healthy_zero_init_residual", None, 0, lambda c: _standard_recipe(c, 0.0)),
+    Scenario("healthy_zero_init_label_smoothing", None, 0, lambda c: _standard_recipe(c, 0.2)),
     Scenario("healthy_discriminative_lr_finetune", None, 0, _discriminative_finetune, allow="info"),
     Scenario(
         "gelu_units_dead_bias",
