@@ -44,6 +44,10 @@ __all__ = [
 # agent's densest steady cadence (every step) would need more, but the early dense
 # phase lasts ~20 samples (agent/cadence.py) and later ones are stats_every apart.
 _MAX_SPAN_SAMPLES = 64
+# SmallInitDetector: this many steps without a gradient norm is a stream that has none
+# (a log of losses): the weights alone decide. Fewer, and the norms may be on their way
+# (cadence samples arrive before their steps' batch, flush_every 10 steps apart).
+NO_GRADS_AFTER = 3
 
 
 class WeightRunawayDetector:
@@ -269,6 +273,7 @@ class SmallInitDetector:
         self._latched = False
         self._first_grads: list[float] = []
         self._grads: deque[float] = deque(maxlen=20)
+        self._steps = 0  # steps observed
         self._unsupervised = False
 
     def loss_not_supervised(self) -> None:
@@ -282,6 +287,7 @@ class SmallInitDetector:
         """Keep the roles the agent sent, and the grad norms of the first and latest steps."""
         if step.layer_roles:
             self._sent = (step.layers, step.layer_roles)
+        self._steps += 1
         norm = total_grad_norm(step)
         if norm is not None and math.isfinite(norm) and norm > 0.0:
             if len(self._first_grads) < 3:
@@ -289,10 +295,18 @@ class SmallInitDetector:
             self._grads.append(norm)
 
     def _woke(self) -> bool:
-        """The grad norm rose from tiny first steps (a small init); True when never measured."""
-        if len(self._first_grads) < 3 or not self._grads:
-            return True  # no grad norms in this stream: judge on the weights alone
-        return float(np.median(self._grads)) >= self.wake * float(np.median(self._first_grads))
+        """The grad norm rose from tiny first steps (a small init); True when never measured.
+
+        Not yet measured is not never: a cadence sample often arrives before its steps'
+        batch, and pytorch/examples' actor-critic at lr x100 (its weights x21 in two
+        updates, then flat) was read as waking at step 3, before any of its gradient
+        norms had arrived.
+        """
+        if len(self._first_grads) >= 3 and self._grads:
+            return float(np.median(self._grads)) >= self.wake * float(np.median(self._first_grads))
+        # Steps came and none carried a gradient norm: the stream has none (a log of
+        # losses), so the weights alone decide.
+        return not self._first_grads and self._steps >= NO_GRADS_AFTER
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Judge one cadence sample; None when it carries no usable weight norms."""

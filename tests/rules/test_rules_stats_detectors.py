@@ -409,7 +409,10 @@ def test_weights_grown_tenfold_from_the_init_and_settling_are_a_small_init() -> 
     from gradwatch.rules.weights import SmallInitDetector
 
     det = SmallInitDetector()
-    found = [det.observe_stats(weight_stats(t, waking(t))) for t in (1, 10, 50, 100, 200)]
+    found = []
+    for t in (1, 10, 50, 100, 200):
+        det.observe(Step(job="j", step=t, time=0.0))  # a stream without gradient norms
+        found.append(det.observe_stats(weight_stats(t, waking(t))))
     assert [bool(f and f.active) for f in found] == [False, False, False, True, True]
     # `found[3]` is active (asserted above), so not None.
     ev = found[3].evidence  # type: ignore[union-attr]
@@ -430,8 +433,11 @@ def test_a_small_init_judged_the_same_when_roles_arrive_after_the_first_samples(
     plain, told = SmallInitDetector(), SmallInitDetector()
     verdicts: list[tuple[bool, bool]] = []
     for t in steps:
-        if t == 4:  # the roles come with a later step batch
-            told.observe(Step(job="j", step=t, time=0.0, layers=DEEP, layer_roles=roles))
+        plain.observe(Step(job="j", step=t, time=0.0))  # no gradient norms in this stream
+        # The roles come with a later step batch.
+        told.observe(
+            Step(job="j", step=t, time=0.0, layers=DEEP, layer_roles=roles if t >= 4 else ())
+        )
         a, b = (
             plain.observe_stats(weight_stats(t, waking(t))),
             told.observe_stats(weight_stats(t, waking(t))),
@@ -440,6 +446,25 @@ def test_a_small_init_judged_the_same_when_roles_arrive_after_the_first_samples(
     assert all(x == y for x, y in verdicts) and any(x for x, _ in verdicts)
     kept = [value for _, value in told._kept]
     assert all(isinstance(v, float) for v in kept[3:]) and len(kept) == len(steps)
+
+
+def test_a_small_init_is_not_judged_before_its_gradient_norms_could_arrive() -> None:
+    # pytorch/examples' actor-critic at lr x100 (benchmarks/pex_trial.py, the kept trace):
+    # its weights grew x21 in two updates, then stayed; the samples of steps 1-3 arrived
+    # before their steps' batch, and "no gradient norm yet" read as "none in this stream":
+    # WeightsStartedTooSmall at step 3, from a standard init.
+    from gradwatch.rules.weights import SmallInitDetector
+
+    det = SmallInitDetector()
+    early = [det.observe_stats(weight_stats(t, s)) for t, s in ((1, 6.4), (2, 81.1), (3, 84.4))]
+    assert not any(f and f.active for f in early)
+    # Then the steps arrive, their gradients falling from the blow-up: no waking.
+    for t in range(1, 40):
+        det.observe(
+            Step(job="j", step=t, time=0.0, layers=("a",), layer_norms=np.array([50.0 / t]))
+        )
+    later = det.observe_stats(weight_stats(40, 95.0))
+    assert later is not None and not later.active
 
 
 def test_weights_that_keep_growing_are_exploding_not_waking() -> None:
