@@ -51,6 +51,14 @@ def _sized(weight_norms: np.ndarray | None, weight: np.ndarray) -> np.ndarray:
         return np.asarray(norms >= SIZED_SHARE * float(np.median(norms[weight])), dtype=bool)
 
 
+def _besides(weight: np.ndarray, lagging: np.ndarray) -> np.ndarray:
+    """The weight matrices other than the lagging ones: the reference each check weighs a
+    lagging layer against."""
+    others: np.ndarray = weight.copy()
+    others[lagging] = False
+    return others
+
+
 class LaggingLayersDetector:
     """Active while some weight matrices update ``factor`` times slower than the model's fast
     ones, not because their gradients are smaller.
@@ -262,8 +270,7 @@ class LaggingLayersDetector:
             return None
         rate = np.full(weight.size, np.nan)
         rate[known] = np.log10(np.maximum(np.asarray(lrs, dtype=np.float64)[index[known]], 1e-300))
-        others = weight.copy()
-        others[lagging] = False
+        others = _besides(weight, lagging)
         if not others.any() or not np.isfinite(rate[weight]).all():
             return None
         below: np.ndarray = np.maximum(float(np.median(rate[others])) - rate[lagging], 0.0)
@@ -310,8 +317,7 @@ class LaggingLayersDetector:
             return lagging
         with np.errstate(divide="ignore", invalid="ignore"):
             growth = np.log10(now / start)
-        others = weight.copy()
-        others[lagging] = False
+        others = _besides(weight, lagging)
         known = others & np.isfinite(growth)
         if not known.any():
             return lagging
@@ -337,8 +343,7 @@ class LaggingLayersDetector:
             return lagging
         with np.errstate(divide="ignore", invalid="ignore"):
             steps = np.log10(ratios * np.asarray(norms, dtype=np.float64)) - grads[1]
-        others = weight.copy()
-        others[lagging] = False
+        others = _besides(weight, lagging)
         known = others & np.isfinite(steps)
         if not known.any():
             return lagging

@@ -284,11 +284,10 @@ def _discriminative_finetune(ctx: Ctx) -> None:
         F.cross_entropy(model(x), first(x)).backward()
         pre.step()
         pre.zero_grad()
-    linears = [m for m in model if isinstance(m, nn.Linear)]
-    linears[-1].reset_parameters()
-    backbone = [p for layer in linears[:-1] for p in layer.parameters()]
-    groups = [{"params": list(linears[-1].parameters()), "lr": 1e-3}]
-    groups.append({"params": backbone, "lr": 1e-5})
+    head = model[-1]
+    head.reset_parameters()
+    groups = [{"params": list(head.parameters()), "lr": 1e-3}]
+    groups.append({"params": _backbone(model), "lr": 1e-5})
     classify(ctx, model, torch.optim.Adam(groups), 300, label=teacher(2))
 
 
