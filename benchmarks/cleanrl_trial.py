@@ -34,10 +34,12 @@ Variants (none took part in designing a rule): ``healthy`` (the script's setting
 since only the returns show it and gradwatch is not sent them). Measured
 2026-12-06 (seeded by the script; docs/measurements.md): healthy 416 pages before the
 towers and the declaration, 32 after, 3 once the declaration also let go of vanishing
-gradients; undeclared 263; lr x1000 caught, its first alert at step 4 with "lower the
-learning rate" first. DQN (return 23 -> 498): declared 0 alerts (49 pages before its
-one-step-extreme rule was told the loss is not supervised); undeclared 718; DQN at lr
-x100 (return 128 against 498) caught by DeadReLUs at step 2,385 (missed while a falling
+gradients, 0 since a layer's lag net of its own growth and a layer saturating over
+healthy-sized updates (the critic) are no page; undeclared 263 -> 260; lr x1000
+caught, its first alert at step 4 with "lower the learning rate" first. DQN (return
+23 -> 498): declared 0 alerts (49 pages before its one-step-extreme rule was told the
+loss is not supervised); undeclared 718; DQN at lr x100 (return 128 against 498) caught
+by DeadReLUs at step 2,385 (missed while a falling
 declared loss excused its dying layer).
 
     mkdir /tmp/cleanrl && git --git-dir=$(fetch vwxyzjn/cleanrl) archive HEAD cleanrl/ppo.py \\

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from typing import Annotated
+from typing import Annotated, Literal
 
+import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.loss import finite_loss
+from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import ActStats, Stats, Step
 from gradwatch.rules.updates import FIRST_STEP_MAX
 
@@ -44,6 +46,10 @@ RELEASE = 0.9  # a reported module is released below this share of the threshold
 # did not start saturated: its init is not the first suspect (SaturationDetector).
 UNSATURATED_START = 0.2
 _SMOOTH = frozenset({"gelu", "silu"})  # dead share = the flat negative tail, not exact zeros
+
+# How a module came to saturate (SaturationDetector ``rise``): "abrupt" is every episode
+# but a gradual one, "gradual" only those, "any" both.
+Rise = Literal["any", "abrupt", "gradual"]
 
 
 class _ShareDetector:
@@ -135,6 +141,18 @@ class SaturationDetector(_ShareDetector):
     its advantages flipped, whose actor went 0% -> 53%, were both told "initialisation
     scale" first.
 
+    ``rise`` tells episodes apart by how the module got there. *Gradual*: seen under
+    ``UNSATURATED_START`` of the threshold, then at least one sample between that and the
+    threshold (the share climbed, it did not jump), while every sample of the climb had
+    the weight matrices' median update ratio at or under ``calm_ratio`` (updates of a
+    healthy size). Healthy-sized steps that saturate a layer over many samples are the
+    model fitting targets or inputs of a growing scale: CleanRL's PPO critic climbed
+    0% -> 11% -> 49% -> 66% over steps 1,035-2,235 at ratios ~2-4e-4 and solved CartPole
+    (returns 500). Every other episode is *abrupt*: saturated from the first sample (the
+    init), in one jump between two samples (inputs or an update that changed at once),
+    or with oversized updates (lr x1000 on the same script: 3% -> 60% in one step at
+    ratios 0.3-0.6); or with no climb seen (joined mid-run), or no ratios measured.
+
     Example::
 
         SaturationDetector(threshold=0.5, samples=3).observe_stats(stats)
@@ -151,14 +169,28 @@ class SaturationDetector(_ShareDetector):
         samples: Annotated[int, Field(ge=1)] = 3,
         kinds: tuple[str, ...] = ("tanh", "sigmoid"),
         max_named: Annotated[int, Field(ge=1)] = 10,
+        rise: Rise = "any",
+        calm_ratio: Annotated[float, Field(gt=0.0)] = 0.03,
     ) -> None:
         super().__init__(threshold, samples, kinds, max_named)
+        self.rise, self.calm_ratio = rise, calm_ratio
         # Each module's share in the run's first sample (at a step up to FIRST_STEP_MAX).
         self._start: dict[str, tuple[int, float]] = {}
         self._seen_start = False
+        # Per module under the threshold since a sample under UNSATURATED_START of it:
+        # (that step, whether a sample between the two came since, the largest median
+        # update ratio since: inf where one was not measured). Frozen while over it.
+        self._climb: dict[str, tuple[int, bool, float]] = {}
+        self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+    def observe(self, step: Step) -> None:
+        """Keep the roles the agent sent with the step's layers (the weight matrices)."""
+        if step.layer_roles:
+            self._sent = (step.layers, step.layer_roles)
 
     def observe_stats(self, stats: Stats) -> Finding | None:
-        """Keep the run's first sample's shares, then judge (``_ShareDetector``)."""
+        """Keep the run's first sample's shares and each module's climb, then judge
+        (``_ShareDetector``)."""
         if not self._seen_start:
             self._seen_start = True
             if stats.step <= FIRST_STEP_MAX:
@@ -166,16 +198,60 @@ class SaturationDetector(_ShareDetector):
                     share = self._share(act) if act.kind in self.kinds else None
                     if share is not None:
                         self._start[act.module] = (stats.step, share)
+        if self.rise != "any":
+            self._follow_climbs(stats)
         return super().observe_stats(stats)
 
+    def _follow_climbs(self, stats: Stats) -> None:
+        ratio = self._median_ratio(stats)
+        for act in stats.act:
+            share = self._share(act) if act.kind in self.kinds else None
+            if share is None or self._held.get(act.module, 0):
+                continue  # not measured, or over the threshold: its climb is what it was
+            if share < UNSATURATED_START * self.threshold:
+                self._climb[act.module] = (stats.step, False, ratio)
+            elif (climb := self._climb.get(act.module)) is not None:
+                if share < self.threshold:
+                    self._climb[act.module] = (climb[0], True, max(climb[2], ratio))
+                else:  # the crossing sample: its update counts, no middle sample now
+                    self._climb[act.module] = (climb[0], climb[1], max(climb[2], ratio))
+
+    def _median_ratio(self, stats: Stats) -> float:
+        """The weight matrices' median update ratio in this sample; inf when unmeasured."""
+        if stats.update_ratios is None or len(stats.layers) != np.asarray(stats.update_ratios).size:
+            return float("inf")
+        ratios = np.asarray(stats.update_ratios, dtype=np.float64)
+        roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
+        weight = np.array([r == "weight" for r in roles], dtype=bool) & np.isfinite(ratios)
+        return float(np.median(ratios[weight])) if weight.any() else float("inf")
+
+    def _gradual(self, module: str) -> bool:
+        climb = self._climb.get(module)
+        return climb is not None and climb[1] and climb[2] <= self.calm_ratio
+
     def _finding(self, stats: Stats, over: list[tuple[str, float, int]]) -> Finding:
+        if self.rise != "any":
+            gradual = self.rise == "gradual"
+            over = [item for item in over if self._gradual(item[0]) is gradual]
+            if not over:
+                return INACTIVE
         found = super()._finding(stats, over)
-        module = over[0][0] if over else None
-        start = self._start.get(module) if module is not None else None
+        module = over[0][0]
+        evidence = dict(found.evidence)
+        climb = self._climb.get(module)
+        if self.rise == "gradual" and climb is not None:
+            evidence["climb_from_step"], evidence["climb_max_update_ratio"] = climb[0], climb[2]
+            evidence["lead_check"] = (
+                f"targets or inputs growing in scale: {module!r} climbed from under "
+                f"{UNSATURATED_START * self.threshold:.0%} at step {climb[0]} over healthy-sized "
+                f"updates (median update ratio at most {climb[2]:.1e}); harmless while the "
+                "layers before it still learn"
+            )
+            return Finding(True, found.summary, evidence)
+        start = self._start.get(module)
         if start is None or start[1] >= UNSATURATED_START * self.threshold:
             return found
         at, share = start
-        evidence = dict(found.evidence)
         evidence["start_share"], evidence["start_step"] = share, at
         evidence["lead_check"] = (
             "the learning rate, or inputs or regression targets growing in scale: training "

@@ -245,7 +245,11 @@ class _Run:
             else:
                 sat = float(np.clip(0.03 * rng.lognormal(0.0, 0.3), 0.0, 1.0))
                 if s.fault == "saturation" and self.faulty(t) and j == 0:
-                    sat = min(0.85, 0.3 + 0.1 * (t - s.fault_at) / max(1, s.stats_every))
+                    # Over the threshold from the fault's first sample on, as the real
+                    # saturation faults are (a too-large init, inputs of a new scale, an lr
+                    # x1000 step). A climb through the middle band over healthy-sized updates
+                    # is the gradual kind, info (rules/activations.py: SaturationDetector).
+                    sat = min(0.85, 0.6 + 0.05 * (t - s.fault_at) / max(1, s.stats_every))
                 out.append(ActStats(module, kind, mean=0.0, std=0.5, sat_frac=sat))
         return tuple(out)
 

@@ -132,6 +132,41 @@ def test_saturation_that_training_brought_does_not_lead_with_the_init() -> None:
     assert found[-1] is not None and "lead_check" not in found[-1].evidence
 
 
+def saturation_rules(shares: Sequence[float], ratio: float | None) -> dict[str, str]:
+    """The saturation rules that fired on ``shares`` of one tanh module (a sample every 200
+    steps), their weight matrices' update ratio ``ratio`` (None: not measured): rule ->
+    its first check."""
+    engine = Engine(load_default_rules())
+    fired: dict[str, str] = {}
+    for k, share in enumerate(shares):
+        ratios = None if ratio is None else [ratio, 1.0, ratio, 1.0]
+        for t in engine.observe_stats(
+            stats(1 + 200 * k, act=[tanh("critic.3", share)], ratios=ratios)
+        ):
+            if t.current == "firing" and t.alert.category == "saturation":
+                assert t.alert.diagnosis is not None
+                fired[t.alert.rule] = str(t.alert.diagnosis["next_checks"][0])
+    return fired
+
+
+def test_a_climb_over_healthy_sized_updates_is_info_and_the_rest_pages() -> None:
+    # CleanRL's PPO critic, a healthy run that solved CartPole (benchmarks/cleanrl_trial.py):
+    # 0% -> 11% -> 49% -> 66% -> 74% at median update ratios ~3e-4. It paged.
+    climb = saturation_rules([0.0, 0.0, 0.11, 0.49, 0.66, 0.74], 3e-4)
+    assert set(climb) == {"ActivationsSaturatedGradually"}
+    assert climb["ActivationsSaturatedGradually"].startswith("targets or inputs growing")
+    # lr x1000 on the same script: 3% -> 60% in one step, at ratios of 0.3-0.6.
+    assert set(saturation_rules([0.0, 0.03, 0.60, 0.82], 0.5)) == {"ActivationsSaturated"}
+    # One jump, however calm the updates (inputs of a new scale), pages ...
+    assert set(saturation_rules([0.0, 0.0, 0.7, 0.7], 3e-4)) == {"ActivationsSaturated"}
+    # ... as does a climb with oversized updates, or one whose updates were not measured,
+    climbs = [0.0, 0.2, 0.4, 0.6, 0.6]
+    assert set(saturation_rules(climbs, 0.1)) == {"ActivationsSaturated"}
+    assert set(saturation_rules(climbs, None)) == {"ActivationsSaturated"}
+    # ... and a layer saturated from the first sample: the init.
+    assert set(saturation_rules([0.7, 0.7, 0.7], 3e-4)) == {"ActivationsSaturated"}
+
+
 def test_stats_without_activations_are_no_verdict() -> None:
     assert SaturationDetector().observe_stats(stats(1, weights=[1.0] * 4)) is None
     # A ReLU module tells a saturation detector nothing, and vice versa.

@@ -59,6 +59,7 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
         "WeightGradientsCutOff",
         "LayersLagging",
         "LayersLaggingByGroupRate",
+        "ActivationsSaturatedGradually",
         "LayersFrozenMidRun",
         "TrainingInEvalMode",
         "NormStatisticsFrozen",
