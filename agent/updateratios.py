@@ -109,6 +109,12 @@ class RatioSampler:
             self._span(g)
         self._span(None)
         self._have_before: _Group | None = None  # the group sampled before the update
+        # Layers of the group sampled before the update that had no gradient then, and of
+        # those gathered after it since the last export(): the optimizer skips a parameter
+        # without a gradient, so its ratio says nothing about the model (a block LayerDrop
+        # skipped, an MoE expert no token reached): MISSING, not 0.
+        self._no_grad: list[int] = []
+        self._skipped: list[int] = []
         # The layer runs gathered after their update since the last export().
         self._gathered: list[tuple[int, int]] = []
         # The strided views of the before-gather and the parameters' data pointers then:
@@ -165,6 +171,11 @@ class RatioSampler:
         self._views = views if keep_views else None
         if self._views is not None:
             self._pointers = [p.data_ptr() for p in g.params]
+        # Only within one step: without an optimizer the update comes after the next
+        # backward pass, whose gradients are not these.
+        self._no_grad = (
+            [g.first + k for k, p in enumerate(g.params) if p.grad is None] if keep_views else []
+        )
         self._have_before = g
 
     def ratios(self, group: Span = None) -> torch.Tensor:
@@ -178,7 +189,7 @@ class RatioSampler:
         worked out here on the device (no sync): a sample measured whole, whose
         buffers the next step's sample overwrites."""
         gathered, self._gathered = self._gathered, []
-        return ratio_values(self._pair, self._counts, self._unsampled, gathered)
+        return ratio_values(self._pair, self._counts, self._unmeasured(), gathered)
 
     def after(self, group: Span = None) -> None:
         """Gather ``group``'s samples after the update; nothing without a
@@ -193,7 +204,13 @@ class RatioSampler:
         gathered since the last export; the ratios are worked out on the shipper
         thread (``RatioCopy.values``, agent/hostpart.py)."""
         gathered, self._gathered = self._gathered, []
-        return RatioCopy(host_copy(self._pair), self._counts, self._unsampled, gathered)
+        return RatioCopy(host_copy(self._pair), self._counts, self._unmeasured(), gathered)
+
+    def _unmeasured(self) -> list[int]:
+        """The layers with no ratio in what was gathered since the last call: no sample,
+        or no gradient in the step whose update was gathered."""
+        skipped, self._skipped = self._skipped, []
+        return [*self._unsampled, *skipped] if skipped else self._unsampled
 
     def _gather_after(self, g: _Group) -> bool:
         """Gather ``g``'s samples after the update into its ``after`` buffer; False (nothing
@@ -201,6 +218,7 @@ class RatioSampler:
         if self._have_before is not g:
             return False
         self._have_before = None
+        self._skipped += self._no_grad
         views, self._views = self._views, None
         with torch.no_grad():
             if views is not None and [p.data_ptr() for p in g.params] == self._pointers:
@@ -216,6 +234,7 @@ class RatioSampler:
         """Forget a pending before-sample and what ``after`` gathered (switching off)."""
         self._have_before = None
         self._gathered = []
+        self._skipped = []
         self._views = None
 
     def _gather(self, into: torch.Tensor, g: _Group) -> list[torch.Tensor] | None:

@@ -76,6 +76,9 @@ class UpdateRatioDetector:
         self._lr_peak = 0.0
         self._held = 0
         self._since: int | None = None
+        # "partial": per layer, how many samples in a row it was still, and since which
+        # step (for the layer names the arrays were made for).
+        self._still: tuple[tuple[str, ...], np.ndarray, np.ndarray] | None = None
         # The run's first 10 losses: "small" judges progress from them.
         self._start: list[float] = []
         self._start_step: int | None = None
@@ -112,7 +115,7 @@ class UpdateRatioDetector:
         elif self.direction == "partial":
             # Some layers never move while others learn: a freeze left on (or meant: the
             # rule is informational). Judged like "low", on the rate the run is using.
-            still = finite & (ratios < self.low)
+            still = self._longest_still(stats, finite & (ratios < self.low))
             value = float(still.sum())
             names = stats.layers if len(stats.layers) == ratios.size else ()
             frozen = [names[i] if names else f"#{i}" for i in np.flatnonzero(still)]
@@ -128,6 +131,11 @@ class UpdateRatioDetector:
         self._held += 1
         if self._since is None:
             self._since = stats.step
+        if self.direction == "partial" and self._still is not None:
+            # The layers still longest, not any layer on each sample (_longest_still).
+            held = int(self._still[1].max())
+            self._held = held
+            self._since = int(self._still[2][self._still[1] == held].min())
         if self._held < self.samples or stats.step - self._since < self.span:
             return (
                 INACTIVE  # a span: Adam's first steps and a waking init move weights fast, briefly
@@ -137,6 +145,22 @@ class UpdateRatioDetector:
         if self.direction == "small" and self._learned():
             return INACTIVE  # the run learned since its start: small updates of a converged model
         return self._finding(value, stats, frozen)
+
+    def _longest_still(self, stats: Stats, still: np.ndarray) -> np.ndarray:
+        """The layers still in this sample that have been so for the most samples in a row.
+
+        A layer skipped on some steps (LayerDrop in fairseq and HF models, an MoE expert no
+        token was routed to) is still on one sample and moves on the next: two such layers
+        in a row are no layer that never changes. Counted per layer."""
+        kept = self._still
+        if kept is None or kept[0] != stats.layers or kept[1].shape != still.shape:
+            run, since = np.zeros(still.shape, dtype=np.int64), np.zeros(still.shape, np.int64)
+        else:
+            run, since = kept[1], kept[2]
+        since = np.where(still & (run == 0), stats.step, since)
+        run = np.where(still, run + 1, 0)
+        self._still = (stats.layers, run, since)
+        return still & (run == run.max()) if still.any() else still
 
     def _progressing(self, start: int, end: int) -> bool:
         """True when the loss fell ``min_progress`` from the start to the end of [start, end]."""

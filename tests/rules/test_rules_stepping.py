@@ -86,6 +86,27 @@ def test_layers_frozen_names_the_still_layers_while_others_learn() -> None:
     assert second.evidence["frozen_layers"] == ["layer0.weight", "layer1.weight"]
 
 
+def test_layers_skipped_on_some_steps_are_not_layers_that_never_change() -> None:
+    # LayerDrop (fairseq, HF's config.layerdrop) skips whole blocks per batch, and an MoE
+    # expert no token was routed to gets no gradient: such a layer is still on one sample
+    # and moves on the next. Two different ones in a row paged "2 layer(s) never change"
+    # on a healthy LayerDrop run; the layer still in every held sample is what counts.
+    det = UpdateRatioDetector(direction="partial", low=1e-6, samples=2)
+    det.observe(step(1))
+    verdicts = [
+        det.observe_stats(stats(10 * k, ratios))
+        for k, ratios in enumerate(
+            [[0.0, 1e-3, 1e-3], [1e-3, 0.0, 1e-3], [1e-3, 1e-3, 0.0], [0.0, 1e-3, 1e-3]], start=1
+        )
+    ]
+    assert not any(v is not None and v.active for v in verdicts)
+    # The first layer, still on the last two samples, is a layer that did not change.
+    both = det.observe_stats(stats(50, [0.0, 0.0, 1e-3]))
+    assert both is not None and both.active
+    assert both.evidence["frozen_layers"] == ["layer0.weight"]
+    assert (both.evidence["samples"], both.evidence["since_step"]) == (2, 40)
+
+
 def test_layers_frozen_is_quiet_when_all_move_or_none_do() -> None:
     det = UpdateRatioDetector(direction="partial", low=1e-6, samples=1)
     det.observe(step(1))

@@ -304,6 +304,43 @@ def _head_only_finetune(ctx: Ctx) -> None:
     classify(ctx, model, opt, 300)
 
 
+class _LayerDropNet(nn.Module):
+    """Pre-norm residual GELU blocks, each skipped for a whole batch with probability ``p``
+    while training: LayerDrop (fairseq; HF's ``config.layerdrop``, 0.1 in wav2vec2)."""
+
+    def __init__(self, depth: int = 6, width: int = 32, p: float = 0.2) -> None:
+        super().__init__()
+        self.stem, self.head = nn.Linear(N_IN, width), nn.Linear(width, N_CLS)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                nn.LayerNorm(width),
+                nn.Linear(width, 4 * width),
+                nn.GELU(),
+                nn.Linear(4 * width, width),
+            )
+            for _ in range(depth)
+        )
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for block in self.blocks:
+            if not (self.training and float(torch.rand(())) < self.p):
+                h = h + block(h)
+        return self.head(h)
+
+
+def _layerdrop(ctx: Ctx) -> None:
+    """LayerDrop: a skipped block gets no gradient, so AdamW leaves it alone that step.
+
+    Healthy. Before 2026-12-07 its update ratio on such a step was 0, and two blocks
+    skipped on consecutive samples read as "2 layer(s) never change" (LayersFrozen, twice
+    in 400 steps); the agent now sends no ratio for a parameter without a gradient.
+    """
+    model = _LayerDropNet()
+    classify(ctx, model, torch.optim.AdamW(model.parameters(), lr=1e-3), 300)
+
+
 # --------------------------------------------------------------------------- GELU / SiLU units
 
 
@@ -577,6 +614,7 @@ FAMILIES: tuple[Scenario, ...] = (
     Scenario("healthy_zero_init_residual", None, 0, lambda c: _standard_recipe(c, 0.0)),
     Scenario("healthy_zero_init_label_smoothing", None, 0, lambda c: _standard_recipe(c, 0.2)),
     Scenario("healthy_discriminative_lr_finetune", None, 0, _discriminative_finetune, allow="info"),
+    Scenario("healthy_layerdrop", None, 0, _layerdrop),
     Scenario(
         "gelu_units_dead_bias",
         "dead_units",
