@@ -39,6 +39,7 @@ from gradwatch.agent.census import ModelCensus
 from gradwatch.agent.closures import GradMark
 from gradwatch.agent.commands import Rollback
 from gradwatch.agent.config import AgentConfig, SetupError
+from gradwatch.agent.fence import WriteFence
 from gradwatch.agent.hostpart import pinned_copy
 from gradwatch.agent.items import Counters, EventItem, StatsItem
 from gradwatch.agent.layout import Columns
@@ -112,6 +113,8 @@ class Failsafe:
     _buffer: StepBuffer
     _shipper: Shipper
     _follow: Follower
+    # The weights between the optimizer's steps (agent/fence.py); None where not watched.
+    _fence: WriteFence | None
     _began: bool
     _first_forward: bool  # the run's first training forward is still to come
     _since: float

@@ -132,6 +132,7 @@ class Monitor(LayerSwitch):
         # its leftovers at the next (agent/closures.py).
         self._closure_step = False
         self._grad_mark = GradMark()
+        self._fence = None  # set by _attach where the optimizer is hooked (agent/fence.py)
         # The rates this step's update used, read in the pre-hook: loops (and Trainer
         # callbacks) often step the scheduler before log(), which would report the next.
         self._step_lrs = None

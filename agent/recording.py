@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradwatch.agent.activations import ActHooks, is_compiled
 from gradwatch.agent.closures import read_after_first_call
 from gradwatch.agent.failsafe import describe
+from gradwatch.agent.fence import WriteFence
 from gradwatch.agent.gradients import GradReader
 from gradwatch.agent.hooks import Detached, hook_module
 from gradwatch.agent.layout import HostValue, Later
@@ -50,6 +51,7 @@ from gradwatch.agent.sampling import Sampler
 from gradwatch.agent.steps import user_step
 from gradwatch.agent.weightstats import WeightStats
 from gradwatch.wire import columns as wc
+from gradwatch.wire.messages import WEIGHTS_WRITTEN
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +77,10 @@ class StepRecorder(Sampler):
             # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
             self._follow = Follower(self._reader.params, optimizer)
             self._hooks.append(register_optimizer_step_pre_hook(self._any_pre_hook))
+            if type(self._reader) is GradReader and not self._reader.sharded:
+                # Sharded parameters are re-gathered into new storage every step; a
+                # hand-written update or a framework's stand-in writes at its own times.
+                self._fence = WriteFence(self._reader.params, self._reader.names)
         # The phase clock. compile_safe: a model compiled after watch() traces these
         # hooks, and they return before the clock read (which would be frozen into the
         # graph). Not torch.compiler.disable: its wrapper switches dynamo's frame hook
@@ -159,6 +165,8 @@ class StepRecorder(Sampler):
                     return wrapped
         self._in_hook = True
         try:
+            if self._fence is not None and self._fence.crossed():
+                self._weights_written()
             if self._open:
                 # Two optimizer steps without a log(): the first still counts.
                 self._commit({}, 0.0)
@@ -178,6 +186,12 @@ class StepRecorder(Sampler):
         finally:
             self._in_hook = False
         return None
+
+    def _weights_written(self) -> None:
+        """Tell the collector the weights were written outside the optimizer before this
+        step's update (agent/fence.py); the rules read what the loss does next."""
+        names = self._fence.names if self._fence is not None else ()
+        self._event(WEIGHTS_WRITTEN, self._step + 1, {"params": ", ".join(names)[:1024]})
 
     def _any_pre_hook(
         self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
@@ -316,6 +330,8 @@ class StepRecorder(Sampler):
         self._began, self._data_s, self._forward_s = False, 0.0, 0.0
         self._since = time.perf_counter()
         self._counters.steps_logged += 1
+        if self._fence is not None:
+            self._fence.close()  # the weights as this step's update left them
         if self._wstats is not None and (self._stats_now or self._wstats.waiting):
             try:
                 self._cadence_work(now)

@@ -43,7 +43,7 @@ from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.assembly import Assembler, assembles
 from gradwatch.rules.step import Eval, QuietRows, Stats, nonfinite_layers
 from gradwatch.wire.columns import GRAD_NONFINITE_SCALAR
-from gradwatch.wire.messages import DATA_CHANGE, DEGRADED
+from gradwatch.wire.messages import DATA_CHANGE, DEGRADED, WEIGHTS_WRITTEN
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,9 @@ class Pipeline:
                 if event.kind == DATA_CHANGE:
                     with self.engine_lock:
                         self._engine().data_changed(event.job, event.step)
+                elif event.kind == WEIGHTS_WRITTEN:  # agent/fence.py; rules/rewrites.py
+                    with self.engine_lock:
+                        self._engine().weights_written(event.job, event.step)
                 elif event.kind == DEGRADED:  # contract C3: the agent switched a part off
                     notice = AgentNotice.of_fields(
                         event.job, event.rank, max(event.step, 0), dict(event.fields)

@@ -56,6 +56,8 @@ class RulesEngine(Protocol):
 
     def data_changed(self, job: str, step: int) -> None: ...
 
+    def weights_written(self, job: str, step: int) -> None: ...
+
 
 def build_engine(config: CollectorConfig, clock: Callable[[], float]) -> Engine:
     """The engine for ``config.rules`` (or the default pack); raises ``RuleFileError``."""

@@ -283,6 +283,13 @@ class Engine:
             changes.append(step)
             changes.sort()
 
+    def weights_written(self, job: str, step: int) -> None:
+        """The job's weights were written outside its optimizer before ``step``'s update
+        (agent/fence.py); the detectors that read it judge the losses that follow."""
+        for (name, _), state in self._ranks.items():
+            if name == job:
+                _tell(state, "weights_written", step)
+
     def tick(self, liveness: Sequence[Liveness]) -> list[Transition]:
         """Feed every known rank's progress (of any jobs) to the liveness rules, per job."""
         if not self._job_rules:

@@ -46,6 +46,7 @@ from gradwatch.rules.modelstate import (
 )
 from gradwatch.rules.nonfinite import NonFiniteDetector
 from gradwatch.rules.ratio import LayerRatioDetector
+from gradwatch.rules.rewrites import RewrittenWeightsDetector
 from gradwatch.rules.spike import LossSpikeDetector
 from gradwatch.rules.stepping import OptimizerIdleDetector
 from gradwatch.rules.vanishing import (
@@ -148,6 +149,7 @@ register_detector("eval_mode", EvalModeWiringDetector)
 register_detector("eval_nonfinite", EvalLossNonFiniteDetector)
 register_detector("val_train_gap", ValTrainGapDetector)
 register_detector("extreme_step", ExtremeStepDetector)
+register_detector("weights_rewritten", RewrittenWeightsDetector)
 register_detector("zero_loss", ZeroLossDetector)
 register_detector("signed_loss", SignedLossDetector)
 register_detector("lr_too_low", LrTooLowDetector)

@@ -44,7 +44,7 @@ from gradwatch.rules.liveness import LivenessTracker
 from gradwatch.rules.rulefile import RuleSpec, load_default_rules
 from gradwatch.rules.step import FLOAT32_MAX, ActStats, Eval, Stats, Step
 from gradwatch.wire.census import roles_for
-from gradwatch.wire.messages import DATA_CHANGE, DEGRADED
+from gradwatch.wire.messages import DATA_CHANGE, DEGRADED, WEIGHTS_WRITTEN
 from gradwatch.wire.trace import (
     TraceAct,
     TraceEval,
@@ -338,6 +338,8 @@ class Replay:
             self.checkpoints.append(Checkpoint(rec.step, path if isinstance(path, str) else ""))
         elif isinstance(rec, TraceEvent) and rec.kind == DATA_CHANGE:
             engine.data_changed(header.job, rec.step)
+        elif isinstance(rec, TraceEvent) and rec.kind == WEIGHTS_WRITTEN:
+            engine.weights_written(header.job, rec.step)
         elif isinstance(rec, TraceEvent) and rec.kind == DEGRADED:  # as the collector does
             notice = AgentNotice.of_fields(header.job, rec.rank, max(rec.step, 0), dict(rec.fields))
             if notice is not None:

@@ -48,7 +48,12 @@ MAX_STEP: Final = 1 << 62
 DATA_CHANGE: Final = "data_change"
 # "degraded": the agent switched part of itself off (contract C3); fields say why and what.
 DEGRADED: Final = "degraded"
-EVENT_KINDS: Final = frozenset({"eval", "checkpoint", "train_mode", "note", DATA_CHANGE, DEGRADED})
+# "weights_written": the watched weights were written outside the optimizer before this
+# step's update (a checkpoint loaded, a re-initialisation: agent/fence.py); fields.params.
+WEIGHTS_WRITTEN: Final = "weights_written"
+EVENT_KINDS: Final = frozenset(
+    {"eval", "checkpoint", "train_mode", "note", DATA_CHANGE, DEGRADED, WEIGHTS_WRITTEN}
+)
 # A "note" event with this ``fields.note``: the agent closed (the job ended on this rank).
 CLOSED_NOTE: Final = "closed"
 

@@ -341,6 +341,33 @@ def _layerdrop(ctx: Ctx) -> None:
     classify(ctx, model, torch.optim.AdamW(model.parameters(), lr=1e-3), 300)
 
 
+def _weights_rewritten(ctx: Ctx, source: str) -> None:
+    """The weights written outside the optimizer at step 300 of 600 (Adam, lr 1e-3).
+
+    ``reinit``: every Linear's ``reset_parameters()`` (``model.apply(init)`` run again);
+    ``early``: the step-20 checkpoint loaded instead of the latest; ``best``: the step-290
+    one, restoring the best weights (healthy: it takes back nothing that matters); the
+    loss goes back to its start in the first two and relearns over ~130 steps.
+    """
+    model = mlp(depth=4, width=64)
+    saved: dict[str, torch.Tensor] = {}
+
+    def before_step(step: int) -> None:
+        if step == (20 if source == "early" else 290):
+            saved.update({k: v.clone() for k, v in model.state_dict().items()})
+        if step != 300:
+            return
+        if source == "reinit":
+            for module in model.modules():
+                if isinstance(module, nn.Linear):
+                    module.reset_parameters()
+        else:
+            model.load_state_dict(saved)
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    classify(ctx, model, opt, 600, before_step=before_step)
+
+
 # --------------------------------------------------------------------------- GELU / SiLU units
 
 
@@ -615,6 +642,16 @@ FAMILIES: tuple[Scenario, ...] = (
     Scenario("healthy_zero_init_label_smoothing", None, 0, lambda c: _standard_recipe(c, 0.2)),
     Scenario("healthy_discriminative_lr_finetune", None, 0, _discriminative_finetune, allow="info"),
     Scenario("healthy_layerdrop", None, 0, _layerdrop),
+    Scenario(
+        "model_reinitialised_mid_run", "loss_spike", 300, lambda c: _weights_rewritten(c, "reinit")
+    ),
+    Scenario(
+        "early_checkpoint_loaded_mid_run",
+        "loss_spike",
+        300,
+        lambda c: _weights_rewritten(c, "early"),
+    ),
+    Scenario("healthy_best_checkpoint_restored", None, 0, lambda c: _weights_rewritten(c, "best")),
     Scenario(
         "gelu_units_dead_bias",
         "dead_units",

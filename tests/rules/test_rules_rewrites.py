@@ -1,0 +1,63 @@
+"""ProgressLostToAWeightWrite: the weights written outside the optimizer, the loss back up."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gradwatch.rules import Engine, Step, load_default_rules
+
+RULE = "ProgressLostToAWeightWrite"
+
+
+def losses(after: float, seed: int = 0) -> list[float]:
+    """A run falling from 2.3 to ~0.5 over 300 steps with batch noise; from step 300 its
+    loss is ``after`` times the starting level's share (1.0: back at the start), falling
+    again with the same time constant."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for t in range(1, 601):
+        base = 0.5 + 1.8 * math.exp(-t / 60)
+        if t >= 300:
+            base = 0.5 + (0.5 + 1.8 * after - 0.5) * math.exp(-(t - 300) / 60)
+        out.append(base * float(rng.lognormal(0.0, 0.1)))
+    return out
+
+
+def fired(series: list[float], written: int | None = 300, event_late: int = 0) -> list:
+    """The rule's firings over ``series``, the agent's event for ``written`` arriving
+    ``event_late`` steps after that step's loss (rows ship in batches, events at once)."""
+    engine = Engine(load_default_rules(), clock=lambda: 0.0)
+    out = []
+    for t, loss in enumerate(series, start=1):
+        if written is not None and t == written + event_late:
+            engine.weights_written("j", written)
+        for tr in engine.observe(Step(job="j", step=t, time=float(t), loss=loss)):
+            if tr.current == "firing" and tr.alert.rule == RULE:
+                out.append(tr.alert)
+    return out
+
+
+def test_a_reinitialised_model_pages_once_its_loss_shows_the_progress_gone() -> None:
+    alerts = fired(losses(1.0))
+    assert [a.step for a in alerts] == [315]  # 16 losses since the write
+    evidence = alerts[0].evidence
+    assert evidence["written_step"] == 300 and evidence["undone"] > 0.8
+    assert "before step 300" in alerts[0].summary
+    # The event may come before or after the losses around it: the same verdict.
+    assert [a.step for a in fired(losses(1.0), event_late=9)] == [315]
+
+
+def test_writes_that_lose_nothing_are_quiet() -> None:
+    # Resuming the latest checkpoint, or restoring one from a little earlier (the best by
+    # validation): the loss takes back nothing, or a few percent of the progress.
+    assert fired(losses(0.0)) == []
+    assert fired(losses(0.05)) == []
+    # The same jump with no write reported is not this rule's (LossLevelShift's, if any).
+    assert fired(losses(1.0), written=None) == []
+
+
+def test_a_loss_below_zero_is_no_progress_to_lose() -> None:
+    series = [loss - 1.0 for loss in losses(1.0)]  # a signed objective crossing zero
+    assert fired(series) == []
