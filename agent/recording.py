@@ -77,10 +77,10 @@ class StepRecorder(Sampler):
             # resume) is followed too (agent/recovery.py: follows); none is on the optimizer.
             self._follow = Follower(self._reader.params, optimizer)
             self._hooks.append(register_optimizer_step_pre_hook(self._any_pre_hook))
-            if type(self._reader) is GradReader and not self._reader.sharded:
-                # Sharded parameters are re-gathered into new storage every step; a
-                # hand-written update or a framework's stand-in writes at its own times.
-                self._fence = WriteFence(self._reader.params, self._reader.names)
+        if not self._manual and type(self._reader) is GradReader and not self._reader.sharded:
+            # Not sharded parameters, re-gathered into new storage every step; nor a
+            # hand-written update, which writes them between its log() calls itself.
+            self._fence = WriteFence(self._reader.params, self._reader.names)
         # The phase clock. compile_safe: a model compiled after watch() traces these
         # hooks, and they return before the clock read (which would be frozen into the
         # graph). Not torch.compiler.disable: its wrapper switches dynamo's frame hook

@@ -87,3 +87,35 @@ def test_a_write_on_every_step_is_reported_once() -> None:
 def test_the_agents_own_statistics_write_nothing(kw: dict[str, Any]) -> None:
     # Cadence samples read the weights (norms, update-ratio samples) and never write them.
     assert written_at(lambda model, step: None, steps=20, **kw) == []
+
+
+def test_a_frameworks_stand_in_optimizer_is_fenced_too() -> None:
+    # The HF Trainer and Lightning callbacks watch a probe of the real optimizer
+    # (integrations/_attach.py); the weights it updates are fenced the same way.
+    from gradwatch.integrations._attach import Attachment
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = Attachment("fence", {"endpoint": "tcp://127.0.0.1:1"}, "test")
+    attachment.attach(model, opt, "fence")
+    mon = attachment.monitor
+    assert mon is not None
+    events: list[int] = []
+    queue = mon._event
+
+    def record(kind: str, step: int, values: dict[str, Any], extra: Any = None) -> None:
+        if kind == WEIGHTS_WRITTEN:
+            events.append(step)
+        queue(kind, step, values, extra)
+
+    mon._event = record
+    for step in range(1, 8):
+        if step == 4:
+            model.reset_parameters()
+        model(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        mon.log(step=step, loss=1.0)
+        opt.zero_grad()
+    attachment.close()
+    assert events == [4]

@@ -25,6 +25,7 @@ from torch import nn  # noqa: E402  # after importorskip
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402  # after importorskip
 
 from gradwatch.integrations.lightning import GradwatchCallback  # noqa: E402  # after importorskip
+from gradwatch.wire.messages import WEIGHTS_WRITTEN  # noqa: E402  # after importorskip
 from tests.integrations.recording import RecordingCollector  # noqa: E402  # after importorskip
 
 EPOCHS, BATCHES, ACCUMULATE, BATCH, CLIP = 2, 12, 2, 8, 0.5
@@ -134,6 +135,8 @@ def test_lightning_fit_reaches_the_collector(collector: RecordingCollector, tmp_
 
     saved = [(e.step, Path(e.fields["path"])) for e in got.events if e.kind == "checkpoint"]
     assert [step for step, _ in saved] == [STEPS // EPOCHS, STEPS]
+    # Nothing but the optimizer wrote the weights between its steps (agent/fence.py).
+    assert not [e for e in got.events if e.kind == WEIGHTS_WRITTEN]
     assert all(path.is_file() and path.parent == tmp_path / "ckpt" for _, path in saved)
 
 
@@ -240,3 +243,5 @@ def test_lightning_resume_from_ckpt_path_continues_the_trainer_steps(tmp_path: P
     assert [s.step for s in first.steps] == list(range(1, per_epoch + 1))
     assert [s.step for s in resumed.steps] == list(range(per_epoch + 1, STEPS + 1))
     assert [e.step for e in resumed.events if e.kind == "checkpoint"] == [STEPS]
+    # The checkpoint is loaded before the first step: no write between two of them.
+    assert not [e for e in resumed.events if e.kind == WEIGHTS_WRITTEN]

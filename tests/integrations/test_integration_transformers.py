@@ -36,6 +36,7 @@ from transformers import (  # noqa: E402  # after importorskip
 )
 
 from gradwatch.integrations.transformers import GradwatchCallback  # noqa: E402  # after the skips
+from gradwatch.wire.messages import WEIGHTS_WRITTEN  # noqa: E402  # after the skips
 from tests.integrations.recording import RecordingCollector  # noqa: E402  # after importorskip
 
 STEPS, ACCUMULATE, LOG_EVERY, EVAL_EVERY = 12, 2, 2, 6
@@ -171,6 +172,8 @@ def test_trainer_run_reaches_the_collector(collector: RecordingCollector, tmp_pa
     assert all(e.train_mode_modules == () for e in got.evals)  # Dropout was in eval mode
 
     checkpoints = [(e.step, e.fields["path"]) for e in got.events if e.kind == "checkpoint"]
+    # Nothing but the optimizer wrote the weights between its steps (agent/fence.py).
+    assert not [e for e in got.events if e.kind == WEIGHTS_WRITTEN]
     expected = [
         (step, str(tmp_path / "out" / f"checkpoint-{step}")) for step in (EVAL_EVERY, STEPS)
     ]
@@ -244,6 +247,8 @@ def test_resume_from_checkpoint_continues_the_trainer_steps(tmp_path: Path) -> N
     assert [s.step for s in resumed.steps] == list(range(7, STEPS + 1))
     assert all(s.loss is not None for s in resumed.steps)
     assert [e.step for e in resumed.events if e.kind == "checkpoint"] == [STEPS]
+    # The checkpoint is loaded before the first step: no write between two of them.
+    assert not [e for e in resumed.events if e.kind == WEIGHTS_WRITTEN]
 
 
 def test_a_model_without_a_loss_output_falls_back_to_logged_losses_and_says_so(
