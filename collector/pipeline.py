@@ -138,7 +138,7 @@ class Pipeline:
                         self._engine().data_changed(event.job, event.step)
                 elif event.kind == WEIGHTS_WRITTEN:  # agent/fence.py; rules/rewrites.py
                     with self.engine_lock:
-                        self._engine().weights_written(event.job, event.step)
+                        self._engine().weights_written(event.job, event.rank, event.step)
                 elif event.kind == DEGRADED:  # contract C3: the agent switched a part off
                     notice = AgentNotice.of_fields(
                         event.job, event.rank, max(event.step, 0), dict(event.fields)

@@ -283,11 +283,11 @@ class Engine:
             changes.append(step)
             changes.sort()
 
-    def weights_written(self, job: str, step: int) -> None:
-        """The job's weights were written outside its optimizer before ``step``'s update
-        (agent/fence.py); the detectors that read it judge the losses that follow."""
-        for (name, _), state in self._ranks.items():
-            if name == job:
+    def weights_written(self, job: str, rank: int, step: int) -> None:
+        """``rank``'s weights were written outside its optimizer before ``step``'s update
+        (agent/fence.py): its detectors and the job's assembled ones judge what follows."""
+        for key in ((job, rank), (job, None)):
+            if (state := self._ranks.get(key)) is not None:
                 _tell(state, "weights_written", step)
 
     def tick(self, liveness: Sequence[Liveness]) -> list[Transition]:

@@ -339,7 +339,7 @@ class Replay:
         elif isinstance(rec, TraceEvent) and rec.kind == DATA_CHANGE:
             engine.data_changed(header.job, rec.step)
         elif isinstance(rec, TraceEvent) and rec.kind == WEIGHTS_WRITTEN:
-            engine.weights_written(header.job, rec.step)
+            engine.weights_written(header.job, rec.rank, rec.step)
         elif isinstance(rec, TraceEvent) and rec.kind == DEGRADED:  # as the collector does
             notice = AgentNotice.of_fields(header.job, rec.rank, max(rec.step, 0), dict(rec.fields))
             if notice is not None:

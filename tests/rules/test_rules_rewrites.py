@@ -32,7 +32,7 @@ def fired(series: list[float], written: int | None = 300, event_late: int = 0) -
     out = []
     for t, loss in enumerate(series, start=1):
         if written is not None and t == written + event_late:
-            engine.weights_written("j", written)
+            engine.weights_written("j", 0, written)
         for tr in engine.observe(Step(job="j", step=t, time=float(t), loss=loss)):
             if tr.current == "firing" and tr.alert.rule == RULE:
                 out.append(tr.alert)
