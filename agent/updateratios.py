@@ -58,6 +58,12 @@ GROUP_ELEMENTS = 2048
 MAX_GROUPS = 32
 # Ratios divide by max(||w||, this): an all-zero parameter does not give NaN.
 _TINY = 1e-30
+# A layer without a gradient in a sampled step that had one in one of its last 5 samples
+# is skipped, not frozen (RatioSampler._lost_gradients). LayerDrop runs at p 0.1-0.2
+# (wav2vec2's default 0.1, fairseq's recipes up to 0.2); LayersFrozen wants 2 samples of
+# 0 in a row, i.e. 7 samples without a gradient: at p 0.2, 1.3e-5 of a block's samples,
+# while a layer never used reads 0 from its 6th sample (step 6 of the dense start).
+SKIPPED_SAMPLES = 5
 NARROW = frozenset({torch.float32, torch.float16, torch.bfloat16})
 # A group of layers (int), a run [a, b) of consecutive groups, or None: every layer.
 Span = int | tuple[int, int] | None
@@ -109,12 +115,18 @@ class RatioSampler:
             self._span(g)
         self._span(None)
         self._have_before: _Group | None = None  # the group sampled before the update
-        # Layers of the group sampled before the update that had no gradient then, and of
-        # those gathered after it since the last export(): the optimizer skips a parameter
-        # without a gradient, so its ratio says nothing about the model (a block LayerDrop
-        # skipped, an MoE expert no token reached): MISSING, not 0.
+        # Layers of the group sampled before the update that had no gradient then but had
+        # one in the last SKIPPED_SAMPLES samples, and of those gathered after it since the
+        # last export(): the optimizer skips a parameter without a gradient, so a layer
+        # skipped now and then (a block LayerDrop left out, an MoE expert no token
+        # reached) reads as one that never moves: MISSING, not 0. A layer with none for
+        # longer (never used in the forward, or cut off from the loss) keeps its 0.
         self._no_grad: list[int] = []
         self._skipped: list[int] = []
+        # Per layer, how many samples of it in a row had no gradient. A layer never used
+        # reads 0 from its 6th sample on (a LayerDrop block skipped on the first samples
+        # of a run is no different from one skipped later).
+        self._without = [0] * len(counts)
         # The layer runs gathered after their update since the last export().
         self._gathered: list[tuple[int, int]] = []
         # The strided views of the before-gather and the parameters' data pointers then:
@@ -173,10 +185,21 @@ class RatioSampler:
             self._pointers = [p.data_ptr() for p in g.params]
         # Only within one step: without an optimizer the update comes after the next
         # backward pass, whose gradients are not these.
-        self._no_grad = (
-            [g.first + k for k, p in enumerate(g.params) if p.grad is None] if keep_views else []
-        )
+        self._no_grad = self._lost_gradients(g) if keep_views else []
         self._have_before = g
+
+    def _lost_gradients(self, g: _Group) -> list[int]:
+        """The layers of ``g`` without a gradient now that had one in the last
+        ``SKIPPED_SAMPLES`` samples of their group."""
+        lost, without = [], self._without
+        for i, p in enumerate(g.params, start=g.first):
+            if p.grad is not None:
+                without[i] = 0
+            else:
+                without[i] += 1
+                if without[i] <= SKIPPED_SAMPLES:
+                    lost.append(i)
+        return lost
 
     def ratios(self, group: Span = None) -> torch.Tensor:
         """``after(group)`` then ``compute()``: every layer's ratio now, MISSING outside
