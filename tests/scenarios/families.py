@@ -19,6 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from scenarios.scenario_lib import N_CLS, N_IN, SCENARIOS, Ctx, Scenario, classify, mlp, teacher
+from scenarios.writes import WRITES
 
 # --------------------------------------------------------------------------- one corrupt batch
 
@@ -304,70 +305,6 @@ def _head_only_finetune(ctx: Ctx) -> None:
     classify(ctx, model, opt, 300)
 
 
-class _LayerDropNet(nn.Module):
-    """Pre-norm residual GELU blocks, each skipped for a whole batch with probability ``p``
-    while training: LayerDrop (fairseq; HF's ``config.layerdrop``, 0.1 in wav2vec2)."""
-
-    def __init__(self, depth: int = 6, width: int = 32, p: float = 0.2) -> None:
-        super().__init__()
-        self.stem, self.head = nn.Linear(N_IN, width), nn.Linear(width, N_CLS)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(
-                nn.LayerNorm(width),
-                nn.Linear(width, 4 * width),
-                nn.GELU(),
-                nn.Linear(4 * width, width),
-            )
-            for _ in range(depth)
-        )
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.stem(x)
-        for block in self.blocks:
-            if not (self.training and float(torch.rand(())) < self.p):
-                h = h + block(h)
-        return self.head(h)
-
-
-def _layerdrop(ctx: Ctx) -> None:
-    """LayerDrop: a skipped block gets no gradient, so AdamW leaves it alone that step.
-
-    Healthy. Before 2026-12-07 its update ratio on such a step was 0, and two blocks
-    skipped on consecutive samples read as "2 layer(s) never change" (LayersFrozen, twice
-    in 400 steps); the agent now sends no ratio for a parameter without a gradient.
-    """
-    model = _LayerDropNet()
-    classify(ctx, model, torch.optim.AdamW(model.parameters(), lr=1e-3), 300)
-
-
-def _weights_rewritten(ctx: Ctx, source: str) -> None:
-    """The weights written outside the optimizer at step 300 of 600 (Adam, lr 1e-3).
-
-    ``reinit``: every Linear's ``reset_parameters()`` (``model.apply(init)`` run again);
-    ``early``: the step-20 checkpoint loaded instead of the latest; ``best``: the step-290
-    one, restoring the best weights (healthy: it takes back nothing that matters); the
-    loss goes back to its start in the first two and relearns over ~130 steps.
-    """
-    model = mlp(depth=4, width=64)
-    saved: dict[str, torch.Tensor] = {}
-
-    def before_step(step: int) -> None:
-        if step == (20 if source == "early" else 290):
-            saved.update({k: v.clone() for k, v in model.state_dict().items()})
-        if step != 300:
-            return
-        if source == "reinit":
-            for module in model.modules():
-                if isinstance(module, nn.Linear):
-                    module.reset_parameters()
-        else:
-            model.load_state_dict(saved)
-
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    classify(ctx, model, opt, 600, before_step=before_step)
-
-
 # --------------------------------------------------------------------------- GELU / SiLU units
 
 
@@ -641,17 +578,6 @@ FAMILIES: tuple[Scenario, ...] = (
     Scenario("healthy_zero_init_residual", None, 0, lambda c: _standard_recipe(c, 0.0)),
     Scenario("healthy_zero_init_label_smoothing", None, 0, lambda c: _standard_recipe(c, 0.2)),
     Scenario("healthy_discriminative_lr_finetune", None, 0, _discriminative_finetune, allow="info"),
-    Scenario("healthy_layerdrop", None, 0, _layerdrop),
-    Scenario(
-        "model_reinitialised_mid_run", "loss_spike", 300, lambda c: _weights_rewritten(c, "reinit")
-    ),
-    Scenario(
-        "early_checkpoint_loaded_mid_run",
-        "loss_spike",
-        300,
-        lambda c: _weights_rewritten(c, "early"),
-    ),
-    Scenario("healthy_best_checkpoint_restored", None, 0, lambda c: _weights_rewritten(c, "best")),
     Scenario(
         "gelu_units_dead_bias",
         "dead_units",
@@ -713,5 +639,5 @@ HELD_OUT: tuple[str, ...] = (
     "healthy_layerwise_lr_decay",
 )
 
-ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + FAMILIES
+ALL_SCENARIOS: tuple[Scenario, ...] = SCENARIOS + FAMILIES + WRITES
 BY_NAME: dict[str, Scenario] = {s.name: s for s in ALL_SCENARIOS}
