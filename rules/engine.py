@@ -15,7 +15,8 @@ A fifth, :meth:`Engine.data_changed`, is the job announcing a planned change
 of data or task (the agent's ``mon.data_changed()``): from that step on, every
 rank's step, stats and eval detectors start from fresh baselines, so a loss
 that jumps because the task changed is not a spike. Alert lifecycles are kept:
-an incident already firing resolves only when its fresh detector says so.
+an incident already firing resolves only when its fresh detector says so; and
+:meth:`Engine.weights_written`, a rank's weights written outside its optimizer.
 
 A loss below zero is no supervised loss (a policy-gradient objective, a signed
 sum): from the first one on a (job, rank), the rules that read the loss's shape
