@@ -38,13 +38,14 @@ import torch
 class WriteFence:
     """The version counters and data pointers of two watched parameters at one moment."""
 
-    __slots__ = ("_marks", "_params", "_previous", "names")
+    __slots__ = ("_marks", "_params", "_previous", "_written", "names")
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str] = ()) -> None:
         self._params = (params[0], params[-1]) if params else ()
         self.names = (names[0], names[-1]) if len(names) == len(params) and names else ()
         self._marks: tuple[int, int, int, int] | None = None
         self._previous = False  # the last check found a write
+        self._written: tuple[int, int, int, int] | None = None  # the marks before it
 
     def _read(self) -> tuple[int, int, int, int] | None:
         if not self._params:
@@ -64,4 +65,15 @@ class WriteFence:
         marks, self._marks = self._marks, None
         written = marks is not None and marks != self._read()
         first, self._previous = written and not self._previous, written
+        if first:
+            self._written = marks
         return first
+
+    def written(self) -> tuple[str, ...]:
+        """The names of the two parameters that the write :meth:`crossed` found changed."""
+        now, then = self._read(), self._written
+        if now is None or then is None or len(self.names) != 2:
+            return ()
+        return tuple(
+            n for n, i in zip(self.names, (0, 2), strict=True) if now[i : i + 2] != then[i : i + 2]
+        )

@@ -190,7 +190,7 @@ class StepRecorder(Sampler):
     def _weights_written(self) -> None:
         """Tell the collector the weights were written outside the optimizer before this
         step's update (agent/fence.py); the rules read what the loss does next."""
-        names = self._fence.names if self._fence is not None else ()
+        names = self._fence.written() if self._fence is not None else ()
         self._event(WEIGHTS_WRITTEN, self._step + 1, {"params": ", ".join(names)[:1024]})
 
     def _any_pre_hook(
