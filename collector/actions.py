@@ -343,7 +343,7 @@ class Actions:
         if alert.last_good_checkpoint is not None:
             return transition
         try:
-            found = self.checkpoints.last_good(alert.job, alert.step, self.settings.margin_steps)
+            found = self.checkpoints.last_good(alert.job, alert.onset, self.settings.margin_steps)
             if found is None:
                 return transition
             return replace(transition, alert=replace(alert, last_good_checkpoint=found.path))
@@ -399,10 +399,10 @@ class Actions:
         if not self.enabled:
             self._refuse(alert, now, "disabled", "no command key is configured")
             return None
-        found = self.checkpoints.last_good(alert.job, alert.step, self.settings.margin_steps)
+        found = self.checkpoints.last_good(alert.job, alert.onset, self.settings.margin_steps)
         if found is None:
             self._refuse(
-                alert, now, "no_checkpoint", f"no checkpoint was reported before step {alert.step}"
+                alert, now, "no_checkpoint", f"no checkpoint was reported before step {alert.onset}"
             )
             return None
         if self._listening is not None and not self._listening(alert.job):

@@ -101,7 +101,7 @@ def run_replay(
         return 2
     transitions = [
         replace(
-            t, alert=replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step))
+            t, alert=replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.onset))
         )
         for t in transitions
     ]

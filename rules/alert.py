@@ -101,6 +101,16 @@ class Alert:
             # Frozen: the only way to fill a derived field is through object.__setattr__.
             object.__setattr__(self, "id", alert_id(self.job, self.rule, self.rank, self.step))
 
+    @property
+    def onset(self) -> int:
+        """The step a rollback must go back before: ``step``, or earlier where the detector
+        knows the damage came before its condition could be seen (evidence ``onset_step``:
+        weights written outside the optimizer at step 300, seen in the loss by 315)."""
+        early = self.evidence.get("onset_step")
+        if isinstance(early, int) and not isinstance(early, bool) and 0 <= early < self.step:
+            return early
+        return self.step
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict: ``json.dumps(d, allow_nan=False)`` always succeeds.
 

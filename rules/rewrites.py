@@ -102,6 +102,7 @@ class RewrittenWeightsDetector:
         )
         evidence = {
             "written_step": written,
+            "onset_step": written,  # a checkpoint from before it (Alert.onset), not the alert's
             "level_before": self._level,
             "level_since": now,
             "start_level": start,

@@ -6,7 +6,9 @@ import hashlib
 import hmac
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 
@@ -126,6 +128,13 @@ def test_alerts_get_their_last_good_checkpoint() -> None:
     assert annotated.alert.last_good_checkpoint == "ckpt/200.pt"
     assert annotated.alert.id == firing(rule="Slow", step=250).alert.id
     assert actions.annotate(firing(step=50)).alert.last_good_checkpoint is None
+    # Damage that came before the incident could be seen (ProgressLostToAWeightWrite: the
+    # weights written at step 150, the loss back up by 250): the checkpoint of step 200
+    # holds the damaged weights, so the one named is from before the onset.
+    written = firing(rule="Slow", step=250)
+    evidence = MappingProxyType({"onset_step": 150})
+    written = replace(written, alert=replace(written.alert, evidence=evidence))
+    assert actions.annotate(written).alert.last_good_checkpoint == "ckpt/100.pt"
     actions.close()
 
 

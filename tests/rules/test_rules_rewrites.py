@@ -8,7 +8,7 @@ import math
 import numpy as np
 
 from gradwatch.rules import Engine, Step, load_default_rules
-from gradwatch.rules.replay import replay
+from gradwatch.rules.replay import Replay
 
 RULE = "ProgressLostToAWeightWrite"
 
@@ -65,20 +65,21 @@ def test_a_loss_below_zero_is_no_progress_to_lose() -> None:
     assert fired(series) == []
 
 
-def test_replay_reads_the_agents_event_from_a_trace() -> None:
+def test_replay_reads_the_agents_event_and_names_a_checkpoint_from_before_the_write() -> None:
     # The recorder writes the event as it writes any (docs/trace.md); replay judges it
-    # as the live collector does.
+    # as the live collector does. The checkpoint saved at step 310 holds the damaged
+    # weights: the one to go back to is 290's, before the write (Alert.onset).
     lines = ['{"type":"header","version":1,"job":"j","layers":[]}']
     for t, loss in enumerate(losses(1.0), start=1):
+        event = {"type": "event", "step": t, "rank": 0, "time": float(t)}
         if t == 300:
-            event = {"type": "event", "step": 300, "rank": 0, "time": float(t)}
             lines.append(json.dumps({**event, "kind": "weights_written", "params": "a, b"}))
+        if t in (290, 310):
+            lines.append(json.dumps({**event, "kind": "checkpoint", "path": f"ckpt/{t}.pt"}))
         lines.append(
             json.dumps({"type": "step", "step": t, "rank": 0, "time": float(t), "loss": loss})
         )
-    fired_at = [
-        t.alert.step
-        for t in replay(lines, load_default_rules())
-        if t.alert.rule == RULE and t.current == "firing"
-    ]
-    assert fired_at == [315]
+    run = Replay(load_default_rules())
+    alerts = [t.alert for t in run.run(lines) if t.alert.rule == RULE and t.current == "firing"]
+    assert [(a.step, a.onset) for a in alerts] == [(315, 300)]
+    assert run.last_good_checkpoint(alerts[0].onset) == "ckpt/290.pt"
