@@ -112,7 +112,7 @@ def load_report_data(
     except TraceError as exc:  # lines carry no file name: the message gets it back
         raise TraceError(exc.problems, name) from None
     alerts = [
-        replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.step))
+        replace(t.alert, last_good_checkpoint=run.last_good_checkpoint(t.alert.onset))
         for t in transitions
         if t.current == "firing"
     ]
