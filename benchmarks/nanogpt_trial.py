@@ -25,7 +25,9 @@ needs it). In a temporary working directory it:
 Variants: ``healthy``; ``healthy_compiled`` (nanoGPT's default ``compile=True``, and
 ``watch()`` after the compile as README says); ``lr_x100`` (learning_rate and min_lr
 x100); ``init_x0.01`` (every std in model.py's ``_init_weights`` and the c_proj init
-x0.01); ``no_step`` (``scaler.step(optimizer)`` never called).
+x0.01); ``no_step`` (``scaler.step(optimizer)`` never called); ``reinit_mid``
+(``raw_model.apply(raw_model._init_weights)`` run again at half the run's iterations:
+every Linear and Embedding back at its init, the training so far lost in one step).
 
     OMP_NUM_THREADS=1 python benchmarks/nanogpt_trial.py /tmp/nanogpt --keep /tmp/trials/run1
     python benchmarks/nanogpt_trial.py --replay-only /tmp/trials/run1   # current rules, old traces
@@ -72,12 +74,14 @@ ACCEPT: dict[str, tuple[str, ...]] = {
     "lr_x100": LR_TOO_HIGH,
     "init_x0.01": ("vanishing_gradients", "dead_pipeline", "update_ratio", "lr_too_low"),
     "no_step": ("dead_pipeline", "update_ratio"),
+    "reinit_mid": ("loss_spike",),
 }
 # Advice that would help: words one of the alert's first three next checks should contain.
 HELPFUL: dict[str, tuple[str, ...]] = {
     "lr_x100": ("learning rate", "lr "),
     "init_x0.01": ("init",),
     "no_step": ("optimizer.step", "step()"),
+    "reinit_mid": ("checkpoint", "apply(init)"),
 }
 # --------------------------------------------------------------------------- dataset
 
@@ -148,6 +152,15 @@ def patch_train(text: str, job: str, endpoint: str, variant: str, user_step: boo
         "mon.close()\nif ddp:\n    destroy_process_group()\n",
         "train.py",
     )
+    if variant == "reinit_mid":
+        t = replace_once(
+            t,
+            "while True:\n",
+            "while True:\n"
+            "    if iter_num == max_iters // 2:  # the bug: the init run again mid-run\n"
+            "        raw_model.apply(raw_model._init_weights)\n",
+            "train.py",
+        )
     if variant == "no_step":
         t = replace_once(
             t,

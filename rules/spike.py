@@ -127,6 +127,12 @@ class LossSpikeDetector:
         self._sigma: tuple[float, bool] | None = None  # cached noise scale and its space
         self._sigma_age = 0
         self._episode: _Episode | None = None
+        self._written = -1  # the latest step whose weights were written outside the optimizer
+
+    def weights_written(self, step: int) -> None:
+        """The agent saw the weights written outside the optimizer before ``step``'s update
+        (agent/fence.py): a jump that starts there is that write's, not the batches'."""
+        self._written = max(self._written, step)
 
     def observe(self, step: Step) -> Finding | None:
         """Judge one step; None when it carried no loss (NaN is the non-finite rule's)."""
@@ -303,6 +309,19 @@ class LossSpikeDetector:
         return Finding(True, summary, self._evidence(ep))
 
     def _evidence(self, ep: _Episode) -> dict[str, object]:
+        evidence = self._numbers(ep)
+        if ep.start - 1 <= self._written <= ep.start:
+            # nanoGPT re-initialised at iteration 200 spiked at 202, told "the batches at the
+            # spike" first (benchmarks/nanogpt_trial.py, reinit_mid).
+            evidence["lead_check"] = (
+                f"the weights were written outside the optimizer before step {self._written} "
+                "(a checkpoint loaded, model.apply(init) or reset_parameters() run again): "
+                "not the batches"
+            )
+            evidence["onset_step"] = self._written
+        return evidence
+
+    def _numbers(self, ep: _Episode) -> dict[str, object]:
         return {
             "level": ep.level,
             "sigma": ep.sigma,

@@ -83,3 +83,31 @@ def test_replay_reads_the_agents_event_and_names_a_checkpoint_from_before_the_wr
     alerts = [t.alert for t in run.run(lines) if t.alert.rule == RULE and t.current == "firing"]
     assert [(a.step, a.onset) for a in alerts] == [(315, 300)]
     assert run.last_good_checkpoint(alerts[0].onset) == "ckpt/290.pt"
+
+
+def test_a_jump_where_the_weights_were_written_is_not_blamed_on_the_batches() -> None:
+    # nanoGPT re-initialised at iteration 200 (benchmarks/nanogpt_trial.py, reinit_mid)
+    # spiked at 202 and LossSpike led with "the batches at the spike".
+    def jump_alerts(written: int | None) -> list:
+        rng = np.random.default_rng(1)
+        engine = Engine(load_default_rules(), clock=lambda: 0.0)
+        out = []
+        for t in range(1, 401):
+            loss = (0.5 if t < 300 else 2.3) * float(rng.lognormal(0.0, 0.02))
+            if t == written:
+                engine.weights_written("j", 0, written)
+            for tr in engine.observe(Step(job="j", step=t, time=float(t), loss=loss)):
+                if tr.current == "firing" and tr.alert.category == "loss_spike":
+                    out.append(tr.alert)
+        return out
+
+    told = [a for a in jump_alerts(300) if a.rule != RULE]
+    assert told and all(
+        "written outside the optimizer before step 300" in str(a.diagnosis["next_checks"][0])
+        for a in told
+    )
+    assert all(a.onset == 300 for a in told)
+    untold = jump_alerts(None)
+    assert untold and not any(
+        "written outside" in str(a.diagnosis["next_checks"][0]) for a in untold
+    )
