@@ -28,14 +28,12 @@ import statistics
 from collections import deque
 from typing import Annotated, Literal
 
-import numpy as np
 from pydantic import Field
 
 from gradwatch.rules.detector import INACTIVE, Finding, validated_params
 from gradwatch.rules.loss import finite_loss
-from gradwatch.rules.roles import roles_of
 from gradwatch.rules.step import ActStats, Stats, Step
-from gradwatch.rules.updates import FIRST_STEP_MAX
+from gradwatch.rules.updates import FIRST_STEP_MAX, model_update_ratio
 
 # Losses per block when DeadUnitsDetector asks whether the run learns (its latest and
 # the block before).
@@ -144,14 +142,15 @@ class SaturationDetector(_ShareDetector):
     ``rise`` tells episodes apart by how the module got there. *Gradual*: seen under
     ``UNSATURATED_START`` of the threshold, then at least one sample between that and the
     threshold (the share climbed, it did not jump), while every sample of the climb had
-    the weight matrices' median update ratio at or under ``calm_ratio`` (updates of a
-    healthy size). Healthy-sized steps that saturate a layer over many samples are the
-    model fitting targets or inputs of a growing scale: CleanRL's PPO critic climbed
-    0% -> 11% -> 49% -> 66% over steps 1,035-2,235 at ratios ~2-4e-4 and solved CartPole
-    (returns 500). Every other episode is *abrupt*: saturated from the first sample (the
-    init), in one jump between two samples (inputs or an update that changed at once),
-    or with oversized updates (lr x1000 on the same script: 3% -> 60% in one step at
-    ratios 0.3-0.6); or with no climb seen (joined mid-run), or no ratios measured.
+    the model's update ratio (``model_update_ratio``, as UpdateRatioTooLarge reads it) at
+    or under ``calm_ratio`` (updates of a healthy size). Healthy-sized steps that saturate
+    a layer over many samples are the model fitting targets or inputs of a growing scale:
+    CleanRL's PPO critic climbed 0% -> 11% -> 49% -> 66% over steps 1,035-2,235 at ratios
+    ~2-4e-4 and solved CartPole (returns 500). Every other episode is *abrupt*: saturated
+    from the first sample (the init), in one jump between two samples (inputs or an
+    update that changed at once), or with oversized updates (lr x1000 on the same script:
+    3% -> 60% in one step at ratios 0.3-0.6); or with no climb seen (joined mid-run), or
+    no ratios measured.
 
     Example::
 
@@ -178,15 +177,9 @@ class SaturationDetector(_ShareDetector):
         self._start: dict[str, tuple[int, float]] = {}
         self._seen_start = False
         # Per module under the threshold since a sample under UNSATURATED_START of it:
-        # (that step, whether a sample between the two came since, the largest median
-        # update ratio since: inf where one was not measured). Frozen while over it.
+        # (that step, whether a sample between the two came since, the largest update
+        # ratio since: inf where one was not measured). Frozen while over it.
         self._climb: dict[str, tuple[int, bool, float]] = {}
-        self._sent: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-
-    def observe(self, step: Step) -> None:
-        """Keep the roles the agent sent with the step's layers (the weight matrices)."""
-        if step.layer_roles:
-            self._sent = (step.layers, step.layer_roles)
 
     def observe_stats(self, stats: Stats) -> Finding | None:
         """Keep the run's first sample's shares and each module's climb, then judge
@@ -203,7 +196,8 @@ class SaturationDetector(_ShareDetector):
         return super().observe_stats(stats)
 
     def _follow_climbs(self, stats: Stats) -> None:
-        ratio = self._median_ratio(stats)
+        measured = model_update_ratio(stats)
+        ratio = float("inf") if measured is None else measured
         for act in stats.act:
             share = self._share(act) if act.kind in self.kinds else None
             if share is None or self._held.get(act.module, 0):
@@ -215,15 +209,6 @@ class SaturationDetector(_ShareDetector):
                     self._climb[act.module] = (climb[0], True, max(climb[2], ratio))
                 else:  # the crossing sample: its update counts, no middle sample now
                     self._climb[act.module] = (climb[0], climb[1], max(climb[2], ratio))
-
-    def _median_ratio(self, stats: Stats) -> float:
-        """The weight matrices' median update ratio in this sample; inf when unmeasured."""
-        if stats.update_ratios is None or len(stats.layers) != np.asarray(stats.update_ratios).size:
-            return float("inf")
-        ratios = np.asarray(stats.update_ratios, dtype=np.float64)
-        roles = roles_of(stats.layers, self._sent[1] if self._sent[0] == stats.layers else ())
-        weight = np.array([r == "weight" for r in roles], dtype=bool) & np.isfinite(ratios)
-        return float(np.median(ratios[weight])) if weight.any() else float("inf")
 
     def _gradual(self, module: str) -> bool:
         climb = self._climb.get(module)
@@ -244,7 +229,7 @@ class SaturationDetector(_ShareDetector):
             evidence["lead_check"] = (
                 f"targets or inputs growing in scale: {module!r} climbed from under "
                 f"{UNSATURATED_START * self.threshold:.0%} at step {climb[0]} over healthy-sized "
-                f"updates (median update ratio at most {climb[2]:.1e}); harmless while the "
+                f"updates (update ratio at most {climb[2]:.1e}); harmless while the "
                 "layers before it still learn"
             )
             return Finding(True, found.summary, evidence)

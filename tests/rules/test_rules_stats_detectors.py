@@ -140,9 +140,13 @@ def saturation_rules(shares: Sequence[float], ratio: float | None) -> dict[str, 
     fired: dict[str, str] = {}
     for k, share in enumerate(shares):
         ratios = None if ratio is None else [ratio, 1.0, ratio, 1.0]
-        for t in engine.observe_stats(
-            stats(1 + 200 * k, act=[tanh("critic.3", share)], ratios=ratios)
-        ):
+        sample = stats(
+            1 + 200 * k,
+            act=[tanh("critic.3", share)],
+            weights=[1.0, 0.01, 1.0, 0.01],
+            ratios=ratios,
+        )
+        for t in engine.observe_stats(sample):
             if t.current == "firing" and t.alert.category == "saturation":
                 assert t.alert.diagnosis is not None
                 fired[t.alert.rule] = str(t.alert.diagnosis["next_checks"][0])
