@@ -36,7 +36,15 @@ from torch import nn
 
 import gradwatch
 from gradwatch.agent.topology import parse_layout
-from tests.distributed.worker import BATCH, IN_FEATURES, PG_TIMEOUT, WIDTH, Net, rendezvous
+from tests.distributed.worker import (
+    BATCH,
+    IN_FEATURES,
+    PG_TIMEOUT,
+    WIDTH,
+    Net,
+    finish,
+    rendezvous,
+)
 
 LAYOUTS = {"pp": "pp=2,dp=2", "tp": "dp=2,tp=2"}
 
@@ -103,7 +111,8 @@ def norms(model: nn.Module) -> dict[str, float]:
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def main(argv: Sequence[str] | None = None) -> tuple[Path, int]:
+    """Run the job; the output folder and this rank, for :func:`finish`."""
     args = parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group(
@@ -183,9 +192,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         optimizer.zero_grad()
     mon.close()
     (args.out / f"direct{rank}.json").write_text(json.dumps(direct))
-    dist.destroy_process_group()
-    (args.out / f"rank{rank}.done").write_text(str(os.getpid()))
+    return args.out, rank
 
 
 if __name__ == "__main__":
-    main()
+    finish(*main())  # tests/distributed/worker.py: why a finished rank exits this way
