@@ -100,12 +100,12 @@ from torch import nn
 from gradwatch.agent.actsample import (
     PRE,
     PRE_KINDS,
+    ROW_SAMPLE,
     SAMPLE,
-    activated,
-    offsets,
-    sample_of,
-    storage_view,
-    stride,
+    Cells,
+    Row,
+    measure,
+    measure_rows,
 )
 from gradwatch.agent.actstats import ActCopy, ActLayout, missing_buffer
 from gradwatch.agent.hooks import Detached, hook_module
@@ -119,27 +119,16 @@ MAX_ACT_MODULES = 256
 # A sample spread over steps hooks the modules in at most this many groups, one per
 # step (agent/spreadplan.py): a model of 100 modules pays ~7 hooks on each of 16 steps.
 MAX_HOOK_GROUPS = 16
-# A softmax is sampled by whole rows, and its share counts rows: about this many
-# elements of them (512 rows of 128), so the share of one-hot rows keeps a standard
-# error near 2% instead of the 6% of 64 rows.
-ROW_SAMPLE = 1 << 16
 # What a hook allocates while it runs, per sampled element at most: the gather's three
 # int64 index vectors (24), the sample in its own dtype (8 for float64), its float32
 # copy (4) and two bool masks (2); 38, rounded up. Checked in tests/agent/test_agent_act.py.
 HOOK_BYTES_PER_SAMPLED = 40
-# An attention row whose largest probability is above this attends to one position.
-SOFTMAX_SATURATED = 0.99
 # The families a name in ``activation_modules`` may give (ActStats.kind).
 KINDS = ("relu", "relu6", "tanh", "sigmoid", "gelu", "silu", "softmax")
 INPUT_SUFFIX = ":input"
 PRE_SUFFIX = ":pre"
 
 _COMPILED_PREFIX = "_orig_mod."
-# A softmax's slots in the values vector: all of them, its mean, its mean of squares
-# (a std once finished, agent/actstats.py) and its share of one-hot rows.
-_Cells = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
-# Any other module's row of the sample buffer and its length cell.
-_Row = tuple[torch.Tensor, torch.Tensor]
 # Hugging Face and other libraries write their own activation classes (GELUActivation,
 # NewGELUActivation, PytorchGELUTanh, SiLUActivation...): recognised by class name.
 # The names of gated blocks (SwiGLU, GeGLU) do not match: their output is a product.
@@ -449,7 +438,7 @@ class ActHooks:
         sync); the shipper thread works the statistics out (``ActCopy.values``)."""
         return ActCopy(self._host_layout, host_copy(self._buf))
 
-    def _hook(self, target: _Target, cells: _Cells | _Row) -> Callable[..., None]:
+    def _hook(self, target: _Target, cells: Cells | Row) -> Callable[..., None]:
         kind, on_input = target.kind, target.on_input
         dim = getattr(target.module, "dim", None) if kind == "softmax" and not on_input else -1
         pre = kind if target.pre else None
@@ -462,28 +451,15 @@ class ActHooks:
                 with torch.no_grad():
                     y = y.detach()
                     if len(cells) == 4:  # a softmax: measured by whole rows here
-                        _measure_rows(y, dim, cells)
+                        measure_rows(y, dim, cells)
                     else:
-                        _measure(y, cells, pre)
+                        measure(y, cells, pre)
             except Exception as exc:  # never raise into the user's forward pass
                 self.disarm()
                 if self._on_error is not None:
                     self._on_error("measuring activation statistics in a forward hook", exc)
 
         return hook
-
-
-def _measure(y: torch.Tensor, row: _Row, pre: str | None = None) -> None:
-    """Copy a strided sample of ``y`` into the module's row and write its length; no
-    sync, no arithmetic (agent/actstats.py does it on the host). ``pre``: ``y`` is the
-    input of that activation kind, applied to the sample first (actsample.PRE)."""
-    values, length = row
-    x = sample_of(y)
-    if pre is not None:
-        x = activated(pre, x)
-    n = x.numel()
-    values[:n].copy_(x)  # one strided read, cast to float32
-    length.fill_(n)  # numel is shape metadata: no sync
 
 
 def hook_transient_bytes(row_width: int = 0) -> int:
@@ -494,33 +470,3 @@ def hook_transient_bytes(row_width: int = 0) -> int:
     if not row_width:
         return HOOK_BYTES_PER_SAMPLED * (SAMPLE + 1)
     return HOOK_BYTES_PER_SAMPLED * (ROW_SAMPLE + 1 + row_width)
-
-
-def _measure_rows(y: torch.Tensor, dim: int | None, cells: _Cells) -> None:
-    """Write [mean, mean of squares, share of rows with max > SOFTMAX_SATURATED] over whole
-    softmax rows into ``cells``; no sync."""
-    span, mean, square, share = cells
-    if dim is None:  # nn.Softmax() without dim: torch's legacy choice of axis
-        dim = 0 if y.dim() in (0, 1, 3) else 1
-    rows = y.movedim(dim, -1) if dim not in (-1, y.dim() - 1) else y  # a view
-    width = rows.shape[-1]
-    n = rows.numel()
-    if n > ROW_SAMPLE and rows.dim() > 1:
-        # Every stride(n)-th row, gathered by index when the rows are not contiguous
-        # (``dim`` not the last, or a strided output): no copy of the whole output.
-        step = stride(n, ROW_SAMPLE)
-        if rows.is_contiguous():
-            rows = rows.view(-1, width)[::step]
-        else:
-            starts = offsets(rows.shape[:-1], rows.stride()[:-1], n // width, step, rows.device)
-            cols = torch.arange(width, device=rows.device) * rows.stride(-1)
-            at = (starts[:, None] + cols).view(-1)
-            rows = storage_view(rows).index_select(0, at).view(-1, width)
-    x = rows.reshape(-1, width).float()  # the sample's rows (one whole row at least)
-    flat = x.reshape(-1)
-    torch.sum(flat, 0, out=mean)
-    torch.dot(flat, flat, out=square)
-    span[:2].div_(flat.numel())
-    assert share is not None  # a softmax always has its share (_frac_stat)
-    torch.sum(x.amax(dim=-1) > SOFTMAX_SATURATED, 0, dtype=torch.float32, out=share)
-    share.div_(x.shape[0])

@@ -39,7 +39,7 @@ from tiny_gpt import Block, TinyGPT  # benchmarks/ is on sys.path when run as a 
 from torch import nn
 
 from gradwatch.agent import activations
-from gradwatch.agent.activations import ActHooks, _measure, _measure_rows, find_targets
+from gradwatch.agent.activations import ActHooks, find_targets, measure, measure_rows
 
 
 class SoftmaxAttention(nn.Module):
@@ -145,9 +145,9 @@ def _timed(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
 
 
 # Timing wrapper, benchmark only.
-activations._measure = _timed(activations._measure)  # type: ignore[assignment]
+activations.measure = _timed(activations.measure)  # type: ignore[assignment]
 # Timing wrapper, benchmark only.
-activations._measure_rows = _timed(activations._measure_rows)  # type: ignore[assignment]
+activations.measure_rows = _timed(activations.measure_rows)  # type: ignore[assignment]
 
 
 def kernel_times(repeats: int) -> dict[str, float]:
@@ -160,10 +160,10 @@ def kernel_times(repeats: int) -> dict[str, float]:
     row = (torch.empty(activations.SAMPLE), torch.empty(()))  # any other module's row
     relu = torch.relu(hidden)
     calls = {
-        "relu": lambda: _measure(relu, row),
-        "gelu": lambda: _measure(hidden, row),
-        "silu": lambda: _measure(hidden, row),
-        "softmax": lambda: _measure_rows(probs, -1, cells),
+        "relu": lambda: measure(relu, row),
+        "gelu": lambda: measure(hidden, row),
+        "silu": lambda: measure(hidden, row),
+        "softmax": lambda: measure_rows(probs, -1, cells),
     }
     out = {}
     for name, call in calls.items():

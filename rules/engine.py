@@ -459,8 +459,7 @@ class Engine:
 
     @staticmethod
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
-        transition = slot.lifecycle.update(step, finding)
-        return [] if transition is None else [transition]
+        return [] if (transition := slot.lifecycle.update(step, finding)) is None else [transition]
 
 
 def _tell(state: _RankState, method: str, *args: Any) -> None:

@@ -140,13 +140,13 @@ def test_statistics_match_a_direct_computation(pull) -> None:
 def test_hooks_run_on_cadence_forward_passes_only(pull, monkeypatch) -> None:
     _, endpoint = pull
     calls: list[int] = []
-    original = activations._measure
+    original = activations.measure
 
     def counting(y, row, pre=None):
         calls.append(step_now[0])
         original(y, row, pre)
 
-    monkeypatch.setattr(activations, "_measure", counting)
+    monkeypatch.setattr(activations, "measure", counting)
     step_now = [0]
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

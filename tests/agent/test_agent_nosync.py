@@ -136,7 +136,7 @@ def test_cadence_steps_with_activation_hooks_make_no_syncing_call(detector, endp
     from gradwatch.agent import activations
 
     measured: list[int] = []  # which module's row each hook wrote
-    original = activations._measure
+    original = activations.measure
 
     def counting(
         y: torch.Tensor, row: tuple[torch.Tensor, torch.Tensor], pre: str | None = None
@@ -144,7 +144,7 @@ def test_cadence_steps_with_activation_hooks_make_no_syncing_call(detector, endp
         measured.append(row[0].storage_offset())
         original(y, row, pre)
 
-    monkeypatch.setattr(activations, "_measure", counting)
+    monkeypatch.setattr(activations, "measure", counting)
     mon = run_loop(endpoint, steps=12, stats_every=2)  # most steps hook the forward
     assert detector.calls == []
     assert mon.stats.disabled is None

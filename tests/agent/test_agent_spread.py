@@ -149,7 +149,7 @@ def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, ear
 
     hooked: list[int] = []  # activation hooks run per step
     groups: list[int | None | str] = []  # update-ratio groups gathered per step
-    measure, before = activations._measure, updateratios.RatioSampler.sample_before
+    measure, before = activations.measure, updateratios.RatioSampler.sample_before
 
     def count_hook(*args: Any) -> None:
         hooked[-1] += 1
@@ -159,7 +159,7 @@ def test_a_sample_far_from_the_next_is_measured_a_part_per_step(monkeypatch, ear
         groups[-1] = "all" if group is None else group
         before(self, group, keep_views)
 
-    monkeypatch.setattr(activations, "_measure", count_hook)
+    monkeypatch.setattr(activations, "measure", count_hook)
     monkeypatch.setattr(updateratios.RatioSampler, "sample_before", count_group)
     acts = mon._acts
     assert acts is not None and len(acts.columns) == 3 * 3
