@@ -54,11 +54,9 @@ import sys
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from gradwatch.collector.auth import PREAMBLE_BYTES
 from gradwatch.collector.ingest import RateLimitedLog
@@ -467,45 +465,3 @@ _WHY = {
     "max_memory_bytes (%d MiB), so it admits no new job or rank; raise it or "
     "lower max_jobs",
 }
-
-
-class AdmissionMetrics:
-    """The bounds and what they refused, built at scrape time (a bounded number of series)."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission = admission
-
-    def collect(self) -> Iterator[Metric]:
-        a = self._admission
-        refused = CounterMetricFamily(
-            "gradwatch_ingest_refused",
-            "Messages refused by a bound or the fair share, by "
-            "reason (SECURITY.md lists the bounds).",
-            labels=["reason"],
-        )
-        for reason, count in sorted(a.refused().items()):
-            refused.add_metric([reason], count)
-        yield refused
-        by_sender = CounterMetricFamily(
-            "gradwatch_ingest_refused_by_sender",
-            f"Refusals of the {TOP_SENDERS} senders "
-            "(job, or CurveZMQ key) refused most, by reason.",
-            labels=["sender", "reason"],
-        )
-        for who, reason, count in a.offenders():
-            by_sender.add_metric([who[:128], reason], count)
-        yield by_sender
-        yield GaugeMetricFamily(
-            "gradwatch_jobs_admitted",
-            "Jobs the collector tracks (bounded by max_jobs).",
-            value=a.jobs(),
-        )
-        yield GaugeMetricFamily(
-            "gradwatch_resident_memory_bytes",
-            "The collector's resident memory (bounded by max_memory_bytes for new jobs and ranks).",
-            value=a.rss(),
-        )
-        limits = GaugeMetricFamily("gradwatch_bound", "The configured bounds.", labels=["bound"])
-        for name in Bounds.__dataclass_fields__:
-            limits.add_metric([name], float(getattr(a.bounds, name)))
-        yield limits

@@ -42,6 +42,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from gradwatch.collector.actions import Actions, action_settings
 from gradwatch.collector.actions_metrics import ActionsMetrics
+from gradwatch.collector.admission_metrics import AdmissionMetrics
 from gradwatch.collector.assembly_metrics import AssemblyMetrics
 from gradwatch.collector.auth import (
     AuthCounters,
@@ -55,7 +56,7 @@ from gradwatch.collector.exposition import GradwatchCollector
 from gradwatch.collector.httpd import MetricsHTTPServer
 from gradwatch.collector.ingest import Ingest
 from gradwatch.collector.inhibition import Inhibition, InhibitionMetrics
-from gradwatch.collector.limits import Admission, AdmissionMetrics, Bounds
+from gradwatch.collector.limits import Admission, Bounds
 from gradwatch.collector.outbox import OutboxSink
 from gradwatch.collector.pipeline import Pipeline
 from gradwatch.collector.priority import Intake, PriorityMetrics
