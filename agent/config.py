@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from gradwatch.wire.messages import MAX_JOB_CHARS, MAX_RANK, MAX_ROWS
+from gradwatch.wire.fields import MAX_JOB_CHARS, MAX_RANK
+from gradwatch.wire.messages import MAX_ROWS
 
 if TYPE_CHECKING:
     from gradwatch.agent.topology import Layout

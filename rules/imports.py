@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from gradwatch.rules.step import Eval, Step
-from gradwatch.wire.messages import MAX_STEP
+from gradwatch.wire.fields import MAX_STEP
 
 Format = Literal["trainer_state", "lightning_csv"]
 Record = Step | Eval

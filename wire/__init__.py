@@ -1,5 +1,6 @@
 """gradwatch wire format v1 (stdlib only). Spec: docs/wire.md."""
 
+from gradwatch.wire.fields import WireError, WireVersionError
 from gradwatch.wire.messages import (
     KIND_BATCH,
     KIND_EVENT,
@@ -11,8 +12,6 @@ from gradwatch.wire.messages import (
     Heartbeat,
     Message,
     Schema,
-    WireError,
-    WireVersionError,
     decode,
     decode_schema,
     encode,

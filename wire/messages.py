@@ -13,14 +13,28 @@ Stdlib only: this module sits at the bottom of the import graph.
 from __future__ import annotations
 
 import json
-import math
 import struct
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from gradwatch.wire.census import Census, CensusError, census_body, census_of, roles_of
+from gradwatch.wire.fields import (
+    MAX_RANK,
+    MAX_STEP,
+    WireError,
+    WireVersionError,
+    float_field,
+    float_list,
+    int_field,
+    int_list,
+    job_field,
+    json_object,
+    names_field,
+    optional_int,
+    str_field,
+    world_field,
+)
 
 MAGIC: Final = b"GW"
 VERSION: Final = 1
@@ -38,12 +52,6 @@ MAX_HEADER_BYTES: Final = 64 * 1024
 MAX_SCHEMA_BYTES: Final = 8 * 1024 * 1024
 MAX_ROWS: Final = 65_536
 MAX_COLUMNS: Final = 1 << 20
-MAX_NAME_CHARS: Final = 1024
-MAX_JOB_CHARS: Final = 128
-MAX_RANK: Final = 1 << 20
-# Step numbers (and counts) on the wire, in traces and in imported logs: below 2**62, so
-# they fit the int64 arrays the rules keep them in, with room to add to them.
-MAX_STEP: Final = 1 << 62
 # "data_change": the job changed its data or task on purpose; rules re-baseline from its step.
 DATA_CHANGE: Final = "data_change"
 # "degraded": the agent switched part of itself off (contract C3); fields say why and what.
@@ -61,18 +69,6 @@ CLOSED_NOTE: Final = "closed"
 NONFINITE_FIELD: Final = "nonfinite"
 
 _PREAMBLE = struct.Struct("<2sBB")
-_FLOAT_MAX_INT: Final = int(sys.float_info.max)
-
-
-class WireError(ValueError):
-    """A message that is not valid gradwatch wire v1.
-
-    The collector counts these and drops the message; nothing else is lost.
-    """
-
-
-class WireVersionError(WireError):
-    """A message of a wire version this build does not speak."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +257,7 @@ def header_object(head: bytes) -> dict[str, Any] | None:
     if not _PREAMBLE.size <= len(head) <= MAX_HEADER_BYTES:
         return None
     try:
-        return _json_object(head[_PREAMBLE.size :], "header")
+        return json_object(head[_PREAMBLE.size :], "header")
     except WireError:
         return None
 
@@ -288,24 +284,24 @@ def decode(frames: Sequence[bytes | memoryview], header: dict[str, Any] | None =
             f"wire version {version} is not supported (this build speaks {VERSION}); "
             "upgrade the collector or pin the agent to a matching gradwatch release"
         )
-    body = _json_object(head[_PREAMBLE.size :], "header") if header is None else header
+    body = json_object(head[_PREAMBLE.size :], "header") if header is None else header
     if kind == KIND_BATCH:
         return _decode_batch(body, frames[1:])
     if len(frames) != 1:
         raise WireError(f"message kind {kind} takes 1 frame, got {len(frames)}")
     if kind == KIND_HEARTBEAT:
         return Heartbeat(
-            job=_job(body),
-            rank=_int(body, "rank", 0, MAX_RANK),
-            world=_world(body),
-            incarnation=_str(body, "inc", 64),
-            time=_float(body, "time"),
-            step=_int(body, "step", -1, MAX_STEP),
-            dropped=_int(body, "dropped", 0, MAX_STEP),
-            started=_optional_int(body, "started", 0, MAX_STEP),
+            job=job_field(body),
+            rank=int_field(body, "rank", 0, MAX_RANK),
+            world=world_field(body),
+            incarnation=str_field(body, "inc", 64),
+            time=float_field(body, "time"),
+            step=int_field(body, "step", -1, MAX_STEP),
+            dropped=int_field(body, "dropped", 0, MAX_STEP),
+            started=optional_int(body, "started", 0, MAX_STEP),
         )
     if kind == KIND_EVENT:
-        ev_kind = _str(body, "kind", 32)
+        ev_kind = str_field(body, "kind", 32)
         if ev_kind not in EVENT_KINDS:
             raise WireError(
                 f"unknown event kind {ev_kind!r}; expected one of {sorted(EVENT_KINDS)}"
@@ -314,12 +310,12 @@ def decode(frames: Sequence[bytes | memoryview], header: dict[str, Any] | None =
         if not isinstance(fields, dict):
             raise WireError("event 'fields' must be an object")
         return Event(
-            job=_job(body),
-            rank=_int(body, "rank", 0, MAX_RANK),
-            incarnation=_str(body, "inc", 64),
-            time=_float(body, "time"),
+            job=job_field(body),
+            rank=int_field(body, "rank", 0, MAX_RANK),
+            incarnation=str_field(body, "inc", 64),
+            time=float_field(body, "time"),
             kind=ev_kind,
-            step=_int(body, "step", -1, MAX_STEP),
+            step=int_field(body, "step", -1, MAX_STEP),
             fields=fields,
         )
     raise WireError(f"unknown message kind {kind}")
@@ -328,9 +324,9 @@ def decode(frames: Sequence[bytes | memoryview], header: dict[str, Any] | None =
 def decode_schema(raw: bytes | memoryview) -> Schema:
     if len(raw) > MAX_SCHEMA_BYTES:
         raise WireError(f"schema frame of {len(raw)} bytes exceeds {MAX_SCHEMA_BYTES}")
-    body = _json_object(bytes(raw), "schema")
-    columns = _names(body, "columns")
-    layers = _names(body, "layers")
+    body = json_object(bytes(raw), "schema")
+    columns = names_field(body, "columns")
+    layers = names_field(body, "layers")
     if len(columns) + len(layers) > MAX_COLUMNS:
         raise WireError(f"schema of {len(columns) + len(layers)} columns exceeds {MAX_COLUMNS}")
     if len(set(columns)) != len(columns):
@@ -345,7 +341,7 @@ def decode_schema(raw: bytes | memoryview) -> Schema:
         except CensusError as exc:
             raise WireError(f"schema {exc}") from None
     return Schema(
-        id=_int(body, "id", 0, 2**31),
+        id=int_field(body, "id", 0, 2**31),
         columns=columns,
         layers=layers,
         dtype=dtype,
@@ -357,11 +353,11 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
     if len(rest) not in (1, 2):
         raise WireError(f"a batch takes 2 or 3 frames, got {len(rest) + 1}")
     schema = decode_schema(rest[0]) if len(rest) == 2 else None
-    schema_id = _int(body, "schema", 0, 2**31)
+    schema_id = int_field(body, "schema", 0, 2**31)
     if schema is not None and schema.id != schema_id:
         raise WireError(f"batch names schema {schema_id} but carries schema {schema.id}")
-    steps = _int_list(body, "steps")
-    times = _float_list(body, "times")
+    steps = int_list(body, "steps")
+    times = float_list(body, "times")
     if not steps or len(steps) > MAX_ROWS:
         raise WireError(f"a batch holds 1 to {MAX_ROWS} steps, got {len(steps)}")
     if len(times) != len(steps):
@@ -374,8 +370,8 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
             f"values frame holds {len(values) // 4} floats; schema {schema.id} needs "
             f"{len(steps)} x {schema.width}"
         )
-    world = _world(body)
-    shards = _optional_int(body, "shards", 1, world)
+    world = world_field(body)
+    shards = optional_int(body, "shards", 1, world)
     if shards is not None and world % shards:
         raise WireError(f"'shards' {shards} does not divide the world of {world} ranks")
     census = None
@@ -385,20 +381,20 @@ def _decode_batch(body: dict[str, Any], rest: Sequence[bytes | memoryview]) -> B
         except CensusError as exc:
             raise WireError(str(exc)) from None
     return Batch(
-        job=_job(body),
-        rank=_int(body, "rank", 0, MAX_RANK),
+        job=job_field(body),
+        rank=int_field(body, "rank", 0, MAX_RANK),
         world=world,
         schema_id=schema_id,
-        seq=_int(body, "seq", 0, MAX_STEP),
-        incarnation=_str(body, "inc", 64),
-        dropped=_int(body, "dropped", 0, MAX_STEP),
+        seq=int_field(body, "seq", 0, MAX_STEP),
+        incarnation=str_field(body, "inc", 64),
+        dropped=int_field(body, "dropped", 0, MAX_STEP),
         steps=steps,
         times=times,
         values=values,
         schema=schema,
         shards=shards,
         census=census,
-        nonfinite=_optional_int(body, NONFINITE_FIELD, 0, 1) == 1,
+        nonfinite=optional_int(body, NONFINITE_FIELD, 0, 1) == 1,
     )
 
 
@@ -415,100 +411,3 @@ def flagged(header: Mapping[str, Any]) -> bool:
 def row_width(batch: Batch) -> int:
     """Floats per row of ``batch`` (its values frame is checked to divide evenly)."""
     return len(batch.values) // (4 * len(batch.steps))
-
-
-# ---------------------------------------------------------------- field checks
-
-
-def _json_object(raw: bytes, what: str) -> dict[str, Any]:
-    try:
-        body = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise WireError(f"{what} is not UTF-8 JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise WireError(f"{what} must be a JSON object")
-    return body
-
-
-def _int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int:
-    value = body.get(key)
-    if type(value) is not int or not lo <= value <= hi:
-        raise WireError(f"field {key!r} must be an integer in [{lo}, {hi}], got {value!r:.40}")
-    return value
-
-
-def _optional_int(body: Mapping[str, Any], key: str, lo: int, hi: int) -> int | None:
-    # Fields added within wire v1 are optional: older agents do not send them.
-    return None if body.get(key) is None else _int(body, key, lo, hi)
-
-
-def _float(body: Mapping[str, Any], key: str) -> float:
-    value = body.get(key)
-    # bool is an int subclass, and JSON's true/false are not numbers here.
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-        raise WireError(f"field {key!r} must be a finite number, got {value!r:.40}")
-    return float(value)
-
-
-def _finite(value: float) -> bool:
-    # A JSON integer beyond float range would make isfinite() raise OverflowError.
-    return math.isfinite(value) if type(value) is float else abs(value) <= _FLOAT_MAX_INT
-
-
-def _str(body: Mapping[str, Any], key: str, max_chars: int) -> str:
-    value = body.get(key)
-    if not isinstance(value, str) or not 0 < len(value) <= max_chars:
-        raise WireError(f"field {key!r} must be a string of 1 to {max_chars} characters")
-    return value
-
-
-def _job(body: Mapping[str, Any]) -> str:
-    job = _str(body, "job", MAX_JOB_CHARS)
-    if not job.isprintable():
-        raise WireError("field 'job' must be printable")
-    return job
-
-
-def _world(body: Mapping[str, Any]) -> int:
-    world = _int(body, "world", 1, MAX_RANK + 1)
-    rank = body.get("rank")
-    if type(rank) is int and rank >= world:
-        raise WireError(f"rank {rank} is outside a world of {world}")
-    return world
-
-
-def _int_list(body: Mapping[str, Any], key: str) -> tuple[int, ...]:
-    value = body.get(key)
-    # The same test as per element, with the loops in C (every batch has two lists).
-    if (
-        not isinstance(value, list)
-        or not set(map(type, value)) <= _INT
-        or (value and not (min(value) >= 0 and max(value) < MAX_STEP))
-    ):
-        raise WireError(f"field {key!r} must be a list of non-negative integers")
-    return tuple(value)
-
-
-def _float_list(body: Mapping[str, Any], key: str) -> tuple[float, ...]:
-    value = body.get(key)
-    if isinstance(value, list) and set(map(type, value)) <= _FLOAT:
-        if all(map(math.isfinite, value)):
-            return tuple(value)  # floats already: float(v) is v
-    elif isinstance(value, list) and not any(
-        type(v) not in (int, float) or not _finite(v) for v in value
-    ):
-        return tuple(float(v) for v in value)
-    raise WireError(f"field {key!r} must be a list of finite numbers")
-
-
-_INT = frozenset({int})
-_FLOAT = frozenset({float})
-
-
-def _names(body: Mapping[str, Any], key: str) -> tuple[str, ...]:
-    value = body.get(key)
-    if not isinstance(value, list) or any(
-        not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_CHARS for v in value
-    ):
-        raise WireError(f"schema {key!r} must be a list of names of 1 to {MAX_NAME_CHARS} chars")
-    return tuple(value)

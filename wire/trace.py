@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Final
 
 from gradwatch.wire.census import Census, CensusError, census_of, roles_of
-from gradwatch.wire.messages import MAX_STEP
+from gradwatch.wire.fields import MAX_STEP
 from gradwatch.wire.trace_records import (
     TRACE_VERSION,
     TraceAct,
