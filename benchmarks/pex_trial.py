@@ -1,4 +1,4 @@
-"""A trial on more of pytorch/examples' scripts: CNN, LSTM, VAE, GAN, RL, GCN, GAT, forward-forward.
+"""pytorch/examples' scripts: CNN, LSTM, VAE, GAN, RL, GCN, GAT, forward-forward, regression.
 
 Each stretches an assumption the other trials never test. The scripts are run unmodified
 but for gradwatch's lines (and a bound on their length), from a checkout never copied
@@ -37,6 +37,11 @@ into this repository; CI never needs it.
   all along: WeightNormRunaway pages there (2026-12-06), a false page kept in sight, not
   fixed: by the weight norms' shape it matches the runaways of nanoGPT and llama2.c at
   lr x100 (see docs/measurements.md).
+* ``regression/main.py``: a polynomial fitted with no optimizer: the script updates the
+  weights itself (``p.data.add_(-0.1 * p.grad)``), so ``watch(fc, None)`` and ``log()``
+  after the update, with the lr, as README says. It runs until one batch's loss is under
+  1e-3; seeded here (its target is random) and bounded at ``REGRESSION_BATCHES``. Healthy:
+  0 alerts in 830 batches; lr x100 (10.0) caught at step 14 (2026-12-07).
 * ``reinforcement_learning/reinforce.py`` and ``actor_critic.py``: one optimizer step
   per episode, hundreds of forward passes per step, and a loss that is a signed sum
   whose scale grows with the episode's length (10 steps at first, 500 when solved).
@@ -55,7 +60,7 @@ they led to (rules/engine.py's signed loss, WeightGradientsCutOff) were checked 
 other kept trace, the fault suite and the HF corpus before they were kept.
 
     mkdir /tmp/pex2 && git --git-dir=$(fetch pytorch/examples) archive HEAD \\
-        mnist mnist_rnn vae dcgan reinforcement_learning gcn gat mnist_forward_forward \\
+        mnist mnist_rnn vae dcgan reinforcement_learning gcn gat mnist_forward_forward regression \\
         | tar -x -C /tmp/pex2
     python benchmarks/pex_trial.py /tmp/pex2 --keep /tmp/trials/pex1
     python benchmarks/pex_trial.py --replay-only /tmp/trials/pex1     # current rules
@@ -82,6 +87,7 @@ SCRIPTS = (
     "gcn",
     "gat",
     "forward_forward",
+    "regression",
 )
 RUNS = {f"{s}_{kind}": () for s in SCRIPTS for kind in ("healthy", "lr_x100")}
 # A run's traces: the GAN's two monitors are two jobs, each scored on its own.
@@ -108,6 +114,9 @@ ACCEPT: dict[str, tuple[str, ...] | None] = {
     for name in names
 }
 HELPFUL = {name: ("learning rate", "lr ") for name, accept in ACCEPT.items() if accept}
+# regression/main.py runs until one batch's loss is under 1e-3 (~400-700 batches at its
+# lr, 0.1); a run that never gets there stops here.
+REGRESSION_BATCHES = 5_000
 # Where each script's lr is set: a flag, or its optimizer's line (then patched).
 LR_FLAG = {
     "mnist": ("--lr", "100"),
@@ -233,6 +242,32 @@ def patch(script: str, text: str, job: str, endpoint: str, iters: int, broken: b
         )
         end = "        return self.forward(x_pos).detach(), self.forward(x_neg).detach()\n"
         return replace_once(t, end, "        self.mon.close()\n" + end, where)
+    if script == "regression":
+        # No optimizer: the script updates the weights itself (p.data.add_), so the agent
+        # reads the gradients in log(), called after the update as README says; the lr is
+        # logged, since no optimizer holds it. Seeded: its target polynomial is random.
+        lr = "10.0" if broken else "0.1"
+        update = "        param.data.add_(-0.1 * param.grad)\n"
+        t = replace_once(text, update, update.replace("0.1", lr), where)
+        t = insert_after(
+            t,
+            "import torch.nn.functional as F\n",
+            "torch.manual_seed(0)  # gradwatch trial\n",
+            where,
+        )
+        t = insert_after(
+            t,
+            "fc = torch.nn.Linear(W_target.size(0), 1)\n",
+            _watch("fc", "None", job, endpoint, "mon"),
+            where,
+        )
+        t = insert_after(
+            t, update.replace("0.1", lr), f"    mon.log(loss=output, lr={lr})\n", where
+        )
+        bound = (
+            f"for batch_idx in range(1, {REGRESSION_BATCHES} + 1):  # gradwatch trial: bounded\n"
+        )
+        return replace_once(t, "for batch_idx in count(1):\n", bound, where) + "mon.close()\n"
     # The two policy-gradient scripts: one optimizer step per episode.
     model, loss = ("policy", "policy_loss") if script == "reinforce" else ("model", "loss")
     opt = f"optimizer = optim.Adam({model}.parameters(), lr="
