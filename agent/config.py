@@ -76,6 +76,13 @@ class AgentConfig:
     # False: the logged loss is no supervised loss (RL, a GAN's generator); sent in the
     # census, so the rules that read its shape as one's do not judge it (rules/engine.py).
     supervised_loss: bool = True
+    # The phase clock: forward pre/post hooks on the model timing each step's wait for
+    # data and its forward (agent/recording.py). What they measure serves the rules of a
+    # job of several ranks (a straggler, the rank a hung job waits for); watch() turns
+    # them on there, and in a loop without an optimizer (its first forward is where the
+    # initial weights are read), and off in a single process, where they cost more than
+    # the rest of a plain step together (docs/agent-cost.md).
+    phase_clock: bool = True
     # Host buffers in flight between the training thread and the shipper.
     # Four covers one being encoded, one queued and two being copied.
     pool_size: int = 4

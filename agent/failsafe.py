@@ -116,7 +116,9 @@ class Failsafe:
     # The weights between the optimizer's steps (agent/fence.py); None where not watched.
     _fence: WriteFence | None
     _began: bool
-    _first_forward: bool  # the run's first training forward is still to come
+    # The initial weights are still to be read: at the first training forward (the phase
+    # clock's), else at the first gradient read, both before any update.
+    _first_forward: bool
     _since: float
     _forward_t0: float | None
     _data_s: float

@@ -221,7 +221,10 @@ class Monitor(LayerSwitch):
             on_failure=self._fail,
             on_command=self._on_command if config.command_endpoint else None,
             on_takeover=self._on_takeover if config.command_endpoint else None,
-            started=lambda: max(self._step + 1 if self._began else self._step, 0),
+            # Whether the next step's forward began: known only with the phase clock.
+            started=(lambda: max(self._step + 1 if self._began else self._step, 0))
+            if config.phase_clock
+            else None,
         )
         self._shipper.start()
         self._attach(model, optimizer)

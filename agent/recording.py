@@ -7,7 +7,8 @@ value on the host:
   followed: agent/recovery.py) writes every layer's gradient norm into the
   open device row with one fused read (agent/gradients.py);
 * forward pre/post hooks on the model time the step's phases (waiting for
-  data, forward) on the host clock;
+  data, forward) on the host clock, in a job of several ranks (the phase clock:
+  ``AgentConfig.phase_clock``);
 * ``Monitor.log`` commits the row (:meth:`StepRecorder._commit`): device
   scalars copied into it, Python numbers into a host list, and on cadence
   steps the statistics work of agent/cadence.py and agent/weightstats.py.
@@ -20,7 +21,8 @@ Example::
     >>> import torch, gradwatch
     >>> model = torch.nn.Linear(2, 1)
     >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> mon = gradwatch.watch(model, opt, job="doc", endpoint="tcp://127.0.0.1:1")
+    >>> mon = gradwatch.watch(model, opt, job="doc", endpoint="tcp://127.0.0.1:1",
+    ...                       rank=0, world=2)
     >>> len(model._forward_pre_hooks), len(model._forward_hooks)  # the phase clock
     (1, 1)
     >>> mon.close(); len(model._forward_pre_hooks)
@@ -81,19 +83,20 @@ class StepRecorder(Sampler):
             # Not sharded parameters, re-gathered into new storage every step; nor a
             # hand-written update, which writes them between its log() calls itself.
             self._fence = WriteFence(self._reader.params, self._reader.names)
-        # The phase clock. compile_safe: a model compiled after watch() traces these
-        # hooks, and they return before the clock read (which would be frozen into the
-        # graph). Not torch.compiler.disable: its wrapper switches dynamo's frame hook
-        # on every call (~15 us a step per hook in the loop) and changed nothing here,
-        # since the traced hook returns before calling it.
-        # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
-        # parameters, which waits for the slowest rank; that wait is not "data".
-        self._hooks.append(
-            hook_module(model, Detached(self._forward_began, compile_safe=True), prepend=True)
-        )
-        self._hooks.append(
-            hook_module(model, Detached(self._forward_ended, compile_safe=True), after=True)
-        )
+        if self.config.phase_clock:
+            # The phase clock (AgentConfig.phase_clock). compile_safe: a model compiled
+            # after watch() traces these hooks, and they return before the clock read
+            # (which would be frozen into the graph). Not torch.compiler.disable: its
+            # wrapper switches dynamo's frame hook on every call (~15 us a step per hook
+            # in the loop) and changed nothing here, since the traced hook returns first.
+            # First of the pre-hooks: FSDP's own (registered earlier) all-gathers the
+            # parameters, which waits for the slowest rank; that wait is not "data".
+            self._hooks.append(
+                hook_module(model, Detached(self._forward_began, compile_safe=True), prepend=True)
+            )
+            self._hooks.append(
+                hook_module(model, Detached(self._forward_ended, compile_safe=True), after=True)
+            )
         self._ratio_columns = tuple(wc.update_ratio(n) for n in self._reader.names)
         # A rank that sends no layers sends no cadence statistics either: its
         # reporter's (same model, same update) stand for it.
@@ -230,6 +233,11 @@ class StepRecorder(Sampler):
         """Read this step's gradient norms into the open row; after a failure caused by a
         change of the model (dtype, sparse gradients, device), carry on without what
         cannot be read (agent/recovery.py) and tell the collector."""
+        if self._first_forward:
+            # No phase clock saw a forward: the first gradient read is the first moment
+            # before any update (and after any checkpoint the loop loaded), too.
+            self._first_forward = False
+            self._read_initial()
         scratch = self._scratch
         self._norms = None
         row = self._buffer.current_layers if scratch is None else scratch

@@ -46,6 +46,7 @@ _EXPECTED: dict[str, tuple[tuple[type, ...], str, bool]] = {
     "activation_stats": ((bool,), "True or False", False),
     "update_ratios": ((bool,), "True or False", False),
     "supervised_loss": ((bool,), "True or False", False),
+    "phase_clock": ((bool,), "True, False or None (on for a job of several ranks)", True),
     "command_endpoint": ((str,), "a str ZeroMQ address or None", True),
     "command_key": ((str, bytes), "a str or bytes key, or None", True),
     "on_rollback": ((str,), "'return' or 'exit'", False),

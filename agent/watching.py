@@ -67,6 +67,7 @@ def watch(
     early_stats: bool = True,
     layout: object = None,
     supervised_loss: bool = True,
+    phase_clock: bool | None = None,
 ) -> Monitor:
     """Attach a :class:`Monitor` to ``model`` and ``optimizer``; see the module example.
 
@@ -120,6 +121,11 @@ def watch(
     returns), a GAN's generator. The rules that read the loss's shape (spikes,
     rises, divergence, a loss above its start) then leave it alone, as they do
     from the first loss below zero; the gradient, weight and non-finite rules go on.
+    ``phase_clock``: time each step's wait for data and its forward pass with two hooks
+    on the model (the ``data_seconds``/``forward_seconds`` signals the straggler and
+    hung-rank rules compare across ranks). None (default): on in a job of several
+    ranks, or without an optimizer; off in a single process, where nothing reads them
+    and the hooks cost ~20 us a step on a small model (docs/agent-cost.md).
     CurveZMQ (SECURITY.md): ``curve_server_public_key_file`` (the collector's
     ``NAME.key``) and ``curve_secret_key_file`` (this agent's ``NAME.key_secret``),
     else the ``GRADWATCH_CURVE_*`` environment variables.
@@ -149,6 +155,7 @@ def watch(
         shards=shards,
         start_step=start_step,
         supervised_loss=supervised_loss,
+        phase_clock=phase_clock,
     )
     assert job is not None  # checked above
     rank, world = resolve_rank_world(rank, world)
@@ -190,5 +197,6 @@ def watch(
         start_step=start_step,
         early_stats=early_stats,
         supervised_loss=supervised_loss,
+        phase_clock=world > 1 or optimizer is None if phase_clock is None else phase_clock,
     )
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)

@@ -1,6 +1,6 @@
 """Step-time overhead of the gradwatch agent on CPU: every step, not just the median.
 
-Four variants of the same training step run interleaved round-robin in one
+Six variants of the same training step run interleaved round-robin in one
 process, so drift in the machine (thermal, other load) hits them equally:
 
 * ``baseline`` -- no monitoring;
@@ -11,6 +11,9 @@ process, so drift in the machine (thermal, other load) hits them equally:
 * ``agent_s50`` -- the same with ``early_stats=False``: statistics every 50
   steps, which is the default schedule after the dense start (the rest of a
   run);
+* ``agent_clock`` -- ``agent_s50`` with ``phase_clock=True``: the two forward hooks
+  timing each step's phases, on by default in a job of several ranks only (one
+  process here, so this is what every rank of such a job adds);
 * ``read``     -- the physical limit: one fused read of all gradients
   (``torch._foreach_norm`` + ``torch.stack``) before ``opt.step()``, nothing else;
 * ``naive``    -- what people write by hand: every parameter's grad norm
@@ -70,8 +73,11 @@ from gradwatch.agent.hooks import Detached
 from gradwatch.agent.monitor import Monitor
 from gradwatch.agent.spreadplan import Part
 
-VARIANTS = ("baseline", "agent", "agent_s50", "read", "naive")
-AGENTS = ("agent", "agent_s50")  # the variants that watch
+VARIANTS = ("baseline", "agent", "agent_s50", "agent_clock", "read", "naive")
+AGENTS = ("agent", "agent_s50", "agent_clock")  # the variants that watch
+# The agent's timed windows on a plain step: the optimizer pre-hook and log(), and with
+# the phase clock (agent_clock: what a job of several ranks runs) its two forward hooks.
+WINDOWS = {"agent": 2, "agent_s50": 2, "agent_clock": 4}
 # Steps run unwatched, then watched, by the RSS probe (the transformer's are ~100x longer).
 RSS_STEPS = {"transformer": 30, "mlp": 200, "mlp6x256": 200}
 
@@ -124,20 +130,17 @@ class BareRead:
     """The read variant: the fused read alone, where and as the agent runs.
 
     Its optimizer pre-hook does one bare ``_foreach_norm`` + ``stack``, timed
-    inline ("read"), and it leaves the agent's other timed entry points (a forward
-    pre- and post-hook and a ``log()``) doing nothing. The timers cost CPU time of
-    their own inside each window they measure (two clock reads, one a system call,
-    on a cold cache: several microseconds each): four windows a step for the
-    agent, one for the read. This variant's windows minus its read are the other
-    three's cost, so the agent's windows minus that carry one timer, as the read
-    does.
+    inline ("read"), and its ``log()`` does nothing, timed as the agent's is. The
+    timers cost CPU time of their own inside each window they measure (two clock
+    reads, one a system call, on a cold cache: several microseconds each): two or
+    four windows a step for the agent (``WINDOWS``), one for the read. This
+    variant's windows minus its read are one timer's cost, so the agent's windows
+    net of ``WINDOWS - 1`` of them carry one timer, as the read does.
     """
 
     def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.row = torch.empty(len(self.params), dtype=torch.float32)
-        model.register_forward_pre_hook(Detached(self._nothing, compile_safe=True), prepend=True)
-        model.register_forward_hook(Detached(self._nothing, compile_safe=True))
         opt.register_step_pre_hook(self._read)
         self.log = _timed(self._nothing)
 
@@ -249,6 +252,7 @@ def make_step(
             job=f"bench-{work.name}-{variant}",
             endpoint=endpoint,
             early_stats=variant == "agent",
+            phase_clock=variant == "agent_clock",
         )
         if variant in AGENTS
         else None
@@ -489,15 +493,17 @@ def report(
         f"{rmean * 1e6:.0f} us = {r50 / base_cpu * 100:.2f}% of the baseline step's thread CPU"
         f" ({base_cpu * 1e3:.2f} ms); wall p50 {statistics.median(read) * 1e6:.0f} us"
     )
-    # The timers' own CPU time inside three of their windows, step by step: the read
-    # variant's four windows (the agent's entry points) minus its read (BareRead).
+    # One timer's own CPU time, step by step: the read variant's two windows (the
+    # optimizer pre-hook and log()) minus its read (BareRead).
     timers = [w - r for w, r in zip(inside["read_cpu"], rcpu, strict=True)]
-    t50, tmean = statistics.median(timers), statistics.mean(timers)
+    t1, t1mean = statistics.median(timers), statistics.mean(timers)
     print(
-        f"  the timers' own cost in three of the agent's four entry points (the read "
-        f"variant's windows minus its read): p50 {t50 * 1e6:.1f} us, mean {tmean * 1e6:.1f} us"
+        f"  one timer's own cost (the read variant's windows minus its read): p50 "
+        f"{t1 * 1e6:.1f} us, mean {t1mean * 1e6:.1f} us"
     )
     for variant in AGENTS:
+        extra = WINDOWS[variant] - 1
+        t50, tmean = extra * t1, extra * t1mean
         wall, cpu = inside[variant], inside[variant + "_cpu"]
         c50, c99, cmean = statistics.median(cpu), _q(cpu, 99), statistics.mean(cpu)
         print(
@@ -509,7 +515,7 @@ def report(
             f"p50 {statistics.median(wall) * 1e6:.0f} us, p99 {_q(wall, 99) * 1e6:.0f} us"
         )
         print(
-            f"    {variant} net of three timers (as the read, one left): p50 "
+            f"    {variant} net of {extra} timer(s) (as the read, one left): p50 "
             f"{(c50 - t50) * 1e6:.0f} us, p99 {(c99 - t50) * 1e6:.0f} us, mean "
             f"{(cmean - tmean) * 1e6:.0f} us; agent / read p50 {(c50 - t50) / r50:.2f}x, "
             f"p99 {(c99 - t50) / r99:.2f}x, mean {(cmean - tmean) / rmean:.2f}x"

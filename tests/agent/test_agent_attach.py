@@ -85,7 +85,7 @@ MLP_CLASSES = [nn.Sequential, nn.Linear, nn.ReLU, nn.Dropout]
 def test_save_load_deepcopy_and_pickle_mid_run_behave_as_unwatched(pull) -> None:
     model = mlp()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    w = watched(model, opt, pull)
+    w = watched(model, opt, pull, phase_clock=True)  # hooks on the model itself too
     mon = w.mon
     train(model, opt, mon, 3)  # the next step is a cadence step: activation hooks armed
     assert hooks_of(model) and hooks_of(model[1])  # the phase clock's and the ReLU's

@@ -92,16 +92,21 @@ def test_stats_every_zero_sends_none_and_negative_is_refused(pull) -> None:
     assert mon.stats.stats_sent == 0 and mon.stats.steps_logged == 3
 
 
-def test_the_first_sample_carries_the_weights_the_run_started_from(pull) -> None:
+@pytest.mark.parametrize("phase_clock", [True, False])
+def test_the_first_sample_carries_the_weights_the_run_started_from(pull, phase_clock) -> None:
     # Adam's first update moves every element by about the lr, whatever the gradient: at a
     # lr far too high that alone inflates the weights (minDiffusion at lr x100: x2.4), so
     # the first sample reads the weights before it; later samples read them after theirs.
+    # They are read at the first training forward with the phase clock, else at the
+    # first gradient read; both come before the first update.
     sock, endpoint = pull
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
     opt = torch.optim.Adam(model.parameters(), lr=0.5)
     initial = [p.detach().norm().item() for p in model.parameters()]
-    mon = gradwatch.watch(model, opt, job="init", endpoint=endpoint, flush_every=2)
+    mon = gradwatch.watch(
+        model, opt, job="init", endpoint=endpoint, flush_every=2, phase_clock=phase_clock
+    )
     after: dict[int, list[float]] = {}
     for step in range(1, 3):
         model(torch.randn(8, 16)).pow(2).mean().backward()

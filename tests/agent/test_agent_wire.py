@@ -352,7 +352,13 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with gradwatch.watch(
-        model, opt, job="phases", endpoint=endpoint, flush_every=3, heartbeat_every=0.02
+        model,
+        opt,
+        job="phases",
+        endpoint=endpoint,
+        flush_every=3,
+        heartbeat_every=0.02,
+        phase_clock=True,  # one process: off unless asked for
     ) as mon:
         for _ in range(3):
             time.sleep(0.05)  # the data loader: the host waits before the forward
@@ -387,13 +393,56 @@ def test_step_phases_measure_data_wait_and_forward_and_heartbeats_say_started(pu
     assert got[4][0]["s/data_seconds"][0] < 0.045  # no wait before step 4's forward
 
 
+def test_the_phase_clock_is_on_where_a_rule_reads_it(pull):
+    # Its timings serve the rules that compare ranks (a straggler, the rank a hung job
+    # waits for); in one process its two hooks are a cost without a reader.
+    sock, endpoint = pull
+
+    def clock(**kwargs: object) -> tuple[int, int]:
+        model = Net()
+        opt = kwargs.pop("opt", torch.optim.SGD(model.parameters(), lr=0.1))
+        mon = gradwatch.watch(model, opt, job="clock", endpoint=endpoint, **kwargs)
+        hooks = len(model._forward_pre_hooks), len(model._forward_hooks)
+        mon.close()
+        return hooks
+
+    assert clock() == (0, 0)  # one process
+    assert clock(rank=1, world=2) == (1, 1)
+    assert clock(opt=None) == (1, 1)  # no optimizer: its first forward reads the weights
+    assert clock(phase_clock=True) == (1, 1)
+    assert clock(rank=0, world=2, phase_clock=False) == (0, 0)
+    drain(sock)
+
+
+def test_one_process_sends_no_phases_and_no_started(pull):
+    sock, endpoint = pull
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with gradwatch.watch(
+        model, opt, job="noclock", endpoint=endpoint, flush_every=2, heartbeat_every=0.02
+    ) as mon:
+        seen = [recv(sock)]  # a heartbeat: connected, so the batch is not dropped
+        for _ in range(2):
+            model(torch.randn(2, 6)).sum().backward()
+            opt.step()
+            mon.log(loss=1.0)
+    seen += drain(sock)
+    got = rows([b for b in seen if isinstance(b, Batch) and b.schema_id != wc.STATS_SCHEMA_ID])
+    assert sorted(got) == [1, 2]
+    assert not any(name.startswith(("s/data_seconds", "s/forward_seconds")) for name in got[1][0])
+    beats = [m for m in seen if isinstance(m, Heartbeat)]
+    assert beats and all(b.started is None for b in beats)
+
+
 def test_a_forward_without_autograd_in_train_mode_is_not_the_steps_forward(pull):
     # An evaluation that leaves the model in train mode (pytorch/examples'
     # time_sequence_prediction) ran between steps: it is not the step's forward pass.
     sock, endpoint = pull
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with gradwatch.watch(model, opt, job="nograd", endpoint=endpoint, flush_every=2) as mon:
+    with gradwatch.watch(
+        model, opt, job="nograd", endpoint=endpoint, flush_every=2, phase_clock=True
+    ) as mon:
         slow = model.register_forward_pre_hook(lambda m, a: time.sleep(0.05))  # after ours
         with torch.no_grad():
             model(torch.randn(2, 6))  # 50 ms without autograd, in train mode
