@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -88,6 +89,25 @@ class EventItem:
     tensor_values: torch.Tensor | None = None
     ready: Any = None
     time: float = field(default_factory=time.time)
+
+    def wire_fields(self) -> dict[str, Any]:
+        """The fields as the event sends them (the shipper's thread: it may wait for the
+        tensor values' copy); JSON has no NaN/Inf, so those travel as strings."""
+        fields = dict(self.fields)
+        if self.tensor_values is not None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            values = self.tensor_values.cpu().tolist()
+            fields.update(zip(self.tensor_names, values, strict=True))
+        return {k: _json_number(v) for k, v in fields.items()}
+
+
+def _json_number(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        value = float(value)  # a CPU tensor kept for the shipper thread to read
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # 'nan', 'inf', '-inf'
+    return value
 
 
 @dataclass(frozen=True, slots=True)

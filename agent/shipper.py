@@ -241,7 +241,8 @@ class Shipper:
             if item is _STOP:
                 self._held.clear()  # with the closing wait (_wait_s)
                 return
-            self._watch_connections()
+            for dest in self._dests:
+                dest.watch()  # handshakes (a schema to resend) and refused keys
             if isinstance(item, FlushItem):
                 self._ship_batch(item)
             elif isinstance(item, StatsItem):
@@ -285,10 +286,6 @@ class Shipper:
             elif isinstance(item, StatsItem):
                 with self._counters.lock:
                     self._counters.stats_dropped += 1
-
-    def _watch_connections(self) -> None:
-        for dest in self._dests:
-            dest.watch()
 
     def _send(self, frames: list[bytes]) -> bool:
         """Send to every collector; True if at least one took it."""
@@ -451,12 +448,6 @@ class Shipper:
     def _ship_event(self, item: EventItem) -> None:
         if item.kind == "checkpoint" and self._commands is not None:
             self._commands.vouch(item.step, item.fields.get("path"))  # rollback targets
-        fields = dict(item.fields)
-        if item.tensor_values is not None:
-            if item.ready is not None:
-                item.ready.synchronize()
-            values = item.tensor_values.cpu().tolist()
-            fields.update(zip(item.tensor_names, values, strict=True))
         cfg = self._cfg
         event = Event(
             job=cfg.job,
@@ -465,7 +456,7 @@ class Shipper:
             time=item.time,
             kind=item.kind,
             step=item.step,
-            fields={k: _json_number(v) for k, v in fields.items()},
+            fields=item.wire_fields(),
         )
         if self._send(encode_event(event)):
             self._counters.events_sent += 1
@@ -507,12 +498,3 @@ class Shipper:
             self._ctx.term()
         except zmq.ZMQError as exc:  # nothing left to protect; do not raise in a thread
             logger.debug("gradwatch: closing the ZeroMQ socket failed: %s", exc)
-
-
-def _json_number(value: Any) -> Any:
-    """Event fields travel as JSON, which has no NaN/Inf: send those as strings."""
-    if isinstance(value, torch.Tensor):
-        value = float(value)  # a CPU tensor kept for this thread to read
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)  # 'nan', 'inf', '-inf'
-    return value
