@@ -80,8 +80,8 @@ class AgentConfig:
     # data and its forward (agent/recording.py). What they measure serves the rules of a
     # job of several ranks (a straggler, the rank a hung job waits for); watch() turns
     # them on there, and in a loop without an optimizer (its first forward is where the
-    # initial weights are read), and off in a single process, where they cost more than
-    # the rest of a plain step together (docs/agent-cost.md).
+    # initial weights are read), and off in a single process, where their cost (~20 us a
+    # step on a small model, docs/agent-cost.md) buys nothing.
     phase_clock: bool = True
     # Host buffers in flight between the training thread and the shipper.
     # Four covers one being encoded, one queued and two being copied.

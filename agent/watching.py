@@ -197,6 +197,6 @@ def watch(
         start_step=start_step,
         early_stats=early_stats,
         supervised_loss=supervised_loss,
-        phase_clock=world > 1 or optimizer is None if phase_clock is None else phase_clock,
+        phase_clock=(world > 1 or optimizer is None) if phase_clock is None else phase_clock,
     )
     return Monitor(model, optimizer, config, scaler=scaler, enabled=enabled)
