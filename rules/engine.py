@@ -55,7 +55,7 @@ from typing import Any
 
 from gradwatch.rules.agent_health import AgentNotice
 from gradwatch.rules.alert import Alert, Transition
-from gradwatch.rules.detector import INACTIVE, Finding, inputs_of, reads_supervised_loss
+from gradwatch.rules.detector import Finding, inputs_of, reads_supervised_loss
 from gradwatch.rules.diagnosis import JobHistory, diagnose
 from gradwatch.rules.lifecycle import AlertLifecycle, AlertRule
 from gradwatch.rules.nonfinite import NonFiniteDetector
@@ -187,9 +187,7 @@ class Engine:
         state = self._rank(step.job, _key(step), step.step)
         # -inf is the non-finite rule's: only a finite loss below zero says "signed".
         if step.loss is not None and -math.inf < step.loss < 0.0 and not state.signed:
-            return self._let_go_of_loss(state, step.step) + self._run(
-                state.steps, "observe", step, step.step
-            )
+            return self._let_go_of_loss(state) + self._run(state.steps, "observe", step, step.step)
         return self._run(state.steps, "observe", step, step.step)
 
     def observe_early(self, step: Step, whole: bool) -> list[Transition]:
@@ -250,12 +248,7 @@ class Engine:
         if not declared:
             return []
         job.unsupervised = job.history.unsupervised = True
-        return [
-            t
-            for state in states
-            if not state.signed
-            for t in self._let_go_of_loss(state, stats.step)
-        ]
+        return [t for state in states if not state.signed for t in self._let_go_of_loss(state)]
 
     def observe_eval(self, ev: Eval) -> list[Transition]:
         """Feed one evaluation to every rule that reads evals."""
@@ -413,7 +406,7 @@ class Engine:
             )
             self._ranks[(job, rank)] = state
             if owner.unsupervised:
-                self._let_go_of_loss(state, at_step)  # nothing fired yet: no transitions
+                self._let_go_of_loss(state)  # nothing fired yet: no transitions
             if owner.towers is not None:
                 _tell(state, "observe_towers", *owner.towers)
         due = _latest_change(owner.data_changes, state.baseline_from, at_step)
@@ -449,13 +442,14 @@ class Engine:
                 transitions += self._update(slot, step, finding)
         return transitions
 
-    def _let_go_of_loss(self, state: _RankState, step: int) -> list[Transition]:
+    def _let_go_of_loss(self, state: _RankState) -> list[Transition]:
         """A loss below zero: stop the supervised-loss rules here and resolve what they fired."""
         state.signed = True
         _tell(state, "loss_not_supervised")
         let_go = {id(slot) for slot in state.supervised}
         state.steps = [slot for slot in state.steps if id(slot) not in let_go]
-        return [t for slot in state.supervised for t in self._update(slot, step, INACTIVE)]
+        # Ended now: no later observation comes to outlast a rule's keep_firing_for.
+        return [t for slot in state.supervised if (t := slot.lifecycle.close()) is not None]
 
     @staticmethod
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:

@@ -189,7 +189,8 @@ class AlertLifecycle:
         return self._resolve(self._alert, now)
 
     def close(self) -> Transition | None:
-        """End the current incident now (the job finished): resolve it if it is firing."""
+        """End the current incident now (the job finished, or the rule stopped judging the
+        rank: a loss not supervised): resolve it if it is firing."""
         self._early = None
         if self._state == "pending":
             self._state = "inactive"

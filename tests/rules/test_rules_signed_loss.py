@@ -68,3 +68,22 @@ def test_a_supervised_loss_stays_judged() -> None:
     losses = [2.3] * 3 + [2.3 * 40] * 3  # never below zero: the start bound pages
     steps = [step(t, loss) for t, loss in enumerate(losses, start=1)]
     assert ("LossFarAboveStart", "firing", 5) in fired(engine, steps)
+
+
+def test_a_broken_loss_dipping_under_the_bound_for_a_while_stays_one_incident() -> None:
+    # pytorch/examples' regression at lr x100 hovers at 7-20x its first loss: each dip under
+    # 10x resolved LossFarAboveStart and the next rise paged it again (75 times in 5,000
+    # steps). A dip shorter than keep_firing_for (20 observations) is one incident.
+    engine = Engine(load_default_rules())
+    broken = [1.0] + [15.0] * 10 + [8.0] * 15 + [15.0] * 10  # a 15-step dip
+    got = fired(engine, [step(t, loss) for t, loss in enumerate(broken, start=1)])
+    assert [(rule, current) for rule, current, _ in got if rule == "LossFarAboveStart"] == [
+        ("LossFarAboveStart", "firing")
+    ]
+    # A longer calm ends it; a new rise is a new incident.
+    after = [8.0] * 30 + [15.0] * 5
+    got = fired(engine, [step(t, loss) for t, loss in enumerate(after, start=len(broken) + 1)])
+    assert [(rule, current) for rule, current, _ in got if rule == "LossFarAboveStart"] == [
+        ("LossFarAboveStart", "resolved"),
+        ("LossFarAboveStart", "firing"),
+    ]
