@@ -118,7 +118,7 @@ class Failsafe:
     _began: bool
     # The initial weights are still to be read: at the first training forward (the phase
     # clock's), else at the first gradient read, both before any update.
-    _first_forward: bool
+    _initial_unread: bool
     _since: float
     _forward_t0: float | None
     _data_s: float

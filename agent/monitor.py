@@ -201,7 +201,7 @@ class Monitor(LayerSwitch):
         # forward began since the last log(), when that log() ended, and the
         # seconds spent waiting for data and in forward passes this step.
         self._began = False
-        self._first_forward = True
+        self._initial_unread = True
         self._since = time.perf_counter()
         self._forward_t0 = None
         self._data_s = self._forward_s = 0.0

@@ -233,10 +233,10 @@ class StepRecorder(Sampler):
         """Read this step's gradient norms into the open row; after a failure caused by a
         change of the model (dtype, sparse gradients, device), carry on without what
         cannot be read (agent/recovery.py) and tell the collector."""
-        if self._first_forward:
+        if self._initial_unread:
             # No phase clock saw a forward: the first gradient read is the first moment
             # before any update (and after any checkpoint the loop loaded), too.
-            self._first_forward = False
+            self._initial_unread = False
             self._read_initial()
         scratch = self._scratch
         self._norms = None
@@ -290,16 +290,17 @@ class StepRecorder(Sampler):
         if not self._began:
             self._began = True
             self._data_s = now - self._since
-            if self._first_forward:
-                self._first_forward = False
+            if self._initial_unread:
+                self._initial_unread = False
                 self._read_initial()
                 now = time.perf_counter()  # that read is not the forward's time
         self._forward_t0 = now
 
     def _read_initial(self) -> None:
-        """The run's first training forward, before any update (and after any checkpoint the
-        loop loaded): when its step carries the first sample, that sample's weight norms are
-        read now, the weights the run started from (agent/weightstats.py: read_initial)."""
+        """The run's first training forward (the phase clock's) or first gradient read,
+        both before any update (and after any checkpoint the loop loaded): when its step
+        carries the first sample, that sample's weight norms are read now, the weights the
+        run started from (agent/weightstats.py: read_initial)."""
         ws = self._wstats
         if ws is None or ws.started or not self._stats_now:
             return

@@ -35,6 +35,8 @@ VARIANTS = ("clock", "no_clock", "bare")
 
 
 def mlp(depth: int, width: int) -> nn.Sequential:
+    """agent_overhead.py's mlp6x256 at the defaults; not imported from there, since
+    importing that script wraps the agent's calls in its timers."""
     layers: list[nn.Module] = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
