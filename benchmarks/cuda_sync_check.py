@@ -24,7 +24,9 @@ reason is printed otherwise). The AMP run forces an overflow every 7th step
 to exercise the skipped-step path. The checked window starts with
 ``mon.data_changed()``, so it holds the dense early cadence (a cadence step
 on each of its first 8 steps: activation hooks, sampled update ratios, weight
-norms read a slice per step) as well as plain and flush steps.
+norms read a slice per step) as well as plain and flush steps. A second window
+per workload spreads samples over their phases (``SPARSE``) with the phase
+clock on: the forward hooks every rank of a multi-rank job runs.
 
 **Memory.** For each workload, ``torch.cuda.max_memory_allocated`` over 40
 steps from a fresh ``watch()`` (dense cadence), agent minus baseline: the
@@ -63,11 +65,14 @@ from gradwatch.agent.budget import memory_budget
 from gradwatch.agent.monitor import Monitor
 
 # agent: the default schedule (the dense start of a run, from its 21st step);
-# agent_s50: the schedule of the rest of a run (early_stats=False, a sample every 50).
-VARIANTS = ("baseline", "agent", "agent_s50", "read", "naive")
+# agent_s50: the schedule of the rest of a run (early_stats=False, a sample every 50);
+# agent_clock: agent_s50 with the phase clock, what every rank of a multi-rank job runs.
+VARIANTS = ("baseline", "agent", "agent_s50", "agent_clock", "read", "naive")
 # The sync check's second window: samples far enough apart to be spread over their
-# phases (agent/weightstats.py), one step of a sample on most steps.
-SPARSE = {"stats_every": 10, "early_stats": False}
+# phases (agent/weightstats.py), one step of a sample on most steps; with the phase
+# clock's forward hooks (on by default only where several ranks run), so the two
+# windows check both ways the initial weights are read (agent/recording.py).
+SPARSE = {"stats_every": 10, "early_stats": False, "phase_clock": True}
 
 
 # ---------------------------------------------------------------- workloads
@@ -184,7 +189,10 @@ class Runner:
         self.mon = None
         if variant.startswith("agent"):
             if schedule is None:
-                schedule = {"early_stats": variant == "agent"}
+                schedule = {
+                    "early_stats": variant == "agent",
+                    "phase_clock": variant == "agent_clock",
+                }
             self.mon = gradwatch.watch(
                 self.model,
                 self.opt,
@@ -256,9 +264,10 @@ def loop_itself_syncs(work: Workload, amp: bool, endpoint: str, device: str) -> 
 def sync_check(
     work: Workload, amp: bool, endpoint: str, device: str, steps: int, sparse: bool = False
 ) -> bool:
-    """``sparse``: samples every 10 steps, each spread over its phases; else the dense
-    early cadence (a whole sample on each of the window's first 8 steps)."""
-    label = f"{work.name}/{'amp-fp16' if amp else 'fp32'}/{'spread' if sparse else 'dense'}"
+    """``sparse``: samples every 10 steps, each spread over its phases, with the phase
+    clock; else the dense early cadence (a whole sample on each of the window's first 8
+    steps), without it."""
+    label = f"{work.name}/{'amp-fp16' if amp else 'fp32'}/{'spread+clock' if sparse else 'dense'}"
     scoped = loop_itself_syncs(work, amp, endpoint, device)
     runner = Runner(work, "agent", amp, endpoint, device, SPARSE if sparse else None)
     for i in range(20):  # warm-up: allocator, cuBLAS handles, pinned host buffers
@@ -292,7 +301,7 @@ def sync_check(
     wstats = runner.mon._wstats
     phases = wstats.phases if wstats is not None else 0
     print(
-        f"  {'PASS' if ok else 'FAIL'}  {label:<29} error mode on: {scope}; {phases} phases; "
+        f"  {'PASS' if ok else 'FAIL'}  {label:<30} error mode on: {scope}; {phases} phases; "
         f"{stats.steps_logged} steps logged, {stats.steps_sent} sent, "
         f"{stats.steps_dropped} dropped"
     )
@@ -329,13 +338,13 @@ def overhead(work: Workload, amp: bool, endpoint: str, device: str, steps: int) 
     b50, b99, bmean = statistics.median(base), _p99(base), statistics.mean(base)
     print(f"\n  {work.name} {'amp-fp16' if amp else 'fp32'}: {steps} steps per variant")
     print(
-        f"    {'variant':<9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
+        f"    {'variant':<11} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'mean ms':>8}"
         f" {'p50 +%':>7} {'p99 +%':>7} {'mean +%':>7}"
     )
     for variant, ts in times.items():
         p50, p99, mean = statistics.median(ts), _p99(ts), statistics.mean(ts)
         print(
-            f"    {variant:<9} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
+            f"    {variant:<11} {p50 * 1e3:>8.3f} {p99 * 1e3:>8.3f} {max(ts) * 1e3:>8.3f}"
             f" {mean * 1e3:>8.3f} {(p50 / b50 - 1) * 100:>+7.2f}"
             f" {(p99 / b99 - 1) * 100:>+7.2f} {(mean / bmean - 1) * 100:>+7.2f}"
         )

@@ -83,7 +83,9 @@ def cadence_steps(stats_every: int, steps: int) -> int:
     return sum(cadence.due(s) for s in range(1, steps + 1))
 
 
-def run_loop(endpoint: str, steps: int = 40, stats_every: int = 10) -> gradwatch.Monitor:
+def run_loop(
+    endpoint: str, steps: int = 40, stats_every: int = 10, phase_clock: bool | None = None
+) -> gradwatch.Monitor:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(16, 32),
@@ -104,6 +106,7 @@ def run_loop(endpoint: str, steps: int = 40, stats_every: int = 10) -> gradwatch
         scaler=scaler,
         heartbeat_every=0.05,
         stats_every=stats_every,
+        phase_clock=phase_clock,
     )
     for i in range(steps):
         loss = model(torch.randn(8, 16)).pow(2).mean()
@@ -123,8 +126,14 @@ def run_loop(endpoint: str, steps: int = 40, stats_every: int = 10) -> gradwatch
     return mon
 
 
-def test_monitored_loop_makes_no_syncing_call_on_the_training_thread(detector, endpoint):
-    mon = run_loop(endpoint)
+# The phase clock's forward hooks (on by default where several ranks run, off in one
+# process) and the initial weight read each path makes: at the first forward, or the
+# first gradient read.
+@pytest.mark.parametrize("phase_clock", [False, True], ids=["one-process", "phase-clock"])
+def test_monitored_loop_makes_no_syncing_call_on_the_training_thread(
+    detector, endpoint, phase_clock
+):
+    mon = run_loop(endpoint, phase_clock=phase_clock)
     assert detector.calls == []
     assert mon.stats.steps_logged == 40
     assert mon.stats.disabled is None
