@@ -48,7 +48,7 @@ def test_every_fault_has_an_expectation_and_every_rule_a_fault() -> None:
     # census rules (NormStatisticsFrozen too), GradientsAllZero and WeightGradientsCutOff in
     # test_rules_gradient_faults;
     # liveness in test_rules_liveness and test_rules_straggler; UpdatesTooSmall and the two
-    # LayersLagging rules in test_rules_stats_detectors; WeightsInflatingLossStalled in
+    # LayersLagging rules in test_rules_update_stats; WeightsInflatingLossStalled in
     # test_rules_inflation.
     # Checked here: the signal groups.
     elsewhere = {
