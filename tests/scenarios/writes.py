@@ -11,7 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from scenarios.scenario_lib import N_CLS, N_IN, Ctx, Scenario, classify, mlp
+from scenarios.runner import Ctx, Scenario
+from scenarios.training import N_CLS, N_IN, classify, mlp
 
 
 class _LayerDropNet(nn.Module):
