@@ -1,0 +1,1 @@
+"""torchtext.data: only its ``utils`` module is answered here."""
