@@ -86,20 +86,14 @@ Example::
 
 from __future__ import annotations
 
-import fnmatch
 import logging
-import re
-import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from gradwatch.agent.actsample import (
-    PRE,
-    PRE_KINDS,
     ROW_SAMPLE,
     SAMPLE,
     Cells,
@@ -108,6 +102,13 @@ from gradwatch.agent.actsample import (
     measure_rows,
 )
 from gradwatch.agent.actstats import ActCopy, ActLayout, missing_buffer
+from gradwatch.agent.acttargets import (
+    Target,
+    find_targets,
+    frac_stat,
+    is_compiled,
+    stacked_linear_maps,
+)
 from gradwatch.agent.hooks import Detached, hook_module
 from gradwatch.agent.hostpart import host_copy
 from gradwatch.wire import columns as wc
@@ -123,159 +124,6 @@ MAX_HOOK_GROUPS = 16
 # int64 index vectors (24), the sample in its own dtype (8 for float64), its float32
 # copy (4) and two bool masks (2); 38, rounded up. Checked in tests/agent/test_agent_act.py.
 HOOK_BYTES_PER_SAMPLED = 40
-# The families a name in ``activation_modules`` may give (ActStats.kind).
-KINDS = ("relu", "relu6", "tanh", "sigmoid", "gelu", "silu", "softmax")
-INPUT_SUFFIX = ":input"
-PRE_SUFFIX = ":pre"
-
-_COMPILED_PREFIX = "_orig_mod."
-# Hugging Face and other libraries write their own activation classes (GELUActivation,
-# NewGELUActivation, PytorchGELUTanh, SiLUActivation...): recognised by class name.
-# The names of gated blocks (SwiGLU, GeGLU) do not match: their output is a product.
-_GELU_CLASS = re.compile(r"gelu(activation|tanh)?$", re.IGNORECASE)
-_SILU_CLASS = re.compile(r"(silu|swish)(activation)?$", re.IGNORECASE)
-
-
-def _kind(module: nn.Module) -> str | None:
-    """The nonlinearity family ``ActStats.kind`` names, or None when not measured."""
-    if isinstance(module, nn.ReLU6):  # a Hardtanh, not a ReLU, in torch
-        return "relu6"
-    if isinstance(module, nn.ReLU):
-        return "relu"
-    if isinstance(module, nn.Tanh):
-        return "tanh"
-    if isinstance(module, nn.Sigmoid):
-        return "sigmoid"
-    if isinstance(module, nn.Softmax):
-        return "softmax"
-    if isinstance(module, nn.LeakyReLU):
-        return "other"  # few exact zeros by design: mean and std only
-    name = type(module).__name__
-    if isinstance(module, nn.GELU) or _GELU_CLASS.search(name):
-        return "gelu"
-    if isinstance(module, nn.SiLU) or _SILU_CLASS.search(name):
-        return "silu"
-    return None
-
-
-def _frac_stat(kind: str) -> str | None:
-    if kind in ("relu", "relu6", "gelu", "silu"):
-        return wc.ACT_ZERO_FRAC
-    if kind in ("tanh", "sigmoid", "softmax"):
-        return wc.ACT_SAT_FRAC
-    return None
-
-
-def check_activation_modules(spec: object) -> tuple[tuple[str, str], ...]:
-    """``watch(activation_modules=...)`` as (pattern, kind) pairs; ValueError for a bad kind.
-
-    ``spec`` is typed ``Mapping[str, str] | None`` in ``watch()``; checked here whatever it is.
-    """
-    if not spec:
-        return ()
-    if not isinstance(spec, Mapping):
-        raise ValueError(
-            "activation_modules must map module names (fnmatch patterns) to an "
-            f"activation kind, e.g. {{'*.mlp.c_proj': 'gelu'}}; got {type(spec).__name__}"
-        )
-    out = []
-    for pattern, kind in spec.items():
-        if not isinstance(pattern, str) or not pattern or kind not in KINDS + PRE_KINDS:
-            raise ValueError(
-                f"activation_modules[{pattern!r}] = {kind!r}: the key must be a "
-                f"module name or pattern and the value one of {', '.join(KINDS)} (its input "
-                f"is that activation's output), or {', '.join(PRE_KINDS)} (its output is "
-                "what that activation takes, e.g. the gate of a SwiGLU)"
-            )
-        out.append((pattern, kind))
-    return tuple(out)
-
-
-def is_compiled(model: nn.Module) -> bool:
-    """True for a ``torch.compile`` result or a module compiled in place (``.compile()``).
-
-    Looked up in ``sys.modules``: a model can only be an ``OptimizedModule``
-    once torch.compile has imported it, and importing dynamo here would cost
-    a second at every ``watch()``.
-    """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled_type = getattr(eval_frame, "OptimizedModule", None)
-    if isinstance(compiled_type, type) and isinstance(model, compiled_type):
-        return True
-    return any(getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
-
-
-@dataclass(frozen=True, slots=True)
-class _Target:
-    """One measured tensor: a module's output, or (``on_input``) its first input."""
-
-    name: str
-    kind: str
-    module: nn.Module
-    on_input: bool = False
-    pre: bool = False  # its output is the activation's input (actsample.PRE)
-
-
-# What squashes a model's output into a range: probabilities, pixels in [-1, 1].
-_OUTPUT_KINDS = frozenset({"sigmoid", "tanh", "softmax"})
-
-
-def find_targets(model: nn.Module, inputs: Mapping[str, str] | None = None) -> list[_Target]:
-    """The modules to hook, in model order: nonlinearity modules, then the named inputs.
-
-    A sigmoid, tanh or softmax registered after every module that holds parameters is
-    the model's output activation (``nn.Sequential(..., nn.Linear(64, 1), nn.Sigmoid())``,
-    DCGAN's generator ending in ``nn.Tanh``): not measured. Its outputs near their bounds
-    are a confident model, not units that pass no gradient (BCELoss undoes the sigmoid's
-    slope); healthy ones paged ``ActivationsSaturated`` (benchmarks/healthy_patterns.py:
-    a binary classifier at step 63, an autoencoder at 285). A
-    ReLU registered last stays: ``self.relu = nn.ReLU()`` after the layers is usually
-    the hidden activation, reused.
-    """
-    patterns = check_activation_modules(inputs)
-    found: list[_Target] = []
-    matched: set[str] = set()
-    # Squashing nonlinearities since the last module with parameters (None: none yet).
-    output_side: list[_Target] | None = None
-    for name, module in model.named_modules():
-        clean = name.removeprefix(_COMPILED_PREFIX)
-        kind = _kind(module)
-        if any(True for _ in module.parameters(recurse=False)):
-            output_side = []
-        if kind is not None:
-            found.append(_Target(clean or type(module).__name__, kind, module))
-            if kind in _OUTPUT_KINDS and output_side is not None:
-                output_side.append(found[-1])
-        for pattern, given in patterns:
-            if clean and fnmatch.fnmatchcase(clean, pattern):
-                if given.startswith(PRE):
-                    found.append(_Target(clean + PRE_SUFFIX, given[len(PRE) :], module, pre=True))
-                else:
-                    found.append(_Target(clean + INPUT_SUFFIX, given, module, on_input=True))
-                matched.add(pattern)
-                break
-    for pattern, _ in patterns:
-        if pattern not in matched:
-            logger.warning(
-                "gradwatch: activation_modules pattern %r matches no module of the "
-                "model; check the names with [n for n, _ in model.named_modules()]",
-                pattern,
-            )
-    if output_side:
-        logger.info(
-            "gradwatch: %s after the model's last layer read as its output activation: "
-            "not measured (a confident output is no saturation)",
-            ", ".join(t.name for t in output_side),
-        )
-        skipped = {id(t) for t in output_side}
-        found = [t for t in found if id(t) not in skipped]
-    return found
-
-
-def _stacked_linear_maps(model: nn.Module) -> bool:
-    """Whether ``model`` holds two Linear or convolution layers or more."""
-    maps = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    return sum(1 for m in model.modules() if isinstance(m, maps)) >= 2
 
 
 class ActHooks:
@@ -283,21 +131,21 @@ class ActHooks:
 
     def __init__(
         self,
-        targets: list[_Target],
+        targets: list[Target],
         device: torch.device,
         on_error: Callable[[str, BaseException], None] | None,
     ) -> None:
         self._on_error = on_error
         columns: list[str] = []
         # (target, first slot, whether a share is measured)
-        plan: list[tuple[_Target, int, bool]] = []
+        plan: list[tuple[Target, int, bool]] = []
         for target in targets:
             first = len(columns)
             columns += [
                 wc.act(target.name, target.kind, wc.ACT_MEAN),
                 wc.act(target.name, target.kind, wc.ACT_STD),
             ]
-            frac = _frac_stat(target.kind)
+            frac = frac_stat(target.kind)
             if frac is not None:
                 columns.append(wc.act(target.name, target.kind, frac))
             plan.append((target, first, frac is not None))
@@ -383,7 +231,7 @@ class ActHooks:
                 len(found) - max_modules,
             )
             found = found[:max_modules]
-        if not found and _stacked_linear_maps(model):
+        if not found and stacked_linear_maps(model):
             # Two linear maps or more have nonlinearities between them; none is a module,
             # so they are functional (llama2.c's SwiGLU calls F.silu). Silence would read
             # as "no dead units": say the checks are off, and how to turn them on.
@@ -438,7 +286,7 @@ class ActHooks:
         sync); the shipper thread works the statistics out (``ActCopy.values``)."""
         return ActCopy(self._host_layout, host_copy(self._buf))
 
-    def _hook(self, target: _Target, cells: Cells | Row) -> Callable[..., None]:
+    def _hook(self, target: Target, cells: Cells | Row) -> Callable[..., None]:
         kind, on_input = target.kind, target.on_input
         dim = getattr(target.module, "dim", None) if kind == "softmax" and not on_input else -1
         pre = kind if target.pre else None

@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradwatch.agent.activations import ActHooks, is_compiled
+from gradwatch.agent.activations import ActHooks
+from gradwatch.agent.acttargets import is_compiled
 from gradwatch.agent.closures import read_after_first_call
 from gradwatch.agent.failsafe import describe
 from gradwatch.agent.fence import WriteFence

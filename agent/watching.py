@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from gradwatch.agent.activations import check_activation_modules
+from gradwatch.agent.acttargets import check_activation_modules
 from gradwatch.agent.commands import command_settings
 from gradwatch.agent.config import DEFAULT_ENDPOINT, AgentConfig, resolve_rank_world
 from gradwatch.agent.monitor import Monitor

@@ -39,7 +39,8 @@ from tiny_gpt import Block, TinyGPT  # benchmarks/ is on sys.path when run as a 
 from torch import nn
 
 from gradwatch.agent import activations
-from gradwatch.agent.activations import ActHooks, find_targets, measure, measure_rows
+from gradwatch.agent.activations import ActHooks, measure, measure_rows
+from gradwatch.agent.acttargets import find_targets
 
 
 class SoftmaxAttention(nn.Module):

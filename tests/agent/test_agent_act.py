@@ -13,7 +13,7 @@ import zmq
 from torch import nn
 
 import gradwatch
-from gradwatch.agent import activations
+from gradwatch.agent import activations, acttargets
 from gradwatch.collector.ingest import Ingest
 from gradwatch.rules.step import Stats
 from gradwatch.wire import Batch, Heartbeat, decode, encode
@@ -182,7 +182,7 @@ def test_an_output_sigmoid_tanh_or_softmax_is_not_measured(
 ) -> None:
     # A healthy nn.Sigmoid + BCELoss classifier paged ActivationsSaturated at step 63:
     # a confident output is no saturated hidden unit.
-    assert [t.name for t in activations.find_targets(nn.Sequential(*layers))] == measured
+    assert [t.name for t in acttargets.find_targets(nn.Sequential(*layers))] == measured
 
 
 def test_module_cap_and_opt_out(pull) -> None:

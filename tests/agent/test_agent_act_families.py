@@ -12,8 +12,10 @@ import zmq
 from torch import nn
 
 import gradwatch
-from gradwatch.agent.activations import ActHooks, _kind
+from gradwatch.agent import acttargets
+from gradwatch.agent.activations import ActHooks
 from gradwatch.agent.actstats import GELU_DEAD_INPUT, SILU_DEAD_INPUT
+from gradwatch.agent.acttargets import kind_of
 from gradwatch.collector.ingest import Ingest
 from gradwatch.rules.step import Stats
 from gradwatch.wire import Batch, Heartbeat, decode, encode
@@ -101,10 +103,10 @@ def test_swiglu_gate_reports_dead_silu_units() -> None:
 
 
 def test_library_activation_classes_are_known_by_name() -> None:
-    assert _kind(NewGELUActivation()) == "gelu"
-    assert _kind(nn.GELU(approximate="tanh")) == "gelu"
-    assert _kind(type("SiLUActivation", (nn.Module,), {})()) == "silu"
-    assert _kind(SwiGLU()) is None  # a gated block's output is a product, not an activation
+    assert kind_of(NewGELUActivation()) == "gelu"
+    assert kind_of(nn.GELU(approximate="tanh")) == "gelu"
+    assert kind_of(type("SiLUActivation", (nn.Module,), {})()) == "silu"
+    assert kind_of(SwiGLU()) is None  # a gated block's output is a product, not an activation
     model = nn.Sequential(nn.Linear(4, 64), NewGELUActivation())
     with torch.no_grad():
         model[0].bias.fill_(-10.0)
@@ -133,6 +135,52 @@ def test_functional_activation_is_measured_at_the_next_modules_input(act: str) -
     stats = measured(model, torch.randn(128, 8), inputs={"*.fc2": act})
     assert set(stats) == {f"0.fc2:input/{act}"}
     assert stats[f"0.fc2:input/{act}"][2] == pytest.approx(0.75, abs=0.02)
+
+
+def _builtin_layers(activation: object) -> nn.Module:
+    """torch's own encoder and decoder layers, as nn.Transformer builds them."""
+    enc = nn.TransformerEncoderLayer(16, 2, 64, dropout=0.0, activation=activation)
+    dec = nn.TransformerDecoderLayer(16, 2, 64, dropout=0.0, activation=activation)
+    return nn.ModuleDict({"enc": enc, "dec": dec})
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", F.gelu])
+def test_torchs_transformer_layers_are_measured_without_being_named(activation: object) -> None:
+    # Their ReLU/GELU is a function (no module to hook) and linear2 takes it only after
+    # dropout: linear1's output goes through the activation (pre:), as for a SwiGLU gate.
+    torch.manual_seed(0)
+    kind = "relu" if activation == "relu" else "gelu"
+    layers = _builtin_layers(activation)
+    names = [(t.name, t.kind, t.pre) for t in acttargets.find_targets(layers)]
+    assert names == [("enc.linear1:pre", kind, True), ("dec.linear1:pre", kind, True)]
+    enc = layers["enc"]
+    x = torch.randn(12, 4, 16)  # (sequence, batch, features)
+    seen: list[torch.Tensor] = []
+    enc.linear1.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    cut = 0.0 if kind == "relu" else GELU_DEAD_INPUT  # ReLU: exact zeros; GELU: its tail
+
+    def share_and_truth() -> tuple[float, float]:
+        share = measured(enc, x)[f"linear1:pre/{kind}"][2]
+        return share, (seen[-1] <= cut).float().mean().item()
+
+    share, truth = share_and_truth()
+    assert share == pytest.approx(truth, abs=0.02) and truth < 0.6
+    with torch.no_grad():
+        enc.linear1.bias[:48].fill_(-30.0)  # 3/4 of the feed-forward units dead
+    share, truth = share_and_truth()
+    assert share == pytest.approx(truth, abs=0.02) and truth >= 0.75
+
+
+def test_a_module_activation_or_a_name_given_takes_the_place_of_the_built_in_one() -> None:
+    gelu = nn.TransformerEncoderLayer(16, 2, 64, activation=nn.GELU())  # a child module
+    assert [t.name for t in acttargets.find_targets(nn.Sequential(gelu))] == ["0.activation"]
+    named = acttargets.find_targets(_builtin_layers("relu"), {"enc.linear1": "pre:gelu"})
+    assert [(t.name, t.kind) for t in named] == [
+        ("enc.linear1:pre", "gelu"),  # what the user said, once
+        ("dec.linear1:pre", "relu"),
+    ]
+    odd = nn.TransformerEncoderLayer(16, 2, 64, activation=lambda y: y * torch.sigmoid(y))
+    assert acttargets.find_targets(nn.Sequential(odd)) == []  # an unknown function: unnamed
 
 
 class GatedMLP(nn.Module):
