@@ -48,7 +48,9 @@ Linear that follows it; those statistics are reported as ``<module>:input``.
 Where no layer takes the activation's output (a SwiGLU gate,
 ``w2(F.silu(w1(x)) * w3(x))``), ``{"*.w1": "pre:silu"}`` names the layer whose
 *output* the activation takes: its sample goes through the activation first
-(``<module>:pre``).
+(``<module>:pre``). torch's own ``nn.TransformerEncoderLayer``/``DecoderLayer`` call
+theirs as a function too; they are measured without a name, at ``linear1:pre``
+(agent/acttargets.py finds what to hook).
 
 An output of more than ``SAMPLE`` elements is measured on an evenly strided
 sample of about ``SAMPLE`` elements (a softmax: whole rows, about ``ROW_SAMPLE``
