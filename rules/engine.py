@@ -324,11 +324,12 @@ class Engine:
 
     def firing(self) -> list[Alert]:
         """Alerts firing now, across jobs and ranks."""
-        return [
+        alerts = [
             slot.lifecycle.alert
             for slot in self._slots()
             if slot.lifecycle.state == "firing" and slot.lifecycle.alert is not None
         ]
+        return alerts + [a for slot in self._slots() if (a := slot.lifecycle.overtaken)]
 
     def forget(self, job: str) -> list[Transition]:
         """Drop a finished job's state; its still-firing alerts come back resolved.
@@ -344,12 +345,7 @@ class Engine:
         state = self._jobs.pop(job, None)
         if state is not None and state.liveness:
             slots += state.liveness
-        transitions = []
-        for slot in slots:
-            transition = slot.lifecycle.close()
-            if transition is not None:
-                transitions.append(transition)
-        return transitions
+        return [t for slot in slots for t in slot.lifecycle.close()]
 
     def jobs(self) -> list[str]:
         """Jobs the engine holds state for."""
@@ -449,11 +445,11 @@ class Engine:
         let_go = {id(slot) for slot in state.supervised}
         state.steps = [slot for slot in state.steps if id(slot) not in let_go]
         # Ended now: no later observation comes to outlast a rule's keep_firing_for.
-        return [t for slot in state.supervised if (t := slot.lifecycle.close()) is not None]
+        return [t for slot in state.supervised for t in slot.lifecycle.close()]
 
     @staticmethod
     def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
-        return [] if (transition := slot.lifecycle.update(step, finding)) is None else [transition]
+        return slot.lifecycle.advance(step, finding)
 
 
 def _tell(state: _RankState, method: str, *args: Any) -> None:

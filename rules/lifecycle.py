@@ -102,6 +102,11 @@ class AlertLifecycle:
         # The step of an incident opened by open_early() until a judged observation of
         # that step or later arrives; None otherwise.
         self._early: int | None = None
+        # An incident the judged observations found at a step before the early-paged one:
+        # another rank's report of an earlier bad step still in flight when the early page
+        # went out. Its own alert (id, step, rank, evidence); it ends at the next judged
+        # quiet step, or runs into the early incident's step and ends there.
+        self._overtaken: Alert | None = None
 
     @property
     def state(self) -> LifecycleState:
@@ -114,18 +119,33 @@ class AlertLifecycle:
         return self._alert
 
     @property
+    def overtaken(self) -> Alert | None:
+        """An incident found at a step before an early-paged one's, while it fires."""
+        return self._overtaken
+
+    @property
     def fires_at_once(self) -> bool:
         """Whether one observation fires this rule (no ``for`` to wait out)."""
         return self.rule.for_seconds in (None, 0) and self.rule.for_steps <= 1
 
     def update(self, step: int, finding: Finding) -> Transition | None:
-        """Advance on one observation of the rule's signal; return the transition to announce."""
+        """Advance on one observation of the rule's signal; return the transition to announce.
+
+        The last of :meth:`advance`'s: the engine calls that, which after an early page
+        can also announce an incident the early page overtook.
+        """
+        transitions = self.advance(step, finding)
+        return transitions[-1] if transitions else None
+
+    def advance(self, step: int, finding: Finding) -> list[Transition]:
+        """Advance on one observation of the rule's signal; return the transitions to announce."""
         now = self._clock()
         if self._early is not None:
             return self._judged_after_early(step, finding, now)
-        if finding.active:
-            return self._on_active(step, finding, now)
-        return self._on_inactive(now)
+        transition = (
+            self._on_active(step, finding, now) if finding.active else self._on_inactive(now)
+        )
+        return [] if transition is None else [transition]
 
     def open_early(self, step: int, finding: Finding) -> Transition | None:
         """Fire now on one report's verdict, before the judged one (the collector's early page).
@@ -147,20 +167,47 @@ class AlertLifecycle:
         self._alert = self._build(finding)
         return Transition(self._alert, previous, "firing")
 
-    def _judged_after_early(self, step: int, finding: Finding, now: float) -> Transition | None:
-        """``update`` while an early-paged incident waits for its judged verdict."""
+    def _judged_after_early(self, step: int, finding: Finding, now: float) -> list[Transition]:
+        """``advance`` while an early-paged incident waits for its judged verdict."""
         alert = self._alert
         assert self._early is not None and alert is not None
+        if step < self._early:
+            # A step before the paged one, still in flight when the page went out: a quiet
+            # one decides nothing for the paged incident, a bad one is an earlier incident.
+            return self._judged_before_early(step, finding, now)
+        out: list[Transition] = []
+        if self._overtaken is not None:
+            # The earlier incident ran on into the paged step: one condition, paged with
+            # both onsets. The earlier ends here; the paged one carries on.
+            continued = {**self._overtaken.evidence, "continued_as": alert.id}
+            ended = replace(self._overtaken, evidence=MappingProxyType(continued))
+            out.append(self._end_overtaken(ended, now))
         if finding.active:
             # The judged evidence (assembled across ranks) replaces the one report's.
             # The rank and step stay: they are the incident's identity (alert id,
             # Alertmanager labels); first_bad_rank says where assembly found it first.
             evidence = {**finding.evidence, "paged_early_from_rank": alert.rank}
             self._alert = replace(alert, evidence=MappingProxyType(evidence))
-        if step < self._early:
-            return None  # a step before the paged one, overtaken: it decides nothing
         self._early = None
-        return None if finding.active else self._on_inactive(now)
+        transition = None if finding.active else self._on_inactive(now)
+        return out if transition is None else [*out, transition]
+
+    def _judged_before_early(self, step: int, finding: Finding, now: float) -> list[Transition]:
+        """A judged observation of a step before the early-paged one: an active one opens an
+        incident of its own there (once), the next quiet one ends it. Its evidence is its
+        own; the paged incident's stays the paged step's."""
+        if finding.active:
+            if self._overtaken is not None:
+                return []  # deduplicated, as any incident
+            self._overtaken = self._build(finding, step, now)
+            return [Transition(self._overtaken, "inactive", "firing")]
+        if self._overtaken is None:
+            return []
+        return [self._end_overtaken(self._overtaken, now)]
+
+    def _end_overtaken(self, alert: Alert, now: float) -> Transition:
+        self._overtaken = None
+        return Transition(replace(alert, state="resolved", resolved_at=now), "firing", "resolved")
 
     def _on_active(self, step: int, finding: Finding, now: float) -> Transition | None:
         self._quiet = 0
@@ -188,15 +235,17 @@ class AlertLifecycle:
             return None
         return self._resolve(self._alert, now)
 
-    def close(self) -> Transition | None:
-        """End the current incident now (the job finished, or the rule stopped judging the
-        rank: a loss not supervised): resolve it if it is firing."""
+    def close(self) -> list[Transition]:
+        """End the current incidents now (the job finished, or the rule stopped judging the
+        rank: a loss not supervised): resolve what is firing, an overtaken one too."""
+        now = self._clock()
+        out = [] if self._overtaken is None else [self._end_overtaken(self._overtaken, now)]
         self._early = None
         if self._state == "pending":
             self._state = "inactive"
         if self._state != "firing" or self._alert is None:
-            return None
-        return self._resolve(self._alert, self._clock())
+            return out
+        return [*out, self._resolve(self._alert, now)]
 
     def _resolve(self, alert: Alert, now: float) -> Transition:
         self._state = "resolved"
@@ -208,7 +257,10 @@ class AlertLifecycle:
             return now - self._started_at >= self.rule.for_seconds
         return self._held >= self.rule.for_steps
 
-    def _build(self, finding: Finding) -> Alert:
+    def _build(
+        self, finding: Finding, step: int | None = None, started_at: float | None = None
+    ) -> Alert:
+        """The alert of an incident starting at ``step`` (default: the current one's)."""
         rule = self.rule
         alert = Alert(
             rule=rule.name,
@@ -216,9 +268,9 @@ class AlertLifecycle:
             severity=rule.severity,
             job=self.job,
             state="firing",
-            step=self._start_step,
+            step=self._start_step if step is None else step,
             summary=finding.summary or rule.annotations.get("summary", rule.name),
-            started_at=self._started_at,
+            started_at=self._started_at if started_at is None else started_at,
             evidence=MappingProxyType(dict(finding.evidence)),
             diagnosis=rule.diagnosis,
             rank=finding.rank if finding.rank is not None else self.rank,

@@ -171,3 +171,61 @@ def test_a_rank_judged_alone_is_paged_on_its_own_slot_with_the_same_id() -> None
     (resolved,) = engine.observe(alone(8, 1.0))
     assert (resolved.current, resolved.alert.id) == ("resolved", early.alert.id)
     assert early.alert.rank == 0 and early.alert.step == 7
+
+
+def test_an_earlier_nan_the_early_page_overtook_is_its_own_incident() -> None:
+    # Rank 1's batch (a NaN at step 6) arrives before rank 0's (a NaN at step 4, clean
+    # around it): the early page opened at 6 must not swallow the incident at 4, nor take
+    # its evidence (collector_load.py lost one probe alert in three this way).
+    job = Job()
+    for step in (1, 2):
+        job.add(report(step, 0))
+        job.add(report(step, 1))
+    (early,) = job.engine.observe_early(report(6, 1, loss=NAN, norm=NAN), whole=True)
+    for step in range(3, 8):
+        job.add(report(step, 0, loss=NAN if step == 4 else 1.0))
+        job.add(report(step, 1, loss=NAN if step == 6 else 1.0, norm=NAN if step == 6 else 1.0))
+        if step == 4:  # both fire now: what the collector's API lists
+            firing = [a.step for a in job.engine.firing() if a.category == "numerical"]
+            assert sorted(firing) == [4, 6]
+    assert [(state, rank, step) for _, state, rank, step in job.numerical()] == [
+        ("firing", 0, 4),  # judged in turn: the NaN the early page overtook
+        ("resolved", 0, 4),  # step 5 is clean
+        ("resolved", 1, 6),  # the early page's incident, ended by step 7
+    ]
+    earlier = job.transitions[0].alert
+    assert earlier.id != early.alert.id and earlier.evidence["first_bad_rank"] == 0
+    resolved_early = job.transitions[-1].alert
+    assert resolved_early.id == early.alert.id and resolved_early.evidence["first_bad_rank"] == 1
+
+
+def test_an_earlier_nan_running_into_the_early_pages_step_ends_with_it() -> None:
+    # NaN from step 4 to step 6 on rank 0 (the early page came from rank 1's step 6): the
+    # earlier incident is the same condition, paged with its true onset, and ends with it.
+    job = Job()
+    job.add(report(1, 0))
+    job.add(report(1, 1))
+    (early,) = job.engine.observe_early(report(6, 1, loss=NAN), whole=True)
+    for step in range(2, 8):
+        bad = 4 <= step <= 6
+        job.add(report(step, 0, loss=NAN if bad else 1.0))
+        job.add(report(step, 1, loss=NAN if step == 6 else 1.0))
+    assert [(state, rank, step) for _, state, rank, step in job.numerical()] == [
+        ("firing", 0, 4),
+        ("resolved", 0, 4),
+        ("resolved", 1, 6),
+    ]
+    assert job.transitions[1].alert.evidence["continued_as"] == early.alert.id
+
+
+def test_a_job_forgotten_while_an_overtaken_nan_fires_resolves_both() -> None:
+    job = Job()
+    job.add(report(1, 0))
+    job.add(report(1, 1))
+    (early,) = job.engine.observe_early(report(4, 1, loss=NAN), whole=True)
+    job.add(report(2, 0, loss=NAN))
+    job.add(report(2, 1))
+    (earlier,) = job.transitions
+    ended = job.engine.forget("j")
+    numerical = [(t.alert.id, t.current) for t in ended if t.alert.category == "numerical"]
+    assert numerical == [(earlier.alert.id, "resolved"), (early.alert.id, "resolved")]

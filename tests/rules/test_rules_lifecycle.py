@@ -101,12 +101,12 @@ def test_keep_firing_for_rides_out_short_gaps() -> None:
 def test_close_resolves_a_firing_alert_and_drops_a_pending_one() -> None:
     m = machine()
     m.update(1, ON)
-    closed = m.close()
-    assert closed is not None and closed.alert.state == "resolved"
-    assert m.close() is None
+    (closed,) = m.close()
+    assert closed.alert.state == "resolved"
+    assert m.close() == []
     p = machine(for_steps=5)
     p.update(1, ON)
-    assert p.close() is None and p.state == "inactive"
+    assert p.close() == [] and p.state == "inactive"
 
 
 def test_summary_falls_back_to_the_rules_annotation() -> None:
