@@ -1,8 +1,10 @@
-"""The transforms pytorch/examples' scripts compose, on uint8 tensors (C, H, W) or (H, W)."""
+"""The transforms pytorch/examples' scripts compose, on uint8 tensors (C, H, W) or (H, W),
+or PIL images (super_resolution's), taken as such tensors."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -17,7 +19,16 @@ class Compose:
         return x
 
 
-def _chw(x: torch.Tensor) -> torch.Tensor:
+def _tensor(x: Any) -> torch.Tensor:
+    """A PIL image (super_resolution's inputs) as uint8 (H, W) or (H, W, C) -> (C, H, W)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    array = torch.from_numpy(np.asarray(x).copy())
+    return array.permute(2, 0, 1) if array.dim() == 3 else array
+
+
+def _chw(x: Any) -> torch.Tensor:
+    x = _tensor(x)
     return x.unsqueeze(0) if x.dim() == 2 else x
 
 
@@ -61,7 +72,8 @@ class CenterCrop:
     def __init__(self, size: int) -> None:
         self.size = size
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: Any) -> torch.Tensor:
+        x = _tensor(x)
         h, w = x.shape[-2:]
         top, left = (h - self.size) // 2, (w - self.size) // 2
         return x[..., top : top + self.size, left : left + self.size]
