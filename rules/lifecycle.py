@@ -107,6 +107,7 @@ class AlertLifecycle:
         # went out. Its own alert (id, step, rank, evidence); it ends at the next judged
         # quiet step, or runs into the early incident's step and ends there.
         self._overtaken: Alert | None = None
+        self._overtaken_quiet = 0  # its quiet observations in a row (keep_firing_for)
 
     @property
     def state(self) -> LifecycleState:
@@ -194,14 +195,19 @@ class AlertLifecycle:
 
     def _judged_before_early(self, step: int, finding: Finding, now: float) -> list[Transition]:
         """A judged observation of a step before the early-paged one: an active one opens an
-        incident of its own there (once), the next quiet one ends it. Its evidence is its
-        own; the paged incident's stays the paged step's."""
+        incident of its own there (once), quiet ones end it as they would any incident
+        (after ``keep_firing_for``). Its evidence is its own; the paged incident's stays
+        the paged step's."""
         if finding.active:
+            self._overtaken_quiet = 0
             if self._overtaken is not None:
                 return []  # deduplicated, as any incident
             self._overtaken = self._build(finding, step, now)
             return [Transition(self._overtaken, "inactive", "firing")]
         if self._overtaken is None:
+            return []
+        self._overtaken_quiet += 1
+        if self._overtaken_quiet <= self.rule.keep_firing_for:
             return []
         return [self._end_overtaken(self._overtaken, now)]
 

@@ -98,6 +98,20 @@ def test_keep_firing_for_rides_out_short_gaps() -> None:
     assert resolved is not None and resolved.current == "resolved"
 
 
+def test_an_incident_an_early_page_overtook_fires_and_ends_on_its_own() -> None:
+    m = machine(keep_firing_for=1)
+    (paged,) = [t for t in [m.open_early(8, ON)] if t is not None]
+    (earlier,) = m.advance(4, ON)  # judged later, but a step before the paged one
+    assert (earlier.current, earlier.alert.step) == ("firing", 4)
+    assert earlier.alert.id != paged.alert.id
+    assert m.advance(5, ON) == [] and m.advance(6, OFF) == []  # keep_firing_for: 1
+    (ended,) = m.advance(7, OFF)
+    assert (ended.alert.id, ended.current) == (earlier.alert.id, "resolved")
+    assert m.advance(8, ON) == [] and m.state == "firing"  # the paged one goes on
+    (resolved,) = m.advance(9, OFF) + m.advance(10, OFF)
+    assert resolved.alert.id == paged.alert.id
+
+
 def test_close_resolves_a_firing_alert_and_drops_a_pending_one() -> None:
     m = machine()
     m.update(1, ON)
