@@ -30,15 +30,13 @@ Variants: ``healthy``, and ``lr_x10`` (``--lr 1.0``).
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import sys
 from pathlib import Path
 
-from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_recorded
+from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_patched
 
 ITERS = 3  # epochs of 50 steps
-STANDINS = Path(__file__).resolve().parent / "standins"
 MAIN = "main.py"
 ACCEPT: dict[str, tuple[str, ...] | None] = {"healthy": (), "lr_x10": LR_TOO_HIGH}
 HELPFUL: dict[str, tuple[str, ...]] = {"lr_x10": ("learning rate", "lr ")}
@@ -72,27 +70,34 @@ def patch(text: str, job: str, endpoint: str, epochs: int) -> str:
     return t + "mon.close()\n"
 
 
-def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
-    """Train one variant under a fresh recording collector; return its trace."""
-    vdir = work / variant
-    shutil.copytree(root, vdir, ignore=shutil.ignore_patterns(".git", "checkpoint", "data"))
+def _stty(vdir: Path) -> None:
+    """utils.py runs `stty size`, which prints nothing without a terminal: answer "24 80"."""
     bin_dir = vdir / "bin"
     bin_dir.mkdir()
-    stty = bin_dir / "stty"  # utils.py: `stty size` without a terminal prints nothing
+    stty = bin_dir / "stty"
     stty.write_text("#!/bin/sh\necho 24 80\n")
     stty.chmod(stty.stat().st_mode | stat.S_IXUSR)
+
+
+def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
+    """Train one variant under a fresh recording collector; return its trace."""
     job = f"cifar-{variant}"
-
-    def write(endpoint: str) -> list[str]:
-        text = (root / MAIN).read_text(encoding="utf8")
-        (vdir / MAIN).write_text(patch(text, job, endpoint, iters))
-        args = [MAIN]
-        if variant in LEARNING_RATES:
-            args += ["--lr", LEARNING_RATES[variant]]
-        return args
-
-    env = {"PYTHONPATH": str(STANDINS), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    return run_recorded(work, traces, job, vdir, write, env, threads=2)
+    args = ["--lr", LEARNING_RATES[variant]] if variant in LEARNING_RATES else []
+    path = f"{work / variant / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    return run_patched(
+        root,
+        work,
+        traces,
+        job,
+        variant,
+        lambda text, at: patch(text, job, at, iters),
+        args,
+        main=MAIN,
+        skip=("checkpoint", "data"),
+        prepare=_stty,
+        env={"PATH": path},
+        threads=2,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

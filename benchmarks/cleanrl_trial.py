@@ -55,11 +55,10 @@ import os
 import sys
 from pathlib import Path
 
-from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_recorded
+from trials import LR_TOO_HIGH, STANDINS, checkout_trial, insert_after, replace_once, run_recorded
 
 ITERS = 976  # the script's own: 500,000 timesteps / (4 envs x 128 steps)
 ROLLOUT = 4 * 128
-STANDINS = Path(__file__).resolve().parent / "standins"
 ACCEPT: dict[str, tuple[str, ...] | None] = {
     "healthy": (),
     "undeclared": (),

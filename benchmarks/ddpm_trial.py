@@ -47,11 +47,10 @@ import re
 import sys
 from pathlib import Path
 
-from trials import checkout_trial, insert_after, replace_once, run_recorded
+from trials import STANDINS, checkout_trial, insert_after, replace_once, run_recorded
 
 ITERS = 400
 WIDTH_DIVISOR = 8
-STANDINS = Path(__file__).resolve().parent / "standins"
 # lr x100 ends below the healthy loss after a plateau of random length: not scored.
 ACCEPT: dict[str, tuple[str, ...] | None] = {"healthy": (), "lr_x100": None}
 HELPFUL: dict[str, tuple[str, ...]] = {}

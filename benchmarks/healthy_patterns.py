@@ -28,9 +28,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from trials import report, run_recorded, trial_args
+from trials import STANDINS, report, run_recorded, trial_args
 
-STANDINS = Path(__file__).resolve().parent / "standins"
 STEPS = 600
 # A recipe: the model, its optimizer, a scheduler or None, and one step's forward and
 # backward (it may backward several micro-batches, clip, ...) returning the loss to log.

@@ -24,9 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trials import insert_after, report, run_recorded, trial_args
+from trials import STANDINS, insert_after, report, run_recorded, trial_args
 
-STANDINS = Path(__file__).resolve().parent / "standins"
 VARIANTS: dict[str, tuple[str, ...]] = {"naive": (), "ranked": ()}
 TWINS = "is reported by two live agents"
 

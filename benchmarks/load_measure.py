@@ -13,7 +13,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gradwatch import demo
 from gradwatch.collector.exposition import JOB_LABEL
 from gradwatch.collector.receiver import WebhookReceiver
 
@@ -87,50 +87,19 @@ class TimedReceiver(WebhookReceiver):
 def start_collector(
     tmp: Path, webhook_url: str, deadline: float = ASSEMBLY_DEADLINE_S
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any], Path]:
-    ready = tmp / "ready.json"
+    """The demo's collector (gradwatch/demo.py) with this run's webhook and assembly
+    deadline; its log in ``tmp``."""
     log = tmp / "collector.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "gradwatch",
-        "collector",
-        "--listen",
-        "tcp://127.0.0.1:*",
-        "--metrics-addr",
-        "127.0.0.1:0",
-        "--webhook",
-        webhook_url,
-        "--ready-file",
-        str(ready),
-        "--log-level",
-        "warning",
-    ]
-    with open(log, "wb") as out:
-        env = {**os.environ, "GRADWATCH_ASSEMBLY_DEADLINE_SECONDS": str(deadline)}
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    while not ready.exists():
-        if proc.poll() is not None:
-            raise RuntimeError(
-                f"collector exited with {proc.returncode}: {log.read_text()[-2000:]}"
-            )
-        if time.monotonic() > deadline:
-            raise RuntimeError("collector not ready in time")
-        time.sleep(0.05)
-    info = json.loads(ready.read_text())
-    assert info["listen"].startswith("tcp://127.0.0.1:"), info
+    settings = {"GRADWATCH_ASSEMBLY_DEADLINE_SECONDS": str(deadline)}
+    proc, info = demo.start_collector(
+        tmp, ["--webhook", webhook_url], log, READY_TIMEOUT_S, env=settings
+    )
     return proc, info, log
 
 
 def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=5)
+    if proc is not None and proc.poll() is None:
+        demo.stop_collector(proc)
 
 
 def cpu_seconds(pid: int) -> float:

@@ -73,9 +73,16 @@ import tempfile
 from pathlib import Path
 
 from standins.cora import write_cora
-from trials import LR_TOO_HIGH, insert_after, replace_once, report, run_recorded, trial_args
+from trials import (
+    LR_TOO_HIGH,
+    STANDINS,
+    insert_after,
+    replace_once,
+    report,
+    run_recorded,
+    trial_args,
+)
 
-STANDINS = Path(__file__).resolve().parent / "standins"
 ITERS = 600  # GAN batches; policy-gradient episodes
 SCRIPTS = (
     "mnist",

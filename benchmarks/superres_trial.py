@@ -37,15 +37,13 @@ optimizer exists, ``log(loss=loss)`` after ``optimizer.step()``, ``close()`` at 
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
 from standins.bsds import write_bsds
-from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_recorded
+from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_patched
 
 ITERS = 20  # epochs of 4 steps
-STANDINS = Path(__file__).resolve().parent / "standins"
 MAIN = "main.py"
 ACCEPT: dict[str, tuple[str, ...] | None] = {
     "default": LR_TOO_HIGH,
@@ -72,20 +70,22 @@ def patch(text: str, job: str, endpoint: str) -> str:
 
 def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
     """Train one variant under a fresh recording collector; return its trace."""
-    vdir = work / variant
-    shutil.copytree(root, vdir, ignore=shutil.ignore_patterns(".git", "dataset"))
-    write_bsds(vdir)
     job = f"superres-{variant}"
-
-    def write(endpoint: str) -> list[str]:
-        text = (root / MAIN).read_text(encoding="utf8")
-        (vdir / MAIN).write_text(patch(text, job, endpoint))
-        args = [MAIN, "--upscale_factor", "3", "--nEpochs", str(iters), "--threads", "1"]
-        if variant in LEARNING_RATES:
-            args += ["--lr", LEARNING_RATES[variant]]
-        return args
-
-    return run_recorded(work, traces, job, vdir, write, {"PYTHONPATH": str(STANDINS)})
+    args = ["--upscale_factor", "3", "--nEpochs", str(iters), "--threads", "1"]
+    if variant in LEARNING_RATES:
+        args += ["--lr", LEARNING_RATES[variant]]
+    return run_patched(
+        root,
+        work,
+        traces,
+        job,
+        variant,
+        lambda text, at: patch(text, job, at),
+        args,
+        main=MAIN,
+        skip=("dataset",),
+        prepare=write_bsds,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

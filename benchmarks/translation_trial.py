@@ -29,14 +29,12 @@ validation, ``close()`` at the end. Variants: ``healthy``, and ``lr_x100`` (``--
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
-from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_recorded
+from trials import LR_TOO_HIGH, checkout_trial, insert_after, replace_once, run_patched
 
 ITERS = 6  # epochs of 125 steps
-STANDINS = Path(__file__).resolve().parent / "standins"
 MAIN = "main.py"
 ACCEPT: dict[str, tuple[str, ...] | None] = {"healthy": (), "lr_x100": LR_TOO_HIGH}
 HELPFUL: dict[str, tuple[str, ...]] = {"lr_x100": ("learning rate", "lr ")}
@@ -68,19 +66,13 @@ def patch(text: str, job: str, endpoint: str) -> str:
 
 def run_variant(root: Path, work: Path, traces: Path, variant: str, iters: int) -> Path:
     """Train one variant under a fresh recording collector; return its trace."""
-    vdir = work / variant
-    shutil.copytree(root, vdir, ignore=shutil.ignore_patterns(".git"))
     job = f"mt-{variant}"
-
-    def write(endpoint: str) -> list[str]:
-        text = (root / MAIN).read_text(encoding="utf8")
-        (vdir / MAIN).write_text(patch(text, job, endpoint))
-        args = [MAIN, "--epochs", str(iters), "--logging_dir", "./out/", *SMALLER]
-        if variant in LEARNING_RATES:
-            args += ["--lr", LEARNING_RATES[variant]]
-        return args
-
-    return run_recorded(work, traces, job, vdir, write, {"PYTHONPATH": str(STANDINS)})
+    args = ["--epochs", str(iters), "--logging_dir", "./out/", *SMALLER]
+    if variant in LEARNING_RATES:
+        args += ["--lr", LEARNING_RATES[variant]]
+    return run_patched(
+        root, work, traces, job, variant, lambda text, at: patch(text, job, at), args, main=MAIN
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

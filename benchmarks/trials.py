@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,8 @@ LR_TOO_HIGH = (
 
 
 PAGING = ("warning", "critical")
+# What the trials' scripts import but this machine lacks (benchmarks/standins/README.md).
+STANDINS = Path(__file__).resolve().parent / "standins"
 DATASET_BYTES = 1_000_000
 
 
@@ -126,6 +129,41 @@ def run_recorded(
         raise SystemExit(f"no trace at {trace}; see {work / 'collector.log'}")
     (traces / f"{job}.train.log").write_bytes((vdir / "train.log").read_bytes())
     return trace
+
+
+def run_patched(
+    root: Path,
+    work: Path,
+    traces: Path,
+    job: str,
+    variant: str,
+    patch: Callable[[str, str], str],
+    args: list[str],
+    *,
+    main: str = "main.py",
+    skip: tuple[str, ...] = (),
+    prepare: Callable[[Path], None] | None = None,
+    env: dict[str, str] | None = None,
+    threads: int = 1,
+) -> Path:
+    """Train one variant of a checkout's script as :func:`run_recorded` does; return its trace.
+
+    ``root`` is copied to ``work/variant`` (less ``.git`` and the names in ``skip``: data a
+    checkout may hold that the trial replaces), ``prepare(vdir)`` adds what the
+    script needs there (data, a stand-in command), and ``main`` is written as
+    ``patch(text, endpoint)`` and run with ``args``, the stand-ins first on its path.
+    """
+    vdir = work / variant
+    shutil.copytree(root, vdir, ignore=shutil.ignore_patterns(".git", *skip))
+    if prepare is not None:
+        prepare(vdir)
+
+    def write(endpoint: str) -> list[str]:
+        (vdir / main).write_text(patch((root / main).read_text(encoding="utf8"), endpoint))
+        return [main, *args]
+
+    full = {"PYTHONPATH": str(STANDINS), **(env or {})}
+    return run_recorded(work, traces, job, vdir, write, full, threads)
 
 
 # --------------------------------------------------------------------------- scoring

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -216,12 +217,17 @@ class Demo:
 
 
 def start_collector(
-    out: Path, args: Sequence[str], log: Path | None = None, timeout: float = READY_TIMEOUT_S
+    out: Path,
+    args: Sequence[str],
+    log: Path | None = None,
+    timeout: float = READY_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     """A ``gradwatch collector`` subprocess on loopback ports of its choosing, with ``args``
     added (``--webhook URL``, ``--record DIR``), once its ready file in ``out`` says where
-    it listens (``listen``, ``metrics_url``); its output goes to ``log`` when given.
-    Also used by benchmarks/trials.py."""
+    it listens (``listen``, ``metrics_url``); its output goes to ``log`` when given, and
+    ``env`` is added to its environment (``GRADWATCH_*`` settings). Also used by
+    benchmarks/trials.py and benchmarks/load_measure.py."""
     ready_file = out / "collector-ready.json"
     ready_file.unlink(missing_ok=True)
     cmd = [
@@ -240,11 +246,12 @@ def start_collector(
         "warning",
     ]
     see = f"; see {log}" if log is not None else ""
+    full = None if env is None else {**os.environ, **env}
     if log is None:
-        proc = subprocess.Popen(cmd)
+        proc = subprocess.Popen(cmd, env=full)
     else:
         with open(log, "ab") as sink:  # the child keeps its own copy of the descriptor
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=full)
     deadline = time.monotonic() + timeout
     # The collector writes the file whole, then renames it (collector/server.py).
     while not ready_file.exists():

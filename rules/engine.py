@@ -305,7 +305,7 @@ class Engine:
                         "stuck_step", finding.evidence.get("last_step", latest)
                     )
                     step = about if finding.active else latest
-                    transitions += self._update(slot, int(step), finding)
+                    transitions += slot.lifecycle.advance(int(step), finding)
         return transitions
 
     def feed(self, record: Record) -> list[Transition]:
@@ -435,7 +435,7 @@ class Engine:
             if finding is not None:
                 if blame and finding.active and finding.rank is None:
                     finding = _blamed(finding, blame)
-                transitions += self._update(slot, step, finding)
+                transitions += slot.lifecycle.advance(step, finding)
         return transitions
 
     def _let_go_of_loss(self, state: _RankState) -> list[Transition]:
@@ -446,10 +446,6 @@ class Engine:
         state.steps = [slot for slot in state.steps if id(slot) not in let_go]
         # Ended now: no later observation comes to outlast a rule's keep_firing_for.
         return [t for slot in state.supervised for t in slot.lifecycle.close()]
-
-    @staticmethod
-    def _update(slot: _Slot, step: int, finding: Finding) -> list[Transition]:
-        return slot.lifecycle.advance(step, finding)
 
 
 def _tell(state: _RankState, method: str, *args: Any) -> None:

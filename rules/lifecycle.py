@@ -157,8 +157,9 @@ class AlertLifecycle:
         so the same alert id), and it stays provisional until an observation
         of ``step`` or later arrives: observations of earlier steps (still in
         flight when the early report overtook them) neither resolve nor re-fire
-        it, and the first judged active one corrects its evidence without a
-        second notification.
+        it (an active one is an earlier incident of its own: ``advance``), and
+        the first judged active one of ``step`` or later corrects its evidence
+        without a second notification.
         """
         if not (finding.active and self.fires_at_once) or self._state == "firing":
             return None

@@ -13,7 +13,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from scenarios.runner import Ctx, Scenario
-from scenarios.training import N_CLS, N_IN, classify, mlp, seed_worked_example, teacher
+from scenarios.training import (
+    N_CLS,
+    N_IN,
+    classify,
+    classify_fp16,
+    mlp,
+    seed_worked_example,
+    teacher,
+)
 
 
 def _frozen_zero_grad_before_step(ctx: Ctx) -> None:
@@ -131,20 +139,7 @@ def _weight_runaway(ctx: Ctx, in_loss: bool) -> None:
 def _amp_overflow_storm(ctx: Ctx) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    t = teacher()
-    mon = ctx.watch(model, opt, scaler=scaler)
-    for step in range(1, 301):
-        x = torch.randn(64, N_IN)
-        if step >= 100:
-            x = x * 1e5  # an unnormalised feature shard: fp16 activations overflow
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), t(x))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        mon.log(loss=loss)
-        opt.zero_grad()
+    classify_fp16(ctx, model, opt, 300, scale_from=100)  # fp16 activations overflow
 
 
 def _hung_step(ctx: Ctx) -> None:

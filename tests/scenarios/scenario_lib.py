@@ -31,6 +31,7 @@ from scenarios.training import (
     N_CLS,
     N_IN,
     classify,
+    classify_fp16,
     least_squares,
     mlp,
     seed_worked_example,
@@ -144,18 +145,7 @@ def _step_decay(ctx: Ctx) -> None:
 def _amp_healthy(ctx: Ctx) -> None:
     model = mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    scaler = torch.amp.GradScaler("cpu")
-    t = teacher()
-    mon = ctx.watch(model, opt, scaler=scaler)
-    for _ in range(1, 301):
-        x = torch.randn(64, N_IN)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = F.cross_entropy(model(x), t(x))
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        mon.log(loss=loss)
-        opt.zero_grad()
+    classify_fp16(ctx, model, opt, 300)
 
 
 def _healthy_eval_bn(ctx: Ctx) -> None:

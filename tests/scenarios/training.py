@@ -98,6 +98,32 @@ def classify(
     return mon
 
 
+def classify_fp16(
+    ctx: Ctx,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: int,
+    *,
+    scale_from: int | None = None,
+) -> None:
+    """The classification loop under fp16 autocast with a ``GradScaler`` (on CPU); from step
+    ``scale_from`` the inputs are x1e5, an unnormalised shard whose activations overflow."""
+    scaler = torch.amp.GradScaler("cpu")
+    t = teacher()
+    mon = ctx.watch(model, opt, scaler=scaler)
+    for step in range(1, steps + 1):
+        x = torch.randn(64, N_IN)
+        if scale_from is not None and step >= scale_from:
+            x = x * 1e5
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), t(x))
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        mon.log(loss=loss)
+        opt.zero_grad()
+
+
 def least_squares(
     ctx: Ctx,
     steps: int,
